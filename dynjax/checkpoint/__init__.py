@@ -1,0 +1,5 @@
+"""Orbax checkpoints with every expert of every MoE layer addressable as its own item."""
+
+from dynjax.checkpoint.manager import Checkpointer, CheckpointError
+
+__all__ = ["CheckpointError", "Checkpointer"]

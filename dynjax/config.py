@@ -1,0 +1,291 @@
+"""Run configuration: one default per key, from a config file plus ``--config.a.b=v`` overrides.
+
+Every key lives in :func:`default_config`; config files under ``configs/`` start from it and change
+values. The ConfigDict is locked so a typo fails at once with the list of valid keys, and values are
+checked for consistency (heads dividing d_model, mesh against devices, ...) before any work starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import ml_collections
+
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A config key, value or combination of values that cannot run; the message says the fix."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key dynjax reads, with its one default. Config files override these."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 200
+    c.train.batch_size = 16
+    c.train.learning_rate = 3e-3
+    c.train.warmup_steps = 20
+    c.train.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    c.train.weight_decay = 0.1
+    c.train.grad_clip = 1.0
+    c.train.log_every = 10
+    c.train.eval_every = 100
+    c.train.eval_batches = 4
+    c.train.checkpoint_every = 100
+    c.train.keep_checkpoints = 3
+    c.train.dtype = "float32"  # compute dtype; parameters and optimizer state stay float32
+    c.train.microbatches = 1  # gradient accumulation steps inside one train step
+
+    c.data = ml_collections.ConfigDict()
+    c.data.path = ""  # empty: the embedded corpus (this Python's standard library sources)
+    c.data.seq_len = 128
+    c.data.val_fraction = 0.05
+    c.data.max_tokens = 4_000_000  # cap on tokens read from a text corpus
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 256
+    c.model.num_layers = 4
+    c.model.d_model = 128
+    c.model.num_heads = 4
+    c.model.mlp_dim = 512
+    c.model.positions = "rope"  # "rope" | "learned"
+
+    c.moe = ml_collections.ConfigDict()
+    c.moe.num_experts = 8
+    c.moe.top_k = 2
+    c.moe.every = 0  # an MoE block in every n-th layer (layers n-1, 2n-1, ...); 0 = dense model
+    c.moe.expert_mlp_dim = 0  # 0: same as model.mlp_dim
+    c.moe.aux_loss_weight = 0.01
+    c.moe.z_loss_weight = 0.0
+    c.moe.capacity = ml_collections.ConfigDict()
+    c.moe.capacity.factor = 1.25  # the static global factor, and the start of a dynamic run
+    c.moe.capacity.policy = "static"  # "static" | "dynamic" (per-expert, seed 001 §4.1)
+    c.moe.capacity.target_drop_rate = 0.01
+    c.moe.capacity.min_factor = 0.5
+    c.moe.capacity.max_factor = 2.0
+    c.moe.capacity.window = 20  # steps of observed loads per decision
+    c.moe.capacity.headroom = 1.1
+    c.moe.capacity.bucket = 0.25  # capacity factors are rounded up to multiples of this
+    c.moe.capacity.hysteresis = 0.2  # shrink only when it saves at least this fraction
+    c.moe.caching = ml_collections.ConfigDict()  # sample-assignment caching (seed 001 §4.2)
+    c.moe.caching.enabled = False
+    c.moe.caching.on_threshold = 0.96
+    c.moe.caching.off_threshold = 0.90
+    c.moe.caching.warmup_steps = 100
+    c.moe.caching.window = 10
+    c.moe.caching.max_entries = 65536  # samples whose assignments are kept on the host
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.stage = 1
+    c.mesh.data = 1
+    c.mesh.expert = 1
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.async_save = True
+
+    c.recompile = ml_collections.ConfigDict()
+    c.recompile.delta_launch = 2  # policies read the metrics of step t - delta (seed 001 app. B)
+    c.recompile.budget = ml_collections.ConfigDict()
+    c.recompile.budget.max_recompiles = 4  # at most this many recompiles ...
+    c.recompile.budget.window_steps = 100  # ... within any this many steps
+    c.recompile.cache_size = 8  # compiled executables kept in memory (LRU)
+    c.recompile.cache_dir = ""  # JAX persistent compilation cache; "" = ~/.cache/dynjax/jax
+    c.lock()
+    return c
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """Load ``get_config()`` from a config file and apply ``a.b=value`` overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config: no such config file {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(f"dynjax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path}: a config file must define get_config() -> ConfigDict")
+    cfg = module.get_config()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like --config.{key}=VALUE")
+        set_value(cfg, key, raw)
+    return cfg
+
+
+def valid_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """All dotted leaf keys of ``cfg``, sorted."""
+    keys = []
+    for name, value in cfg.items():
+        dotted = f"{prefix}{name}"
+        if isinstance(value, ml_collections.ConfigDict):
+            keys.extend(valid_keys(value, dotted + "."))
+        else:
+            keys.append(dotted)
+    return sorted(keys)
+
+
+def set_value(cfg: ml_collections.ConfigDict, dotted: str, raw: str) -> None:
+    """Set ``cfg.<dotted>`` from the command-line string ``raw``, checking key and type."""
+    keys = valid_keys(cfg)
+    if dotted not in keys:
+        close = difflib.get_close_matches(dotted, keys, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown config key {dotted!r}.{hint} Valid keys: {', '.join(keys)}")
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for p in parents:
+        node = node[p]
+    old = node[leaf]
+    node[leaf] = _parse_like(dotted, raw, old)
+
+
+def _parse_like(key: str, raw: str, old: object) -> object:
+    if isinstance(old, str):
+        return raw
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"config key {key!r} expects {type(old).__name__}, got {raw!r}") from None
+    if isinstance(old, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(old, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(old, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = type(value) is type(old)
+    if not ok:
+        raise ConfigError(f"config key {key!r} expects {type(old).__name__}, got {raw!r}")
+    return value
+
+
+def moe_layer_indices(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
+    """Indices of the layers that hold an MoE block: every ``moe.every``-th layer."""
+    n = cfg.moe.every
+    return tuple(i for i in range(cfg.model.num_layers) if n > 0 and (i + 1) % n == 0)
+
+
+def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
+    """Check values and their combinations; raise ConfigError naming the keys and the fix."""
+    _check_types(cfg, default_config())
+    m, t, d, moe, mesh = cfg.model, cfg.train, cfg.data, cfg.moe, cfg.mesh
+    positive = {
+        "train.steps": t.steps,
+        "train.batch_size": t.batch_size,
+        "train.log_every": t.log_every,
+        "train.eval_every": t.eval_every,
+        "train.checkpoint_every": t.checkpoint_every,
+        "train.keep_checkpoints": t.keep_checkpoints,
+        "train.microbatches": t.microbatches,
+        "data.seq_len": d.seq_len,
+        "model.num_layers": m.num_layers,
+        "model.d_model": m.d_model,
+        "model.num_heads": m.num_heads,
+        "model.mlp_dim": m.mlp_dim,
+        "model.vocab_size": m.vocab_size,
+        "mesh.stage": mesh.stage,
+        "mesh.data": mesh.data,
+        "mesh.expert": mesh.expert,
+        "train.learning_rate": t.learning_rate,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if m.d_model % m.num_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} must divide model.d_model={m.d_model}")
+    if m.positions == "rope" and (m.d_model // m.num_heads) % 2:
+        raise ConfigError(
+            f"model.positions='rope' needs an even head dim; d_model/num_heads = "
+            f"{m.d_model // m.num_heads}: change model.d_model or model.num_heads"
+        )
+    choices = {
+        "train.dtype": (t.dtype, DTYPES),
+        "model.positions": (m.positions, ("rope", "learned")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if mesh.stage != 1:
+        raise ConfigError(
+            f"mesh.stage={mesh.stage}: pipeline stages are not implemented yet; use mesh.stage=1 "
+            "and spread devices over mesh.data and mesh.expert"
+        )
+    needed = mesh.stage * mesh.data * mesh.expert
+    if needed > num_devices:
+        raise ConfigError(
+            f"mesh.stage*mesh.data*mesh.expert = {mesh.stage}*{mesh.data}*{mesh.expert} = "
+            f"{needed} devices, but only {num_devices} are available; shrink the mesh (on CPU, "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} fakes more devices)"
+        )
+    shards = mesh.data * mesh.expert * t.microbatches
+    if t.batch_size % shards:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.expert*"
+            f"train.microbatches = {mesh.data}*{mesh.expert}*{t.microbatches} = {shards}"
+        )
+    if moe.every < 0:
+        raise ConfigError(f"moe.every={moe.every} must be >= 0 (0 = no MoE layers)")
+    if moe.every:
+        if not moe_layer_indices(cfg):
+            raise ConfigError(
+                f"moe.every={moe.every} > model.num_layers={m.num_layers}: no layer would be MoE"
+            )
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ConfigError(
+                f"moe.top_k={moe.top_k} must be in [1, moe.num_experts={moe.num_experts}]"
+            )
+        if moe.num_experts % mesh.expert:
+            raise ConfigError(
+                f"moe.num_experts={moe.num_experts} must be divisible by mesh.expert={mesh.expert}"
+            )
+        if moe.capacity.factor <= 0:
+            raise ConfigError(f"moe.capacity.factor={moe.capacity.factor} must be > 0")
+        if moe.capacity.policy not in ("static", "dynamic"):
+            raise ConfigError(
+                f"moe.capacity.policy={moe.capacity.policy!r} is not one of ('static', 'dynamic')"
+            )
+    elif mesh.expert != 1:
+        raise ConfigError(
+            f"mesh.expert={mesh.expert} needs MoE layers: set moe.every > 0 or mesh.expert=1"
+        )
+    if cfg.recompile.delta_launch < 0:
+        raise ConfigError(f"recompile.delta_launch={cfg.recompile.delta_launch} must be >= 0")
+
+
+def _check_types(cfg: ml_collections.ConfigDict, ref: ml_collections.ConfigDict) -> None:
+    """Config files may add keys or change types by mistake; compare against the defaults."""
+    keys, ref_keys = set(valid_keys(cfg)), set(valid_keys(ref))
+    extra = sorted(keys - ref_keys)
+    if extra:
+        raise ConfigError(f"unknown config keys {extra}. Valid keys: {', '.join(sorted(ref_keys))}")
+    for key in sorted(keys):
+        value, default = _get(cfg, key), _get(ref, key)
+        numeric = (
+            isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool)
+        )
+        if type(value) is not type(default) and not numeric:
+            raise ConfigError(
+                f"config key {key!r} expects {type(default).__name__}, got "
+                f"{type(value).__name__} {value!r}"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key {key!r} must be finite, got {value}")
+
+
+def _get(cfg: ml_collections.ConfigDict, dotted: str) -> object:
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node

@@ -1,0 +1,149 @@
+"""Token data: byte-level text or pre-tokenized arrays, cut into fixed windows with stable indices.
+
+A *sample* is window ``i`` of the token stream: tokens ``[i*L, i*L + L + 1)`` for sequence length L
+(inputs and next-token targets). Its index ``i`` never changes, so per-sample state (cached expert
+assignments, DynaMoE seed 001 §4.2) can be keyed by it. Training order is a fresh permutation per
+epoch drawn from the seed, and the batch at step t is a pure function of (seed, t): the iterator's
+whole state is the number of batches consumed, which checkpoints save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".tsv", ".html", ".xml", ".c", ".h")
+
+
+def embedded_corpus_root() -> Path:
+    """The default corpus: this interpreter's standard library sources (real text, no download)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def load_tokens(path: str, max_tokens: int) -> np.ndarray:
+    """Read a token stream (uint8 bytes for text, the stored dtype for arrays).
+
+    ``path`` may be a text file, a directory of text files (read in sorted order), a ``.npy``
+    array, or a raw ``.bin`` of uint16 tokens; empty means the embedded corpus.
+    """
+    if not path:
+        files = [
+            f
+            for f in _text_files(embedded_corpus_root(), (".py",))
+            if "site-packages" not in f.parts  # installed packages differ between machines
+        ]
+        return _read_text_files(files, max_tokens)
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data.path={path!r} does not exist")
+    if p.is_dir():
+        files = _text_files(p, TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"data.path={path!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+        return _read_text_files(files, max_tokens)
+    if p.suffix == ".npy":
+        return _as_tokens(np.load(p, mmap_mode="r"), path)
+    if p.suffix == ".bin":
+        return _as_tokens(np.memmap(p, dtype=np.uint16, mode="r"), path)
+    return _read_text_files([p], max_tokens)
+
+
+def _text_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    return sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in suffixes)
+
+
+def _read_text_files(files: list[Path], max_tokens: int) -> np.ndarray:
+    chunks, total = [], 0
+    for f in files:
+        data = f.read_bytes()
+        chunks.append(data[: max_tokens - total])
+        total += len(chunks[-1])
+        if total >= max_tokens:
+            break
+    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+def _as_tokens(array: np.ndarray, path: str) -> np.ndarray:
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"data.path={path!r}: a token array must be 1-D integers, "
+            f"got {array.dtype}{array.shape}"
+        )
+    return array
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One global batch. Shapes: inputs/targets [B, L] int32, sample_ids [B] int64."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    sample_ids: np.ndarray
+
+
+class TokenWindows:
+    """Fixed-length windows of a token stream with a train/validation split by window index.
+
+    The last ``val_fraction`` of windows is validation, so the two never share text.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, vocab_size: int):
+        num_windows = (len(tokens) - 1) // seq_len
+        num_val = int(num_windows * val_fraction)
+        if num_windows - num_val < 1 or (val_fraction > 0 and num_val < 1):
+            raise ValueError(
+                f"{len(tokens)} tokens give {num_windows} windows of data.seq_len={seq_len}: too "
+                "few for a train/validation split; use more data or a shorter data.seq_len"
+            )
+        top = int(np.max(tokens[: num_windows * seq_len + 1]))
+        if top >= vocab_size:
+            raise ValueError(f"token id {top} >= model.vocab_size={vocab_size}")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.num_train = num_windows - num_val
+        self.num_val = num_val
+
+    def window(self, ids: np.ndarray) -> Batch:
+        starts = ids * self.seq_len
+        rows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1]) for s in starts])
+        rows = rows.astype(np.int32)
+        return Batch(rows[:, :-1], rows[:, 1:], ids.astype(np.int64))
+
+
+class TrainOrder:
+    """Deterministic, resumable batch order: batch t is a pure function of (seed, t)."""
+
+    def __init__(self, windows: TokenWindows, batch_size: int, seed: int):
+        if batch_size > windows.num_train:
+            raise ValueError(
+                f"train.batch_size={batch_size} exceeds the {windows.num_train} training windows"
+            )
+        self.windows, self.batch_size, self.seed = windows, batch_size, seed
+        self._epoch, self._perm = -1, np.empty(0, np.int64)
+
+    def batch(self, step: int) -> Batch:
+        n = self.windows.num_train
+        first = step * self.batch_size
+        ids = np.empty(self.batch_size, np.int64)
+        for j in range(self.batch_size):
+            epoch, pos = divmod(first + j, n)
+            ids[j] = self._permutation(epoch)[pos]
+        return self.windows.window(ids)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch, self._perm = epoch, rng.permutation(self.windows.num_train)
+        return self._perm
+
+
+def validation_batches(windows: TokenWindows, batch_size: int, num_batches: int) -> list[Batch]:
+    """The first ``num_batches`` validation batches (the same every evaluation)."""
+    count = min(num_batches, windows.num_val // batch_size)
+    base = windows.num_train
+    return [
+        windows.window(np.arange(base + i * batch_size, base + (i + 1) * batch_size))
+        for i in range(count)
+    ]

@@ -1,0 +1,17 @@
+"""Flax NNX model blocks: attention, MLP, MoE and the GPT that lists them."""
+
+from dynjax.model.gpt import GPT, Block, GPTConfig, lm_loss
+from dynjax.model.moe import ExpertParallel, MoE, MoEStats, SlotLayout, assign_slots, route
+
+__all__ = [
+    "GPT",
+    "Block",
+    "GPTConfig",
+    "lm_loss",
+    "ExpertParallel",
+    "MoE",
+    "MoEStats",
+    "SlotLayout",
+    "assign_slots",
+    "route",
+]

@@ -1,0 +1,40 @@
+"""Causal multi-head self-attention with rotary or learned positions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def rotary(x: jax.Array, base: float = 10_000.0) -> jax.Array:
+    """Rotary position embedding (RoPE) of x: [B, S, H, Dh], rotating feature pairs by position."""
+    seq, half = x.shape[1], x.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]  # [S, half]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, d_model: int, num_heads: int, *, rope: bool, out_std: float, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.num_heads, self.rope = num_heads, rope
+        self.qkv = nnx.Linear(d_model, 3 * d_model, kernel_init=init, rngs=rngs)
+        self.out = nnx.Linear(
+            d_model, d_model, kernel_init=nnx.initializers.normal(out_std), rngs=rngs
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, s, d = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * self.num_heads, -1), 3, axis=2)
+        if self.rope:
+            q, k = rotary(q), rotary(k)
+        scale = q.shape[-1] ** -0.5
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
+        return self.out(y)

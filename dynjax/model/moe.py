@@ -1,0 +1,213 @@
+"""Mixture-of-experts block: softmax top-k router, a capacity per expert, expert-parallel dispatch.
+
+Tokens are dispatched in *groups* of one sequence each (GShard's groups). Expert e has C_e slots
+per group; a group's (token, choice) pairs claim slots in priority order — every token's first
+choice before any second choice, earlier tokens first — and pairs beyond C_e are dropped: they add
+nothing, so the token passes through the block's residual. Because groups are whole sequences,
+routing, dropping and outputs do not depend on the batch size or on how the batch is sharded.
+
+Capacities are static Python ints (they are part of the Plan, and changing them recompiles), and
+each expert computes on exactly its own slots, so shrinking a cold expert's capacity removes its
+FLOPs (DynaMoE, seed 001 §4.1). Under expert parallelism (``jax.shard_map`` over the mesh axis
+``'expert'``, dispatch and combine by ``jax.lax.all_to_all``) every device runs the same program,
+so local expert slot j is sized by the largest capacity among the experts that sit in slot j on
+the devices; the per-expert drop rule stays exact.
+
+Auxiliary losses follow Switch Transformer (seed 001 eq. 3: E * sum_e f_e * P_e) and ST-MoE's
+router z-loss, computed per group and averaged so they too are independent of the sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Where an MoE layer runs: tokens sharded over ``token_axes``, experts over ``expert_axis``."""
+
+    mesh: Mesh
+    token_axes: tuple[str, ...] = ("data", "expert")
+    expert_axis: str = "expert"
+
+    @property
+    def expert_shards(self) -> int:
+        return self.mesh.shape[self.expert_axis]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+    """Static placement of expert slots in one group's dispatch buffer.
+
+    The buffer holds ``shards`` chunks of ``shard_slots`` rows; chunk j belongs to the device that
+    owns experts [j*El, (j+1)*El). Inside a chunk, local expert i owns ``slot_sizes[i]`` rows.
+    """
+
+    capacities: tuple[int, ...]
+    shards: int = 1
+
+    def __post_init__(self):
+        if len(self.capacities) % self.shards:
+            raise ValueError(
+                f"{len(self.capacities)} experts cannot be split over {self.shards} expert shards"
+            )
+
+    @property
+    def slot_sizes(self) -> tuple[int, ...]:
+        per = np.asarray(self.capacities).reshape(self.shards, -1)
+        return tuple(int(c) for c in per.max(axis=0))
+
+    @property
+    def shard_slots(self) -> int:
+        return sum(self.slot_sizes)
+
+    @property
+    def total(self) -> int:
+        return self.shards * self.shard_slots
+
+    def expert_base(self) -> np.ndarray:
+        """First buffer row of each expert, shape [E]."""
+        offsets = np.concatenate([[0], np.cumsum(self.slot_sizes)[:-1]])
+        shard = np.arange(len(self.capacities)) // len(self.slot_sizes)
+        return shard * self.shard_slots + np.tile(offsets, self.shards)
+
+
+class MoEStats(NamedTuple):
+    """Per-layer routing statistics; G = number of groups (sequences), S = seq len."""
+
+    group_loads: jax.Array  # [G, E] int32: (token, choice) pairs routed to each expert, pre-drop
+    dropped: jax.Array  # [G] int32: pairs dropped for lack of capacity
+    aux_loss: jax.Array  # [G] f32: Switch balance loss per group
+    z_loss: jax.Array  # [G] f32: router z-loss per group
+    router_experts: jax.Array  # [G, S, k] int32: the router's own top-k (what a cache stores)
+
+
+def route(
+    logits: jax.Array, top_k: int, cached: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Softmax top-k routing. Returns (probs [G,S,E], gates [G,S,k], experts, router_experts).
+
+    With ``cached`` ([G,S,k], -1 where nothing is cached) dispatch uses the cached experts, but the
+    gates are the current router's probabilities for them (DynaMoE §4.2).
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    _, router_experts = jax.lax.top_k(probs, top_k)
+    experts = router_experts if cached is None else jnp.where(cached >= 0, cached, router_experts)
+    gates = jnp.take_along_axis(probs, experts, axis=-1)
+    if top_k > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return probs, gates, experts, router_experts
+
+
+def assign_slots(experts: jax.Array, layout: SlotLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Buffer row of every (token, choice) pair; dropped pairs point at row ``layout.total``.
+
+    Returns (slot [G,S,k] int32, kept [G,S,k] bool, group_loads [G,E] int32).
+    """
+    g, s, k = experts.shape
+    num_experts = len(layout.capacities)
+    order = jnp.swapaxes(experts, 1, 2).reshape(g, k * s)  # choice-major priority
+    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # [G, kS, E]
+    position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)
+    capacity = jnp.asarray(layout.capacities, jnp.int32)[order]
+    kept = position < capacity
+    base = jnp.asarray(layout.expert_base(), jnp.int32)[order]
+    slot = jnp.where(kept, base + position, layout.total)
+    back = lambda a: jnp.swapaxes(a.reshape(g, k, s), 1, 2)
+    return back(slot), back(kept), jnp.sum(onehot, axis=1)
+
+
+def _expert_ffn(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, slot_sizes) -> jax.Array:
+    """Each local expert's MLP on exactly its own slots. rows: [g, X, K, d]."""
+    outs, start = [], 0
+    for i, size in enumerate(slot_sizes):
+        h = jax.nn.gelu(jnp.einsum("gxcd,dh->gxch", rows[:, :, start : start + size], w_in[i]))
+        outs.append(jnp.einsum("gxch,hd->gxcd", h, w_out[i]))
+        start += size
+    return jnp.concatenate(outs, axis=2)
+
+
+def _dispatch_experts_combine(x, slot, weight, w_in, w_out, *, layout, expert_axis):
+    """Scatter pairs into slots, run experts (all-to-all when sharded), gather and weight."""
+    g, s, d = x.shape
+    k = slot.shape[-1]
+    rows = jnp.arange(g)[:, None, None]
+    pairs = jnp.broadcast_to(x[:, :, None, :], (g, s, k, d))
+    buf = jnp.zeros((g, layout.total + 1, d), x.dtype).at[rows, slot].add(pairs)
+    send = buf[:, : layout.total].reshape(g, layout.shards, layout.shard_slots, d)
+    if layout.shards > 1:
+        send = jax.lax.all_to_all(send, expert_axis, 1, 1, tiled=True)
+    out = _expert_ffn(send, w_in, w_out, layout.slot_sizes)
+    if layout.shards > 1:
+        out = jax.lax.all_to_all(out, expert_axis, 1, 1, tiled=True)
+    out = jnp.concatenate([out.reshape(g, layout.total, d), jnp.zeros((g, 1, d), out.dtype)], 1)
+    return jnp.einsum("gskd,gsk->gsd", out[rows, slot], weight.astype(out.dtype))
+
+
+class MoE(nnx.Module):
+    """E experts held as stacked weights ``w_in`` [E, d, h] and ``w_out`` [E, h, d]."""
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        out_std: float,
+        rngs: nnx.Rngs,
+    ):
+        self.top_k = top_k
+        self.router = nnx.Param(
+            nnx.initializers.normal(0.02)(rngs.params(), (d_model, num_experts))
+        )
+        self.w_in = nnx.Param(
+            nnx.initializers.normal(0.02)(rngs.params(), (num_experts, d_model, hidden))
+        )
+        self.w_out = nnx.Param(
+            nnx.initializers.normal(out_std)(rngs.params(), (num_experts, hidden, d_model))
+        )
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        capacities: tuple[int, ...],
+        parallel: ExpertParallel | None = None,
+        cached: jax.Array | None = None,
+    ) -> tuple[jax.Array, MoEStats]:
+        num_experts = self.w_in.shape[0]
+        if len(capacities) != num_experts:
+            raise ValueError(f"{len(capacities)} capacities given for {num_experts} experts")
+        logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        probs, gates, experts, router_experts = route(logits, self.top_k, cached)
+        shards = parallel.expert_shards if parallel else 1
+        layout = SlotLayout(tuple(capacities), shards)
+        slot, kept, loads = assign_slots(experts, layout)
+        weight = jnp.where(kept, gates, 0.0)
+        w_in, w_out = self.w_in[...].astype(x.dtype), self.w_out[...].astype(x.dtype)
+        fn = lambda *a: _dispatch_experts_combine(
+            *a, layout=layout, expert_axis=parallel.expert_axis if parallel else None
+        )
+        if parallel is not None:
+            tokens, expert = P(parallel.token_axes), P(parallel.expert_axis)
+            fn = jax.shard_map(
+                fn,
+                mesh=parallel.mesh,
+                in_specs=(tokens, tokens, tokens, expert, expert),
+                out_specs=tokens,
+            )
+        y = fn(x, slot, weight, w_in, w_out)
+        tokens_per_group = experts.shape[1] * self.top_k
+        aux = num_experts * jnp.sum(loads / tokens_per_group * jnp.mean(probs, axis=1), axis=-1)
+        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
+        dropped = jnp.sum(~kept, axis=(1, 2)).astype(jnp.int32)
+        return y, MoEStats(loads, dropped, aux, z, router_experts)

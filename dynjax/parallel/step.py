@@ -1,0 +1,148 @@
+"""The jitted training and evaluation steps of one static configuration (one Plan).
+
+The step is a pure function ``(params, opt_state, batch) -> (params, opt_state, metrics)`` over
+plain pytrees; the model graph is merged inside so ``jax.jit`` caches on array shapes only
+(DESIGN.md: ``jax.jit`` over split/merge is ~2x faster per call than ``nnx.jit`` on small models).
+Everything that changes the compiled program (capacities, cached routing, microbatches, dtype) is
+a static argument, so a different Plan is a different executable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dynjax.model import ExpertParallel, lm_loss
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The static knobs of a compiled step (filled from a Plan)."""
+
+    capacities: tuple[tuple[int, ...], ...] = ()
+    cached_routing: bool = False
+    microbatches: int = 1
+    dtype: str = "float32"
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    return_assignments: bool = False  # add the router's top-k per token to the metrics
+
+
+def cast_floats(tree, dtype):
+    return jax.tree.map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+    )
+
+
+def forward_loss(graphdef, params, inputs, targets, cached, opts: StepOptions, parallel):
+    """Loss to minimise and its parts for one (micro)batch."""
+    model = nnx.merge(graphdef, cast_floats(params, DTYPES[opts.dtype]))
+    logits, stats = model(inputs, capacities=opts.capacities, parallel=parallel, cached=cached)
+    ce = lm_loss(logits, targets)
+    aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
+    z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
+    total = ce + opts.aux_loss_weight * aux + opts.z_loss_weight * z
+    return total, (ce, aux, z, stats)
+
+
+def _moe_metrics(stats, opts: StepOptions) -> dict[str, jax.Array]:
+    if not stats:
+        return {}
+    loads = jnp.stack([s.group_loads for s in stats])  # [L, B, E]
+    dropped = jnp.stack([jnp.sum(s.dropped) for s in stats])  # [L]
+    metrics = {
+        "moe/group_loads": loads,
+        "moe/dropped": dropped,
+        "moe/tokens_per_expert": jnp.sum(loads, axis=1),  # [L, E]
+        "dropped_fraction": jnp.sum(dropped) / jnp.sum(loads),  # of (token, choice) pairs
+    }
+    if opts.return_assignments:
+        metrics["moe/assignments"] = jnp.stack([s.router_experts for s in stats])  # [L, B, S, k]
+    return metrics
+
+
+def _split_microbatches(x: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [m, B/m, ...] taking every m-th row, so each device keeps its share of each."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def _join_microbatches(x: jax.Array) -> jax.Array:
+    """Inverse of _split_microbatches on a leading [m, B/m, ...] (or [m, L, B/m, ...]) array."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def make_train_step(
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    opts: StepOptions,
+    parallel: ExpertParallel | None,
+):
+    """Build ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted).
+
+    ``batch`` holds ``inputs``/``targets`` [B, S] and, with cached routing, ``cached`` [L, B, S, k].
+    """
+    grad_fn = jax.value_and_grad(
+        lambda p, i, t, c: forward_loss(graphdef, p, i, t, c, opts, parallel), has_aux=True
+    )
+
+    def one(params, inputs, targets, cached):
+        (_, (ce, aux, z, stats)), grads = grad_fn(params, inputs, targets, cached)
+        return grads, ce, aux, z, stats
+
+    def step(params, opt_state, batch: dict[str, Any]):
+        inputs, targets = batch["inputs"], batch["targets"]
+        cached = batch.get("cached") if opts.cached_routing else None
+        m = opts.microbatches
+        if m == 1:
+            grads, ce, aux, z, stats = one(params, inputs, targets, cached)
+        else:
+            xs = (
+                _split_microbatches(inputs, m),
+                _split_microbatches(targets, m),
+                None
+                if cached is None
+                else jnp.swapaxes(jax.vmap(lambda c: _split_microbatches(c, m))(cached), 0, 1),
+            )
+
+            def body(acc, x):
+                g, ce, aux, z, st = one(params, x[0], x[1], x[2])
+                acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+                return acc, (ce, aux, z, st)
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            grads, (ce, aux, z, st) = jax.lax.scan(body, zeros, xs)
+            grads = jax.tree.map(lambda g: g / m, grads)
+            ce, aux, z = jnp.mean(ce), jnp.mean(aux), jnp.mean(z)
+            stats = [type(s)(*(_join_microbatches(f) for f in s)) for s in st]
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": ce, "aux_loss": aux, "z_loss": z, "grad_norm": optax.tree.norm(grads)}
+        metrics.update(_moe_metrics(stats, opts))
+        return params, opt_state, metrics
+
+    return step
+
+
+def make_eval_step(graphdef, opts: StepOptions, parallel: ExpertParallel | None):
+    """``eval(params, batch) -> mean next-token loss`` under the same static options."""
+
+    def evaluate(params, batch):
+        _, (ce, *_rest) = forward_loss(
+            graphdef,
+            params,
+            batch["inputs"],
+            batch["targets"],
+            None,
+            dataclasses.replace(opts, cached_routing=False),
+            parallel,
+        )
+        return ce
+
+    return evaluate

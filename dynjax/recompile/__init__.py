@@ -1,0 +1,54 @@
+"""RECOMPILE (seed 001 §3): Plans, their background compilation, and the policies that change them.
+
+The training step is a pure function of a static `Plan`; a `Controller` runs policies on metrics
+the `Monitor` reads Δ steps late, and swaps in a new Plan once the `Compiler` has built it.
+"""
+
+from dynjax.recompile.caching import STABILITY, AssignmentCache, CachingPolicy
+from dynjax.recompile.capacity import LOADS, DynamicCapacity, drop_fraction, required_capacity
+from dynjax.recompile.compiler import (
+    Compiler,
+    CompileResult,
+    default_cache_dir,
+    enable_persistent_cache,
+)
+from dynjax.recompile.controller import Budget, Controller, Swap
+from dynjax.recompile.events import EventLog
+from dynjax.recompile.monitor import Monitor
+from dynjax.recompile.plan import (
+    Plan,
+    PlanContext,
+    PlanError,
+    base_capacity,
+    capacity_for_factor,
+    static_capacities,
+)
+from dynjax.recompile.policy import History, Policy, Proposal
+
+__all__ = [
+    "LOADS",
+    "STABILITY",
+    "AssignmentCache",
+    "Budget",
+    "CachingPolicy",
+    "CompileResult",
+    "Compiler",
+    "Controller",
+    "DynamicCapacity",
+    "EventLog",
+    "History",
+    "Monitor",
+    "Plan",
+    "PlanContext",
+    "PlanError",
+    "Policy",
+    "Proposal",
+    "Swap",
+    "base_capacity",
+    "capacity_for_factor",
+    "default_cache_dir",
+    "drop_fraction",
+    "enable_persistent_cache",
+    "required_capacity",
+    "static_capacities",
+]

@@ -1,0 +1,345 @@
+"""The controller: runs policies on a host thread and swaps in new Plans at step boundaries.
+
+Seed 001 §3 (requirements 2 and 3) and appendix B: the recompile trigger runs on the host while
+the device trains with the current graph, and a new graph takes effect at the launch frontier.
+Here `observe` feeds host metrics (already Δ steps old, see `Monitor`) to a policy thread; an
+accepted proposal is lowered there and compiled on the `Compiler`'s worker; the training loop's
+`poll` returns a `Swap` at the first step boundary where the executable is ready, and training
+never waits for a decision. Events (dicts, one JSON line each) record every decision:
+
+- `recompile`: step (training step when proposed), metrics_step, swap_step, reason, policy,
+  plan_diff, plan, lower_seconds, compile_seconds, cache_hit, steps_during_compile,
+  swap_stall_seconds;
+- `recompile_rejected`: step, metrics_step, reason (the `PlanError`, or "budget"), policy,
+  plan_diff;
+- `recompile_failed`: lowering or compiling raised; `policy_error`: a policy raised.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynjax.recompile.compiler import Compiler, CompileResult
+from dynjax.recompile.plan import Plan
+from dynjax.recompile.policy import History, Metrics, Policy, as_proposal
+
+Event = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """At most `max_recompiles` accepted proposals within any `window_steps` training steps.
+
+    Protects against thrashing (seed 001 §5.2: a policy that recompiles every iteration
+    eliminates any speed-up). Returns to cached Plans count too: each swap still migrates state.
+    """
+
+    max_recompiles: int
+    window_steps: int
+
+    def __post_init__(self) -> None:
+        if self.max_recompiles < 0 or self.window_steps < 1:
+            raise ValueError(f"need max_recompiles >= 0 and window_steps >= 1, got {self}")
+
+    def allows(self, accepted_steps: Sequence[int], step: int) -> bool:
+        """Whether one more recompile at `step` fits, given the steps of earlier ones."""
+        recent = sum(1 for s in accepted_steps if step - s < self.window_steps)
+        return recent < self.max_recompiles
+
+
+@dataclass(frozen=True)
+class Swap:
+    """A ready executable for `plan`, handed to the training loop by `Controller.poll`."""
+
+    plan: Plan
+    previous: Plan
+    executable: Any  # jax.stages.Compiled
+    step: int  # training step when proposed
+    metrics_step: int | None  # newest metrics the policies had seen
+    swap_step: int  # first step to run with `executable`
+    reason: str
+    policy: str
+    compile: CompileResult
+    found_at: float = field(repr=False)  # time.perf_counter() when poll found it
+
+
+@dataclass(frozen=True)
+class _Pending:
+    plan: Plan
+    future: Future[CompileResult]
+    step: int
+    metrics_step: int | None
+    reason: str
+    policy: str
+
+
+class Controller:
+    """Runs `policies` on a host thread and hands ready Plans to the training loop.
+
+    Per round, policies run in order, each on the Plan as changed by the ones before it, so the
+    changes of one round are compiled together. A proposal that `validate` rejects (it raises
+    `ValueError`, e.g. `PlanError`) is dropped with a `recompile_rejected` event; the combined
+    Plan must fit the `budget`. Policies do not run while a compile is pending. `emit` is
+    called from both the policy thread and the training thread: it must be thread-safe
+    (`EventLog` is). Errors of the controller itself (not of a policy) are re-raised on the
+    training thread by the next `poll`, `wait_idle` or `stop`.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        compiler: Compiler,
+        policies: Sequence[Policy],
+        *,
+        emit: Callable[[Event], None],
+        validate: Callable[[Plan], None],
+        budget: Budget,
+        history_size: int = 1000,
+    ) -> None:
+        self._plan = plan
+        self._compiler = compiler
+        self._policies = tuple(policies)
+        self._emit = emit
+        self._validate = validate
+        self._budget = budget
+        self._entries: deque[tuple[int, Metrics]] = deque(maxlen=history_size)
+        self._accepted_steps: deque[int] = deque(maxlen=max(budget.max_recompiles, 1))
+        self._cond = threading.Condition()
+        self._pending: _Pending | None = None
+        self._observed = 0
+        self._processed = 0
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._launch_step = 0
+        self._unfinished: Swap | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """The Plan the training loop runs now."""
+        with self._cond:
+            return self._plan
+
+    @property
+    def pending(self) -> Plan | None:
+        """The Plan being compiled, if any."""
+        with self._cond:
+            return self._pending.plan if self._pending else None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dynjax-controller", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish the current round and join the policy thread (a pending compile is dropped)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self._raise_error()
+
+    def observe(self, step: int, host_metrics: Metrics) -> None:
+        """Record the host metrics of `step` and wake the policy thread; never blocks on it."""
+        with self._cond:
+            self._entries.append((step, host_metrics))
+            self._observed += 1
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the policies have seen every observation so far (for tests, end of run).
+
+        Returns False on timeout.
+        """
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: self._processed >= self._observed or self._error is not None, timeout
+            )
+        self._raise_error()
+        return done
+
+    def poll(self, step: int) -> Swap | None:
+        """At the boundary before `step`: a `Swap` if a pending executable is ready, else None.
+
+        Never blocks on a compile. After a Swap, the caller migrates state, switches to
+        `swap.executable` and calls `swap_done(swap)`, which emits the `recompile` event with
+        the stall measured from this call.
+        """
+        found_at = time.perf_counter()
+        self._raise_error()
+        if self._unfinished is not None:
+            raise RuntimeError("poll() before swap_done() of the previous Swap")
+        self._launch_step = step
+        with self._cond:
+            pending = self._pending
+            if pending is None or not pending.future.done():
+                return None
+            error = pending.future.exception()
+            previous = self._plan
+            if error is None:
+                self._plan = pending.plan
+            self._pending = None
+            self._cond.notify_all()
+        if error is not None:
+            self._emit_failed(
+                pending.step,
+                pending.metrics_step,
+                pending.reason,
+                pending.policy,
+                previous.diff(pending.plan),
+                error,
+            )
+            return None
+        result = pending.future.result()
+        self._unfinished = Swap(
+            plan=pending.plan,
+            previous=previous,
+            executable=result.executable,
+            step=pending.step,
+            metrics_step=pending.metrics_step,
+            swap_step=step,
+            reason=pending.reason,
+            policy=pending.policy,
+            compile=result,
+            found_at=found_at,
+        )
+        return self._unfinished
+
+    def swap_done(self, swap: Swap) -> None:
+        """Report that the training loop now runs `swap.executable`; emits `recompile`."""
+        if swap is not self._unfinished:
+            raise RuntimeError("swap_done() for a Swap that poll() did not just return")
+        stall = time.perf_counter() - swap.found_at
+        self._unfinished = None
+        self._emit(
+            {
+                "event": "recompile",
+                "step": swap.step,
+                "metrics_step": swap.metrics_step,
+                "swap_step": swap.swap_step,
+                "reason": swap.reason,
+                "policy": swap.policy,
+                "plan_diff": swap.previous.diff(swap.plan),
+                "plan": swap.plan.to_dict(),
+                "lower_seconds": swap.compile.lower_seconds,
+                "compile_seconds": swap.compile.compile_seconds,
+                "cache_hit": swap.compile.cache_hit,
+                "steps_during_compile": swap.swap_step - swap.step,
+                "swap_stall_seconds": stall,
+            }
+        )
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the recompile controller thread failed") from self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or self._processed < self._observed)
+                if self._stopping:
+                    return
+                target = self._observed
+                history = History(tuple(self._entries))
+                idle = self._pending is None
+                plan = self._plan
+            try:
+                if idle:
+                    self._round(history, plan)
+            except BaseException as e:  # surfaced on the training thread by poll()
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._processed = target
+                self._cond.notify_all()
+
+    def _round(self, history: History, base: Plan) -> None:
+        step, metrics_step = self._launch_step, history.latest_step
+        where = {"step": step, "metrics_step": metrics_step}
+        plan, reasons, names = base, [], []
+        for policy in self._policies:
+            try:
+                proposal = as_proposal(policy, policy.propose(history, plan))
+            except Exception as e:
+                self._emit(
+                    {
+                        "event": "policy_error",
+                        **where,
+                        "policy": policy.name,
+                        "error": f"{type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc(),
+                    }
+                )
+                continue
+            if proposal is None or proposal.plan == plan:
+                continue
+            try:
+                self._validate(proposal.plan)
+            except ValueError as e:
+                self._emit(
+                    {
+                        "event": "recompile_rejected",
+                        **where,
+                        "reason": str(e),
+                        "policy": policy.name,
+                        "plan_diff": plan.diff(proposal.plan),
+                    }
+                )
+                continue
+            plan = proposal.plan
+            reasons.append(f"{policy.name}: {proposal.reason}" if proposal.reason else policy.name)
+            names.append(policy.name)
+        if plan == base:
+            return
+        reason, policy_names, diff = "; ".join(reasons), "+".join(names), base.diff(plan)
+        if not self._budget.allows(self._accepted_steps, step):
+            self._emit(
+                {
+                    "event": "recompile_rejected",
+                    **where,
+                    "reason": "budget",
+                    "detail": f"{self._budget.max_recompiles} recompiles within "
+                    f"{self._budget.window_steps} steps already",
+                    "policy": policy_names,
+                    "plan_diff": diff,
+                }
+            )
+            return
+        try:
+            future = self._compiler.submit(plan)  # lowers here, compiles on the worker
+        except Exception as e:
+            self._emit_failed(step, metrics_step, reason, policy_names, diff, e)
+            return
+        self._accepted_steps.append(step)
+        with self._cond:
+            self._pending = _Pending(plan, future, step, metrics_step, reason, policy_names)
+
+    def _emit_failed(
+        self,
+        step: int,
+        metrics_step: int | None,
+        reason: str,
+        policy: str,
+        diff: dict[str, Any],
+        error: BaseException,
+    ) -> None:
+        self._emit(
+            {
+                "event": "recompile_failed",
+                "step": step,
+                "metrics_step": metrics_step,
+                "reason": reason,
+                "policy": policy,
+                "plan_diff": diff,
+                "error": f"{type(error).__name__}: {error}",
+            }
+        )

@@ -1,0 +1,68 @@
+"""A queue of per-step metric futures, read Δ steps late so reading never stalls the device.
+
+Seed 001 appendix B: metrics are futures pushed when a step is launched; the controller reads
+those of step t - Δ (`delta_launch`), which have normally finished executing, so the launch
+frontier stays Δ steps ahead of the execution frontier and a policy's decision overlaps with the
+steps already queued. Δ can be changed at any time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class Monitor:
+    """Holds the metrics of launched steps until they are Δ steps old, then hands them to the host.
+
+    `pop_ready(t)` converts the steps <= t - Δ (oldest first) with one `jax.device_get` and never
+    touches a younger step, so with Δ >= 1 it never waits for the newest step. If the device
+    lags more than Δ steps behind, converting step t - Δ waits for it: this caps how far the
+    host runs ahead, as the future queue of appendix B does. Δ = 0 reads synchronously.
+    """
+
+    def __init__(self, delta: int = 2) -> None:
+        self.delta = delta
+        self._queue: deque[tuple[int, Any]] = deque()
+
+    @property
+    def delta(self) -> int:
+        return self._delta
+
+    @delta.setter
+    def delta(self, value: int) -> None:
+        if value < 0:
+            raise ValueError(f"delta_launch = {value} must be >= 0")
+        self._delta = value
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def push(self, step: int, metrics: Any) -> None:
+        """Queue the (device, not yet computed) metrics of a just-launched step."""
+        if self._queue and step <= self._queue[-1][0]:
+            raise ValueError(f"step {step} pushed after step {self._queue[-1][0]}")
+        self._queue.append((step, metrics))
+
+    def pop_ready(self, current_step: int) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """The queued steps <= current_step - Δ, in order, as host NumPy metrics."""
+        ready = []
+        while self._queue and self._queue[0][0] <= current_step - self._delta:
+            ready.append(self._queue.popleft())
+        return _to_host(ready)
+
+    def drain(self) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """All queued steps (end of training), waiting for them."""
+        ready = list(self._queue)
+        self._queue.clear()
+        return _to_host(ready)
+
+
+def _to_host(entries: list[tuple[int, Any]]) -> list[tuple[int, dict[str, np.ndarray]]]:
+    if not entries:
+        return []
+    host = jax.device_get([m for _, m in entries])  # one call: copies start in parallel
+    return [(s, jax.tree.map(np.asarray, m)) for (s, _), m in zip(entries, host, strict=True)]

@@ -1,0 +1,198 @@
+"""The Plan: everything static about the compiled training step, as frozen, hashable data.
+
+Two equal Plans compile to the same executables (DESIGN.md, "The loop" 1), so a Plan is the key
+of the compile cache, the unit of a RECOMPILE (seed 001 §3) and what a checkpoint stores to resume
+the same program. Later issues add fields (stage assignment, frozen layers, ...): every field has a
+default, so a Plan saved before a field existed still loads (`Plan.from_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("float32", "bfloat16")
+
+
+class PlanError(ValueError):
+    """An impossible Plan; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """The facts about the model and batch that decide whether a Plan is possible.
+
+    `group_tokens` is the number of tokens in one dispatch group (one sequence of `seq_len`
+    tokens), the unit capacities are counted in.
+    """
+
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    group_tokens: int
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        if (
+            self.num_moe_layers < 0
+            or min(self.num_experts, self.top_k, self.group_tokens, self.batch_size) < 1
+            or self.top_k > self.num_experts
+        ):
+            raise PlanError(f"impossible model for a Plan: {self}")
+
+
+def _freeze(value: Any) -> Any:
+    """Lists (as JSON gives them back) become tuples, recursively, so Plans stay hashable."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    """Tuples become lists, recursively: the JSON shape of a field."""
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything static about the compiled step; equal Plans share executables.
+
+    capacities: one tuple of E ints per MoE layer, in layer order: slots per expert per dispatch
+      group (one sequence), so they do not depend on batch size or mesh (seed 001 §4.1, Eq. 4).
+    cached_routing: dispatch with the cached sample assignment instead of waiting for the router
+      (seed 001 §4.2).
+    microbatches: gradient-accumulation steps inside one train step.
+    dtype: compute dtype, one of `DTYPES`.
+
+    >>> a = Plan(capacities=((4, 4),))
+    >>> b = a.replace(capacities=((4, 6),), cached_routing=True)
+    >>> a.diff(b)
+    {'capacities[0][1]': (4, 6), 'cached_routing': (False, True)}
+    >>> Plan.from_dict(b.to_dict()) == b
+    True
+    """
+
+    capacities: tuple[tuple[int, ...], ...] = ()
+    cached_routing: bool = False
+    microbatches: int = 1
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _freeze(getattr(self, f.name)))
+        # NumPy integers from a policy would hash equal but break JSON: store Python ints.
+        caps = tuple(tuple(int(c) for c in layer) for layer in self.capacities)
+        object.__setattr__(self, "capacities", caps)
+
+    def replace(self, **changes: Any) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self, ctx: PlanContext) -> None:
+        """Raise `PlanError` listing every problem of this Plan for `ctx`, each with its fix."""
+        problems = []
+        if len(self.capacities) != ctx.num_moe_layers:
+            problems.append(
+                f"capacities has {len(self.capacities)} layers but the model has "
+                f"{ctx.num_moe_layers} MoE layers: build it with static_capacities(ctx, factor)"
+            )
+        for layer, caps in enumerate(self.capacities):
+            if len(caps) != ctx.num_experts:
+                problems.append(
+                    f"capacities[{layer}] has {len(caps)} experts but the model has "
+                    f"{ctx.num_experts}: give one capacity per expert"
+                )
+            for expert, c in enumerate(caps):
+                if c < 1:
+                    problems.append(
+                        f"capacities[{layer}][{expert}] = {c} is below 1: an expert needs at "
+                        "least one slot (raise the minimum capacity factor)"
+                    )
+                elif c > ctx.group_tokens:
+                    problems.append(
+                        f"capacities[{layer}][{expert}] = {c} exceeds the {ctx.group_tokens} "
+                        "tokens of a dispatch group: clip it to group_tokens"
+                    )
+        if self.microbatches < 1:
+            problems.append(f"microbatches = {self.microbatches} must be at least 1")
+        elif ctx.batch_size % self.microbatches:
+            problems.append(
+                f"microbatches = {self.microbatches} does not divide the batch size "
+                f"{ctx.batch_size}: choose a divisor of the batch size"
+            )
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype = {self.dtype!r} is unknown: use one of {DTYPES}")
+        if problems:
+            raise PlanError("invalid Plan:\n  " + "\n  ".join(problems))
+
+    def diff(self, other: Plan) -> dict[str, tuple[Any, Any]]:
+        """Changed fields as `name -> (self value, other value)`, JSON-serialisable.
+
+        Capacities of the same shape are compared entry by entry: only changed experts appear,
+        under keys `capacities[layer][expert]`.
+        """
+        out: dict[str, tuple[Any, Any]] = {}
+        for f in dataclasses.fields(self):
+            old, new = getattr(self, f.name), getattr(other, f.name)
+            if old == new:
+                continue
+            if f.name == "capacities" and [len(x) for x in old] == [len(x) for x in new]:
+                for layer, (a, b) in enumerate(zip(old, new, strict=True)):
+                    for expert, (ca, cb) in enumerate(zip(a, b, strict=True)):
+                        if ca != cb:
+                            out[f"capacities[{layer}][{expert}]"] = (ca, cb)
+            else:
+                out[f.name] = (_thaw(old), _thaw(new))
+        return out
+
+    def format_diff(self, other: Plan) -> str:
+        """One line per changed entry, `name: old -> new`; `(no change)` for equal Plans."""
+        lines = [f"{k}: {a} -> {b}" for k, (a, b) in self.diff(other).items()]
+        return "\n".join(lines) if lines else "(no change)"
+
+    def __str__(self) -> str:
+        lines = ["Plan"]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "capacities":
+                lines.append(f"  capacities: {len(value)} MoE layers")
+                lines += [f"    layer {i}: {' '.join(map(str, c))}" for i, c in enumerate(value)]
+            else:
+                lines.append(f"  {f.name}: {value}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (tuples as lists); `Plan.from_dict` restores an equal Plan."""
+        return {f.name: _thaw(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Inverse of `to_dict`; fields missing from `d` (saved before they existed) default."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PlanError(
+                f"unknown Plan fields {unknown}: the Plan was saved by a newer dynjax; upgrade"
+            )
+        return cls(**d)
+
+
+def base_capacity(ctx: PlanContext) -> float:
+    """Slots per expert per group at capacity factor 1.0: group_tokens * top_k / E (Eq. 4)."""
+    return ctx.group_tokens * ctx.top_k / ctx.num_experts
+
+
+def capacity_for_factor(ctx: PlanContext, factor: float) -> int:
+    """ceil(factor * base_capacity), clipped to [1, group_tokens] (seed 001 §4.1, Eq. 4)."""
+    # The small tolerance keeps float noise (0.1 * 30 = 3.0000000000000004) from adding a slot.
+    c = math.ceil(factor * base_capacity(ctx) - 1e-9)
+    return min(max(c, 1), ctx.group_tokens)
+
+
+def static_capacities(ctx: PlanContext, factor: float) -> tuple[tuple[int, ...], ...]:
+    """A static, global capacity factor (the baseline of seed 001 §5.2) as Plan.capacities."""
+    c = capacity_for_factor(ctx, factor)
+    return tuple((c,) * ctx.num_experts for _ in range(ctx.num_moe_layers))

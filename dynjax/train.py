@@ -1,0 +1,349 @@
+"""``python -m dynjax.train --config configs/<name>.py [--config.a.b=v ...] [--workdir DIR]``.
+
+The loop dispatches steps without waiting for them: metrics reach the host through the Monitor
+Δ steps late, feed the logs and the Controller's policies, and a recompiled Plan is swapped in at
+the first step boundary where its executable is ready (DESIGN.md "The loop").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from dynjax import config as config_lib
+from dynjax.checkpoint import Checkpointer
+from dynjax.experiment import Experiment
+from dynjax.recompile import (
+    STABILITY,
+    AssignmentCache,
+    Budget,
+    CachingPolicy,
+    Compiler,
+    Controller,
+    DynamicCapacity,
+    EventLog,
+    Monitor,
+    Plan,
+    Policy,
+    enable_persistent_cache,
+)
+from dynjax.writers import MetricsWriter
+
+log = logging.getLogger("dynjax")
+SCALARS = ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction")
+
+
+@dataclasses.dataclass
+class RunSummary:
+    workdir: Path
+    start_step: int
+    final_step: int
+    final_loss: float | None
+    eval_loss: float | None
+    tokens_per_sec: float | None  # median over logging intervals
+    recompiles: int
+    checkpoints: list[int]
+    seconds: float
+
+
+def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
+    """The Controller's policies this config asks for."""
+    out = []
+    if exp.ctx.num_moe_layers and cfg.moe.capacity.policy == "dynamic":
+        c = cfg.moe.capacity
+        out.append(
+            DynamicCapacity(
+                exp.ctx,
+                target_drop_rate=c.target_drop_rate,
+                min_factor=c.min_factor,
+                max_factor=c.max_factor,
+                window=c.window,
+                headroom=c.headroom,
+                bucket=c.bucket,
+                hysteresis=c.hysteresis,
+            )
+        )
+    if exp.ctx.num_moe_layers and cfg.moe.caching.enabled:
+        c = cfg.moe.caching
+        out.append(
+            CachingPolicy(
+                on_threshold=c.on_threshold,
+                off_threshold=c.off_threshold,
+                warmup_steps=c.warmup_steps,
+                window=c.window,
+            )
+        )
+    return out
+
+
+def train(
+    cfg: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    policies: Sequence[Policy] = (),
+    progress: bool = True,
+) -> RunSummary:
+    """Train (or resume) the run in ``workdir``; returns what the summary prints.
+
+    ``policies`` are user policies run by the Controller after the ones the config asks for
+    (README "Writing a policy").
+    """
+    began = time.perf_counter()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    enable_persistent_cache(os.path.expanduser(cfg.recompile.cache_dir) or None)
+    exp = Experiment.from_config(cfg)
+    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    events = EventLog(workdir / "events.jsonl")
+    checkpointer = Checkpointer(
+        workdir / "checkpoints",
+        keep=cfg.train.keep_checkpoints,
+        async_save=cfg.checkpoint.async_save,
+        emit=events,
+    )
+    restored = checkpointer.restore_latest(exp.abstract_state)
+    if restored is None:
+        state, plan, start = exp.init_state(), exp.initial_plan(), 0
+    else:
+        host_state, meta = restored
+        state, plan, start = exp.place_state(host_state), Plan.from_dict(meta["plan"]), meta["step"]
+        plan.validate(exp.ctx)
+        log.info("resumed from step %d of %s", start, workdir)
+    steps = cfg.train.steps
+    if start >= steps:
+        checkpointer.close()
+        print(
+            f"{workdir} is already trained to step {start} (train.steps={steps}); raise "
+            "--config.train.steps or pass a new --workdir to train more."
+        )
+        return RunSummary(
+            workdir,
+            start,
+            start,
+            None,
+            None,
+            None,
+            0,
+            checkpointer.all_steps(),
+            time.perf_counter() - began,
+        )
+
+    compiler = Compiler(exp.lower_train_step, max_entries=cfg.recompile.cache_size)
+    first = compiler.get(plan)
+    events(
+        {
+            "event": "compile",
+            "step": start,
+            "plan": plan.to_dict(),
+            "lower_seconds": first.lower_seconds,
+            "compile_seconds": first.compile_seconds,
+        }
+    )
+    executable = first.executable
+    budget = cfg.recompile.budget
+    controller = Controller(
+        plan,
+        compiler,
+        [*policies_for(cfg, exp), *policies],
+        emit=events,
+        validate=lambda p: p.validate(exp.ctx),
+        budget=Budget(budget.max_recompiles, budget.window_steps),
+    )
+    cache = (
+        AssignmentCache(
+            exp.ctx.num_moe_layers,
+            cfg.data.seq_len,
+            exp.ctx.top_k,
+            exp.ctx.num_experts,
+            max_entries=cfg.moe.caching.max_entries,
+        )
+        if exp.step_options(plan).return_assignments
+        else None
+    )
+    monitor = Monitor(cfg.recompile.delta_launch)
+    writer = MetricsWriter(workdir)
+    logger = _Logger(writer, exp, cfg.train.log_every, steps)
+    bar = tqdm(
+        total=steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    recompiles, eval_loss = 0, None
+    controller.start()
+    try:
+        for step in range(start, steps):
+            swap = controller.poll(step)
+            if swap is not None:  # same parameter layout: nothing to migrate for these Plans
+                executable, plan, recompiles = swap.executable, swap.plan, recompiles + 1
+                controller.swap_done(swap)
+            batch = exp.order.batch(step)
+            cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
+            state["params"], state["opt_state"], metrics = executable(
+                state["params"], state["opt_state"], exp.device_batch(batch, cached)
+            )
+            monitor.push(step, metrics)
+            logger.sample_ids[step] = batch.sample_ids
+            for s, m in monitor.pop_ready(step):
+                logger.observe(s, m, plan, cache, controller, bar)
+            bar.update(1)
+            done = step + 1
+            if done % cfg.train.eval_every == 0 or done == steps:
+                eval_loss = exp.evaluate(state["params"], plan)
+                if eval_loss is not None:
+                    writer.write(done, {"eval_loss": eval_loss})
+            if done % cfg.train.checkpoint_every == 0 or done == steps:
+                checkpointer.save(
+                    done,
+                    state,
+                    {"plan": plan.to_dict(), "data_position": done, "config": cfg.to_dict()},
+                )
+        for s, m in monitor.drain():
+            logger.observe(s, m, plan, cache, controller, bar)
+    finally:
+        bar.close()
+        controller.stop()
+        compiler.shutdown()
+        checkpointer.close()
+        writer.close()
+    return RunSummary(
+        workdir,
+        start,
+        steps,
+        logger.last_loss,
+        eval_loss,
+        logger.median_rate(),
+        recompiles,
+        checkpointer.all_steps(),
+        time.perf_counter() - began,
+    )
+
+
+class _Logger:
+    """Turns host metrics (Δ steps late) into log lines, cache updates and policy input."""
+
+    def __init__(self, writer: MetricsWriter, exp: Experiment, every: int, steps: int):
+        self.writer, self.exp, self.every, self.steps = writer, exp, every, steps
+        self.tokens_per_step = exp.cfg.train.batch_size * exp.cfg.data.seq_len
+        self.sample_ids: dict[int, np.ndarray] = {}
+        self.last_loss: float | None = None
+        self.rates: list[float] = []
+        self._mark: tuple[int, float] | None = None
+
+    def observe(self, step, metrics, plan, cache, controller, bar) -> None:
+        ids = self.sample_ids.pop(step)
+        if cache is not None:
+            stability = cache.update(ids, metrics.pop("moe/assignments"))
+            metrics[STABILITY] = np.nan if stability is None else stability
+        controller.observe(step, metrics)
+        self.last_loss = float(metrics["loss"])
+        done = step + 1
+        now = time.perf_counter()
+        if self._mark is None:  # the first step also paid for dispatch warm-up: start timing here
+            self._mark = (done, now)
+        if done % self.every and done != self.steps:
+            return
+        record = {k: float(metrics[k]) for k in SCALARS if k in metrics}
+        record["learning_rate"] = float(self.exp.schedule(step))
+        if done > self._mark[0]:
+            rate = (done - self._mark[0]) * self.tokens_per_step / (now - self._mark[1])
+            record["tokens_per_sec"] = rate
+            self.rates.append(rate)
+            self._mark = (done, now)
+        if "moe/tokens_per_expert" in metrics:
+            record["tokens_per_expert"] = metrics["moe/tokens_per_expert"].tolist()
+            record["capacity_factor"] = float(
+                np.mean(plan.capacities)
+                / (self.exp.ctx.group_tokens * self.exp.ctx.top_k / self.exp.ctx.num_experts)
+            )
+        if STABILITY in metrics and np.isfinite(metrics[STABILITY]):
+            record["routing_stability"] = float(metrics[STABILITY])
+            record["cached_routing"] = plan.cached_routing
+        self.writer.write(done, record)
+        bar.set_postfix(
+            loss=f"{record['loss']:.3f}",
+            tok_s=f"{record.get('tokens_per_sec', 0):.0f}",
+            refresh=False,
+        )
+
+    def median_rate(self) -> float | None:
+        return statistics.median(self.rates) if self.rates else None
+
+
+def format_summary(s: RunSummary) -> str:
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
+    rows = [
+        ("steps", f"{s.start_step} -> {s.final_step}"),
+        ("final train loss", fmt(s.final_loss, ".4f")),
+        ("eval loss", fmt(s.eval_loss, ".4f")),
+        ("tokens/s (median)", fmt(s.tokens_per_sec, ",.0f")),
+        ("recompiles", str(s.recompiles)),
+        ("checkpoints", ", ".join(map(str, s.checkpoints)) or "none"),
+        ("wall time", f"{s.seconds:.1f} s"),
+        ("workdir", f"{s.workdir} (metrics.jsonl, events.jsonl, tensorboard/, checkpoints/)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["dynjax run summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def parse_args(argv: list[str]) -> tuple[str, list[str], str | None]:
+    """Split ``--config FILE``, ``--config.a.b=v`` (or ``--config.a.b v``) and ``--workdir``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dynjax.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", required=True, help="config file, e.g. configs/quickstart.py")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="run directory (default workdirs/<config name>); reusing it resumes",
+    )
+    known, rest = parser.parse_known_args(argv)
+    overrides, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--config."):
+            parser.error(f"unrecognised argument {arg!r}: overrides look like --config.a.b=VALUE")
+        body = arg[len("--config.") :]
+        if "=" not in body:
+            if i + 1 >= len(rest):
+                parser.error(f"{arg} needs a value")
+            body, i = f"{body}={rest[i + 1]}", i + 1
+        overrides.append(body)
+        i += 1
+    return known.config, overrides, known.workdir
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config_path, overrides, workdir = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = config_lib.load_config(config_path, overrides)
+        config_lib.validate_config(cfg, jax.device_count())
+    except (config_lib.ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    workdir = workdir or str(Path("workdirs") / Path(config_path).stem)
+    summary = train(cfg, workdir, progress=sys.stderr.isatty() or "DYNJAX_PROGRESS" in os.environ)
+    print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

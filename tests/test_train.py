@@ -1,0 +1,92 @@
+"""End to end: a run writes its files, its loss falls, and a killed run resumes identically."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dynjax.train import format_summary, train
+from dynjax.writers import read_jsonl
+
+from .tiny import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    """Train loss per step; a resumed run's later lines win, as a reader of the file would do."""
+    return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
+
+
+def test_quick_run_learns_and_writes_its_workdir(tmp_path):
+    cfg = tiny_config(
+        train__steps=40, train__log_every=5, train__eval_every=20, train__checkpoint_every=20
+    )
+    summary = train(cfg, tmp_path, progress=False)
+    curve = losses(tmp_path)
+    assert sorted(curve) == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert curve[40] < 0.7 * curve[5], curve  # bytes: ~5.5 nats at init, well below after 40 steps
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all("tokens_per_sec" in r for r in records if "loss" in r and r["step"] > 5)
+    assert [r["step"] for r in records if "eval_loss" in r] == [20, 40]
+    events = [e["event"] for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert events == ["compile", "checkpoint", "checkpoint"]
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 40
+    assert any(
+        p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir()
+    )
+    assert summary.checkpoints == [20, 40] and summary.final_step == 40
+    assert "final train loss" in format_summary(summary)
+    # Running it again finds the finished run and does no work.
+    again = train(cfg, tmp_path, progress=False)
+    assert again.start_step == again.final_step == 40
+
+
+def run_cli(workdir: Path, *extra: str) -> subprocess.Popen:
+    args = [
+        sys.executable,
+        "-m",
+        "dynjax.train",
+        "--config",
+        "tests/tiny.py",
+        "--workdir",
+        str(workdir),
+        "--config.moe.every=2",
+        "--config.train.steps=120",
+        "--config.train.checkpoint_every=10",
+        "--config.checkpoint.async_save=True",
+        "--config.train.eval_every=1000",
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+
+
+def test_killed_run_resumes_with_identical_losses(tmp_path):
+    reference = tmp_path / "reference"
+    out, _ = run_cli(reference).communicate(timeout=600)
+    assert b"dynjax run summary" in out, out.decode()[-2000:]
+
+    interrupted = tmp_path / "interrupted"
+    proc = run_cli(interrupted)
+    deadline = time.time() + 300
+    while not (interrupted / "checkpoints" / "20").is_dir():  # a committed checkpoint
+        assert proc.poll() is None and time.time() < deadline, "run ended before the kill"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(losses(interrupted))
+    assert killed_at < 120, "the process finished before it was killed"
+
+    out, _ = run_cli(interrupted).communicate(timeout=600)
+    assert b"dynjax run summary" in out, out.decode()[-2000:]
+    restores = [
+        e for e in read_jsonl(interrupted / "events.jsonl") if e["event"] == "checkpoint_restore"
+    ]
+    assert restores and restores[0]["step"] >= 20
+    assert losses(interrupted) == losses(reference)  # every step, bit for bit

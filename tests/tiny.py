@@ -1,0 +1,39 @@
+"""A model and run small enough for a test on two CPU cores; also a config file for the CLI.
+
+``python -m dynjax.train --config tests/tiny.py --config.moe.every=2`` runs it as a subprocess.
+"""
+
+from dynjax.config import default_config
+
+
+def tiny_config(**overrides):
+    """The tiny config with ``section__key=value`` overrides."""
+    c = default_config()
+    c.train.steps = 12
+    c.train.batch_size = 8
+    c.train.learning_rate = 3e-3
+    c.train.warmup_steps = 2
+    c.train.log_every = 1
+    c.train.eval_every = 6
+    c.train.eval_batches = 1
+    c.train.checkpoint_every = 6
+    c.data.seq_len = 32
+    c.data.max_tokens = 200_000
+    c.model.num_layers = 2
+    c.model.d_model = 32
+    c.model.num_heads = 2
+    c.model.mlp_dim = 64
+    c.moe.num_experts = 4
+    c.moe.top_k = 2
+    c.checkpoint.async_save = False
+    for dotted, value in overrides.items():
+        node = c
+        *parents, leaf = dotted.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def get_config():
+    return tiny_config()
