@@ -16,6 +16,8 @@ from pathlib import Path
 
 import ml_collections
 
+from dynjax.balance import SCHEDULES, uniform
+
 DTYPES = ("float32", "bfloat16")
 
 
@@ -42,7 +44,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 3
     c.train.dtype = "float32"  # compute dtype; parameters and optimizer state stay float32
-    c.train.microbatches = 1  # gradient accumulation steps inside one train step
+    # Gradient accumulation steps inside one train step, and the microbatches a pipeline
+    # schedule moves through its stages (the same split of the batch). 0 = auto: 1 without a
+    # pipeline of 2+ stages, else the largest count <= 2 * mesh.stage that splits the batch
+    # evenly (more microbatches, smaller bubbles: (S-1)/(M+S-1)).
+    c.train.microbatches = 0
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # empty: the embedded corpus (this Python's standard library sources)
@@ -87,6 +93,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.stage = 1
     c.mesh.data = 1
     c.mesh.expert = 1
+
+    c.pipeline = ml_collections.ConfigDict()
+    # Layers per stage, e.g. "(1,3,2,2)"; "" = uniform over mesh.stage stages (Megatron-LM), or
+    # no pipeline when mesh.stage = 1 ("(4,)" runs the pipeline runtime on one stage).
+    c.pipeline.stage_layers = ""
+    c.pipeline.schedule = "1f1b"  # "1f1b" | "gpipe"
+    c.pipeline.profile_every = 0  # profile per-layer times and stage memory every n steps; 0 = off
+    c.pipeline.profile_on_change = True  # profile the first step of every Plan (seed 000 §3.1)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.async_save = True
@@ -175,6 +189,43 @@ def moe_layer_indices(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
     return tuple(i for i in range(cfg.model.num_layers) if n > 0 and (i + 1) % n == 0)
 
 
+def stage_layers(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
+    """Layers per pipeline stage from ``pipeline.stage_layers``; () when there is no pipeline."""
+    raw = cfg.pipeline.stage_layers.strip()
+    if not raw:
+        stages = cfg.mesh.stage
+        return () if stages == 1 else uniform(cfg.model.num_layers, stages)
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = None
+    value = (value,) if isinstance(value, int) else value
+    if not (
+        isinstance(value, tuple)
+        and value
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in value)
+    ):
+        raise ConfigError(
+            f"pipeline.stage_layers={raw!r} must be a tuple of layer counts like '(1,3,2,2)', "
+            "or '' for a uniform split"
+        )
+    return value
+
+
+def microbatches(cfg: ml_collections.ConfigDict) -> int:
+    """``train.microbatches``, with 0 resolved: 1 without a pipeline of two or more stages,
+    else the largest count up to twice the stages that splits the batch evenly over the devices
+    of a stage."""
+    if cfg.train.microbatches:
+        return cfg.train.microbatches
+    stages = len(stage_layers(cfg))
+    if stages < 2:
+        return 1
+    per_shard = cfg.train.batch_size // (cfg.mesh.data * cfg.mesh.expert)
+    fits = [m for m in range(1, min(2 * stages, per_shard) + 1) if per_shard % m == 0]
+    return max(fits, default=1)  # no fit: validate_config names the batch size to change
+
+
 def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
     """Check values and their combinations; raise ConfigError naming the keys and the fix."""
     _check_types(cfg, default_config())
@@ -186,7 +237,6 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
         "train.eval_every": t.eval_every,
         "train.checkpoint_every": t.checkpoint_every,
         "train.keep_checkpoints": t.keep_checkpoints,
-        "train.microbatches": t.microbatches,
         "data.seq_len": d.seq_len,
         "model.num_layers": m.num_layers,
         "model.d_model": m.d_model,
@@ -217,11 +267,9 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {allowed}")
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
-    if mesh.stage != 1:
-        raise ConfigError(
-            f"mesh.stage={mesh.stage}: pipeline stages are not implemented yet; use mesh.stage=1 "
-            "and spread devices over mesh.data and mesh.expert"
-        )
+    if t.microbatches < 0:
+        raise ConfigError(f"train.microbatches={t.microbatches} must be >= 0 (0 = auto)")
+    _check_pipeline(cfg)
     needed = mesh.stage * mesh.data * mesh.expert
     if needed > num_devices:
         raise ConfigError(
@@ -229,11 +277,12 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
             f"{needed} devices, but only {num_devices} are available; shrink the mesh (on CPU, "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} fakes more devices)"
         )
-    shards = mesh.data * mesh.expert * t.microbatches
+    micro = microbatches(cfg)
+    shards = mesh.data * mesh.expert * micro
     if t.batch_size % shards:
         raise ConfigError(
             f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.expert*"
-            f"train.microbatches = {mesh.data}*{mesh.expert}*{t.microbatches} = {shards}"
+            f"train.microbatches = {mesh.data}*{mesh.expert}*{micro} = {shards}"
         )
     if moe.every < 0:
         raise ConfigError(f"moe.every={moe.every} must be >= 0 (0 = no MoE layers)")
@@ -262,6 +311,37 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
         )
     if cfg.recompile.delta_launch < 0:
         raise ConfigError(f"recompile.delta_launch={cfg.recompile.delta_launch} must be >= 0")
+
+
+def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
+    """Stage assignment, schedule and profiling keys; a bad assignment fails before training."""
+    p, layers, stages = cfg.pipeline, cfg.model.num_layers, cfg.mesh.stage
+    if stages > layers:
+        raise ConfigError(
+            f"mesh.stage={stages} exceeds model.num_layers={layers}: every pipeline stage needs "
+            "at least one layer; use fewer stages or more layers"
+        )
+    counts = stage_layers(cfg)
+    if counts and len(counts) != stages:
+        raise ConfigError(
+            f"pipeline.stage_layers={p.stage_layers!r} gives {len(counts)} stages but "
+            f"mesh.stage={stages}: give one layer count per stage"
+        )
+    empty = [s for s, n in enumerate(counts) if n < 1]
+    if empty:
+        raise ConfigError(
+            f"pipeline.stage_layers={p.stage_layers!r}: stage(s) {empty} hold no layers; every "
+            "stage needs at least one layer"
+        )
+    if counts and sum(counts) != layers:
+        raise ConfigError(
+            f"pipeline.stage_layers={p.stage_layers!r} sums to {sum(counts)} layers but "
+            f"model.num_layers={layers}: the counts must add up to the number of layers"
+        )
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={p.schedule!r} is not one of {SCHEDULES}")
+    if p.profile_every < 0:
+        raise ConfigError(f"pipeline.profile_every={p.profile_every} must be >= 0 (0 = off)")
 
 
 def _check_types(cfg: ml_collections.ConfigDict, ref: ml_collections.ConfigDict) -> None:

@@ -1,7 +1,9 @@
 """Everything a run builds once from its config: data, model, mesh, optimizer, initial Plan.
 
 The config is unpacked here, at the edge (STYLE.md trap 1); below this point functions take the
-few numbers they need.
+few numbers they need. A run executes either the single-program step (`dynjax.parallel.step`) or,
+when its Plan has a stage assignment, the MPMD pipeline (`dynjax.parallel.pipeline`); `runtime`
+wraps both behind one small interface for the training loop.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax import config as config_lib
+from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
+from dynjax.launch.distributed import exchange, forget
 from dynjax.model import GPT, GPTConfig
 from dynjax.optim import learning_rate_schedule, make_optimizer
 from dynjax.parallel import (
@@ -33,6 +37,10 @@ from dynjax.parallel import (
     make_train_step,
     param_shardings,
 )
+from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host_metrics
+from dynjax.parallel.stage_programs import StageSetup
+from dynjax.parallel.stages import ModelParts, PipelineSpec, stage_specs
+from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, static_capacities
 
 
@@ -85,12 +93,21 @@ class Experiment:
             top_k=cfg.moe.top_k,
             group_tokens=cfg.data.seq_len,
             batch_size=t.batch_size,
+            num_layers=cfg.model.num_layers,
+            pipeline_stages=len(config_lib.stage_layers(cfg)),
+            batch_shards=cfg.mesh.data * cfg.mesh.expert,
         )
         return cls(
             cfg=cfg,
             model_cfg=model_cfg,
             ctx=ctx,
-            mesh=make_mesh(cfg.mesh.stage, cfg.mesh.data, cfg.mesh.expert),
+            # Devices in process order: each process of a multi-process run owns whole stages.
+            mesh=make_mesh(
+                cfg.mesh.stage,
+                cfg.mesh.data,
+                cfg.mesh.expert,
+                sorted(jax.devices(), key=lambda d: (d.process_index, d.id)),
+            ),
             graphdef=graphdef,
             optimizer=make_optimizer(t),
             schedule=learning_rate_schedule(
@@ -109,6 +126,11 @@ class Experiment:
         params = jax.device_put(params, self.param_shardings)
         return {"params": params, "opt_state": jax.jit(self.optimizer.init)(params)}
 
+    def init_host_state(self) -> dict[str, Any]:
+        """Fresh parameters and optimizer state as host arrays (what a pipeline splits)."""
+        params = nnx.to_pure_dict(nnx.state(GPT(self.model_cfg, rngs=nnx.Rngs(self.cfg.seed))))
+        return jax.device_get({"params": params, "opt_state": jax.jit(self.optimizer.init)(params)})
+
     @functools.cached_property
     def abstract_state(self) -> dict[str, Any]:
         """Shapes, dtypes and shardings of the training state (what lowering and restore need)."""
@@ -120,12 +142,13 @@ class Experiment:
             params,
             param_shardings(params, self.mesh),
         )
+        # Moments mirror the parameters' shardings (their paths end like the parameters');
+        # scalars such as Adam's count are replicated over the whole mesh.
         opt_state = jax.eval_shape(self.optimizer.init, params)
-        opt_shardings = jax.jit(self.optimizer.init).lower(params).compile().output_shardings
         opt_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             opt_state,
-            opt_shardings,
+            param_shardings(opt_state, self.mesh),
         )
         return {"params": params, "opt_state": opt_state}
 
@@ -141,14 +164,24 @@ class Experiment:
     # -- plans and steps ---------------------------------------------------------------------
 
     def initial_plan(self) -> Plan:
-        t = self.cfg.train
         plan = Plan(
             capacities=static_capacities(self.ctx, self.cfg.moe.capacity.factor),
-            microbatches=t.microbatches,
-            dtype=t.dtype,
+            microbatches=config_lib.microbatches(self.cfg),
+            dtype=self.cfg.train.dtype,
+            stage_layers=config_lib.stage_layers(self.cfg),
+            schedule=self.cfg.pipeline.schedule,
         )
         plan.validate(self.ctx)
         return plan
+
+    def resumed_plan(self, saved: Plan) -> Plan:
+        """A checkpoint's Plan on this run's mesh: a changed stage count takes the config's
+        stage assignment and schedule (the checkpoint itself does not depend on the stages)."""
+        if len(saved.stage_layers) != self.ctx.pipeline_stages:
+            initial = self.initial_plan()
+            saved = saved.replace(stage_layers=initial.stage_layers, schedule=initial.schedule)
+        saved.validate(self.ctx)
+        return saved
 
     def step_options(self, plan: Plan) -> StepOptions:
         return StepOptions(
@@ -161,8 +194,14 @@ class Experiment:
             return_assignments=self.ctx.num_moe_layers > 0 and self.cfg.moe.caching.enabled,
         )
 
-    def lower_train_step(self, plan: Plan) -> jax.stages.Lowered:
-        """Trace and lower the train step of ``plan`` from abstract values (no buffers touched)."""
+    def lower_train_step(self, plan: Plan):
+        """Trace and lower the train step of ``plan`` from abstract values (no buffers touched).
+
+        A pipeline Plan lowers only the stage programs that are not compiled yet; ``compile()``
+        of the result builds them (`dynjax.parallel.pipeline.LoweredPipeline`).
+        """
+        if plan.stage_layers:
+            return self.pipeline_programs.lower(self.pipeline_spec(plan))
         step = make_train_step(
             self.graphdef, self.optimizer, self.step_options(plan), expert_parallel(self.mesh)
         )
@@ -199,6 +238,54 @@ class Experiment:
             out["cached"] = jax.device_put(cached, self.cached_sharding)
         return out
 
+    # -- the pipeline ---------------------------------------------------------------------------
+
+    def pipeline_spec(self, plan: Plan) -> PipelineSpec:
+        stages = stage_specs(
+            plan.stage_layers,
+            moe_layers=self.model_cfg.moe_layers,
+            capacities=plan.capacities,
+            frozen_layers=plan.frozen_layers,
+            microbatches=plan.microbatches,
+            batch_size=self.cfg.train.batch_size,
+            cached_routing=plan.cached_routing,
+            dtype=plan.dtype,
+        )
+        tasks = schedule_tasks(plan.schedule, len(stages), plan.microbatches)
+        return PipelineSpec(stages, plan.schedule, tasks)
+
+    @functools.cached_property
+    def pipeline_programs(self) -> PipelinePrograms:
+        t, moe = self.cfg.train, self.cfg.moe
+        setup = StageSetup(
+            parts=ModelParts.of(self.model_cfg),
+            optimizer=self.optimizer,
+            grad_clip=t.grad_clip,
+            aux_loss_weight=moe.aux_loss_weight,
+            z_loss_weight=moe.z_loss_weight,
+            return_assignments=self.ctx.num_moe_layers > 0 and moe.caching.enabled,
+        )
+        params = jax.eval_shape(
+            lambda: nnx.to_pure_dict(nnx.state(GPT(self.model_cfg, rngs=nnx.Rngs(0))))
+        )
+        # Up to `cache_size` Plans' worth of stage programs (about four kinds per stage).
+        entries = self.cfg.recompile.cache_size * 4 * self.ctx.pipeline_stages
+        return PipelinePrograms(
+            setup, Transport(self.mesh), params, self.cfg.data.seq_len, max_entries=entries
+        )
+
+    def runtime(self, plan: Plan, host_state: dict[str, Any] | None = None):
+        """The runtime of ``plan``'s kind, holding the initial (or a restored host) state."""
+        if plan.stage_layers:
+            pipeline = Pipeline(self.pipeline_programs, self.abstract_state)
+            pipeline.place(
+                host_state if host_state is not None else self.init_host_state(),
+                self.pipeline_spec(plan),
+            )
+            return PipelineRuntime(self, pipeline)
+        state = self.init_state() if host_state is None else self.place_state(host_state)
+        return SingleProgramRuntime(self, state)
+
     def eval_step(self, plan: Plan):
         """Jitted mean validation loss of one batch under ``plan``'s capacities (cached)."""
         opts = self.step_options(plan)
@@ -214,3 +301,75 @@ class Experiment:
         fn = self.eval_step(plan)
         losses = [fn(params, self.device_batch(b)) for b in self.val_batches]
         return float(np.mean(jax.device_get(losses)))
+
+
+class SingleProgramRuntime:
+    """The training state of the single-program step, and the calls the training loop makes."""
+
+    def __init__(self, exp: Experiment, state: dict[str, Any]) -> None:
+        self.exp, self.state = exp, state
+
+    def step(self, executable, batch: Batch, cached: np.ndarray | None):
+        """Dispatch one step; returns its metrics as device arrays."""
+        state = self.state
+        state["params"], state["opt_state"], metrics = executable(
+            state["params"], state["opt_state"], self.exp.device_batch(batch, cached)
+        )
+        return metrics
+
+    def host_metrics(self, step: int, metrics: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return metrics
+
+    def swap(self, plan: Plan, executable) -> Migration | None:
+        """Every Plan of this runtime shares one state layout: nothing to migrate."""
+        return None
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.state
+
+    def evaluate(self, plan: Plan) -> float | None:
+        return self.exp.evaluate(self.state["params"], plan)
+
+
+class PipelineRuntime:
+    """The MPMD pipeline behind the same calls as `SingleProgramRuntime`."""
+
+    def __init__(self, exp: Experiment, pipeline: Pipeline) -> None:
+        self.exp, self.pipeline = exp, pipeline
+        self.evaluations = 0
+
+    def step(self, executable, batch: Batch, cached: np.ndarray | None):
+        return self.pipeline.step(executable, batch.inputs, batch.targets, cached)
+
+    def profile_step(self, executable, batch: Batch, cached: np.ndarray | None):
+        """`step`, profiled (blocks): returns (metrics with the profile's added, Profile)."""
+        metrics, profile = self.pipeline.profile_step(
+            executable, batch.inputs, batch.targets, cached
+        )
+        return {**metrics, **profile.metrics()}, profile
+
+    def host_metrics(self, step: int, metrics: dict[str, Any]) -> dict[str, np.ndarray]:
+        """The host metrics of ``step``: every process contributes its stages' (in order)."""
+        stages = {}
+        for part in exchange(f"metrics/{step}", metrics["stages"]):
+            stages.update(part)
+        forget(f"metrics/{step - 2}")  # every process has read it: they are a step apart at most
+        return host_metrics({**metrics, "stages": stages})
+
+    def swap(self, plan: Plan, executable) -> Migration | None:
+        """Migrate layers to their new stages when the stage assignment changed."""
+        if executable.spec.stages == self.pipeline.spec.stages:
+            self.pipeline.spec = executable.spec  # a new schedule: same state layout
+            return None
+        migration = self.pipeline.migrate(executable)
+        return migration if migration.layers else None
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.pipeline.host_state()
+
+    def evaluate(self, plan: Plan) -> float | None:
+        self.evaluations += 1
+        local = self.pipeline.evaluate((b.inputs, b.targets) for b in self.exp.val_batches)
+        losses = exchange(f"eval/{self.evaluations}", local)  # the last stage's process has it
+        forget(f"eval/{self.evaluations - 1}")
+        return next((loss for loss in losses if loss is not None), None)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer
 from dynjax.experiment import Experiment
+from dynjax.launch.distributed import initialize_from_env
 from dynjax.recompile import (
     STABILITY,
     AssignmentCache,
@@ -100,27 +101,40 @@ def train(
 
     ``policies`` are user policies run by the Controller after the ones the config asks for
     (README "Writing a policy").
+
+    In a multi-process run (`dynjax.launch`) every process runs this loop over its own pipeline
+    stages; process i > 0 writes its files to ``workdir/process_<i>``. Such a run keeps its
+    first Plan (no policies: every process would have to swap at the same step) and writes no
+    checkpoints (no process holds the whole state).
     """
     began = time.perf_counter()
+    single = jax.process_count() == 1
     workdir = Path(workdir)
+    if jax.process_index() > 0:
+        workdir = workdir / f"process_{jax.process_index()}"
     workdir.mkdir(parents=True, exist_ok=True)
     enable_persistent_cache(os.path.expanduser(cfg.recompile.cache_dir) or None)
     exp = Experiment.from_config(cfg)
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     events = EventLog(workdir / "events.jsonl")
-    checkpointer = Checkpointer(
-        workdir / "checkpoints",
-        keep=cfg.train.keep_checkpoints,
-        async_save=cfg.checkpoint.async_save,
-        emit=events,
-    )
+    if single:
+        checkpointer = Checkpointer(
+            workdir / "checkpoints",
+            keep=cfg.train.keep_checkpoints,
+            async_save=cfg.checkpoint.async_save,
+            emit=events,
+        )
+    else:
+        _check_multi_process(cfg, exp, policies)
+        checkpointer = _NoCheckpoints()
     restored = checkpointer.restore_latest(exp.abstract_state)
     if restored is None:
-        state, plan, start = exp.init_state(), exp.initial_plan(), 0
+        plan, start = exp.initial_plan(), 0
+        runtime = exp.runtime(plan)
     else:
         host_state, meta = restored
-        state, plan, start = exp.place_state(host_state), Plan.from_dict(meta["plan"]), meta["step"]
-        plan.validate(exp.ctx)
+        plan, start = exp.resumed_plan(Plan.from_dict(meta["plan"])), meta["step"]
+        runtime = exp.runtime(plan, host_state)
         log.info("resumed from step %d of %s", start, workdir)
     steps = cfg.train.steps
     if start >= steps:
@@ -185,36 +199,48 @@ def train(
         dynamic_ncols=True,
     )
     recompiles, eval_loss = 0, None
+    # A pipeline profiles the first step of every Plan (seed 000 §3.1) and every n-th step.
+    profiles = single and bool(plan.stage_layers)  # profiling times every stage on one host
+    profile_on_change = cfg.pipeline.profile_on_change and profiles
+    profile_every = cfg.pipeline.profile_every if profiles else 0
+    profile_next = profile_on_change
     controller.start()
     try:
         for step in range(start, steps):
             swap = controller.poll(step)
-            if swap is not None:  # same parameter layout: nothing to migrate for these Plans
+            if swap is not None:
+                migration = runtime.swap(swap.plan, swap.executable)
+                if migration is not None:
+                    events(migration.event(step))
                 executable, plan, recompiles = swap.executable, swap.plan, recompiles + 1
                 controller.swap_done(swap)
+                profile_next = profile_next or profile_on_change
             batch = exp.order.batch(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
-            state["params"], state["opt_state"], metrics = executable(
-                state["params"], state["opt_state"], exp.device_batch(batch, cached)
-            )
+            if profile_next or (profile_every and step % profile_every == 0):
+                metrics, profile = runtime.profile_step(executable, batch, cached)
+                events(profile.event(step))
+                profile_next = False
+            else:
+                metrics = runtime.step(executable, batch, cached)
             monitor.push(step, metrics)
             logger.sample_ids[step] = batch.sample_ids
             for s, m in monitor.pop_ready(step):
-                logger.observe(s, m, plan, cache, controller, bar)
+                logger.observe(s, runtime.host_metrics(s, m), plan, cache, controller, bar)
             bar.update(1)
             done = step + 1
             if done % cfg.train.eval_every == 0 or done == steps:
-                eval_loss = exp.evaluate(state["params"], plan)
+                eval_loss = runtime.evaluate(plan)
                 if eval_loss is not None:
                     writer.write(done, {"eval_loss": eval_loss})
-            if done % cfg.train.checkpoint_every == 0 or done == steps:
+            if single and (done % cfg.train.checkpoint_every == 0 or done == steps):
                 checkpointer.save(
                     done,
-                    state,
+                    runtime.checkpoint_state(),
                     {"plan": plan.to_dict(), "data_position": done, "config": cfg.to_dict()},
                 )
         for s, m in monitor.drain():
-            logger.observe(s, m, plan, cache, controller, bar)
+            logger.observe(s, runtime.host_metrics(s, m), plan, cache, controller, bar)
     finally:
         bar.close()
         controller.stop()
@@ -232,6 +258,33 @@ def train(
         checkpointer.all_steps(),
         time.perf_counter() - began,
     )
+
+
+def _check_multi_process(cfg, exp: Experiment, policies: Sequence[Policy]) -> None:
+    if not config_lib.stage_layers(cfg):
+        raise ValueError(
+            f"{jax.process_count()} processes need pipeline stages (mesh.stage > 1): each "
+            "process runs the stages on its own devices"
+        )
+    if policies or policies_for(cfg, exp):
+        raise ValueError(
+            "multi-process runs keep their first Plan: remove the policies (and set "
+            "moe.capacity.policy=static, moe.caching.enabled=False)"
+        )
+    log.warning("multi-process run: no checkpoints are written")
+
+
+class _NoCheckpoints:
+    """The checkpointer of a multi-process run: nothing to restore, nothing saved."""
+
+    def restore_latest(self, template):
+        return None
+
+    def all_steps(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
 
 
 class _Logger:
@@ -332,6 +385,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    initialize_from_env()  # a process of a multi-process launch (dynjax.launch.local)
     config_path, overrides, workdir = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = config_lib.load_config(config_path, overrides)

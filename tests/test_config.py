@@ -37,7 +37,6 @@ def test_wrong_type_is_rejected():
             {"moe__every": 1, "moe__num_experts": 6, "mesh__expert": 4},
             r"moe.num_experts=6 must be divisible by mesh.expert=4",
         ),
-        ({"mesh__stage": 2}, r"mesh.stage=2: pipeline stages are not implemented yet"),
         ({"train__batch_size": 6, "mesh__data": 4}, r"train.batch_size=6 must be divisible"),
         ({"mesh__expert": 2}, r"mesh.expert=2 needs MoE layers"),
         ({"train__dtype": "float16"}, r"train.dtype='float16' is not one of"),

@@ -107,8 +107,8 @@ def test_from_dict_defaults_fields_saved_before_they_existed():
 
 
 def test_from_dict_rejects_unknown_fields():
-    with pytest.raises(PlanError, match="stage_layers"):
-        Plan.from_dict({"capacities": [], "stage_layers": [[0, 1]]})
+    with pytest.raises(PlanError, match="token_buckets"):
+        Plan.from_dict({"capacities": [], "token_buckets": [[0, 1]]})
 
 
 @given(

@@ -1,4 +1,5 @@
-"""Mesh, shardings and the compiled steps (the pipeline runtime will live here too)."""
+"""Mesh, shardings, the single-program step, and the MPMD pipeline (`pipeline`, `stages`,
+`stage_programs`, `dispatch`, `transport`, `layout`, `profile`: import those modules directly)."""
 
 from dynjax.parallel.mesh import (
     AXES,

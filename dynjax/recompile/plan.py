@@ -2,8 +2,8 @@
 
 Two equal Plans compile to the same executables (DESIGN.md, "The loop" 1), so a Plan is the key
 of the compile cache, the unit of a RECOMPILE (seed 001 §3) and what a checkpoint stores to resume
-the same program. Later issues add fields (stage assignment, frozen layers, ...): every field has a
-default, so a Plan saved before a field existed still loads (`Plan.from_dict`).
+the same program. Fields added later (the pipeline's stage assignment and schedule, frozen layers)
+have defaults, so a Plan saved before a field existed still loads (`Plan.from_dict`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from dynjax.balance import SCHEDULES
 
 DTYPES = ("float32", "bfloat16")
 
@@ -25,7 +27,9 @@ class PlanContext:
     """The facts about the model and batch that decide whether a Plan is possible.
 
     `group_tokens` is the number of tokens in one dispatch group (one sequence of `seq_len`
-    tokens), the unit capacities are counted in.
+    tokens), the unit capacities are counted in. `pipeline_stages` is the number of pipeline
+    stages the mesh has (0: no pipeline, the single-program step); `batch_shards` the devices
+    one stage splits a microbatch over (mesh.data * mesh.expert).
     """
 
     num_moe_layers: int
@@ -33,12 +37,18 @@ class PlanContext:
     top_k: int
     group_tokens: int
     batch_size: int
+    num_layers: int = 0
+    pipeline_stages: int = 0
+    batch_shards: int = 1
 
     def __post_init__(self) -> None:
         if (
             self.num_moe_layers < 0
             or min(self.num_experts, self.top_k, self.group_tokens, self.batch_size) < 1
             or self.top_k > self.num_experts
+            or self.pipeline_stages < 0
+            or self.batch_shards < 1
+            or self.num_layers < self.pipeline_stages
         ):
             raise PlanError(f"impossible model for a Plan: {self}")
 
@@ -65,8 +75,16 @@ class Plan:
       group (one sequence), so they do not depend on batch size or mesh (seed 001 §4.1, Eq. 4).
     cached_routing: dispatch with the cached sample assignment instead of waiting for the router
       (seed 001 §4.2).
-    microbatches: gradient-accumulation steps inside one train step.
+    microbatches: gradient-accumulation steps inside one train step; in a pipeline, the
+      microbatches the schedule moves through the stages (one source of truth for both).
     dtype: compute dtype, one of `DTYPES`.
+    stage_layers: how many consecutive layers each pipeline stage holds, e.g. (1, 3, 2, 2); the
+      embedding is on the first stage, the final norm, head and loss on the last. Empty: no
+      pipeline (the single-program step of `dynjax.parallel.step`).
+    schedule: the pipeline schedule, one of `SCHEDULES` (seed 003 §A).
+    frozen_layers: layers that compute no weight gradient and get no optimizer update. Freezing
+      layer 0 freezes the token (and position) embedding with it, so a frozen prefix of the model
+      runs no backward at all (layer freezing, seed 000 §4.2.3). Pipeline runs only.
 
     >>> a = Plan(capacities=((4, 4),))
     >>> b = a.replace(capacities=((4, 6),), cached_routing=True)
@@ -80,6 +98,9 @@ class Plan:
     cached_routing: bool = False
     microbatches: int = 1
     dtype: str = "float32"
+    stage_layers: tuple[int, ...] = ()
+    schedule: str = "1f1b"
+    frozen_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -87,6 +108,10 @@ class Plan:
         # NumPy integers from a policy would hash equal but break JSON: store Python ints.
         caps = tuple(tuple(int(c) for c in layer) for layer in self.capacities)
         object.__setattr__(self, "capacities", caps)
+        object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
+        # A set of layers: one order, so equal sets are equal Plans.
+        frozen = tuple(sorted({int(i) for i in self.frozen_layers}))
+        object.__setattr__(self, "frozen_layers", frozen)
 
     def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)
@@ -125,8 +150,55 @@ class Plan:
             )
         if self.dtype not in DTYPES:
             problems.append(f"dtype = {self.dtype!r} is unknown: use one of {DTYPES}")
+        problems += self._pipeline_problems(ctx)
         if problems:
             raise PlanError("invalid Plan:\n  " + "\n  ".join(problems))
+
+    def _pipeline_problems(self, ctx: PlanContext) -> list[str]:
+        problems = []
+        stages = self.stage_layers
+        if not stages:
+            if ctx.pipeline_stages:
+                problems.append(
+                    f"stage_layers is empty but the mesh has {ctx.pipeline_stages} pipeline "
+                    "stages: give one layer count per stage, e.g. dynjax.balance.uniform"
+                )
+            if self.frozen_layers:
+                problems.append(
+                    f"frozen_layers = {self.frozen_layers} needs the pipeline runtime: set "
+                    f"pipeline.stage_layers (e.g. '({ctx.num_layers},)' for one stage)"
+                )
+        else:
+            if len(stages) != ctx.pipeline_stages:
+                problems.append(
+                    f"stage_layers = {stages} has {len(stages)} stages but the mesh has "
+                    f"{ctx.pipeline_stages}: give one layer count per stage (mesh.stage)"
+                )
+            empty = [s for s, n in enumerate(stages) if n < 1]
+            if empty:
+                problems.append(
+                    f"stage_layers = {stages}: stage(s) {empty} hold no layers; every stage "
+                    "needs at least one layer (use fewer stages)"
+                )
+            if sum(stages) != ctx.num_layers:
+                problems.append(
+                    f"stage_layers = {stages} sums to {sum(stages)} layers but the model has "
+                    f"{ctx.num_layers}: the counts must add up to model.num_layers"
+                )
+            if self.schedule not in SCHEDULES:
+                problems.append(f"schedule = {self.schedule!r} is unknown: use one of {SCHEDULES}")
+            rows = ctx.batch_size // max(self.microbatches, 1)
+            if rows % ctx.batch_shards:
+                problems.append(
+                    f"a microbatch of {rows} sequences cannot be split over the "
+                    f"{ctx.batch_shards} devices of a stage: use fewer microbatches"
+                )
+        outside = [i for i in self.frozen_layers if not 0 <= i < ctx.num_layers]
+        if outside:
+            problems.append(
+                f"frozen_layers {outside} are not layers of the {ctx.num_layers}-layer model"
+            )
+        return problems
 
     def diff(self, other: Plan) -> dict[str, tuple[Any, Any]]:
         """Changed fields as `name -> (self value, other value)`, JSON-serialisable.

@@ -1,0 +1,131 @@
+"""The MPMD pipeline runtime: host dispatch cost, measured bubbles, one-stage overhead.
+
+Table 1, per schedule (GPipe, 1F1B) and microbatch count M on S stages: host seconds to dispatch
+one step per microbatch against device seconds per microbatch (the step's wall time once
+dispatch overlaps the device; the host keeps up while dispatch < device), the bubble ratio
+measured from `Pipeline.timed_step`'s timeline (seed 003 §A: idle / (stages x iteration)), the
+bubble the pipeline simulator predicts from the measured mean task time of each stage, and the
+analytic (S-1)/(M+S-1) of equal stages. On one CPU the fake devices share the cores, so the
+measured timeline is not a parallel one there; on a GPU per stage it is.
+
+Table 2: step throughput of a one-stage pipeline against the single-program step of the same
+Plan (the target is >= 0.95 on a GPU, where the pipeline's extra dispatches are hidden; on a
+CPU the fake device's own work dominates neither and the ratio only shows the runtime works).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
+        python3 benchmarks/pipeline.py [--config configs/quickstart.py] [--stages 4 --data 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+
+from dynjax.balance import simulate
+from dynjax.config import load_config
+from dynjax.experiment import Experiment
+from dynjax.parallel.profile import bubble_ratio
+
+
+def experiment(path: str, stages: int, data: int, layers: str = "", micro: int = 0) -> Experiment:
+    overrides = [
+        f"mesh.stage={stages}",
+        f"mesh.data={data}",
+        f"pipeline.stage_layers={layers}",
+        f"train.microbatches={micro}",
+    ]
+    return Experiment.from_config(load_config(path, overrides))
+
+
+def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
+    stages = exp.ctx.pipeline_stages
+    print(f"\n{stages} stages x {exp.cfg.mesh.data} data devices, {exp.cfg.model.num_layers} "
+          f"layers, batch {exp.cfg.train.batch_size} x {exp.cfg.data.seq_len}")
+    print(f"{'schedule':<9}{'M':>3}{'dispatch/mb ms':>16}{'device/mb ms':>14}"
+          f"{'bubble measured':>17}{'simulated':>11}{'analytic':>10}")
+    for m in micro:
+        plan = exp.initial_plan().replace(microbatches=m)
+        runtime = exp.runtime(plan)
+        for schedule in ("gpipe", "1f1b"):
+            plan = plan.replace(schedule=schedule)
+            exe = exp.lower_train_step(plan).compile()
+            runtime.swap(plan, exe)
+            pipeline, batch = runtime.pipeline, exp.order.batch(0)
+            jax.block_until_ready(pipeline.step(exe, batch.inputs, batch.targets))  # warm up
+            dispatch, device, measured, simulated = [], [], [], []
+            for t in range(steps):
+                batch = exp.order.batch(t)
+                t0 = time.perf_counter()
+                metrics = pipeline.step(exe, batch.inputs, batch.targets)
+                t1 = time.perf_counter()
+                jax.block_until_ready(metrics)
+                dispatch.append((t1 - t0) / m)
+                device.append((time.perf_counter() - t0) / m)
+                _, timeline = pipeline.timed_step(exe, batch.inputs, batch.targets)
+                measured.append(bubble_ratio(timeline))
+                fwd = [_mean(row, "F") for row in timeline]
+                bwd = [_mean(row, "B") for row in timeline]
+                simulated.append(simulate(fwd, bwd, m, schedule=schedule).bubble_ratio)
+            analytic = (stages - 1) / (m + stages - 1)
+            print(f"{schedule:<9}{m:>3}{1e3 * statistics.median(dispatch):>16.2f}"
+                  f"{1e3 * statistics.median(device):>14.2f}"
+                  f"{statistics.median(measured):>17.3f}{statistics.median(simulated):>11.3f}"
+                  f"{analytic:>10.3f}")
+
+
+def _mean(row, kind: str) -> float:
+    return statistics.mean(t.end - t.start for t in row if t.kind == kind)
+
+
+def one_stage_table(path: str, steps: int, rounds: int) -> None:
+    plain = experiment(path, 1, 1, micro=1)  # the same Plan for both: one microbatch
+    staged = experiment(path, 1, 1, layers=f"({plain.cfg.model.num_layers},)", micro=1)
+    loops = {}
+    for name, exp in (("single program", plain), ("1-stage pipeline", staged)):
+        plan = exp.initial_plan()
+        exe = exp.lower_train_step(plan).compile()
+        runtime = exp.runtime(plan)
+
+        def run(count: int, start: int, exe=exe, runtime=runtime, exp=exp) -> float:
+            t0 = time.perf_counter()
+            for t in range(start, start + count):
+                metrics = runtime.step(exe, exp.order.batch(t), None)
+            jax.block_until_ready(metrics)
+            return time.perf_counter() - t0
+
+        run(3, 0)  # warm up
+        loops[name] = run
+    tokens = steps * plain.cfg.train.batch_size * plain.cfg.data.seq_len
+    rates = {name: [] for name in loops}
+    for r in range(rounds):  # alternate, the machine is shared
+        for name, run in loops.items():
+            rates[name].append(tokens / run(steps, 3 + r * steps))
+    base, ours = (statistics.median(rates[n]) for n in loops)
+    print(f"\n{'step':<18}{'tokens/s':>12}   (median of {rounds} rounds x {steps} steps, "
+          f"{jax.devices()[0].device_kind})")
+    for name in loops:
+        print(f"{name:<18}{statistics.median(rates[name]):>12,.0f}")
+    print(f"{'ratio':<18}{ours / base:>12.3f}   (target >= 0.95 on a GPU)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/quickstart.py")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--data", type=int, default=2)
+    parser.add_argument("--microbatches", default="1,2,4,8", help="'' skips table 1")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of table 2")
+    args = parser.parse_args()
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}")
+    micro = [int(m) for m in args.microbatches.split(",") if m]
+    if micro:
+        bubble_table(experiment(args.config, args.stages, args.data), micro, args.steps)
+    one_stage_table(args.config, 4 * args.steps, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

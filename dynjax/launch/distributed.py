@@ -1,0 +1,69 @@
+"""The processes of one run: `jax.distributed` set-up from the environment and host exchanges.
+
+A launcher (``dynjax.launch.local``) starts every process of a run with ``DYNJAX_COORDINATOR``
+(host:port of process 0), ``DYNJAX_NUM_PROCESSES``, ``DYNJAX_PROCESS_ID`` and, on CPU,
+``DYNJAX_LOCAL_DEVICES``; ``dynjax.train`` calls `initialize_from_env` before JAX starts.
+
+Each process holds the metrics of its own pipeline stages only, but every process must log and
+decide from the same numbers, so host values are exchanged through the coordinator's key-value
+store: host to host, never through a device collective that would wait for the steps still
+queued on the devices. That store is reached through JAX's private distributed client; this
+module is the one place that touches it (STYLE.md habit 7).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import jax
+
+ENV = ("DYNJAX_COORDINATOR", "DYNJAX_NUM_PROCESSES", "DYNJAX_PROCESS_ID")
+TIMEOUT_MS = 600_000
+
+
+def initialize_from_env() -> bool:
+    """Join the run's processes if a launcher set the environment; True if it did."""
+    if not all(k in os.environ for k in ENV):
+        return False
+    local = os.environ.get("DYNJAX_LOCAL_DEVICES")
+    if local:
+        jax.config.update("jax_num_cpu_devices", int(local))
+    jax.distributed.initialize(
+        coordinator_address=os.environ["DYNJAX_COORDINATOR"],
+        num_processes=int(os.environ["DYNJAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["DYNJAX_PROCESS_ID"]),
+    )
+    return True
+
+
+def _client():
+    from jax._src.distributed import global_state  # the only private JAX import in dynjax
+
+    return global_state.client
+
+
+def exchange(key: str, value: Any) -> list[Any]:
+    """Every process's ``value`` for ``key`` (a name all processes use once), by process id.
+
+    Blocks until every process has published its value; values stay in the store until each
+    process `forget`s its own.
+    """
+    count = jax.process_count()
+    if count == 1:
+        return [value]
+    client, me = _client(), jax.process_index()
+    client.key_value_set_bytes(f"dynjax/{key}/{me}", pickle.dumps(value))
+    return [
+        value if p == me else pickle.loads(client.blocking_key_value_get_bytes(
+            f"dynjax/{key}/{p}", TIMEOUT_MS
+        ))
+        for p in range(count)
+    ]
+
+
+def forget(key: str) -> None:
+    """Delete this process's value of an exchange every process has read."""
+    if jax.process_count() > 1:
+        _client().key_value_delete(f"dynjax/{key}/{jax.process_index()}")

@@ -1,0 +1,96 @@
+"""``python -m dynjax.launch.local --processes N [--devices-per-process K] -- <train args>``.
+
+Starts N local ``python -m dynjax.train`` processes that form one `jax.distributed` run: process
+0 hosts the coordinator on a free local port, each process gets K CPU devices (so the run has
+N*K devices and each process owns the devices, hence the pipeline stages, that follow its
+predecessor's). Each pipeline stage must lie in one process: K must be a multiple of
+mesh.data * mesh.expert. Output is prefixed ``[i]``; when one process fails the launcher stops
+the others (they would wait for it forever) and exits with the first non-zero exit status.
+
+    python -m dynjax.launch.local --processes 2 --devices-per-process 4 -- \\
+        --config configs/quickstart.py --config.mesh.stage=4 --config.mesh.data=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    """A TCP port no one listens on now (the coordinator binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(rank: int, processes: int, devices: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DYNJAX_COORDINATOR=f"127.0.0.1:{port}",
+        DYNJAX_NUM_PROCESSES=str(processes),
+        DYNJAX_PROCESS_ID=str(rank),
+        DYNJAX_LOCAL_DEVICES=str(devices),
+        JAX_PLATFORMS="cpu",
+    )
+    # A forced host device count would override DYNJAX_LOCAL_DEVICES.
+    flags = env.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "force_host_platform_device_count" not in f)
+    return env
+
+
+def _relay(rank: int, stream) -> None:
+    for line in iter(stream.readline, b""):
+        sys.stdout.write(f"[{rank}] {line.decode(errors='replace')}")
+        sys.stdout.flush()
+
+
+def launch(processes: int, devices: int, train_args: list[str]) -> int:
+    """Run the processes to completion; the first non-zero exit status, else 0."""
+    port = free_port()
+    procs, relays = [], []
+    for rank in range(processes):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynjax.train", *train_args],
+            env=process_env(rank, processes, devices, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        relay = threading.Thread(target=_relay, args=(rank, proc.stdout), daemon=True)
+        relay.start()
+        procs.append(proc)
+        relays.append(relay)
+    while any(proc.poll() is None for proc in procs):
+        if any(proc.poll() for proc in procs):  # one failed: the others would wait for it forever
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+        time.sleep(0.2)
+    for relay in relays:
+        relay.join()
+    return next((proc.returncode for proc in procs if proc.returncode), 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        print("usage: python -m dynjax.launch.local --processes N -- <train args>", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m dynjax.launch.local", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--devices-per-process", type=int, default=1)
+    args = parser.parse_args(argv[:split])
+    if args.processes < 1 or args.devices_per_process < 1:
+        parser.error("--processes and --devices-per-process must be >= 1")
+    return launch(args.processes, args.devices_per_process, argv[split + 1 :])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Per-stage state trees keyed by name: splitting, joining and re-keying the training state.
+
+A pipeline stage holds the parameter *units* of its layers (``("layers", 3)``), plus the
+embedding on the first stage and the final norm and head on the last, as a sub-dict of the full
+parameter dict with the same keys (``{"layers": {3: ...}}``). Its optimizer state is the
+optimizer's state for that sub-dict, so every leaf of a stage's state sits at the same pytree
+path as in the full state: splitting, joining and moving layers between stages is a re-keying by
+path, never index arithmetic (STYLE.md habit 4). Scalars shared by all parameters (Adam's step
+count) have one copy per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+
+Unit = tuple  # ("embed",), ("pos",), ("layers", i), ("norm",), ("head",)
+KeyPath = tuple  # a jax key path, e.g. (DictKey("params"), DictKey("layers"), DictKey(3), ...)
+
+
+def select(params: Mapping[str, Any], units: Iterable[Unit]) -> dict[str, Any]:
+    """The sub-dict of ``params`` holding ``units``, keyed as in ``params``."""
+    out: dict[str, Any] = {}
+    for unit in units:
+        if unit[0] == "layers":
+            out.setdefault("layers", {})[unit[1]] = params["layers"][unit[1]]
+        else:
+            out[unit[0]] = params[unit[0]]
+    return out
+
+
+def by_path(tree: Any) -> dict[KeyPath, Any]:
+    """Every leaf of ``tree`` under its key path."""
+    return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def fill(template: Any, values: Mapping[KeyPath, Any]) -> Any:
+    """``template``'s tree with each leaf taken from ``values`` at the same path."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    missing = [jax.tree_util.keystr(p) for p, _ in paths if p not in values]
+    if missing:
+        raise KeyError(f"no value for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return jax.tree_util.tree_unflatten(treedef, [values[p] for p, _ in paths])
+
+
+def join(full_template: Any, stage_trees: Iterable[Any]) -> Any:
+    """The full tree from per-stage trees; a shared leaf comes from the first stage holding it."""
+    values: dict[KeyPath, Any] = {}
+    for tree in stage_trees:
+        for path, leaf in by_path(tree).items():
+            values.setdefault(path, leaf)
+    return fill(full_template, values)
+
+
+Move = Callable[[Any, int, int, Any], Any]  # (array, from stage, to stage, sharding) -> array
+
+
+def relayout(
+    old: Mapping[int, Any], new_templates: Mapping[int, Any], move: Move
+) -> tuple[dict[int, Any], int]:
+    """Re-key per-stage trees onto new stage templates; returns (new trees, bytes moved).
+
+    A leaf a stage already holds stays where it is; any other leaf comes from the first old
+    stage holding its path, through ``move`` (a copy: bit-for-bit). ``new_templates`` leaves
+    carry the target ``sharding``.
+    """
+    old_paths = {s: by_path(tree) for s, tree in old.items()}
+    moved_bytes, out = 0, {}
+    for s, template in new_templates.items():
+        values = {}
+        for path, spec in by_path(template).items():
+            if path in old_paths.get(s, {}):
+                values[path] = old_paths[s][path]
+                continue
+            src = next((t for t, leaves in old_paths.items() if path in leaves), None)
+            if src is None:
+                raise KeyError(f"no stage holds {jax.tree_util.keystr(path)}")
+            leaf = old_paths[src][path]
+            values[path] = move(leaf, src, s, spec.sharding)
+            moved_bytes += leaf.size * leaf.dtype.itemsize
+        out[s] = fill(template, values)
+    return out, moved_bytes

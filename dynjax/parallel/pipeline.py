@@ -1,0 +1,509 @@
+"""The MPMD pipeline runtime: per-stage state, the schedule's tasks, migration between stages.
+
+DESIGN.md "Parallelism": each stage runs its own programs (`stage_programs`) on its own
+sub-mesh, so stages may hold different numbers of layers of different shapes and layers can
+move. A step walks the global dispatch order of the schedule's task lists (`dispatch`), sends
+activations and their gradients to the neighbour stage (`Transport.send`), accumulates
+gradients over the microbatches, sums the per-stage gradient norms over all stages for
+clipping and updates each stage's parameters. It dispatches everything asynchronously and
+returns the step's metrics as device arrays; it never waits for a result inside a step.
+
+Programs are compiled per kind and the part of the `StageSpec` they depend on (`program_key`):
+a Plan whose stage assignment changes compiles only the stages whose layers changed, and
+`Pipeline.migrate` moves each moved layer's parameters and optimizer state to its new stage bit
+for bit (seed 000 §4.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dynjax.parallel.dispatch import dispatch_order
+from dynjax.parallel.layout import join, relayout
+from dynjax.parallel.mesh import TOKEN_AXES
+from dynjax.parallel.profile import Profile, TaskTime, stage_memory, unit_times
+from dynjax.parallel.stage_programs import StageSetup, StageShapes, lower_stage, stage_shapes
+from dynjax.parallel.stages import PipelineSpec, StageSpec
+from dynjax.parallel.transport import Transport
+
+ProgramKey = tuple[str, int]  # (kind, stage)
+
+
+def program_kinds(spec: StageSpec) -> tuple[str, ...]:
+    """The training programs one stage needs."""
+    kinds = () if spec.last else ("fwd",)
+    kinds += ("bwd",) if spec.has_backward else ()
+    return kinds + ("sqnorm", "update")
+
+
+def program_key(kind: str, spec: StageSpec) -> tuple[str, StageSpec]:
+    """The part of a stage's spec one of its programs depends on: its compile-cache key.
+
+    The gradient norm and the update see parameters, gradients and metrics, whose shapes do
+    not depend on capacities or cached routing: a capacity change recompiles only the forward
+    and backward of the stages whose capacities changed.
+    """
+    if kind in ("sqnorm", "update"):
+        return kind, replace(spec, capacities=(), cached_routing=False)
+    return kind, spec
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineExecutable:
+    """Compiled programs for every stage (of this process) of one `PipelineSpec`."""
+
+    spec: PipelineSpec
+    programs: Mapping[ProgramKey, Any]  # (kind, stage) -> jax.stages.Compiled
+    compiled: tuple[ProgramKey, ...]  # compiled for this spec; the others came from the cache
+    order: tuple[tuple[int, Any], ...]  # global dispatch order of (stage, task)
+
+
+@dataclasses.dataclass
+class LoweredPipeline:
+    """Programs lowered for a spec; `compile()` (on the Compiler's worker) builds the rest."""
+
+    spec: PipelineSpec
+    programs: PipelinePrograms
+    ready: dict[ProgramKey, Any]
+    lowered: dict[ProgramKey, tuple[StageSpec, jax.stages.Lowered]]
+
+    def compile(self) -> PipelineExecutable:
+        programs = dict(self.ready)
+        for key, (stage, lowered) in self.lowered.items():
+            programs[key] = self.programs.store(key[0], stage, lowered.compile())
+        return PipelineExecutable(
+            self.spec, programs, tuple(sorted(self.lowered)), dispatch_order(self.spec.tasks)
+        )
+
+
+class PipelinePrograms:
+    """Lowers stage programs and keeps the compiled ones by (kind, `StageSpec`).
+
+    `lower(spec)` runs on the caller's thread (tracing holds the GIL), `compile()` of its result
+    on the Compiler's worker; programs of stages whose spec did not change are reused.
+    """
+
+    def __init__(
+        self,
+        setup: StageSetup,
+        transport: Transport,
+        full_params: Any,
+        seq_len: int,
+        *,
+        max_entries: int = 64,
+    ) -> None:
+        self.setup, self.transport = setup, transport
+        self.full_params, self.seq_len = full_params, seq_len
+        self.max_entries = max_entries
+        self._compiled: OrderedDict[tuple[str, StageSpec], Any] = OrderedDict()
+        self._shapes: dict[StageSpec, StageShapes] = {}
+        self._lock = threading.Lock()
+
+    def shapes(self, spec: StageSpec) -> StageShapes:
+        """Abstract state and inputs of a stage. Traced without the lock: the training thread
+        reads them every task while the controller's thread may be tracing a new Plan's."""
+        hit = self._shapes.get(spec)
+        if hit is None:
+            mesh = self.transport.stage_meshes[spec.index]
+            hit = stage_shapes(self.setup, spec, mesh, self.full_params, self.seq_len)
+            hit = self._shapes.setdefault(spec, hit)
+        return hit
+
+    def lower(self, spec: PipelineSpec) -> LoweredPipeline:
+        """The programs of this process's stages: cached ones ready, the others lowered."""
+        ready, lowered = {}, {}
+        for stage in spec.stages:
+            if not self.transport.is_local(stage.index):
+                continue
+            for kind in program_kinds(stage):
+                key = (kind, stage.index)
+                with self._lock:
+                    hit = self._compiled.get(program_key(kind, stage))
+                    if hit is not None:
+                        self._compiled.move_to_end(program_key(kind, stage))
+                if hit is not None:
+                    ready[key] = hit
+                else:
+                    lowered[key] = (stage, self.lower_one(kind, stage))
+        return LoweredPipeline(spec, self, ready, lowered)
+
+    def lower_one(self, kind: str, stage: StageSpec) -> jax.stages.Lowered:
+        mesh = self.transport.stage_meshes[stage.index]
+        return lower_stage(kind, self.setup, stage, mesh, self.shapes(stage))
+
+    def store(self, kind: str, stage: StageSpec, compiled: Any) -> Any:
+        key = program_key(kind, stage)
+        with self._lock:
+            self._compiled[key] = compiled
+            self._compiled.move_to_end(key)
+            while len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def get(self, kind: str, stage: StageSpec) -> Any:
+        """A compiled program, compiling it now if needed (evaluation programs)."""
+        with self._lock:
+            hit = self._compiled.get(program_key(kind, stage))
+        if hit is None:
+            hit = self.store(kind, stage, self.lower_one(kind, stage).compile())
+        return hit
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    """What `Pipeline.migrate` did: the ``migrate`` event of events.jsonl."""
+
+    moves: tuple[tuple[int, int, int], ...]  # (layer, from stage, to stage)
+    bytes: int  # parameter and optimizer-state bytes copied between stages
+    seconds: float  # copying, after the steps in flight finished
+    recompiled_stages: tuple[int, ...]  # stages whose programs the new Plan compiled
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(m[0] for m in self.moves)
+
+    def event(self, step: int) -> dict[str, Any]:
+        return {
+            "event": "migrate",
+            "step": step,
+            "layers": list(self.layers),
+            "moves": [list(m) for m in self.moves],
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "recompiled_stages": list(self.recompiled_stages),
+        }
+
+
+class Pipeline:
+    """The training state of every stage and the step that runs a `PipelineExecutable` on it.
+
+    State per stage: ``{"params", "opt_state"}`` keyed by name as in the full state (see
+    `layout`), plus the gradient accumulator of its trainable units (zero between steps).
+    """
+
+    def __init__(self, programs: PipelinePrograms, full_template: Any) -> None:
+        self.programs = programs
+        self.transport = programs.transport
+        self.full_template = full_template  # the full {"params", "opt_state"} tree (structure)
+        self.spec: PipelineSpec | None = None
+        self.state: dict[int, dict[str, Any]] = {}
+        self.acc: dict[int, Any] = {}
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _local(self, spec: PipelineSpec) -> list[StageSpec]:
+        return [s for s in spec.stages if self.transport.is_local(s.index)]
+
+    def _templates(self, spec: PipelineSpec) -> dict[int, dict[str, Any]]:
+        out = {}
+        for stage in self._local(spec):
+            shapes = self.programs.shapes(stage)
+            out[stage.index] = {"params": shapes.params, "opt_state": shapes.opt_state}
+        return out
+
+    def _zero_acc(self, spec: PipelineSpec) -> dict[int, Any]:
+        zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
+        return {
+            s.index: jax.tree.map(zeros, self.programs.shapes(s).acc) for s in self._local(spec)
+        }
+
+    def _single_process(self, what: str) -> None:
+        if len(self.transport.local_stages) != self.transport.num_stages:
+            raise ValueError(f"{what} needs every pipeline stage in this process")
+
+    def place(self, host_state: Any, spec: PipelineSpec) -> None:
+        """Split the full ``{"params", "opt_state"}`` tree (host arrays) onto this process's
+        stages."""
+        put = lambda array, _src, _dst, sharding: jax.device_put(array, sharding)
+        # The host tree is one more "stage" (-1) that holds every leaf.
+        self.state, _ = relayout({-1: host_state}, self._templates(spec), put)
+        self.acc, self.spec = self._zero_acc(spec), spec
+
+    def host_state(self) -> Any:
+        """The full ``{"params", "opt_state"}`` tree as host arrays (checkpoints)."""
+        self._single_process("gathering the full state")
+        stages = [jax.device_get(self.state[s]) for s in sorted(self.state)]
+        return join(self.full_template, stages)
+
+    def migrate(self, exe: PipelineExecutable) -> Migration:
+        """Lay the state out for ``exe``: every layer whose stage changed moves to its new stage
+        with its optimizer state, bit for bit; the others stay where they are."""
+        self._single_process("moving layers between stages")
+        old, spec = self.spec, exe.spec
+        jax.block_until_ready(self.state)  # the steps in flight finish first: time the moves only
+        start = time.perf_counter()
+        self.state, moved = relayout(self.state, self._templates(spec), self.transport.move)
+        jax.block_until_ready(self.state)
+        seconds = time.perf_counter() - start
+        self.acc, self.spec = self._zero_acc(spec), spec
+        layers = [i for s in old.stages for i in s.layers if spec.owner(i) != s.index]
+        return Migration(
+            moves=tuple((i, old.owner(i), spec.owner(i)) for i in layers),
+            bytes=moved,
+            seconds=seconds,
+            recompiled_stages=tuple(sorted({s for _, s in exe.compiled})),
+        )
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def _rows(self, stage: int) -> NamedSharding:
+        return self.transport.sharding(stage, P(TOKEN_AXES))
+
+    def step(
+        self,
+        exe: PipelineExecutable,
+        inputs: np.ndarray,
+        targets: np.ndarray,
+        cached: np.ndarray | None = None,
+    ) -> dict[str, Any]:
+        """One training step on a host batch ([B, S] tokens; cached: [L_moe, B, S, k]).
+
+        Returns ``{"stages": {stage: metrics}}`` (this process's stages) as device arrays;
+        `host_metrics` turns the host copies of all stages into the single-program metrics.
+        """
+        run = self._start(exe, inputs, targets, cached)
+        for s, task in exe.order:
+            self._run(run, s, task)
+        return self._finish(run)
+
+    def timed_step(
+        self,
+        exe: PipelineExecutable,
+        inputs: np.ndarray,
+        targets: np.ndarray,
+        cached: np.ndarray | None = None,
+    ) -> tuple[dict[str, Any], tuple[tuple[TaskTime, ...], ...]]:
+        """`step`, with each stage's tasks run by its own host thread that waits for every
+        task's result: returns the metrics and each stage's timeline of tasks, in seconds from
+        the start of the step (what the pipeline simulator of `dynjax.balance` predicts)."""
+        self._single_process("a timed step")
+        run = self._start(exe, inputs, targets, cached)
+        done = {(t.kind, s, t.microbatch): threading.Event() for s, ts in enumerate(exe.spec.tasks)
+                for t in ts}
+        timeline: list[list[TaskTime]] = [[] for _ in exe.spec.stages]
+        errors: list[BaseException] = []
+        last = exe.spec.num_stages - 1
+        start = time.perf_counter()
+
+        def stage_thread(s: int) -> None:
+            try:
+                for task in exe.spec.tasks[s]:
+                    m = task.microbatch
+                    needs = (("F", s - 1, m) if s > 0 else None) if task.kind == "F" else (
+                        ("B", s + 1, m) if s < last else None
+                    )
+                    if needs is not None:
+                        done[needs].wait()
+                    if errors:
+                        return
+                    t0 = time.perf_counter()
+                    computed, sent = self._run(run, s, task)
+                    jax.block_until_ready(computed)
+                    t1 = time.perf_counter()
+                    jax.block_until_ready(sent)  # the consumer waits for the transfer too
+                    timeline[s].append(TaskTime(task.kind, m, t0 - start, t1 - start))
+                    done[task.kind, s, m].set()
+            except BaseException as e:  # re-raised on the calling thread
+                errors.append(e)
+                for event in done.values():
+                    event.set()
+
+        threads = [threading.Thread(target=stage_thread, args=(s,)) for s in range(last + 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return self._finish(run), tuple(tuple(t) for t in timeline)
+
+    def profile_step(
+        self,
+        exe: PipelineExecutable,
+        inputs: np.ndarray,
+        targets: np.ndarray,
+        cached: np.ndarray | None = None,
+        *,
+        repeats: int = 3,
+    ) -> tuple[dict[str, Any], Profile]:
+        """`timed_step`, then each unit's forward and backward time and each stage's memory
+        (seed 000 §3.1: the step after a change is profiled). Blocks until all are measured."""
+        metrics, timeline = self.timed_step(exe, inputs, targets, cached)
+        params = {s: st["params"] for s, st in self.state.items()}
+        times = unit_times(
+            exe.spec,
+            params,
+            self.programs.get,
+            self.programs.shapes,
+            self.programs.setup.parts,
+            repeats=repeats,
+        )
+        memory = stage_memory(exe.spec, self.state, self.acc, exe.programs, self.programs.shapes)
+        return metrics, Profile(times, memory, timeline)
+
+    def _start(self, exe: PipelineExecutable, inputs, targets, cached) -> _Run:
+        if exe.spec != self.spec:
+            raise ValueError("the state is laid out for another stage assignment: migrate first")
+        stages = exe.spec.stages
+        return _Run(
+            exe=exe,
+            inputs=inputs,
+            targets=targets,
+            routes=_CachedRoutes(exe.spec, cached, self.transport),
+            stage_in=[{} for _ in stages],
+            grad_in=[{} for _ in stages],
+            metrics=[[None] * exe.spec.microbatches for _ in stages],
+        )
+
+    def _run(self, run: _Run, s: int, task: Any) -> tuple[tuple, tuple]:
+        """Dispatch one task (and, across processes, this process's side of its transfer);
+        returns (what it computed, what it sent on) as far as they are on this process."""
+        spec = run.exe.spec
+        stage, m, m_count = spec.stages[s], task.microbatch, spec.microbatches
+        programs, local = run.exe.programs, self.transport.is_local(s)
+        params = self.state[s]["params"] if local else None
+        if task.kind == "F":
+            if local and stage.first:
+                run.stage_in[s][m] = jax.device_put(run.inputs[m::m_count], self._rows(s))
+            if stage.last:
+                return (), ()  # the last stage's forward runs inside its backward
+            y = None
+            if local:
+                y, run.metrics[s][m] = programs["fwd", s](
+                    params, run.stage_in[s][m], run.routes(s, m)
+                )
+            like = self.programs.shapes(spec.stages[s + 1]).x
+            moved = self.transport.send(y, s, s + 1, like)
+            if moved is not None:
+                run.stage_in[s + 1][m] = moved
+            return _present(y), _present(moved)
+        x = run.stage_in[s].pop(m) if local else None
+        if not stage.has_backward:
+            return (), ()
+        out = None
+        if local:
+            if stage.last:
+                seed = jax.device_put(run.targets[m::m_count], self._rows(s))
+            else:
+                seed = run.grad_in[s].pop(m)
+            out = programs["bwd", s](params, self.acc[s], x, seed, run.routes(s, m))
+            self.acc[s] = out[0]
+            if stage.last:
+                run.metrics[s][m] = out[2]
+        done = _present(out)
+        if not stage.input_grads:
+            return done, ()
+        like = self.programs.shapes(spec.stages[s - 1]).y
+        moved = self.transport.send(out[1] if local else None, s, s - 1, like)
+        if moved is not None:
+            run.grad_in[s - 1][m] = moved
+        return done, _present(moved)
+
+    def _finish(self, run: _Run) -> dict[str, Any]:
+        """Global gradient norm and the update of every stage of this process."""
+        stages, programs = run.exe.spec.stages, run.exe.programs
+        local = [s.index for s in stages if self.transport.is_local(s.index)]
+        sq = {s: programs["sqnorm", s](self.acc[s]) for s in local}
+        sq_all = self.transport.gather(sq, (1,), jnp.float32)
+        stage_metrics = {}
+        for s in local:
+            st = self.state[s]
+            st["params"], st["opt_state"], self.acc[s], stage_metrics[s] = programs["update", s](
+                st["params"], st["opt_state"], self.acc[s], sq_all[s], tuple(run.metrics[s])
+            )
+        return {"stages": stage_metrics}
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    def evaluate(self, batches: Iterable[tuple[np.ndarray, np.ndarray]]) -> float | None:
+        """Mean next-token loss over host ``(inputs, targets)`` batches (blocks for the result);
+        None on a process without the last stage, or without batches."""
+        spec = self.spec
+        m_count, last = spec.microbatches, spec.stages[-1]
+        losses = []
+        for inputs, targets in batches:
+            for m in range(m_count):
+                x = None
+                if self.transport.is_local(0):
+                    x = jax.device_put(inputs[m::m_count], self._rows(0))
+                for stage in spec.stages[:-1]:
+                    s, y = stage.index, None
+                    if self.transport.is_local(s):
+                        fwd = self.programs.get("fwd", replace(stage, cached_routing=False))
+                        y, _ = fwd(self.state[s]["params"], x, None)
+                    x = self.transport.send(y, s, s + 1, self.programs.shapes(spec.stages[s + 1]).x)
+                if self.transport.is_local(last.index):
+                    evaluate = self.programs.get("eval", last)
+                    t = jax.device_put(targets[m::m_count], self._rows(last.index))
+                    losses.append(evaluate(self.state[last.index]["params"], x, t))
+        return float(np.mean(jax.device_get(losses))) if losses else None
+
+
+@dataclasses.dataclass
+class _Run:
+    """The arrays in flight during one step."""
+
+    exe: PipelineExecutable
+    inputs: np.ndarray
+    targets: np.ndarray
+    routes: _CachedRoutes
+    stage_in: list[dict[int, Any]]  # [stage][microbatch] -> stage input, kept for the backward
+    grad_in: list[dict[int, Any]]  # [stage][microbatch] -> gradient of the stage output
+    metrics: list[list[Any]]  # [stage][microbatch] -> metrics of that forward
+
+
+class _CachedRoutes:
+    """Cached expert assignments of each stage's MoE layers, per microbatch, on its sub-mesh."""
+
+    def __init__(self, spec: PipelineSpec, cached: np.ndarray | None, transport: Transport):
+        self.spec, self.cached, self.transport = spec, cached, transport
+        self.first = np.cumsum([0] + [len(s.moe) for s in spec.stages])
+
+    def __call__(self, s: int, m: int) -> jax.Array | None:
+        stage = self.spec.stages[s]
+        if self.cached is None or not stage.cached_routing or not stage.moe:
+            return None
+        rows = self.cached[self.first[s] : self.first[s + 1], m :: stage.microbatches]
+        return jax.device_put(rows, self.transport.sharding(s, P(None, TOKEN_AXES)))
+
+
+def host_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Host copies of `Pipeline.step` metrics of every stage -> the single-program metrics."""
+    by_stage: Mapping[int, Mapping[str, np.ndarray]] = raw["stages"]
+    stages = [by_stage[s] for s in sorted(by_stage)]
+    f32 = np.float32
+    out: dict[str, Any] = {
+        "loss": stages[-1]["ce"],
+        "aux_loss": f32(sum(f32(s["aux"]) for s in stages)),
+        "z_loss": f32(sum(f32(s["z"]) for s in stages)),
+        "grad_norm": stages[0]["grad_norm"],
+        **{k: v for k, v in raw.items() if k != "stages"},  # e.g. a profile's metrics
+    }
+    moe = [s for s in stages if "loads" in s]
+    if moe:
+        loads = np.concatenate([s["loads"] for s in moe])  # [L, B, E] in layer order
+        dropped = np.concatenate([s["dropped"] for s in moe])
+        out["moe/group_loads"] = loads
+        out["moe/dropped"] = dropped
+        out["moe/tokens_per_expert"] = loads.sum(axis=1)
+        out["dropped_fraction"] = f32(dropped.sum()) / f32(loads.sum())
+        if "assignments" in moe[0]:
+            out["moe/assignments"] = np.concatenate([s["assignments"] for s in moe])
+    return out
+
+
+def _present(*outputs: Any) -> tuple:
+    """The arrays of ``outputs`` (None where they are on another process), flattened."""
+    return tuple(jax.tree.leaves(outputs))

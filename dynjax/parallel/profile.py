@@ -1,0 +1,263 @@
+"""Profiling a pipeline: per-layer forward and backward times and per-stage memory.
+
+Seed 000 §3.1 and §4: the iteration after each change of the model is profiled for the time of
+every layer and the memory of every stage, and the balancer moves layers on that data. XLA fuses
+a stage's layers into one program, so a layer's time is measured by running that layer alone as
+a one-unit stage (the same `stage_programs`, on the layer's own stage sub-mesh, with its live
+parameters): a forward program, and a backward program that recomputes the forward first, as a
+stage's backward does. Layers with the same graph and capacities on the same stage compile and
+run one such program. Memory is the compiler's memory analysis of the stage programs plus the
+live parameter, optimizer-state and gradient-accumulator bytes, and the stage inputs the
+schedule keeps for the backward, all per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dynjax.parallel.layout import select
+from dynjax.parallel.stages import ModelParts, PipelineSpec, StageSpec
+
+GetProgram = Callable[[str, StageSpec], Any]  # (kind, spec) -> compiled program
+Shapes = Callable[[StageSpec], Any]  # spec -> stage_programs.StageShapes
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskTime:
+    """A task as it ran in `Pipeline.timed_step`: seconds from the start of the step."""
+
+    kind: str  # "F" or "B"
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitTimes:
+    """Seconds per microbatch of each unit's forward and backward (backward: with recompute)."""
+
+    layer_forward: tuple[float, ...]  # [layers]
+    layer_backward: tuple[float, ...]
+    embed: tuple[float, float]  # (forward, backward) of the token embedding
+    head: tuple[float, float]  # (forward, backward) of the final norm, head and loss
+
+
+def unit_spec(stage: StageSpec, unit: tuple) -> StageSpec:
+    """A one-unit stage on ``stage``'s sub-mesh: the embedding, one layer, or the head."""
+    one = dataclasses.replace(
+        stage, first=False, last=False, layers=(), moe=(), capacities=(), frozen=(),
+        embed_frozen=False, input_grads=True, cached_routing=False,
+    )
+    if unit == ("embed",):
+        return dataclasses.replace(one, first=True, input_grads=False)
+    if unit == ("head",):
+        return dataclasses.replace(one, last=True)
+    i = unit[1]
+    if i not in stage.moe:
+        return dataclasses.replace(one, layers=(i,))
+    caps = (stage.capacities[stage.moe.index(i)],)
+    return dataclasses.replace(one, layers=(i,), moe=(i,), capacities=caps)
+
+
+def unit_times(
+    spec: PipelineSpec,
+    params: Mapping[int, Any],
+    get: GetProgram,
+    shapes: Shapes,
+    parts: ModelParts,
+    *,
+    repeats: int = 3,
+) -> UnitTimes:
+    """Median seconds of each unit's programs on its own stage (``params``: per stage)."""
+    measured: dict[tuple, tuple[float, float]] = {}
+    forward, backward = {}, {}
+    embed = head = (0.0, 0.0)
+    for stage in spec.stages:
+        units = [("layers", i) for i in stage.layers]
+        units = ([("embed",)] if stage.first else []) + units + ([("head",)] if stage.last else [])
+        for unit in units:
+            one = unit_spec(stage, unit)
+            graph = parts.layers[unit[1]] if unit[0] == "layers" else None
+            signature = (stage.index, unit[0], one.capacities, graph)
+            if signature not in measured:
+                units = one.units(parts.learned_positions)
+                unit_params = select(params[stage.index], units)
+                measured[signature] = _time_unit(one, unit_params, get, shapes, repeats)
+            if unit[0] == "layers":
+                forward[unit[1]], backward[unit[1]] = measured[signature]
+            elif unit[0] == "embed":
+                embed = measured[signature]
+            else:
+                head = measured[signature]
+    layers = sorted(forward)
+    return UnitTimes(
+        layer_forward=tuple(forward[i] for i in layers),
+        layer_backward=tuple(backward[i] for i in layers),
+        embed=embed,
+        head=head,
+    )
+
+
+def _time_unit(
+    one: StageSpec, params: Any, get: GetProgram, shapes: Shapes, repeats: int
+) -> tuple[float, float]:
+    s = shapes(one)
+    rng = np.random.default_rng(0)
+    x = _random(s.x, rng)
+    if one.last:
+        targets = _random(s.targets, rng)
+        forward = _median(lambda: get("eval", one)(params, x, targets), repeats)
+        seed = targets
+    else:
+        forward = _median(lambda: get("fwd", one)(params, x, None), repeats)
+        seed = _random(s.y, rng)
+    acc = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding), s.acc)
+    bwd = get("bwd", one)
+
+    def backward():
+        nonlocal acc
+        out = bwd(params, acc, x, seed, None)
+        acc = out[0]
+        return out
+
+    return forward, _median(backward, repeats)
+
+
+def _random(shape: jax.ShapeDtypeStruct, rng: np.random.Generator) -> jax.Array:
+    if np.issubdtype(shape.dtype, np.integer):
+        host = rng.integers(0, 2, shape.shape).astype(shape.dtype)
+    else:
+        host = rng.standard_normal(shape.shape).astype(shape.dtype)
+    return jax.device_put(host, shape.sharding)
+
+
+def _median(run: Callable[[], Any], repeats: int) -> float:
+    jax.block_until_ready(run())  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device of the tree's sub-mesh holds (the largest share over its devices)."""
+    totals: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return max(totals.values(), default=0)
+
+
+def peak_in_flight(tasks: Sequence[Any]) -> int:
+    """Most microbatches whose forward ran and backward has not (stage inputs kept)."""
+    live = peak = 0
+    for task in tasks:
+        live += 1 if task.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def stage_memory(
+    spec: PipelineSpec,
+    state: Mapping[int, Any],
+    acc: Mapping[int, Any],
+    programs: Mapping[tuple[str, int], Any],
+    shapes: Shapes,
+) -> tuple[dict[str, int], ...]:
+    """Per-device bytes of each stage: live state, kept stage inputs, program temporaries."""
+    out = []
+    for stage in spec.stages:
+        s = stage.index
+        temps = [
+            compiled.memory_analysis().temp_size_in_bytes
+            for (kind, owner), compiled in programs.items()
+            if owner == s
+        ]
+        x = shapes(stage).x
+        x_bytes = int(np.prod(x.shape)) * x.dtype.itemsize // x.sharding.num_devices
+        record = {
+            "params": per_device_bytes(state[s]["params"]),
+            "opt_state": per_device_bytes(state[s]["opt_state"]),
+            "grad_accumulator": per_device_bytes(acc[s]),
+            "stage_inputs": peak_in_flight(spec.tasks[s]) * x_bytes,
+            "program_temp": max(temps, default=0),
+        }
+        record["total"] = sum(record.values())
+        out.append(record)
+    return tuple(out)
+
+
+Timeline = Sequence[Sequence[TaskTime]]  # [stages][tasks in execution order]
+
+
+def iteration_seconds(timeline: Timeline) -> float:
+    """First task start to last task end (the forward/backward part of a step)."""
+    tasks = [t for stage in timeline for t in stage]
+    return max(t.end for t in tasks) - min(t.start for t in tasks)
+
+
+def bubble_ratio(timeline: Timeline) -> float:
+    """Idle fraction of all stage-time in the iteration (seed 003 §A), as measured."""
+    span = iteration_seconds(timeline)
+    busy = sum(t.end - t.start for stage in timeline for t in stage)
+    return 1.0 - busy / (len(timeline) * span) if span > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """One profiled step: unit times, stage memory and the measured timeline."""
+
+    units: UnitTimes
+    memory: tuple[dict[str, int], ...]  # [stages] per-device bytes by kind, and "total"
+    timeline: tuple[tuple[TaskTime, ...], ...]  # [stages][tasks in execution order]
+
+    @property
+    def iteration_seconds(self) -> float:
+        return iteration_seconds(self.timeline)
+
+    @property
+    def bubble_ratio(self) -> float:
+        return bubble_ratio(self.timeline)
+
+    def stage_seconds(self, kind: str) -> np.ndarray:
+        """[stages] mean measured seconds of one microbatch's ``kind`` ("F"/"B") task."""
+        return np.array([
+            np.mean([t.end - t.start for t in stage if t.kind == kind]) for stage in self.timeline
+        ])
+
+    def metrics(self) -> dict[str, np.ndarray]:
+        """What policies read from the Monitor (host arrays, added to the step's metrics)."""
+        return {
+            "profile/layer_forward_seconds": np.array(self.units.layer_forward),
+            "profile/layer_backward_seconds": np.array(self.units.layer_backward),
+            "profile/stage_forward_seconds": self.stage_seconds("F"),
+            "profile/stage_backward_seconds": self.stage_seconds("B"),
+            "profile/stage_memory_bytes": np.array([m["total"] for m in self.memory]),
+            "profile/bubble_ratio": np.float64(self.bubble_ratio),
+        }
+
+    def event(self, step: int) -> dict[str, Any]:
+        """The ``profile`` event of events.jsonl."""
+        return {
+            "event": "profile",
+            "step": step,
+            "layer_forward_seconds": list(self.units.layer_forward),
+            "layer_backward_seconds": list(self.units.layer_backward),
+            "embed_seconds": list(self.units.embed),
+            "head_seconds": list(self.units.head),
+            "stage_memory_bytes": [dict(m) for m in self.memory],
+            "iteration_seconds": self.iteration_seconds,
+            "bubble_ratio": self.bubble_ratio,
+            "timeline": [
+                [[t.kind, t.microbatch, t.start, t.end] for t in stage] for stage in self.timeline
+            ],
+        }

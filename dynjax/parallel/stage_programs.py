@@ -1,0 +1,304 @@
+"""The jitted programs of one pipeline stage: forward, backward, gradient norm, update, eval.
+
+Each program runs on its stage's own (data, expert) sub-mesh: data parallel over ``'data'`` and
+expert parallel over ``'expert'`` exactly as the single-program step (`dynjax.parallel.step`).
+
+* ``fwd(params, x, cached) -> (y, metrics)``: the stage's layers on one microbatch. The last
+  stage has no forward program: its forward output only feeds its own backward.
+* ``bwd(params, acc, x, g_or_targets, cached) -> (acc, g_x, [metrics])``: recomputes the stage
+  forward from the stored stage input (activation checkpointing at stage boundaries: a stage
+  keeps one input per microbatch in flight, not every intermediate), then adds the weight
+  gradients of the trainable layers to the accumulator ``acc`` and returns the input gradient
+  if an earlier stage needs it. The last stage seeds it with the loss; the others with the next
+  stage's input gradient. MoE auxiliary losses of the stage enter here, so every stage's aux and
+  z losses count, as in the single-program loss.
+* ``sqnorm(acc) -> [1]``: this stage's squared gradient norm; `Transport.gather` brings every
+  stage's to every stage.
+* ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
+  clips with the *global* norm (the sum of all stages' squared norms, in stage order, so every
+  stage computes the same factor), applies the optimizer to the trainable units only (frozen
+  units keep their parameters and optimizer state), and folds the microbatch metrics.
+* ``evaluate(params, x, targets) -> loss`` (last stage only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dynjax.model import lm_loss
+from dynjax.parallel.layout import by_path, fill, select
+from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
+from dynjax.parallel.stages import ModelParts, StageSpec
+from dynjax.parallel.step import DTYPES, cast_floats
+
+Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSetup:
+    """What every stage program of a run shares: the model's units, optimizer and loss weights."""
+
+    parts: ModelParts
+    optimizer: optax.GradientTransformation
+    grad_clip: float | None  # the optimizer's clip_by_global_norm bound, applied globally here
+    aux_loss_weight: float
+    z_loss_weight: float
+    return_assignments: bool  # add the router's top-k per token to the metrics (caching)
+
+
+def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, cached):
+    """The stage's slice of ``GPT.__call__``: (output, MoE stats of its layers in order).
+
+    The first stage takes tokens [b, S] and embeds them; the last returns float32 logits.
+    """
+    parts = setup.parts
+    p = cast_floats(params, DTYPES[spec.dtype])
+    if spec.first:
+        x = nnx.merge(parts.embed, p["embed"])(x)
+        if parts.learned_positions:
+            x = x + p["pos"][: x.shape[1]].astype(x.dtype)
+    parallel = expert_parallel(mesh)
+    caps, stats = iter(spec.capacities), []
+    for i in spec.layers:
+        block = nnx.merge(parts.layers[i], p["layers"][i])
+        j = len(stats)
+        x, s = block(
+            x,
+            capacities=next(caps) if block.is_moe else None,
+            parallel=parallel,
+            cached=cached[j] if (block.is_moe and cached is not None) else None,
+        )
+        if s is not None:
+            stats.append(s)
+    if spec.last:
+        x = nnx.merge(parts.head, p["head"])(nnx.merge(parts.norm, p["norm"])(x))
+        x = x.astype(jnp.float32)
+    return x, tuple(stats)
+
+
+def _microbatch_metrics(setup: StageSetup, stats, ce) -> tuple[jax.Array, Metrics]:
+    """(the stage's share of the loss to minimise, its metrics) for one microbatch."""
+    aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
+    z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
+    local = setup.aux_loss_weight * aux + setup.z_loss_weight * z
+    metrics: Metrics = {"aux": aux, "z": z}
+    if ce is not None:
+        metrics["ce"] = ce
+        local = ce + local
+    if stats:
+        metrics["loads"] = jnp.stack([s.group_loads for s in stats])  # [Ls, b, E]
+        metrics["dropped"] = jnp.stack([jnp.sum(s.dropped) for s in stats])  # [Ls]
+        if setup.return_assignments:
+            metrics["assignments"] = jnp.stack([s.router_experts for s in stats])  # [Ls,b,S,k]
+    return local, metrics
+
+
+def _overlay(params: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with the units of ``part`` replaced (both keyed by name)."""
+    out = dict(params)
+    for key, value in part.items():
+        out[key] = {**params[key], **value} if key == "layers" else value
+    return out
+
+
+def forward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
+    def fwd(params, x, cached):
+        y, stats = apply_stage(setup, spec, mesh, params, x, cached)
+        return y, _microbatch_metrics(setup, stats, None)[1]
+
+    return fwd
+
+
+def backward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
+    trainable_units = spec.trainable(setup.parts.learned_positions)
+
+    def bwd(params, acc, x, seed, cached):
+        def f(trainable, x):
+            out, stats = apply_stage(setup, spec, mesh, _overlay(params, trainable), x, cached)
+            local, metrics = _microbatch_metrics(
+                setup, stats, lm_loss(out, seed) if spec.last else None
+            )
+            return (local if spec.last else (out, local)), metrics
+
+        args = (select(params, trainable_units), x)
+        argnums = (0, 1) if spec.input_grads else (0,)
+        fixed = lambda *a: f(*a, *args[len(argnums) :])
+        _, vjp, metrics = jax.vjp(fixed, *args[: len(argnums)], has_aux=True)
+        one = jnp.ones((), jnp.float32)
+        grads = vjp(one if spec.last else (seed, one))
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads[0])
+        g_x = grads[1] if spec.input_grads else None
+        return (acc, g_x, metrics) if spec.last else (acc, g_x)
+
+    return bwd
+
+
+def sqnorm_fn(spec: StageSpec):
+    def sqnorm(acc):
+        total = sum(
+            (jnp.sum(jnp.square(a / spec.microbatches)) for a in jax.tree.leaves(acc)),
+            jnp.float32(0),
+        )
+        return jnp.reshape(total, (1,))
+
+    return sqnorm
+
+
+def update_fn(setup: StageSetup, spec: StageSpec):
+    trainable_units = spec.trainable(setup.parts.learned_positions)
+    m = spec.microbatches
+
+    def update(params, opt_state, acc, sq_norms, metrics: Sequence[Metrics]):
+        grads = jax.tree.map(lambda a: a / m, acc)
+        norm = jnp.sqrt(sum(sq_norms)[0])
+        if setup.grad_clip is not None:
+            # clip_by_global_norm's formula with the norm of every stage's gradients; the
+            # optimizer's own clip then sees a norm <= grad_clip and leaves them as they are.
+            clip = setup.grad_clip
+            grads = jax.tree.map(lambda g: jnp.where(norm < clip, g, (g / norm) * clip), grads)
+        trainable = select(params, trainable_units)
+        template = jax.eval_shape(setup.optimizer.init, trainable)
+        sub_state = fill(template, by_path(opt_state))
+        updates, sub_state = setup.optimizer.update(grads, sub_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        opt_state = fill(opt_state, {**by_path(opt_state), **by_path(sub_state)})
+        zeros = jax.tree.map(jnp.zeros_like, acc)
+        return _overlay(params, trainable), opt_state, zeros, _fold(metrics, norm)
+
+    return update
+
+
+def _fold(metrics: Sequence[Metrics], grad_norm: jax.Array) -> Metrics:
+    """Microbatch metrics -> step metrics, rows back in batch order (as `step._join_microbatches`).
+
+    Microbatch j holds rows j, j+M, j+2M, ... of the batch.
+    """
+
+    def join(key: str) -> jax.Array:
+        stacked = jnp.stack([mb[key] for mb in metrics])  # [M, Ls, b, ...]
+        moved = jnp.moveaxis(stacked, 0, 2)  # [Ls, b, M, ...]
+        return moved.reshape(moved.shape[0], -1, *moved.shape[3:])
+
+    out: Metrics = {
+        k: jnp.mean(jnp.stack([mb[k] for mb in metrics])) for k in ("ce", "aux", "z")
+        if k in metrics[0]
+    }
+    out["grad_norm"] = grad_norm
+    if "loads" in metrics[0]:
+        out["loads"] = join("loads")
+        out["dropped"] = sum(mb["dropped"] for mb in metrics)
+    if "assignments" in metrics[0]:
+        out["assignments"] = join("assignments")
+    return out
+
+
+def evaluate_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
+    def evaluate(params, x, targets):
+        logits, _ = apply_stage(setup, spec, mesh, params, x, None)
+        return lm_loss(logits, targets)
+
+    return evaluate
+
+
+@dataclasses.dataclass(frozen=True)
+class StageShapes:
+    """Abstract inputs of one stage's programs (shapes, dtypes, shardings on its sub-mesh)."""
+
+    params: Any
+    opt_state: Any
+    acc: Any
+    x: jax.ShapeDtypeStruct  # the stage input: tokens on the first stage, activations after
+    y: jax.ShapeDtypeStruct | None  # the stage output (None on the last stage)
+    targets: jax.ShapeDtypeStruct
+    cached: jax.ShapeDtypeStruct | None
+    metrics: Metrics  # of one microbatch
+
+
+def stage_shapes(
+    setup: StageSetup, spec: StageSpec, mesh: Mesh, full_params: Any, seq_len: int
+) -> StageShapes:
+    """Abstract state and inputs of ``spec`` on ``mesh`` (full_params: abstract, no sharding)."""
+    cfg = setup.parts.cfg
+    with_sharding = lambda tree: jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        tree,
+        param_shardings(tree, mesh),
+    )
+    params = with_sharding(select(full_params, spec.units(setup.parts.learned_positions)))
+    opt_state = with_sharding(jax.eval_shape(setup.optimizer.init, params))
+    acc = select(params, spec.trainable(setup.parts.learned_positions))
+    rows = NamedSharding(mesh, P(TOKEN_AXES))
+    b, dtype = spec.microbatch_size, DTYPES[spec.dtype]
+    tokens = jax.ShapeDtypeStruct((b, seq_len), jnp.int32, sharding=rows)
+    acts = jax.ShapeDtypeStruct((b, seq_len, cfg.d_model), dtype, sharding=rows)
+    cached = None
+    if spec.cached_routing and spec.moe:
+        shape = (len(spec.moe), b, seq_len, cfg.top_k)
+        cached = jax.ShapeDtypeStruct(
+            shape, jnp.int32, sharding=NamedSharding(mesh, P(None, TOKEN_AXES))
+        )
+    x = tokens if spec.first else acts
+    if spec.last:
+        fn = backward_fn(setup, spec, mesh)
+        metrics = jax.eval_shape(fn, params, acc, x, tokens, cached)[2]
+    else:
+        metrics = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, cached)[1]
+    replicated = NamedSharding(mesh, P())
+    metrics = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), metrics
+    )
+    return StageShapes(
+        params=params,
+        opt_state=opt_state,
+        acc=acc,
+        x=x,
+        y=None if spec.last else acts,
+        targets=tokens,
+        cached=cached,
+        metrics=metrics,
+    )
+
+
+def lower_stage(
+    kind: str, setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes: StageShapes
+) -> jax.stages.Lowered:
+    """Trace and lower one program of a stage from abstract values."""
+    sharding = lambda tree: jax.tree.map(lambda a: a.sharding, tree)
+    replicated = NamedSharding(mesh, P())
+    metrics = sharding(shapes.metrics)
+    if kind == "fwd":
+        jitted = jax.jit(
+            forward_fn(setup, spec, mesh), out_shardings=(shapes.x.sharding, metrics)
+        )
+        return jitted.lower(shapes.params, shapes.x, shapes.cached)
+    if kind == "bwd":
+        g_x = shapes.x.sharding if spec.input_grads else None
+        outs = (sharding(shapes.acc), g_x) + ((metrics,) if spec.last else ())
+        jitted = jax.jit(backward_fn(setup, spec, mesh), out_shardings=outs, donate_argnums=1)
+        seed = shapes.targets if spec.last else shapes.y
+        return jitted.lower(shapes.params, shapes.acc, shapes.x, seed, shapes.cached)
+    if kind == "sqnorm":
+        return jax.jit(sqnorm_fn(spec), out_shardings=replicated).lower(shapes.acc)
+    if kind == "update":
+        state = (sharding(shapes.params), sharding(shapes.opt_state), sharding(shapes.acc))
+        jitted = jax.jit(
+            update_fn(setup, spec),
+            out_shardings=(*state, None),
+            donate_argnums=(0, 1, 2),
+        )
+        sq = (jax.ShapeDtypeStruct((1,), jnp.float32, sharding=replicated),) * spec.num_stages
+        per_mb = (shapes.metrics,) * spec.microbatches
+        return jitted.lower(shapes.params, shapes.opt_state, shapes.acc, sq, per_mb)
+    if kind == "eval":
+        jitted = jax.jit(evaluate_fn(setup, spec, mesh), out_shardings=replicated)
+        return jitted.lower(shapes.params, shapes.x, shapes.targets)
+    raise ValueError(f"unknown stage program {kind!r}")

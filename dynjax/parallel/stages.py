@@ -1,0 +1,157 @@
+"""What each pipeline stage computes, as frozen data: the compile key of its programs.
+
+DESIGN.md "Parallelism": the pipeline is MPMD, one program per stage on its own sub-mesh, so a
+stage's programs depend only on its own layers (their kinds, capacities, frozen flags), its
+position (first: embedding; last: norm, head, loss) and the microbatch shape. `StageSpec` holds
+exactly that, so a Plan change that leaves a stage's spec equal reuses its executables, and only
+stages whose layer set changed recompile (seed 000 §4.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from flax import nnx
+
+from dynjax.model import GPT, GPTConfig
+from dynjax.parallel.layout import Unit
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """One stage of one Plan: everything its forward, backward and update programs depend on."""
+
+    index: int  # which stage sub-mesh runs it
+    num_stages: int
+    first: bool  # holds the embedding: its input is tokens
+    last: bool  # holds the final norm, head and loss
+    layers: tuple[int, ...]  # consecutive model layers
+    moe: tuple[int, ...]  # the MoE layers among `layers`
+    capacities: tuple[tuple[int, ...], ...]  # one tuple per MoE layer of this stage, in order
+    frozen: tuple[int, ...]  # frozen layers among `layers`
+    embed_frozen: bool  # first stage: the embedding (and learned positions) are frozen
+    input_grads: bool  # the backward returns the gradient of the stage input
+    microbatches: int
+    microbatch_size: int
+    cached_routing: bool
+    dtype: str
+
+    def units(self, learned_positions: bool) -> tuple[Unit, ...]:
+        """The parameter units this stage holds, in model order."""
+        head = (("embed",),) + ((("pos",),) if learned_positions else ()) if self.first else ()
+        tail = (("norm",), ("head",)) if self.last else ()
+        return head + tuple(("layers", i) for i in self.layers) + tail
+
+    def trainable(self, learned_positions: bool) -> tuple[Unit, ...]:
+        """The units that get gradients and optimizer updates."""
+        frozen = {("layers", i) for i in self.frozen}
+        if self.embed_frozen:
+            frozen |= {("embed",), ("pos",)}
+        return tuple(u for u in self.units(learned_positions) if u not in frozen)
+
+    @property
+    def has_backward(self) -> bool:
+        """False for a stage inside the model's frozen prefix: it runs no backward at all."""
+        trainable = self.last or (self.first and not self.embed_frozen)
+        return self.input_grads or trainable or len(self.frozen) < len(self.layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+    """The static description of one pipeline step: stages and the schedule's task lists.
+
+    ``tasks[s]`` is stage s's ordered list of tasks (anything with ``kind`` "F"/"B" and
+    ``microbatch``), e.g. ``dynjax.balance.schedule_tasks``: the runtime executes these lists.
+    """
+
+    stages: tuple[StageSpec, ...]
+    schedule: str
+    tasks: tuple[tuple[Any, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def microbatches(self) -> int:
+        return self.stages[0].microbatches
+
+    def owner(self, layer: int) -> int:
+        """The stage holding ``layer``."""
+        return next(s.index for s in self.stages if layer in s.layers)
+
+
+def stage_specs(
+    stage_layers: Sequence[int],
+    *,
+    moe_layers: Sequence[int],
+    capacities: Sequence[Sequence[int]],
+    frozen_layers: Sequence[int],
+    microbatches: int,
+    batch_size: int,
+    cached_routing: bool,
+    dtype: str,
+) -> tuple[StageSpec, ...]:
+    """Split the model into consecutive stages of ``stage_layers[s]`` layers each.
+
+    A frozen prefix of the model (the embedding and every layer before the first trainable one,
+    seed 000 §4.2.3) needs no gradient: stages after it still pass input gradients back to it.
+    """
+    frozen = set(frozen_layers)
+    embed_frozen = 0 in frozen
+    first_trainable = 0 if not embed_frozen else next(
+        (i for i in range(sum(stage_layers)) if i not in frozen), None
+    )
+    caps = dict(zip(moe_layers, capacities, strict=True))
+    specs, start = [], 0
+    for s, count in enumerate(stage_layers):
+        layers = tuple(range(start, start + count))
+        trainable_before = first_trainable is not None and first_trainable < start
+        specs.append(
+            StageSpec(
+                index=s,
+                num_stages=len(stage_layers),
+                first=s == 0,
+                last=s == len(stage_layers) - 1,
+                layers=layers,
+                moe=tuple(i for i in layers if i in caps),
+                capacities=tuple(tuple(caps[i]) for i in layers if i in caps),
+                frozen=tuple(i for i in layers if i in frozen),
+                embed_frozen=s == 0 and embed_frozen,
+                input_grads=s > 0 and trainable_before,
+                microbatches=microbatches,
+                microbatch_size=batch_size // microbatches,
+                cached_routing=cached_routing,
+                dtype=dtype,
+            )
+        )
+        start += count
+    return tuple(specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParts:
+    """The graph of each parameter unit of a GPT, so a stage can run just its own units."""
+
+    cfg: GPTConfig
+    embed: Any  # nnx.GraphDef of each unit
+    layers: tuple[Any, ...]
+    norm: Any
+    head: Any
+
+    @classmethod
+    def of(cls, cfg: GPTConfig) -> ModelParts:
+        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+        return cls(
+            cfg=cfg,
+            embed=nnx.graphdef(model.embed),
+            layers=tuple(nnx.graphdef(block) for block in model.layers),
+            norm=nnx.graphdef(model.norm),
+            head=nnx.graphdef(model.head),
+        )
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.cfg.positions == "learned"

@@ -1,0 +1,137 @@
+"""Moving arrays between stage sub-meshes, inside one process or across processes.
+
+Inside one process an array crosses stages with ``jax.device_put`` to the other stage's
+sharding (DESIGN.md "Parallelism"): an asynchronous device-to-device copy that never blocks the
+host. Across processes (``jax.distributed``, each process owning the devices of some stages) it
+crosses through a transfer both neighbours take part in: a jitted ``jax.shard_map`` ``ppermute``
+over a mesh made of the two stages' devices, to which the sender contributes its shards and the
+receiver a zero buffer of the same layout, each from its own devices only (the recipe checked in
+DESIGN.md "Known facts"). Both processes issue their transfers in the schedule's one global
+order (`dispatch`), so they meet.
+
+Small per-stage values that every stage needs (squared gradient norms) go to every stage the
+same way. (One collective over all stages' devices would be simpler, but on the CPU backend its
+participants wait inside the collective for stages that are still busy and can starve them of
+threads; a copy only waits for its source.)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dynjax.parallel.mesh import TOKEN_AXES, stage_mesh
+
+
+class Transport:
+    """Stage-to-stage transfers for one ('stage', 'data', 'expert') mesh."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.stage_meshes = tuple(stage_mesh(mesh, s) for s in range(mesh.shape["stage"]))
+        me = jax.process_index()
+        self.local_stages = frozenset(
+            s for s, m in enumerate(self.stage_meshes)
+            if {d.process_index for d in m.devices.flat} == {me}
+        )
+        for s, m in enumerate(self.stage_meshes):
+            owners = {d.process_index for d in m.devices.flat}
+            if len(owners) > 1:
+                raise ValueError(
+                    f"pipeline stage {s} spans processes {sorted(owners)}: each process must "
+                    "own whole stages (devices per process a multiple of mesh.data*mesh.expert)"
+                )
+        self._exchanges: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_meshes)
+
+    def is_local(self, stage: int) -> bool:
+        return stage in self.local_stages
+
+    def sharding(self, stage: int, spec: P) -> NamedSharding:
+        return NamedSharding(self.stage_meshes[stage], spec)
+
+    def move(self, x: jax.Array, src: int, dst: int, sharding: NamedSharding | None = None):
+        """``x`` (on stage ``src``) as an array on stage ``dst`` of this process."""
+        del src
+        return jax.device_put(x, sharding or self.sharding(dst, x.sharding.spec))
+
+    def send(
+        self, x: jax.Array | None, src: int, dst: int, like: jax.ShapeDtypeStruct
+    ) -> jax.Array | None:
+        """Move ``x`` from stage ``src`` to stage ``dst`` (``like``: its shape and target
+        sharding). Call it in every process that owns either stage, with ``x`` None where
+        ``src`` is not local; returns the array where ``dst`` is local, else None."""
+        if self.is_local(src) and self.is_local(dst):
+            return jax.device_put(x, like.sharding)
+        if not (self.is_local(src) or self.is_local(dst)):
+            return None
+        if not self.is_local(src):  # the receiver's half of the exchange: a zero buffer
+            x = jnp.zeros(like.shape, like.dtype, device=like.sharding)
+        exchange, pair_sharding = self._exchange(src, dst, like)
+        shape = (2 * like.shape[0], *like.shape[1:])
+        pair = jax.make_array_from_single_device_arrays(
+            shape, pair_sharding, [sh.data for sh in x.addressable_shards]
+        )
+        out = exchange(pair)
+        if not self.is_local(dst):
+            return None
+        mine = {sh.device: sh.data for sh in out.addressable_shards}
+        devices = self.stage_meshes[dst].devices.flat
+        return jax.make_array_from_single_device_arrays(
+            like.shape, like.sharding, [mine[d] for d in devices]
+        )
+
+    def _exchange(self, src: int, dst: int, like: jax.ShapeDtypeStruct):
+        """The compiled ppermute from stage ``src`` to ``dst`` of arrays like ``like``."""
+        spec = tuple(like.sharding.spec) + (None,) * (len(like.shape) - len(like.sharding.spec))
+        key = (src, dst, like.shape, str(like.dtype), spec)
+        with self._lock:
+            if key in self._exchanges:
+                return self._exchanges[key]
+        grid = np.stack([self.mesh.devices[src], self.mesh.devices[dst]])
+        mesh = Mesh(grid, ("pair", *TOKEN_AXES), axis_types=(AxisType.Auto,) * 3)
+        lead = spec[0] if spec else None
+        lead = ("pair",) + (() if lead is None else (lead,) if isinstance(lead, str) else lead)
+        pair_spec = P(lead, *spec[1:])
+        exchange = jax.jit(
+            jax.shard_map(
+                lambda a: jax.lax.ppermute(a, "pair", [(0, 1)]),
+                mesh=mesh,
+                in_specs=pair_spec,
+                out_specs=pair_spec,
+            )
+        )
+        pair_sharding = NamedSharding(mesh, pair_spec)
+        shape = jax.ShapeDtypeStruct(
+            (2 * like.shape[0], *like.shape[1:]), like.dtype, sharding=pair_sharding
+        )
+        compiled = (exchange.lower(shape).compile(), pair_sharding)
+        with self._lock:
+            self._exchanges[key] = compiled
+        return compiled
+
+    def gather(self, parts: dict[int, jax.Array], shape: tuple[int, ...], dtype) -> dict:
+        """Every stage's replicated array of ``shape`` on every local stage, in stage order:
+        small per-stage values that each stage sums to the same total."""
+        out: dict[int, list[jax.Array]] = {s: [] for s in sorted(self.local_stages)}
+        for src in range(self.num_stages):
+            for dst in range(self.num_stages):
+                if src == dst:
+                    if dst in out:
+                        out[dst].append(parts[src])
+                    continue
+                target = jax.ShapeDtypeStruct(shape, dtype, sharding=self.sharding(dst, P()))
+                moved = self.send(parts.get(src), src, dst, target)
+                if moved is not None:
+                    out[dst].append(moved)
+        return {s: tuple(v) for s, v in out.items()}

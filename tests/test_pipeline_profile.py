@@ -1,0 +1,72 @@
+"""Profiling inside dynjax.train: profile events, the Monitor's metrics, the measured timeline."""
+
+import numpy as np
+
+from dynjax.train import train
+from dynjax.writers import read_jsonl
+
+from .tiny import tiny_config
+
+
+class Recorder:
+    """A policy that proposes nothing and keeps what the profile put in the metrics."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.seen = {}
+
+    def propose(self, history, plan):
+        for step, metrics in history.window(len(history), "profile/layer_forward_seconds"):
+            self.seen[step] = metrics
+        return None
+
+
+def test_profiled_steps_report_layers_memory_and_a_timeline(tmp_path):
+    cfg = tiny_config(
+        model__num_layers=3, moe__every=2, mesh__stage=2, mesh__data=2, train__steps=10,
+        train__microbatches=2, train__checkpoint_every=10, train__eval_every=10,
+        pipeline__stage_layers="(2,1)", pipeline__schedule="gpipe", pipeline__profile_every=4,
+        recompile__delta_launch=1,
+    )
+    recorder = Recorder()
+    train(cfg, tmp_path, policies=[recorder], progress=False)
+    profiles = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "profile"]
+    # The first step of the Plan (a change: seed 000 §3.1), then every 4th step.
+    assert [e["step"] for e in profiles] == [0, 4, 8]
+    event = profiles[1]
+    assert len(event["layer_forward_seconds"]) == len(event["layer_backward_seconds"]) == 3
+    assert min(event["layer_forward_seconds"] + event["layer_backward_seconds"]) > 0
+    assert min(event["embed_seconds"] + event["head_seconds"]) > 0
+    memory = event["stage_memory_bytes"]
+    assert len(memory) == 2
+    for stage in memory:
+        # Adam's mu and nu, and its step counts.
+        assert 0 < 2 * stage["params"] < stage["opt_state"] <= 2 * stage["params"] + 16
+        assert stage["program_temp"] > 0
+        assert stage["total"] == sum(v for k, v in stage.items() if k != "total")
+    assert memory[0]["params"] > memory[1]["params"]  # two layers and the embedding
+    # GPipe's task lists, as measured: each stage in order, every dependency respected.
+    timeline = event["timeline"]
+    assert [[(k, m) for k, m, _, _ in row] for row in timeline] == [
+        [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    ] * 2
+    end = {(k, s, m): e for s, row in enumerate(timeline) for k, m, _, e in row}
+    for s, row in enumerate(timeline):
+        for (_, _, _, a_end), (_, _, b_start, _) in zip(row, row[1:], strict=False):
+            assert a_end <= b_start
+        for kind, m, start, _ in row:
+            if kind == "F" and s == 1:
+                assert start >= end["F", 0, m]
+            if kind == "B" and s == 0:
+                assert start >= end["B", 1, m]
+    assert 0 < event["bubble_ratio"] < 1
+    # Policies read the profile from the Monitor with the step's other metrics (the policy
+    # thread may stop before it sees the last steps).
+    assert {0, 4} <= set(recorder.seen)
+    metrics = recorder.seen[4]
+    np.testing.assert_allclose(
+        metrics["profile/layer_forward_seconds"], event["layer_forward_seconds"]
+    )
+    assert metrics["profile/stage_memory_bytes"].tolist() == [m["total"] for m in memory]
+    assert metrics["profile/stage_backward_seconds"].shape == (2,) and "loss" in metrics

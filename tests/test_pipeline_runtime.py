@@ -1,0 +1,308 @@
+"""Parallel equals sequential: the MPMD pipeline against the single-program step on one device.
+
+4 stages x 2 data devices with an uneven assignment, GPipe and 1F1B over the same compiled stage
+programs, MoE (dropping tokens) and learned positions, gradient clipping that triggers; then a
+changed assignment mid-training (migration).
+"""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from dynjax.balance import schedule_tasks
+from dynjax.model import GPT, GPTConfig
+from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
+from dynjax.parallel.dispatch import dispatch_order
+from dynjax.parallel.pipeline import Pipeline, PipelinePrograms, host_metrics
+from dynjax.parallel.stage_programs import StageSetup
+from dynjax.parallel.stages import ModelParts, PipelineSpec, stage_specs
+from dynjax.parallel.step import forward_loss
+from dynjax.parallel.transport import Transport
+
+CFG = GPTConfig(
+    vocab_size=64,
+    num_layers=5,
+    d_model=16,
+    num_heads=2,
+    mlp_dim=32,
+    max_len=8,
+    positions="learned",
+    moe_layers=(2,),
+    num_experts=4,
+    top_k=2,
+)
+CAPS = ((2, 5, 3, 4),)  # uneven and small: tokens are dropped
+CLIP = 0.5  # below the gradient norm of the first steps: clipping is global and active
+M, B, STEPS = 2, 8, 3
+ASSIGNMENT = (1, 2, 1, 1)
+
+
+def optimizer():
+    # SGD moves parameters by the gradient itself, so the comparison sees gradient errors as they
+    # are (Adam would amplify float noise in near-zero gradients to full-size steps); its
+    # momentum is per-parameter optimizer state that must follow its layer between stages.
+    return optax.chain(optax.clip_by_global_norm(CLIP), optax.sgd(0.3, momentum=0.9))
+
+
+def batches():
+    rng = np.random.default_rng(1)
+    return [
+        {k: rng.integers(0, 64, (B, 8)).astype(np.int32) for k in ("inputs", "targets")}
+        for _ in range(STEPS)
+    ]
+
+
+@functools.cache
+def initial_state():
+    """Host arrays, shared by the tests (nothing mutates them)."""
+    params = nnx.to_pure_dict(nnx.state(GPT(CFG, rngs=nnx.Rngs(0))))
+    return jax.device_get({"params": params, "opt_state": optimizer().init(params)})
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per-step metrics and final state of the single-program step on one device."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))))
+    opts = StepOptions(capacities=CAPS, microbatches=M, z_loss_weight=1e-3)
+    parallel = expert_parallel(make_mesh(1, 1, 1))
+    step = jax.jit(make_train_step(graphdef, optimizer(), opts, parallel))
+    state = initial_state()
+    p, s = state["params"], state["opt_state"]
+    metrics = []
+    for batch in batches():
+        p, s, m = step(p, s, batch)
+        metrics.append(jax.device_get(m))
+    return metrics, jax.device_get({"params": p, "opt_state": s})
+
+
+def pipeline_setup(mesh_shape=(4, 2, 1)):
+    setup = StageSetup(
+        parts=ModelParts.of(CFG),
+        optimizer=optimizer(),
+        grad_clip=CLIP,
+        aux_loss_weight=0.01,
+        z_loss_weight=1e-3,
+        return_assignments=False,
+    )
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), initial_state())
+    transport = Transport(make_mesh(*mesh_shape))
+    programs = PipelinePrograms(setup, transport, abstract["params"], seq_len=8)
+    return programs, abstract
+
+
+def spec_for(assignment, schedule, frozen=(), capacities=CAPS):
+    stages = stage_specs(
+        assignment,
+        moe_layers=CFG.moe_layers,
+        capacities=capacities,
+        frozen_layers=frozen,
+        microbatches=M,
+        batch_size=B,
+        cached_routing=False,
+        dtype="float32",
+    )
+    return PipelineSpec(stages, schedule, schedule_tasks(schedule, len(assignment), M))
+
+
+@pytest.fixture(scope="module")
+def programs():
+    return pipeline_setup()
+
+
+def assert_close(ref, got, rtol, what=""):
+    for (path, x), y in zip(
+        jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(got), strict=True
+    ):
+        x, y = np.asarray(x), np.asarray(y)
+        err = np.max(np.abs(x - y)) / (np.max(np.abs(x)) + 1e-30)
+        assert err < rtol, f"{what}{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uneven_pipeline_matches_one_device(programs, reference, schedule):
+    programs, template = programs
+    ref_metrics, ref_state = reference
+    spec = spec_for(ASSIGNMENT, schedule)
+    exe = programs.lower(spec).compile()
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), spec)
+    for step, batch in enumerate(batches()):
+        metrics = host_metrics(jax.device_get(pipeline.step(exe, **batch)))
+        ref = ref_metrics[step]
+        for key in ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction"):
+            np.testing.assert_allclose(metrics[key], ref[key], rtol=1e-5, err_msg=key)
+        for key in ("moe/group_loads", "moe/dropped", "moe/tokens_per_expert"):
+            np.testing.assert_array_equal(metrics[key], ref[key], err_msg=key)
+        assert ref["grad_norm"] > CLIP or step > 0  # the first step really clips
+    assert ref_metrics[0]["moe/dropped"].sum() > 0  # the capacities really drop tokens
+    assert_close(ref_state, pipeline.host_state(), 1e-5)
+
+
+def test_stages_hold_their_own_layers_on_their_own_devices(programs):
+    programs, template = programs
+    spec = spec_for(ASSIGNMENT, "1f1b")
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), spec)
+    layers = [sorted(pipeline.state[s]["params"].get("layers", {})) for s in range(4)]
+    assert layers == [[0], [1, 2], [3], [4]]
+    assert "embed" in pipeline.state[0]["params"] and "head" in pipeline.state[3]["params"]
+    for s in range(4):
+        devices = {d for x in jax.tree.leaves(pipeline.state[s]) for d in x.devices()}
+        assert devices == set(programs.transport.stage_meshes[s].devices.flat)
+
+
+def test_a_step_is_dispatched_without_waiting_for_the_device(programs, monkeypatch):
+    programs, template = programs
+    spec = spec_for(ASSIGNMENT, "gpipe")
+    programs.lower(spec).compile()
+    exe = programs.lower(spec).compile()  # equal stage specs: every program from the cache
+    assert exe.compiled == ()
+    # New capacities for the MoE layer (2, on stage 1) lower stage 1's forward and backward
+    # only: the gradient norm and update programs do not depend on capacities.
+    resized = programs.lower(spec_for(ASSIGNMENT, "gpipe", capacities=((4, 4, 4, 4),)))
+    assert sorted(resized.lowered) == [("bwd", 1), ("fwd", 1)]
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), spec)
+    data = batches()
+    jax.block_until_ready(pipeline.step(exe, **data[0]))
+
+    # A step never waits on a device result, whatever the machine's speed: every way the host
+    # can read or wait for a jax.Array is refused while the steps are dispatched.
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a pipeline step waited for the device")
+
+    array_type = type(jax.numpy.zeros(()))
+    with monkeypatch.context() as patch:
+        patch.setattr(jax, "block_until_ready", refuse)
+        patch.setattr(jax, "device_get", refuse)
+        for name in (
+            "__array__",
+            "__float__",
+            "__int__",
+            "__bool__",
+            "item",
+            "tolist",
+            "block_until_ready",
+        ):
+            patch.setattr(array_type, name, refuse)
+        outs = [pipeline.step(exe, **data[i % STEPS]) for i in range(4)]
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(outs[-1]))
+
+
+def test_dispatch_order_respects_dependencies():
+    for name in ("gpipe", "1f1b"):
+        tasks = schedule_tasks(name, 4, 3)
+        order = dispatch_order(tasks)
+        seen = set()
+        for s, t in order:
+            if t.kind == "F" and s > 0:
+                assert ("F", s - 1, t.microbatch) in seen
+            if t.kind == "B" and s < 3:
+                assert ("B", s + 1, t.microbatch) in seen
+            seen.add((t.kind, s, t.microbatch))
+        for s in range(4):  # each stage's own list, in its own order
+            assert [t for st, t in order if st == s] == list(tasks[s])
+    f0, b0 = schedule_tasks("gpipe", 1, 1)[0]
+    f1, b1 = type(f0)("F", 1), type(f0)("B", 1)
+    with pytest.raises(ValueError, match="deadlocks"):
+        dispatch_order(((f0, b0, f1, b1), (f1, b1, f0, b0)))
+
+
+def test_migration_is_exact_and_recompiles_only_changed_stages(programs, reference):
+    programs, template = programs
+    ref_metrics, ref_state = reference
+    before = programs.lower(spec_for(ASSIGNMENT, "1f1b")).compile()
+    after = programs.lower(spec_for((2, 1, 1, 1), "1f1b")).compile()
+    assert {s for _, s in after.compiled} == {0, 1}  # stages 2 and 3 keep layers 3 and 4
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), before.spec)
+    exe, losses = before, []
+    for step, batch in enumerate(batches()):
+        if step == 1:
+            held = pipeline.host_state()
+            migration = pipeline.migrate(after)
+            exe = after
+            for x, y in zip(
+                jax.tree.leaves(held), jax.tree.leaves(pipeline.host_state()), strict=True
+            ):
+                np.testing.assert_array_equal(x, y)  # bit for bit, momentum included
+        losses.append(host_metrics(jax.device_get(pipeline.step(exe, **batch)))["loss"])
+    assert migration.moves == ((1, 1, 0),)  # (layer, from stage, to stage)
+    assert sorted(pipeline.state[0]["params"]["layers"]) == [0, 1]
+    momentum = pipeline.state[0]["opt_state"][1][0].trace["layers"]
+    assert sorted(momentum) == [0, 1]  # the momentum moved with its layer
+    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(initial_state()["params"]["layers"][1]))
+    assert migration.bytes == 2 * layer_bytes  # parameters and momentum
+    assert migration.recompiled_stages == (0, 1)
+    np.testing.assert_allclose(losses, [m["loss"] for m in ref_metrics], rtol=1e-5)
+    assert_close(ref_state, pipeline.host_state(), 1e-5)
+
+
+FROZEN = (0, 1, 3)  # a frozen prefix (embedding, layers 0-1) and a frozen layer inside
+
+
+def frozen_reference():
+    """The single-program loss with stop_gradient on the frozen units, on one device."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))))
+    opts = StepOptions(capacities=CAPS, z_loss_weight=1e-3)
+    parallel = expert_parallel(make_mesh(1, 1, 1))
+    opt = optimizer()
+
+    def stopped(params):
+        layers = {
+            i: jax.lax.stop_gradient(p) if i in FROZEN else p for i, p in params["layers"].items()
+        }
+        embed = {k: jax.lax.stop_gradient(params[k]) for k in ("embed", "pos")}
+        return {**params, **embed, "layers": layers}
+
+    def loss(params, inputs, targets):
+        return forward_loss(graphdef, stopped(params), inputs, targets, None, opts, parallel)[0]
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = [
+            jax.grad(loss)(params, batch["inputs"][j::M], batch["targets"][j::M]) for j in range(M)
+        ]
+        grads = jax.tree.map(lambda *g: sum(g) / M, *grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    state = initial_state()
+    p, s = state["params"], state["opt_state"]
+    for batch in batches():
+        p, s = step(p, s, batch)
+    return jax.device_get({"params": p, "opt_state": s})
+
+
+def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs):
+    programs, template = programs
+    exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN)).compile()
+    assert ("bwd", 0) not in exe.programs  # stage 0 (embedding, layer 0) runs no backward
+    assert ("fwd", 0) in exe.programs
+    # Stage 1 (layer 1 frozen, layer 2 trainable) returns no input gradient: nothing before it
+    # trains. Stage 2 (layer 3, frozen) returns one for layer 2, but no weight gradient.
+    _, g_in = exe.programs["bwd", 1].out_info[:2]
+    assert g_in is None
+    acc_2, g_in_2 = exe.programs["bwd", 2].out_info[:2]
+    assert acc_2 == {} and g_in_2.shape == (B // M, 8, CFG.d_model)
+    pipeline = Pipeline(programs, template)
+    start = initial_state()
+    pipeline.place(start, exe.spec)
+    assert sorted(pipeline.acc[1]["layers"]) == [2]  # the accumulator holds trainable layers only
+    for batch in batches():
+        pipeline.step(exe, **batch)
+    got = pipeline.host_state()
+    unchanged = [("embed",), ("pos",)] + [("layers", i) for i in FROZEN]
+    for unit in unchanged:
+        node_start, node_got = start["params"], got["params"]
+        for key in unit:
+            node_start, node_got = node_start[key], node_got[key]
+        for x, y in zip(jax.tree.leaves(node_start), jax.tree.leaves(node_got), strict=True):
+            np.testing.assert_array_equal(x, y)
+    momentum = got["opt_state"][1][0].trace["layers"]
+    assert all(not np.any(x) for i in FROZEN for x in jax.tree.leaves(momentum[i]))
+    assert_close(frozen_reference(), got, 1e-5)
