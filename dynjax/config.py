@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ml_collections
 
-from dynjax.balance import SCHEDULES, uniform
+from dynjax.balance import SCHEDULES, by_param, uniform
 
 DTYPES = ("float32", "bfloat16")
 
@@ -95,12 +95,24 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.expert = 1
 
     c.pipeline = ml_collections.ConfigDict()
-    # Layers per stage, e.g. "(1,3,2,2)"; "" = uniform over mesh.stage stages (Megatron-LM), or
-    # no pipeline when mesh.stage = 1 ("(4,)" runs the pipeline runtime on one stage).
+    # Layers per stage, e.g. "(1,3,2,2)"; "" or "uniform" = even over mesh.stage stages
+    # (Megatron-LM); "by_param" = balanced parameter counts (DeepSpeed). No pipeline when
+    # mesh.stage = 1 with a named layout ("(4,)" runs the pipeline runtime on one stage).
     c.pipeline.stage_layers = ""
     c.pipeline.schedule = "1f1b"  # "1f1b" | "gpipe"
     c.pipeline.profile_every = 0  # profile per-layer times and stage memory every n steps; 0 = off
     c.pipeline.profile_on_change = True  # profile the first step of every Plan (seed 000 §3.1)
+
+    c.balance = ml_collections.ConfigDict()  # dynamic load balancing (seed 000 §3.3, 003 §D)
+    c.balance.enabled = False
+    c.balance.every = 50  # decide at every n-th metrics step; 0 = only on `threshold`
+    c.balance.threshold = 0.0  # also decide when a new profile's stage imbalance exceeds it
+    c.balance.by = "time"  # "time" (profiled layer times) | "param" (parameter counts)
+    c.balance.method = "partition"  # "partition" (exact, global) | "diffusion" (neighbours)
+    c.balance.amortize_steps = 0  # steps a move's gain is summed over; 0 = the rest of the run
+    c.balance.bandwidth_bytes_per_sec = 10e9  # moving a layer's parameters and optimizer state
+    c.balance.recompile_seconds = 10.0  # what a move costs besides copying
+    c.balance.comm_seconds = 0.0  # one activation hop per microbatch (network-aware, 003 §D.2)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.async_save = True
@@ -189,12 +201,35 @@ def moe_layer_indices(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
     return tuple(i for i in range(cfg.model.num_layers) if n > 0 and (i + 1) % n == 0)
 
 
-def stage_layers(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
-    """Layers per pipeline stage from ``pipeline.stage_layers``; () when there is no pipeline."""
+STATIC_LAYOUTS = ("", "uniform", "by_param")  # named pipeline.stage_layers (seed 000 §5)
+
+
+def num_stages(cfg: ml_collections.ConfigDict) -> int:
+    """Pipeline stages the run has: 0 without a pipeline."""
     raw = cfg.pipeline.stage_layers.strip()
-    if not raw:
+    if raw in STATIC_LAYOUTS:
+        return 0 if cfg.mesh.stage == 1 else cfg.mesh.stage
+    return len(stage_layers(cfg))
+
+
+def stage_layers(
+    cfg: ml_collections.ConfigDict, layer_params: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """Layers per pipeline stage from ``pipeline.stage_layers``; () when there is no pipeline.
+
+    ``"uniform"`` (or ``""``) splits the layers evenly (Megatron-LM); ``"by_param"`` balances
+    ``layer_params``, each layer's parameter count (DeepSpeed ``partition_method='parameters'``).
+    """
+    raw = cfg.pipeline.stage_layers.strip()
+    if raw in STATIC_LAYOUTS:
         stages = cfg.mesh.stage
-        return () if stages == 1 else uniform(cfg.model.num_layers, stages)
+        if stages == 1:
+            return ()
+        if raw == "by_param":
+            if layer_params is None:
+                raise ValueError("pipeline.stage_layers='by_param' needs the layer_params")
+            return by_param(layer_params, stages)
+        return uniform(cfg.model.num_layers, stages)
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
@@ -207,7 +242,7 @@ def stage_layers(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
     ):
         raise ConfigError(
             f"pipeline.stage_layers={raw!r} must be a tuple of layer counts like '(1,3,2,2)', "
-            "or '' for a uniform split"
+            "'uniform' (or '') or 'by_param'"
         )
     return value
 
@@ -218,7 +253,7 @@ def microbatches(cfg: ml_collections.ConfigDict) -> int:
     of a stage."""
     if cfg.train.microbatches:
         return cfg.train.microbatches
-    stages = len(stage_layers(cfg))
+    stages = num_stages(cfg)
     if stages < 2:
         return 1
     per_shard = cfg.train.batch_size // (cfg.mesh.data * cfg.mesh.expert)
@@ -321,7 +356,8 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
             f"mesh.stage={stages} exceeds model.num_layers={layers}: every pipeline stage needs "
             "at least one layer; use fewer stages or more layers"
         )
-    counts = stage_layers(cfg)
+    named = p.stage_layers.strip() in STATIC_LAYOUTS
+    counts = () if named else stage_layers(cfg)
     if counts and len(counts) != stages:
         raise ConfigError(
             f"pipeline.stage_layers={p.stage_layers!r} gives {len(counts)} stages but "
@@ -342,6 +378,37 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"pipeline.schedule={p.schedule!r} is not one of {SCHEDULES}")
     if p.profile_every < 0:
         raise ConfigError(f"pipeline.profile_every={p.profile_every} must be >= 0 (0 = off)")
+    b = cfg.balance
+    if not b.enabled:
+        return
+    if num_stages(cfg) < 2:
+        raise ConfigError("balance.enabled needs a pipeline: set mesh.stage >= 2")
+    choices = {"balance.by": (b.by, ("time", "param")),
+               "balance.method": (b.method, ("partition", "diffusion"))}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
+    if b.every == 0 and b.threshold == 0:
+        raise ConfigError("balance.enabled needs balance.every > 0 or balance.threshold > 0")
+    if b.by == "time" and not (p.profile_on_change or p.profile_every):
+        raise ConfigError(
+            "balance.by='time' needs profiles: set pipeline.profile_on_change=True or "
+            "pipeline.profile_every > 0"
+        )
+    nonneg = {
+        "balance.every": b.every,
+        "balance.threshold": b.threshold,
+        "balance.amortize_steps": b.amortize_steps,
+        "balance.recompile_seconds": b.recompile_seconds,
+        "balance.comm_seconds": b.comm_seconds,
+    }
+    for key, value in nonneg.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
+    if b.bandwidth_bytes_per_sec <= 0:
+        raise ConfigError(
+            f"balance.bandwidth_bytes_per_sec={b.bandwidth_bytes_per_sec} must be > 0"
+        )
 
 
 def _check_types(cfg: ml_collections.ConfigDict, ref: ml_collections.ConfigDict) -> None:

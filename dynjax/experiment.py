@@ -37,6 +37,7 @@ from dynjax.parallel import (
     make_train_step,
     param_shardings,
 )
+from dynjax.parallel.layout import layer_sizes
 from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host_metrics
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import ModelParts, PipelineSpec, stage_specs
@@ -94,7 +95,7 @@ class Experiment:
             group_tokens=cfg.data.seq_len,
             batch_size=t.batch_size,
             num_layers=cfg.model.num_layers,
-            pipeline_stages=len(config_lib.stage_layers(cfg)),
+            pipeline_stages=config_lib.num_stages(cfg),
             batch_shards=cfg.mesh.data * cfg.mesh.expert,
         )
         return cls(
@@ -168,7 +169,9 @@ class Experiment:
             capacities=static_capacities(self.ctx, self.cfg.moe.capacity.factor),
             microbatches=config_lib.microbatches(self.cfg),
             dtype=self.cfg.train.dtype,
-            stage_layers=config_lib.stage_layers(self.cfg),
+            stage_layers=config_lib.stage_layers(
+                self.cfg, layer_sizes(self.abstract_state["params"], self.cfg.model.num_layers)
+            ),
             schedule=self.cfg.pipeline.schedule,
         )
         plan.validate(self.ctx)
@@ -342,11 +345,15 @@ class PipelineRuntime:
         return self.pipeline.step(executable, batch.inputs, batch.targets, cached)
 
     def profile_step(self, executable, batch: Batch, cached: np.ndarray | None):
-        """`step`, profiled (blocks): returns (metrics with the profile's added, Profile)."""
+        """`step`, profiled (blocks): returns (metrics with the profile's added, Profile).
+
+        The metrics also name the layout that ran (`profile/stage_layers`, layers per stage),
+        so a policy can tell a profile of the current Plan from an older one."""
         metrics, profile = self.pipeline.profile_step(
             executable, batch.inputs, batch.targets, cached
         )
-        return {**metrics, **profile.metrics()}, profile
+        layout = np.array([len(stage.layers) for stage in self.pipeline.spec.stages])
+        return {**metrics, **profile.metrics(), "profile/stage_layers": layout}, profile
 
     def host_metrics(self, step: int, metrics: dict[str, Any]) -> dict[str, np.ndarray]:
         """The host metrics of ``step``: every process contributes its stages' (in order)."""

@@ -27,6 +27,7 @@ from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer
 from dynjax.experiment import Experiment
 from dynjax.launch.distributed import initialize_from_env
+from dynjax.parallel.layout import layer_sizes
 from dynjax.recompile import (
     STABILITY,
     AssignmentCache,
@@ -39,6 +40,7 @@ from dynjax.recompile import (
     Monitor,
     Plan,
     Policy,
+    Rebalance,
     enable_persistent_cache,
 )
 from dynjax.writers import MetricsWriter
@@ -85,6 +87,23 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
                 off_threshold=c.off_threshold,
                 warmup_steps=c.warmup_steps,
                 window=c.window,
+            )
+        )
+    if cfg.balance.enabled:
+        b = cfg.balance
+        out.append(
+            Rebalance(
+                total_steps=cfg.train.steps,
+                layer_bytes=layer_sizes(exp.abstract_state, cfg.model.num_layers, nbytes=True),
+                every=b.every,
+                threshold=b.threshold,
+                by=b.by,
+                method=b.method,
+                amortize_steps=b.amortize_steps,
+                bandwidth_bytes_per_sec=b.bandwidth_bytes_per_sec,
+                recompile_seconds=b.recompile_seconds,
+                comm_seconds=b.comm_seconds,
+                layer_params=layer_sizes(exp.abstract_state["params"], cfg.model.num_layers),
             )
         )
     return out
@@ -261,7 +280,7 @@ def train(
 
 
 def _check_multi_process(cfg, exp: Experiment, policies: Sequence[Policy]) -> None:
-    if not config_lib.stage_layers(cfg):
+    if not config_lib.num_stages(cfg):
         raise ValueError(
             f"{jax.process_count()} processes need pipeline stages (mesh.stage > 1): each "
             "process runs the stages on its own devices"

@@ -4,6 +4,7 @@ import pytest
 
 from dynjax import config as config_lib
 from dynjax.config import ConfigError, validate_config
+from dynjax.experiment import Experiment
 from dynjax.recompile import Plan, PlanContext, PlanError
 from dynjax.train import main
 
@@ -44,6 +45,19 @@ CTX = PlanContext(
         ({"mesh__stage": 2, "pipeline__stage_layers": "(1,x)"}, r"tuple of layer counts"),
         ({"mesh__stage": 2, "pipeline__schedule": "zb"}, r"pipeline.schedule='zb'"),
         ({"train__microbatches": -1}, r"train.microbatches=-1 must be >= 0"),
+        ({"balance__enabled": True}, r"balance.enabled needs a pipeline"),
+        (
+            {"mesh__stage": 2, "balance__enabled": True, "balance__method": "greedy"},
+            r"balance.method='greedy' is not one of",
+        ),
+        (
+            {"mesh__stage": 2, "balance__enabled": True, "balance__every": 0},
+            r"balance.every > 0 or balance.threshold > 0",
+        ),
+        (
+            {"mesh__stage": 2, "balance__enabled": True, "pipeline__profile_on_change": False},
+            r"balance.by='time' needs profiles",
+        ),
     ],
 )
 def test_bad_stage_assignments_fail_clearly(overrides, message):
@@ -106,3 +120,16 @@ def test_pipeline_plan_fields_round_trip_and_old_plans_load():
     old.validate(single)
     with pytest.raises(PlanError, match="frozen_layers = \\(1,\\) needs the pipeline runtime"):
         old.replace(frozen_layers=(1,)).validate(single)
+
+
+def test_static_baselines_uniform_and_by_param():
+    uniform = tiny_config(model__num_layers=4, moe__every=2, mesh__stage=3,
+                          pipeline__stage_layers="uniform")
+    assert config_lib.stage_layers(uniform) == (2, 1, 1) and config_lib.num_stages(uniform) == 3
+    # only layer 3 holds an MoE block (4 experts): 20864 parameters against 8544
+    by_param = tiny_config(model__num_layers=4, moe__every=4, mesh__stage=2, mesh__data=2,
+                           pipeline__stage_layers="by_param")
+    config_lib.validate_config(by_param, 8)
+    assert config_lib.stage_layers(by_param, [1, 1, 1, 5]) == (3, 1)
+    plan = Experiment.from_config(by_param).initial_plan()
+    assert plan.stage_layers == (3, 1)  # uniform would give (2, 2)

@@ -317,3 +317,28 @@ def test_dynamic_capacity_end_to_end_on_a_toy_moe_step():
     caps = np.asarray(controller.plan.capacities[0])
     assert caps[0] > 16 > caps[3]  # the hot expert grew, the cold one shrank
     assert np.mean(dropped[-100:]) <= 0.01 < np.mean(dropped[:10])
+
+
+def test_policy_records_are_emitted_whether_or_not_the_plan_changes():
+    @dataclass
+    class Decides:
+        """Records a decision every round until it has moved; moves from metrics step 10."""
+
+        name: str = "decides"
+
+        def propose(self, history, plan):
+            if plan.microbatches == 2:
+                return None
+            move = history.latest_step >= 10
+            new = plan.replace(microbatches=2) if move else plan
+            return Proposal(new, "why", records=({"event": "decision", "moved": move},))
+
+    run = train([Decides()], steps=60)
+    decisions = run.of("decision")
+    kept = [e for e in decisions if not e["moved"]]
+    assert kept and all(e["metrics_step"] < 10 and e["policy"] == "decides" for e in kept)
+    (moved,) = [e for e in decisions if e["moved"]]
+    assert moved["metrics_step"] >= 10
+    (recompile,) = run.of("recompile")
+    assert recompile["plan_diff"] == {"microbatches": (1, 2)} and run.plan.microbatches == 2
+    assert recompile["metrics_step"] == moved["metrics_step"]

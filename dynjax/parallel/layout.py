@@ -11,6 +11,7 @@ count) have one copy per stage.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -82,3 +83,21 @@ def relayout(
             moved_bytes += leaf.size * leaf.dtype.itemsize
         out[s] = fill(template, values)
     return out, moved_bytes
+
+
+def layer_sizes(tree: Any, num_layers: int, *, nbytes: bool = False) -> list[int]:
+    """[num_layers] elements (or bytes) of the leaves under ``["layers"][i]`` of ``tree``.
+
+    On a parameter tree: each layer's parameter count (DeepSpeed's ``parameters`` cost); on the
+    whole training state with ``nbytes``: what moving the layer to another stage copies.
+    Works on arrays and on `jax.ShapeDtypeStruct`s.
+    """
+    sizes = [0] * num_layers
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [getattr(k, "key", None) for k in path]
+        for a, b in zip(keys, keys[1:], strict=False):
+            if a == "layers" and isinstance(b, int):
+                n = math.prod(leaf.shape)
+                sizes[b] += n * jax.numpy.dtype(leaf.dtype).itemsize if nbytes else n
+                break
+    return sizes

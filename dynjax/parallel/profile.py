@@ -243,6 +243,7 @@ class Profile:
             "profile/stage_backward_seconds": self.stage_seconds("B"),
             "profile/stage_memory_bytes": np.array([m["total"] for m in self.memory]),
             "profile/bubble_ratio": np.float64(self.bubble_ratio),
+            "profile/iteration_seconds": np.float64(self.iteration_seconds),
         }
 
     def event(self, step: int) -> dict[str, Any]:

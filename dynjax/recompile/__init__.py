@@ -24,6 +24,7 @@ from dynjax.recompile.plan import (
     static_capacities,
 )
 from dynjax.recompile.policy import History, Policy, Proposal
+from dynjax.recompile.rebalance import Rebalance, moved_layers
 
 __all__ = [
     "LOADS",
@@ -43,12 +44,14 @@ __all__ = [
     "PlanError",
     "Policy",
     "Proposal",
+    "Rebalance",
     "Swap",
     "base_capacity",
     "capacity_for_factor",
     "default_cache_dir",
     "drop_fraction",
     "enable_persistent_cache",
+    "moved_layers",
     "required_capacity",
     "static_capacities",
 ]

@@ -12,7 +12,9 @@ never waits for a decision. Events (dicts, one JSON line each) record every deci
   swap_stall_seconds;
 - `recompile_rejected`: step, metrics_step, reason (the `PlanError`, or "budget"), policy,
   plan_diff;
-- `recompile_failed`: lowering or compiling raised; `policy_error`: a policy raised.
+- `recompile_failed`: lowering or compiling raised; `policy_error`: a policy raised;
+- a policy's own decision records (`Proposal.records`, e.g. `rebalance`), with step,
+  metrics_step and policy added.
 """
 
 from __future__ import annotations
@@ -280,7 +282,11 @@ class Controller:
                     }
                 )
                 continue
-            if proposal is None or proposal.plan == plan:
+            if proposal is None:
+                continue
+            for record in proposal.records:
+                self._emit({**record, **where, "policy": policy.name})
+            if proposal.plan == plan:
                 continue
             try:
                 self._validate(proposal.plan)

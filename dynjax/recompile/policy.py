@@ -51,10 +51,17 @@ class History:
 
 @dataclass(frozen=True)
 class Proposal:
-    """A proposed Plan and why; events record `"<policy name>: <reason>"`."""
+    """A proposed Plan and why; events record `"<policy name>: <reason>"`.
+
+    `records` are decision records the Controller writes to events.jsonl as they are, plus the
+    round's `step`, `metrics_step` and `policy` (each needs an `"event"` name). A policy that
+    decides to keep the Plan returns the unchanged Plan with its records: they are emitted and
+    nothing is compiled.
+    """
 
     plan: Plan
-    reason: str
+    reason: str = ""
+    records: tuple[dict[str, Any], ...] = ()
 
 
 class Policy(Protocol):

@@ -1,0 +1,180 @@
+"""Dynamic pipeline load balancing: DynMo's rebalance step as a Controller policy.
+
+Seed 000 §3.3-3.4 and seed 003 §B.3: after the model changed, profile every layer, re-partition
+the layers over the stages (exact `partition`, or neighbour-to-neighbour `diffusion`) and move
+the layers whose stage changed. Seed 003 §D.2: a stage's cost includes sending its activations
+to the next stage (`comm_seconds`, in both the balancer and the simulation).
+
+A move is worth it only if it pays for itself: the simulated step time of the old and new
+layouts (`dynjax.balance.simulate`, fed with the profiled per-layer times) gives the gain per
+step, which must exceed the cost of the move (bytes of the moved layers over
+`bandwidth_bytes_per_sec`, plus `recompile_seconds`) when summed over `amortize_steps` steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dynjax.balance import diffusion, imbalance, partition, simulate
+from dynjax.recompile.plan import Plan
+from dynjax.recompile.policy import History, Metrics, Proposal
+
+LAYER_FORWARD = "profile/layer_forward_seconds"  # [L] seconds per microbatch
+LAYER_BACKWARD = "profile/layer_backward_seconds"  # [L] (with the forward's recompute)
+STAGE_FORWARD = "profile/stage_forward_seconds"  # [S] measured in the profiled step
+STAGE_BACKWARD = "profile/stage_backward_seconds"  # [S]
+STAGE_LAYERS = "profile/stage_layers"  # [S] the layout the profiled step ran
+ITERATION = "profile/iteration_seconds"  # measured forward/backward part of the profiled step
+BY = ("time", "param")
+METHODS = ("partition", "diffusion")
+
+
+def moved_layers(old: Sequence[int], new: Sequence[int]) -> list[int]:
+    """Layers whose stage differs between the layouts ``old`` and ``new`` (layers per stage).
+
+    >>> moved_layers((3, 1), (2, 2))
+    [2]
+    """
+    stage_of = lambda counts: np.repeat(np.arange(len(counts)), counts)
+    return np.flatnonzero(stage_of(old) != stage_of(new)).tolist()
+
+
+class Rebalance:
+    """Proposes a new `Plan.stage_layers` when the predicted gain pays for the move.
+
+    A decision is taken on the newest profile of the *current* layout (the first step of every
+    Plan is profiled, `pipeline.profile_on_change`; `pipeline.profile_every` refreshes it):
+
+    * when the newest metrics step is a multiple of `every` (0: never), or
+    * when that profile has just arrived and the imbalance (seed 000 eq. 2) of its measured
+      stage times exceeds `threshold` (0: off).
+
+    Per-layer costs are the profiled forward + backward times (`by="time"`) or the
+    `layer_params` given here (`by="param"`); the step-time prediction always uses the profiled
+    times. Every decision, moving or not, returns a `rebalance` record: old/new counts, the
+    simulated step time of both, the move's cost, whether it was accepted, and
+    `measured_seconds`, the measured iteration time of the current layout's profile, i.e. the
+    measured result of the previous accepted move one interval later (compare with that
+    decision's `predicted_new_seconds`). The simulation covers layers and `comm_seconds` only
+    (not the embedding, head or optimizer update), so the two are comparable in trend, not in
+    absolute value. `accepted` means proposed: the Controller may still reject the Plan
+    (validation, budget), which its `recompile_rejected` event then records.
+    """
+
+    name = "rebalance"
+
+    def __init__(
+        self,
+        *,
+        total_steps: int,
+        layer_bytes: Sequence[int],
+        every: int = 50,
+        threshold: float = 0.0,
+        by: str = "time",
+        method: str = "partition",
+        amortize_steps: int = 0,
+        bandwidth_bytes_per_sec: float = 10e9,
+        recompile_seconds: float = 10.0,
+        comm_seconds: float = 0.0,
+        layer_params: Sequence[int] | None = None,
+    ) -> None:
+        """`layer_bytes`: [L] bytes a moved layer copies (parameters and optimizer state).
+        `amortize_steps`: steps the gain is summed over; 0 = the rest of the run."""
+        if by not in BY or method not in METHODS:
+            raise ValueError(f"by={by!r} must be in {BY} and method={method!r} in {METHODS}")
+        if by == "param" and layer_params is None:
+            raise ValueError("by='param' needs layer_params")
+        if min(every, amortize_steps, threshold, recompile_seconds, comm_seconds) < 0:
+            raise ValueError("every, amortize_steps, threshold and the costs must be >= 0")
+        if bandwidth_bytes_per_sec <= 0:
+            raise ValueError(f"bandwidth_bytes_per_sec={bandwidth_bytes_per_sec} must be > 0")
+        self.total_steps = total_steps
+        self.layer_bytes = np.asarray(layer_bytes, dtype=np.float64)
+        self.every, self.threshold, self.by, self.method = every, threshold, by, method
+        self.amortize_steps = amortize_steps
+        self.bandwidth = bandwidth_bytes_per_sec
+        self.recompile_seconds = recompile_seconds
+        self.comm = comm_seconds
+        self.layer_params = None if layer_params is None else np.asarray(layer_params, float)
+
+    def propose(self, history: History, plan: Plan) -> Proposal | None:
+        old = plan.stage_layers
+        if len(old) < 2 or history.latest_step is None:
+            return None
+        profile = self._current_profile(history, old)
+        if profile is None:
+            return None
+        step, metrics = profile
+        latest = history.latest_step
+        periodic = self.every > 0 and latest % self.every == 0
+        stage_times = np.asarray(metrics[STAGE_FORWARD]) + np.asarray(metrics[STAGE_BACKWARD])
+        measured_imbalance = imbalance(stage_times)
+        triggered = 0 < self.threshold < measured_imbalance and latest == step
+        if not (periodic or triggered):
+            return None
+        fwd = np.asarray(metrics[LAYER_FORWARD], dtype=np.float64)
+        bwd = np.asarray(metrics[LAYER_BACKWARD], dtype=np.float64)
+        costs = fwd + bwd if self.by == "time" else self.layer_params
+        if self.method == "partition":
+            new = partition(costs, len(old), current=old, comm=self.comm)
+        else:
+            new = diffusion(costs, old, comm=self.comm)
+        before = self._predict(fwd, bwd, old, plan)
+        after = self._predict(fwd, bwd, new, plan)
+        moved = moved_layers(old, new)
+        moved_bytes = float(self.layer_bytes[moved].sum())
+        cost = moved_bytes / self.bandwidth + (self.recompile_seconds if moved else 0.0)
+        horizon = self.amortize_steps or max(self.total_steps - latest, 0)
+        gain = before - after
+        accepted = bool(moved) and gain > 0 and gain * horizon > cost
+        record = {
+            "event": "rebalance",
+            "profile_step": step,
+            "trigger": "every" if periodic else "threshold",
+            "by": self.by,
+            "method": self.method,
+            "old": list(old),
+            "new": list(new),
+            "accepted": accepted,
+            "moved_layers": moved,
+            "moved_bytes": moved_bytes,
+            "measured_imbalance": measured_imbalance,
+            "measured_seconds": float(metrics[ITERATION]) if ITERATION in metrics else None,
+            "predicted_old_seconds": before,
+            "predicted_new_seconds": after,
+            "gain_seconds": gain * horizon,
+            "move_cost_seconds": cost,
+            "amortize_steps": horizon,
+        }
+        reason = (
+            f"{list(old)} -> {list(new)}: {before:.4g} -> {after:.4g} s/step predicted, "
+            f"gain {gain * horizon:.3g} s over {horizon} steps vs move cost {cost:.3g} s"
+        )
+        new_plan = plan.replace(stage_layers=new) if accepted else plan
+        return Proposal(new_plan, reason, records=(record,))
+
+    def _current_profile(
+        self, history: History, counts: tuple[int, ...]
+    ) -> tuple[int, Metrics] | None:
+        """The newest profiled entry that ran the layout ``counts``."""
+        for step, metrics in reversed(history.window(len(history), LAYER_FORWARD)):
+            if tuple(np.asarray(metrics.get(STAGE_LAYERS, ())).tolist()) == counts:
+                return step, metrics
+        return None
+
+    def _predict(
+        self, fwd: np.ndarray, bwd: np.ndarray, counts: Sequence[int], plan: Plan
+    ) -> float:
+        """Simulated seconds of one step's forward/backward with layers split as ``counts``."""
+        bounds = np.concatenate(([0], np.cumsum(counts)))[:-1]
+        sim = simulate(
+            np.add.reduceat(fwd, bounds),
+            np.add.reduceat(bwd, bounds),
+            plan.microbatches,
+            schedule=plan.schedule,
+            comm=self.comm,
+        )
+        return sim.iteration_time
+
