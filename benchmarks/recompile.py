@@ -25,8 +25,8 @@ clock, and other load on the cores changes step times and compile times.
     python benchmarks/recompile.py --quick  # capacity runs of 150 steps (caching still 400)
     python benchmarks/recompile.py --workdir runs/bench [--reuse]  # keep runs / re-read them
 
-The default took 33 min on two shared cores under a load average of ~4 (0.3-0.45 s per step);
-at the ~0.15 s per step of two idle cores it is about 12 min.
+The default took 33 and 50 min on two shared cores under a load average of ~4 (0.3-0.65 s per
+step); at the ~0.15 s per step of two idle cores it would be about 12 min.
 """
 
 from __future__ import annotations
