@@ -113,6 +113,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.balance.bandwidth_bytes_per_sec = 10e9  # moving a layer's parameters and optimizer state
     c.balance.recompile_seconds = 10.0  # what a move costs besides copying
     c.balance.comm_seconds = 0.0  # one activation hop per microbatch (network-aware, 003 §D.2)
+    # Re-pack onto fewer stages when memory allows, every `balance.every` steps (seed 000 §3.4);
+    # the unused stage sub-meshes are released for good (README "Re-packing").
+    c.balance.repack = False
+    c.balance.repack_target = 0  # stages to pack to; 0 = as few as fit
+    c.balance.repack_max_slowdown = 0.0  # accept a predicted step up to (1 + this) x today's
+    c.balance.memory_bytes = 0.0  # what one device of a stage may use; 0 = the device's own limit
+    c.balance.memory_headroom = 0.1  # with memory_bytes = 0: fraction of the limit left free
+    c.balance.release_hook = ""  # "module:function" called with the released devices
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.async_save = True
@@ -379,6 +387,8 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
     if p.profile_every < 0:
         raise ConfigError(f"pipeline.profile_every={p.profile_every} must be >= 0 (0 = off)")
     b = cfg.balance
+    if b.repack:
+        _check_repack(cfg)
     if not b.enabled:
         return
     if num_stages(cfg) < 2:
@@ -408,6 +418,34 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
     if b.bandwidth_bytes_per_sec <= 0:
         raise ConfigError(
             f"balance.bandwidth_bytes_per_sec={b.bandwidth_bytes_per_sec} must be > 0"
+        )
+
+
+def _check_repack(cfg: ml_collections.ConfigDict) -> None:
+    b, p = cfg.balance, cfg.pipeline
+    stages = num_stages(cfg)
+    if stages < 2:
+        raise ConfigError("balance.repack needs a pipeline to shrink: set mesh.stage >= 2")
+    if b.every < 1:
+        raise ConfigError(f"balance.repack decides every balance.every steps: got {b.every}")
+    if not (p.profile_on_change or p.profile_every):
+        raise ConfigError(
+            "balance.repack needs the profiled stage memory: set pipeline.profile_on_change=True "
+            "or pipeline.profile_every > 0"
+        )
+    if not 0 <= b.repack_target < stages:
+        raise ConfigError(
+            f"balance.repack_target={b.repack_target} must be fewer than the {stages} stages "
+            "(0 = as few as fit)"
+        )
+    if b.repack_max_slowdown < 0 or b.memory_bytes < 0:
+        raise ConfigError("balance.repack_max_slowdown and balance.memory_bytes must be >= 0")
+    if not 0 <= b.memory_headroom < 1:
+        raise ConfigError(f"balance.memory_headroom={b.memory_headroom} must be in [0, 1)")
+    hook = b.release_hook
+    if hook and (hook.count(":") != 1 or not all(hook.split(":"))):
+        raise ConfigError(
+            f"balance.release_hook={hook!r} must look like 'package.module:function'"
         )
 
 

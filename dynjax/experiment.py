@@ -42,7 +42,7 @@ from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import ModelParts, PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
-from dynjax.recompile import Plan, PlanContext, static_capacities
+from dynjax.recompile import Plan, PlanContext, PlanError, static_capacities
 
 
 def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
@@ -177,10 +177,15 @@ class Experiment:
         plan.validate(self.ctx)
         return plan
 
-    def resumed_plan(self, saved: Plan) -> Plan:
-        """A checkpoint's Plan on this run's mesh: a changed stage count takes the config's
-        stage assignment and schedule (the checkpoint itself does not depend on the stages)."""
-        if len(saved.stage_layers) != self.ctx.pipeline_stages:
+    def resumed_plan(self, saved: Plan, saved_mesh_stages: int) -> Plan:
+        """A checkpoint's Plan on this run's mesh (``saved_mesh_stages``: the saving run's
+        mesh.stage). On the same mesh the saved stage assignment stays, also a re-packed one
+        with fewer stages than the mesh (the unused sub-meshes are released again); on another
+        mesh the config's assignment and schedule apply (the checkpoint does not depend on the
+        stages)."""
+        same_mesh = saved_mesh_stages == self.cfg.mesh.stage
+        fits = 0 < len(saved.stage_layers) <= self.ctx.pipeline_stages
+        if len(saved.stage_layers) != self.ctx.pipeline_stages and not (same_mesh and fits):
             initial = self.initial_plan()
             saved = saved.replace(stage_layers=initial.stage_layers, schedule=initial.schedule)
         saved.validate(self.ctx)
@@ -327,6 +332,14 @@ class SingleProgramRuntime:
         """Every Plan of this runtime shares one state layout: nothing to migrate."""
         return None
 
+    @property
+    def plan_context(self) -> PlanContext:
+        return self.exp.ctx
+
+    def release_unused(self) -> tuple[tuple[int, ...], list[jax.Device]]:
+        """One program over the whole mesh: nothing to give back."""
+        return (), []
+
     def checkpoint_state(self) -> dict[str, Any]:
         return self.state
 
@@ -335,11 +348,34 @@ class SingleProgramRuntime:
 
 
 class PipelineRuntime:
-    """The MPMD pipeline behind the same calls as `SingleProgramRuntime`."""
+    """The MPMD pipeline behind the same calls as `SingleProgramRuntime`.
+
+    A Plan with fewer stages than the mesh (a re-pack, seed 000 §3.4) runs stage s on sub-mesh
+    s; `release_unused` then gives the trailing sub-meshes back for good: later Plans may not
+    use them (`plan_context`), since a cluster scheduler may have handed them to another job.
+    """
 
     def __init__(self, exp: Experiment, pipeline: Pipeline) -> None:
         self.exp, self.pipeline = exp, pipeline
         self.evaluations = 0
+        self.available_stages = exp.ctx.pipeline_stages
+
+    @property
+    def plan_context(self) -> PlanContext:
+        """What a new Plan is validated against: only the stage sub-meshes not released."""
+        return dataclasses.replace(self.exp.ctx, pipeline_stages=self.available_stages)
+
+    def release_unused(self) -> tuple[tuple[int, ...], list[jax.Device]]:
+        """Give back the stage sub-meshes the current Plan does not use: returns their indices
+        and devices (empty when there are none). Their state already moved away (`swap`)."""
+        used = self.pipeline.spec.num_stages
+        stages = tuple(range(used, self.available_stages))
+        if not stages:
+            return (), []
+        self.available_stages = used
+        self.pipeline.programs.release(stages)
+        meshes = self.pipeline.transport.stage_meshes
+        return stages, [d for s in stages for d in meshes[s].devices.flat]
 
     def step(self, executable, batch: Batch, cached: np.ndarray | None):
         return self.pipeline.step(executable, batch.inputs, batch.targets, cached)
@@ -365,6 +401,11 @@ class PipelineRuntime:
 
     def swap(self, plan: Plan, executable) -> Migration | None:
         """Migrate layers to their new stages when the stage assignment changed."""
+        if executable.spec.num_stages > self.available_stages:
+            raise PlanError(
+                f"stage_layers = {plan.stage_layers} needs {executable.spec.num_stages} stage "
+                f"sub-meshes but {self.available_stages} remain after a re-pack released the rest"
+            )
         if executable.spec.stages == self.pipeline.spec.stages:
             self.pipeline.spec = executable.spec  # a new schedule: same state layout
             return None

@@ -27,7 +27,9 @@ from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer
 from dynjax.experiment import Experiment
 from dynjax.launch.distributed import initialize_from_env
-from dynjax.parallel.layout import layer_sizes
+from dynjax.launch.release import ReleaseHook, load_release_hook, release
+from dynjax.parallel.layout import layer_device_bytes, layer_sizes
+from dynjax.parallel.profile import device_memory_limit
 from dynjax.recompile import (
     STABILITY,
     AssignmentCache,
@@ -41,6 +43,7 @@ from dynjax.recompile import (
     Plan,
     Policy,
     Rebalance,
+    Repack,
     enable_persistent_cache,
 )
 from dynjax.writers import MetricsWriter
@@ -89,8 +92,8 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
                 window=c.window,
             )
         )
-    if cfg.balance.enabled:
-        b = cfg.balance
+    b = cfg.balance
+    if b.enabled:
         out.append(
             Rebalance(
                 total_steps=cfg.train.steps,
@@ -106,7 +109,33 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
                 layer_params=layer_sizes(exp.abstract_state["params"], cfg.model.num_layers),
             )
         )
+    if b.repack:  # after Rebalance: it packs the layout Rebalance settled on, once profiled
+        out.append(
+            Repack(
+                memory_bytes=repack_memory_budget(cfg, exp),
+                layer_state_bytes=layer_device_bytes(exp.abstract_state, cfg.model.num_layers),
+                every=b.every,
+                target=b.repack_target,
+                max_slowdown=b.repack_max_slowdown,
+                comm_seconds=b.comm_seconds,
+            )
+        )
     return out
+
+
+def repack_memory_budget(cfg: ml_collections.ConfigDict, exp: Experiment) -> float:
+    """Bytes one device of a stage may use: ``balance.memory_bytes``, else the devices' own
+    limit less ``balance.memory_headroom``."""
+    b = cfg.balance
+    if b.memory_bytes:
+        return float(b.memory_bytes)
+    limit = device_memory_limit(list(exp.mesh.devices.flat))
+    if limit is None:
+        raise config_lib.ConfigError(
+            f"balance.repack: the {jax.default_backend()} backend reports no device memory "
+            "limit; set balance.memory_bytes to the bytes one device may use"
+        )
+    return limit * (1 - b.memory_headroom)
 
 
 def train(
@@ -115,11 +144,13 @@ def train(
     *,
     policies: Sequence[Policy] = (),
     progress: bool = True,
+    release_hook: ReleaseHook | None = None,
 ) -> RunSummary:
     """Train (or resume) the run in ``workdir``; returns what the summary prints.
 
     ``policies`` are user policies run by the Controller after the ones the config asks for
-    (README "Writing a policy").
+    (README "Writing a policy"). ``release_hook`` is called with the devices a re-pack frees
+    (default: ``balance.release_hook``; either way a ``release`` event is logged).
 
     In a multi-process run (`dynjax.launch`) every process runs this loop over its own pipeline
     stages; process i > 0 writes its files to ``workdir/process_<i>``. Such a run keeps its
@@ -134,6 +165,8 @@ def train(
     workdir.mkdir(parents=True, exist_ok=True)
     enable_persistent_cache(os.path.expanduser(cfg.recompile.cache_dir) or None)
     exp = Experiment.from_config(cfg)
+    config_policies = policies_for(cfg, exp)  # their config errors come before any work
+    release_hook = release_hook or load_release_hook(cfg.balance.release_hook)
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     events = EventLog(workdir / "events.jsonl")
     if single:
@@ -144,7 +177,7 @@ def train(
             emit=events,
         )
     else:
-        _check_multi_process(cfg, exp, policies)
+        _check_multi_process(cfg, [*config_policies, *policies])
         checkpointer = _NoCheckpoints()
     restored = checkpointer.restore_latest(exp.abstract_state)
     if restored is None:
@@ -152,7 +185,8 @@ def train(
         runtime = exp.runtime(plan)
     else:
         host_state, meta = restored
-        plan, start = exp.resumed_plan(Plan.from_dict(meta["plan"])), meta["step"]
+        saved_stages = meta["config"]["mesh"]["stage"]
+        plan, start = exp.resumed_plan(Plan.from_dict(meta["plan"]), saved_stages), meta["step"]
         runtime = exp.runtime(plan, host_state)
         log.info("resumed from step %d of %s", start, workdir)
     steps = cfg.train.steps
@@ -190,9 +224,9 @@ def train(
     controller = Controller(
         plan,
         compiler,
-        [*policies_for(cfg, exp), *policies],
+        [*config_policies, *policies],
         emit=events,
-        validate=lambda p: p.validate(exp.ctx),
+        validate=lambda p: p.validate(runtime.plan_context),
         budget=Budget(budget.max_recompiles, budget.window_steps),
     )
     cache = (
@@ -223,6 +257,15 @@ def train(
     profile_on_change = cfg.pipeline.profile_on_change and profiles
     profile_every = cfg.pipeline.profile_every if profiles else 0
     profile_next = profile_on_change
+
+    def release_unused(step: int, reason: str) -> None:
+        """Give back the stage sub-meshes a re-packed Plan leaves unused (seed 000 §3.4.2)."""
+        stages, devices = runtime.release_unused()
+        if stages:
+            compiler.forget(lambda p: len(p.stage_layers) > runtime.available_stages)
+            events(release(devices, stages, release_hook, step=step, reason=reason))
+
+    release_unused(start, "resumed re-packed")
     controller.start()
     try:
         for step in range(start, steps):
@@ -233,6 +276,7 @@ def train(
                     events(migration.event(step))
                 executable, plan, recompiles = swap.executable, swap.plan, recompiles + 1
                 controller.swap_done(swap)
+                release_unused(step, swap.reason)
                 profile_next = profile_next or profile_on_change
             batch = exp.order.batch(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
@@ -279,16 +323,17 @@ def train(
     )
 
 
-def _check_multi_process(cfg, exp: Experiment, policies: Sequence[Policy]) -> None:
+def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:
     if not config_lib.num_stages(cfg):
         raise ValueError(
             f"{jax.process_count()} processes need pipeline stages (mesh.stage > 1): each "
             "process runs the stages on its own devices"
         )
-    if policies or policies_for(cfg, exp):
+    if policies:
         raise ValueError(
             "multi-process runs keep their first Plan: remove the policies (and set "
-            "moe.capacity.policy=static, moe.caching.enabled=False)"
+            "moe.capacity.policy=static, moe.caching.enabled=False, balance.enabled=False, "
+            "balance.repack=False)"
         )
     log.warning("multi-process run: no checkpoints are written")
 
@@ -413,7 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     workdir = workdir or str(Path("workdirs") / Path(config_path).stem)
-    summary = train(cfg, workdir, progress=sys.stderr.isatty() or "DYNJAX_PROGRESS" in os.environ)
+    progress = sys.stderr.isatty() or "DYNJAX_PROGRESS" in os.environ
+    try:
+        summary = train(cfg, workdir, progress=progress)
+    except config_lib.ConfigError as err:  # found once devices are known, before training
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(format_summary(summary))
     return 0
 

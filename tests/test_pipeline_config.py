@@ -92,7 +92,7 @@ def test_stage_layers_default_to_uniform_and_microbatches_to_twice_the_stages():
     "changes, words",
     [
         ({"stage_layers": ()}, ["stage_layers is empty", "3 pipeline stages"]),
-        ({"stage_layers": (2, 2)}, ["has 2 stages but the mesh has 3"]),
+        ({"stage_layers": (1, 1, 1, 1)}, ["has 4 stages but only 3 stage sub-meshes"]),
         ({"stage_layers": (2, 0, 2)}, ["stage(s) [1] hold no layers"]),
         ({"stage_layers": (2, 1, 2)}, ["sums to 5 layers", "has 4"]),
         ({"schedule": "zero-bubble"}, ["schedule = 'zero-bubble'", "gpipe"]),
@@ -105,6 +105,11 @@ def test_invalid_pipeline_plans_name_the_fix(changes, words):
     with pytest.raises(PlanError) as err:
         plan.validate(CTX)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_a_plan_may_use_fewer_stages_than_the_mesh_has():
+    Plan(stage_layers=(2, 2)).validate(CTX)  # a re-packed Plan: sub-mesh 2 is unused
+    Plan(stage_layers=(4,)).validate(CTX)
 
 
 def test_pipeline_plan_fields_round_trip_and_old_plans_load():

@@ -44,7 +44,12 @@ def test_profiled_steps_report_layers_memory_and_a_timeline(tmp_path):
         # Adam's mu and nu, and its step counts.
         assert 0 < 2 * stage["params"] < stage["opt_state"] <= 2 * stage["params"] + 16
         assert stage["program_temp"] > 0
-        assert stage["total"] == sum(v for k, v in stage.items() if k != "total")
+        parts = ("params", "opt_state", "grad_accumulator", "stage_inputs", "program_temp")
+        assert stage["total"] == sum(stage[k] for k in parts)
+        # GPipe keeps both microbatches' stage inputs; a device holds 2 of a microbatch's 4 rows
+        # of 32 tokens: int32 tokens on the first stage, float32 [d_model=32] activations after.
+        kept = 2 * 32 * (4 if stage is memory[0] else 32 * 4)
+        assert stage["microbatch_input"] == kept and stage["stage_inputs"] == 2 * kept
     assert memory[0]["params"] > memory[1]["params"]  # two layers and the embedding
     # GPipe's task lists, as measured: each stage in order, every dependency respected.
     timeline = event["timeline"]
@@ -69,4 +74,5 @@ def test_profiled_steps_report_layers_memory_and_a_timeline(tmp_path):
         metrics["profile/layer_forward_seconds"], event["layer_forward_seconds"]
     )
     assert metrics["profile/stage_memory_bytes"].tolist() == [m["total"] for m in memory]
+    assert metrics["profile/stage_input_bytes"].tolist() == [m["stage_inputs"] for m in memory]
     assert metrics["profile/stage_backward_seconds"].shape == (2,) and "loss" in metrics

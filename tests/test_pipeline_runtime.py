@@ -306,3 +306,35 @@ def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs)
     momentum = got["opt_state"][1][0].trace["layers"]
     assert all(not np.any(x) for i in FROZEN for x in jax.tree.leaves(momentum[i]))
     assert_close(frozen_reference(), got, 1e-5)
+
+
+def test_repack_onto_fewer_stages_is_exact_and_frees_the_rest(programs, reference):
+    """Seed 000 §3.4: four stages merge into two mid-training; learning does not notice."""
+    programs, template = programs
+    ref_metrics, ref_state = reference
+    before = programs.lower(spec_for(ASSIGNMENT, "1f1b")).compile()
+    packed = programs.lower(spec_for((3, 2), "1f1b")).compile()
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), before.spec)
+    exe, losses = before, []
+    for step, batch in enumerate(batches()):
+        if step == 1:
+            held = pipeline.host_state()
+            migration = pipeline.migrate(packed)
+            exe = packed
+            for x, y in zip(
+                jax.tree.leaves(held), jax.tree.leaves(pipeline.host_state()), strict=True
+            ):
+                np.testing.assert_array_equal(x, y)
+        losses.append(host_metrics(jax.device_get(pipeline.step(exe, **batch)))["loss"])
+    assert migration.moves == ((1, 1, 0), (2, 1, 0), (3, 2, 1), (4, 3, 1))
+    assert sorted(pipeline.state) == [0, 1]  # sub-meshes 2 and 3 hold nothing any more
+    assert sorted(pipeline.state[1]["params"]["layers"]) == [3, 4]
+    stage_1 = set(programs.transport.stage_meshes[1].devices.flat)
+    assert all(
+        set(leaf.devices()) <= stage_1 for leaf in jax.tree.leaves(pipeline.state[1])
+    )
+    np.testing.assert_allclose(losses, [m["loss"] for m in ref_metrics], rtol=1e-5)
+    assert_close(ref_state, pipeline.host_state(), 1e-5)
+    programs.release((2, 3))
+    assert all(spec.index < 2 for _, spec in programs._compiled)

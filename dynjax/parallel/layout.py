@@ -101,3 +101,25 @@ def layer_sizes(tree: Any, num_layers: int, *, nbytes: bool = False) -> list[int
                 sizes[b] += n * jax.numpy.dtype(leaf.dtype).itemsize if nbytes else n
                 break
     return sizes
+
+
+def layer_device_bytes(state: Any, num_layers: int) -> list[float]:
+    """[num_layers] bytes one device holds of each layer's state (`jax.ShapeDtypeStruct`s with
+    shardings, e.g. the abstract training state), with the embedding and positions counted in
+    layer 0 and the final norm and head in the last layer: the stage that holds that layer
+    holds them too. Scalars shared by all parameters (Adam's count) are left out."""
+    sizes = [0.0] * num_layers
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = [getattr(k, "key", None) for k in path]
+        pairs = zip(keys, keys[1:], strict=False)
+        layer = next((b for a, b in pairs if a == "layers" and isinstance(b, int)), None)
+        if layer is None:
+            if "embed" in keys or "pos" in keys:
+                layer = 0
+            elif "norm" in keys or "head" in keys:
+                layer = num_layers - 1
+            else:
+                continue
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        sizes[layer] += math.prod(shape) * jax.numpy.dtype(leaf.dtype).itemsize
+    return sizes

@@ -152,6 +152,14 @@ class PipelinePrograms:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def release(self, stages: Iterable[int]) -> None:
+        """Drop the programs and shapes of stage sub-meshes given back after a re-pack."""
+        gone = set(stages)
+        with self._lock:
+            for key in [k for k in self._compiled if k[1].index in gone]:
+                del self._compiled[key]
+            self._shapes = {k: v for k, v in self._shapes.items() if k.index not in gone}
+
     def get(self, kind: str, stage: StageSpec) -> Any:
         """A compiled program, compiling it now if needed (evaluation programs)."""
         with self._lock:
@@ -416,7 +424,7 @@ class Pipeline:
         stages, programs = run.exe.spec.stages, run.exe.programs
         local = [s.index for s in stages if self.transport.is_local(s.index)]
         sq = {s: programs["sqnorm", s](self.acc[s]) for s in local}
-        sq_all = self.transport.gather(sq, (1,), jnp.float32)
+        sq_all = self.transport.gather(sq, (1,), jnp.float32, len(stages))
         stage_metrics = {}
         for s in local:
             st = self.state[s]

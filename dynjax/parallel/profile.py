@@ -148,6 +148,13 @@ def _median(run: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def device_memory_limit(devices: Sequence[jax.Device]) -> int | None:
+    """The smallest memory limit of ``devices`` as their allocator reports it; None where a
+    backend reports none (CPU)."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    return None if None in limits or not limits else int(min(limits))
+
+
 def per_device_bytes(tree: Any) -> int:
     """Bytes one device of the tree's sub-mesh holds (the largest share over its devices)."""
     totals: dict[Any, int] = {}
@@ -173,7 +180,8 @@ def stage_memory(
     programs: Mapping[tuple[str, int], Any],
     shapes: Shapes,
 ) -> tuple[dict[str, int], ...]:
-    """Per-device bytes of each stage: live state, kept stage inputs, program temporaries."""
+    """Per-device bytes of each stage: live state, kept stage inputs, program temporaries,
+    their ``total``, and ``microbatch_input``, the bytes of one kept stage input."""
     out = []
     for stage in spec.stages:
         s = stage.index
@@ -192,6 +200,7 @@ def stage_memory(
             "program_temp": max(temps, default=0),
         }
         record["total"] = sum(record.values())
+        record["microbatch_input"] = x_bytes  # one kept stage input (a part of stage_inputs)
         out.append(record)
     return tuple(out)
 
@@ -217,7 +226,7 @@ class Profile:
     """One profiled step: unit times, stage memory and the measured timeline."""
 
     units: UnitTimes
-    memory: tuple[dict[str, int], ...]  # [stages] per-device bytes by kind, and "total"
+    memory: tuple[dict[str, int], ...]  # [stages] per-device bytes by kind (`stage_memory`)
     timeline: tuple[tuple[TaskTime, ...], ...]  # [stages][tasks in execution order]
 
     @property
@@ -242,6 +251,10 @@ class Profile:
             "profile/stage_forward_seconds": self.stage_seconds("F"),
             "profile/stage_backward_seconds": self.stage_seconds("B"),
             "profile/stage_memory_bytes": np.array([m["total"] for m in self.memory]),
+            "profile/stage_input_bytes": np.array([m["stage_inputs"] for m in self.memory]),
+            "profile/microbatch_input_bytes": np.array(
+                [m["microbatch_input"] for m in self.memory]
+            ),
             "profile/bubble_ratio": np.float64(self.bubble_ratio),
             "profile/iteration_seconds": np.float64(self.iteration_seconds),
         }

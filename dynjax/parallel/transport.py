@@ -120,12 +120,15 @@ class Transport:
             self._exchanges[key] = compiled
         return compiled
 
-    def gather(self, parts: dict[int, jax.Array], shape: tuple[int, ...], dtype) -> dict:
+    def gather(
+        self, parts: dict[int, jax.Array], shape: tuple[int, ...], dtype, stages: int
+    ) -> dict:
         """Every stage's replicated array of ``shape`` on every local stage, in stage order:
-        small per-stage values that each stage sums to the same total."""
-        out: dict[int, list[jax.Array]] = {s: [] for s in sorted(self.local_stages)}
-        for src in range(self.num_stages):
-            for dst in range(self.num_stages):
+        small per-stage values that each stage sums to the same total. ``stages``: how many
+        stage sub-meshes the current Plan uses (fewer than the mesh's after a re-pack)."""
+        out: dict[int, list[jax.Array]] = {s: [] for s in sorted(self.local_stages) if s < stages}
+        for src in range(stages):
+            for dst in range(stages):
                 if src == dst:
                     if dst in out:
                         out[dst].append(parts[src])

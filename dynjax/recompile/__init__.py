@@ -25,6 +25,7 @@ from dynjax.recompile.plan import (
 )
 from dynjax.recompile.policy import History, Policy, Proposal
 from dynjax.recompile.rebalance import Rebalance, moved_layers
+from dynjax.recompile.repack import Repack
 
 __all__ = [
     "LOADS",
@@ -45,6 +46,7 @@ __all__ = [
     "Policy",
     "Proposal",
     "Rebalance",
+    "Repack",
     "Swap",
     "base_capacity",
     "capacity_for_factor",

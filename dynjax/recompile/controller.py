@@ -11,7 +11,8 @@ never waits for a decision. Events (dicts, one JSON line each) record every deci
   plan_diff, plan, lower_seconds, compile_seconds, cache_hit, steps_during_compile,
   swap_stall_seconds;
 - `recompile_rejected`: step, metrics_step, reason (the `PlanError`, or "budget"), policy,
-  plan_diff;
+  plan_diff; once per refused Plan: a policy that keeps proposing it is not logged again until
+  another Plan is refused for the same reason or a recompile goes through;
 - `recompile_failed`: lowering or compiling raised; `policy_error`: a policy raised;
 - a policy's own decision records (`Proposal.records`, e.g. `rebalance`), with step,
   metrics_step and policy added.
@@ -122,6 +123,7 @@ class Controller:
         self._thread: threading.Thread | None = None
         self._launch_step = 0
         self._unfinished: Swap | None = None
+        self._refused: dict[str, Plan] = {}  # policy name or "budget" -> last Plan refused
 
     @property
     def plan(self) -> Plan:
@@ -291,6 +293,9 @@ class Controller:
             try:
                 self._validate(proposal.plan)
             except ValueError as e:
+                if self._refused.get(policy.name) == proposal.plan:
+                    continue
+                self._refused[policy.name] = proposal.plan
                 self._emit(
                     {
                         "event": "recompile_rejected",
@@ -308,6 +313,9 @@ class Controller:
             return
         reason, policy_names, diff = "; ".join(reasons), "+".join(names), base.diff(plan)
         if not self._budget.allows(self._accepted_steps, step):
+            if self._refused.get("budget") == plan:
+                return
+            self._refused["budget"] = plan
             self._emit(
                 {
                     "event": "recompile_rejected",
@@ -326,6 +334,7 @@ class Controller:
             self._emit_failed(step, metrics_step, reason, policy_names, diff, e)
             return
         self._accepted_steps.append(step)
+        self._refused.clear()
         with self._cond:
             self._pending = _Pending(plan, future, step, metrics_step, reason, policy_names)
 

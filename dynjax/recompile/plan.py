@@ -27,9 +27,10 @@ class PlanContext:
     """The facts about the model and batch that decide whether a Plan is possible.
 
     `group_tokens` is the number of tokens in one dispatch group (one sequence of `seq_len`
-    tokens), the unit capacities are counted in. `pipeline_stages` is the number of pipeline
-    stages the mesh has (0: no pipeline, the single-program step); `batch_shards` the devices
-    one stage splits a microbatch over (mesh.data * mesh.expert).
+    tokens), the unit capacities are counted in. `pipeline_stages` is the number of stage
+    sub-meshes a Plan may use: the mesh's stages less those released after a re-pack (0: no
+    pipeline, the single-program step). A Plan may use fewer (stage s runs on sub-mesh s).
+    `batch_shards` is the devices one stage splits a microbatch over (mesh.data * mesh.expert).
     """
 
     num_moe_layers: int
@@ -169,10 +170,11 @@ class Plan:
                     f"pipeline.stage_layers (e.g. '({ctx.num_layers},)' for one stage)"
                 )
         else:
-            if len(stages) != ctx.pipeline_stages:
+            if len(stages) > ctx.pipeline_stages:
                 problems.append(
-                    f"stage_layers = {stages} has {len(stages)} stages but the mesh has "
-                    f"{ctx.pipeline_stages}: give one layer count per stage (mesh.stage)"
+                    f"stage_layers = {stages} has {len(stages)} stages but only "
+                    f"{ctx.pipeline_stages} stage sub-meshes are available (mesh.stage, less "
+                    "any released by a re-pack): use at most that many stages"
                 )
             empty = [s for s, n in enumerate(stages) if n < 1]
             if empty:

@@ -103,7 +103,7 @@ class Rebalance:
         old = plan.stage_layers
         if len(old) < 2 or history.latest_step is None:
             return None
-        profile = self._current_profile(history, old)
+        profile = current_profile(history, old)
         if profile is None:
             return None
         step, metrics = profile
@@ -121,8 +121,8 @@ class Rebalance:
             new = partition(costs, len(old), current=old, comm=self.comm)
         else:
             new = diffusion(costs, old, comm=self.comm)
-        before = self._predict(fwd, bwd, old, plan)
-        after = self._predict(fwd, bwd, new, plan)
+        before = predict_seconds(fwd, bwd, old, plan, self.comm)
+        after = predict_seconds(fwd, bwd, new, plan, self.comm)
         moved = moved_layers(old, new)
         moved_bytes = float(self.layer_bytes[moved].sum())
         cost = moved_bytes / self.bandwidth + (self.recompile_seconds if moved else 0.0)
@@ -155,26 +155,27 @@ class Rebalance:
         new_plan = plan.replace(stage_layers=new) if accepted else plan
         return Proposal(new_plan, reason, records=(record,))
 
-    def _current_profile(
-        self, history: History, counts: tuple[int, ...]
-    ) -> tuple[int, Metrics] | None:
-        """The newest profiled entry that ran the layout ``counts``."""
-        for step, metrics in reversed(history.window(len(history), LAYER_FORWARD)):
-            if tuple(np.asarray(metrics.get(STAGE_LAYERS, ())).tolist()) == counts:
-                return step, metrics
-        return None
 
-    def _predict(
-        self, fwd: np.ndarray, bwd: np.ndarray, counts: Sequence[int], plan: Plan
-    ) -> float:
-        """Simulated seconds of one step's forward/backward with layers split as ``counts``."""
-        bounds = np.concatenate(([0], np.cumsum(counts)))[:-1]
-        sim = simulate(
-            np.add.reduceat(fwd, bounds),
-            np.add.reduceat(bwd, bounds),
-            plan.microbatches,
-            schedule=plan.schedule,
-            comm=self.comm,
-        )
-        return sim.iteration_time
+def current_profile(history: History, counts: tuple[int, ...]) -> tuple[int, Metrics] | None:
+    """The newest profiled ``(step, metrics)`` entry that ran the layout ``counts``."""
+    for step, metrics in reversed(history.window(len(history), LAYER_FORWARD)):
+        if tuple(np.asarray(metrics.get(STAGE_LAYERS, ())).tolist()) == counts:
+            return step, metrics
+    return None
+
+
+def predict_seconds(
+    fwd: np.ndarray, bwd: np.ndarray, counts: Sequence[int], plan: Plan, comm: float
+) -> float:
+    """Simulated seconds of one step's forward/backward with layers split as ``counts``, from
+    per-layer times ``fwd``, ``bwd`` (seconds per microbatch) and ``plan``'s schedule."""
+    bounds = np.concatenate(([0], np.cumsum(counts)))[:-1]
+    sim = simulate(
+        np.add.reduceat(fwd, bounds),
+        np.add.reduceat(bwd, bounds),
+        plan.microbatches,
+        schedule=plan.schedule,
+        comm=comm,
+    )
+    return sim.iteration_time
 

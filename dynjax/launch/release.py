@@ -1,0 +1,98 @@
+"""Giving devices back after a re-pack: the release hook (seed 000 §3.4.2).
+
+When a re-packed Plan leaves stage sub-meshes unused, the training loop calls
+``release(devices)`` once with their `jax.Device`s and records an ``event: "release"`` in
+events.jsonl. JAX cannot shrink a running process's device set, so the devices stay visible to
+the process, but dynjax never uses them again in this run; the hook is where a cluster learns
+they are free (README "Re-packing"): e.g. a Kubernetes PATCH that lowers the pod's GPU
+request, as DynMo does with ECK, or a message to a SLURM-side agent. Set it with
+``balance.release_hook="package.module:function"`` (or ``train(..., release_hook=fn)``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from dynjax.config import ConfigError
+
+ReleaseHook = Callable[[Sequence[jax.Device]], None]
+log = logging.getLogger("dynjax")
+
+
+def load_release_hook(spec: str) -> ReleaseHook | None:
+    """The function ``spec`` ("package.module:function") names; None for ""."""
+    if not spec:
+        return None
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"balance.release_hook={spec!r}: cannot import {module_name!r} ({e}); put the module "
+            "on PYTHONPATH or fix the name"
+        ) from e
+    hook = getattr(module, attr, None)
+    if not callable(hook):
+        raise ConfigError(
+            f"balance.release_hook={spec!r}: {module_name} has no function {attr!r}"
+        )
+    return hook
+
+
+RELEASED_FILE = "DYNJAX_RELEASED_FILE"
+
+
+def append_to_file(devices: Sequence[jax.Device]) -> None:
+    """A release hook for a watcher outside the process (a node agent, the launch script):
+    appends one JSON line with the job and the freed devices to ``$DYNJAX_RELEASED_FILE``
+    (default ``released_devices.jsonl`` in the working directory)."""
+    record = {
+        "time": time.time(),
+        "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("HOSTNAME"),
+        "devices": _describe(devices),
+    }
+    with open(os.environ.get(RELEASED_FILE, "released_devices.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _describe(devices: Sequence[jax.Device]) -> list[dict[str, Any]]:
+    return [{"id": d.id, "process": d.process_index, "kind": d.device_kind} for d in devices]
+
+
+def release(
+    devices: Sequence[jax.Device],
+    stages: Sequence[int],
+    hook: ReleaseHook | None,
+    *,
+    step: int,
+    reason: str,
+) -> dict[str, Any]:
+    """Call ``hook`` with ``devices`` (freed stage sub-meshes ``stages``); returns the
+    ``release`` event. A failing hook is logged, not raised: training goes on without the
+    devices either way."""
+    event: dict[str, Any] = {
+        "event": "release",
+        "step": step,
+        "reason": reason,
+        "stages": list(stages),
+        "devices": _describe(devices),
+        "hook": None if hook is None else getattr(hook, "__qualname__", repr(hook)),
+    }
+    start = time.perf_counter()
+    if hook is not None:
+        try:
+            hook(list(devices))
+        except Exception as e:  # the run must not die for a scheduler's sake
+            event["hook_error"] = f"{type(e).__name__}: {e}"
+            log.warning("release hook %s failed: %s", event["hook"], e)
+    event["hook_seconds"] = time.perf_counter() - start
+    log.info("released stage sub-meshes %s (%d devices)", list(stages), len(devices))
+    return event
