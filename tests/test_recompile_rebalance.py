@@ -138,3 +138,16 @@ def test_moved_layers():
     assert moved_layers((2, 1, 1), (1, 2, 1)) == [1]
     assert moved_layers((1, 1, 4), (3, 2, 1)) == [1, 2, 3, 4]
     assert moved_layers((2, 2), (2, 2)) == []
+
+
+def test_embedding_and_head_times_count_in_their_stages():
+    metrics = profile([1.0, 1.0, 1.0, 1.0], (2, 2))
+    # A head (norm, large-vocabulary projection, loss) as costly as two layers.
+    metrics[rebalance_module.HEAD] = np.array([2.0, 4.0])
+    metrics[rebalance_module.EMBED] = np.array([0.1, 0.2])
+    fwd, bwd = rebalance_module.layer_times(metrics)
+    np.testing.assert_allclose(fwd, [1.1, 1.0, 1.0, 3.0])
+    np.testing.assert_allclose(bwd, [2.2, 2.0, 2.0, 6.0])
+    entries = [(0, metrics), (10, {"loss": 1.0})]
+    proposal = policy().propose(History.of(entries), PLAN.replace(stage_layers=(2, 2)))
+    assert proposal.plan.stage_layers == (3, 1)  # the head's stage gives up a layer

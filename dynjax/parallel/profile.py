@@ -248,6 +248,8 @@ class Profile:
         return {
             "profile/layer_forward_seconds": np.array(self.units.layer_forward),
             "profile/layer_backward_seconds": np.array(self.units.layer_backward),
+            "profile/embed_seconds": np.array(self.units.embed),
+            "profile/head_seconds": np.array(self.units.head),
             "profile/stage_forward_seconds": self.stage_seconds("F"),
             "profile/stage_backward_seconds": self.stage_seconds("B"),
             "profile/stage_memory_bytes": np.array([m["total"] for m in self.memory]),

@@ -23,6 +23,8 @@ from dynjax.recompile.policy import History, Metrics, Proposal
 
 LAYER_FORWARD = "profile/layer_forward_seconds"  # [L] seconds per microbatch
 LAYER_BACKWARD = "profile/layer_backward_seconds"  # [L] (with the forward's recompute)
+EMBED = "profile/embed_seconds"  # [2] forward, backward of the token embedding
+HEAD = "profile/head_seconds"  # [2] forward, backward of the final norm, head and loss
 STAGE_FORWARD = "profile/stage_forward_seconds"  # [S] measured in the profiled step
 STAGE_BACKWARD = "profile/stage_backward_seconds"  # [S]
 STAGE_LAYERS = "profile/stage_layers"  # [S] the layout the profiled step ran
@@ -51,16 +53,17 @@ class Rebalance:
     * when that profile has just arrived and the imbalance (seed 000 eq. 2) of its measured
       stage times exceeds `threshold` (0: off).
 
-    Per-layer costs are the profiled forward + backward times (`by="time"`) or the
-    `layer_params` given here (`by="param"`); the step-time prediction always uses the profiled
-    times. Every decision, moving or not, returns a `rebalance` record: old/new counts, the
-    simulated step time of both, the move's cost, whether it was accepted, and
-    `measured_seconds`, the measured iteration time of the current layout's profile, i.e. the
-    measured result of the previous accepted move one interval later (compare with that
-    decision's `predicted_new_seconds`). The simulation covers layers and `comm_seconds` only
-    (not the embedding, head or optimizer update), so the two are comparable in trend, not in
-    absolute value. `accepted` means proposed: the Controller may still reject the Plan
-    (validation, budget), which its `recompile_rejected` event then records.
+    Per-layer costs are the profiled forward + backward times (`by="time"`, with the embedding
+    in the first layer and the head in the last) or the `layer_params` given here
+    (`by="param"`); the step-time prediction always uses the profiled times. Every decision,
+    moving or not, returns a `rebalance` record: old/new counts, the simulated step time of
+    both, the move's cost, whether it was accepted, and `measured_seconds`, the measured
+    iteration time of the current layout's profile, i.e. the measured result of the previous
+    accepted move one interval later (compare with that decision's `predicted_new_seconds`). The
+    simulation covers the layers, embedding, head and `comm_seconds`, not the optimizer update
+    or host dispatch, so the two agree in trend more than in absolute value. `accepted` means
+    proposed: the Controller may still reject the Plan (validation, budget), which its
+    `recompile_rejected` event then records.
     """
 
     name = "rebalance"
@@ -114,8 +117,7 @@ class Rebalance:
         triggered = 0 < self.threshold < measured_imbalance and latest == step
         if not (periodic or triggered):
             return None
-        fwd = np.asarray(metrics[LAYER_FORWARD], dtype=np.float64)
-        bwd = np.asarray(metrics[LAYER_BACKWARD], dtype=np.float64)
+        fwd, bwd = layer_times(metrics)
         costs = fwd + bwd if self.by == "time" else self.layer_params
         if self.method == "partition":
             new = partition(costs, len(old), current=old, comm=self.comm)
@@ -154,6 +156,19 @@ class Rebalance:
         )
         new_plan = plan.replace(stage_layers=new) if accepted else plan
         return Proposal(new_plan, reason, records=(record,))
+
+
+def layer_times(metrics: Metrics) -> tuple[np.ndarray, np.ndarray]:
+    """[L] forward and backward seconds per microbatch of each layer, with the embedding's
+    counted in the first layer and the head's (norm, head, loss) in the last: the stages that
+    hold those layers run them too, and a large vocabulary makes them count."""
+    fwd = np.array(metrics[LAYER_FORWARD], dtype=np.float64)
+    bwd = np.array(metrics[LAYER_BACKWARD], dtype=np.float64)
+    for key, layer in ((EMBED, 0), (HEAD, -1)):
+        if key in metrics:
+            fwd[layer] += metrics[key][0]
+            bwd[layer] += metrics[key][1]
+    return fwd, bwd
 
 
 def current_profile(history: History, counts: tuple[int, ...]) -> tuple[int, Metrics] | None:

@@ -28,9 +28,8 @@ from dynjax.balance import InfeasibleError, partition, peak_in_flight, schedule_
 from dynjax.recompile.plan import Plan
 from dynjax.recompile.policy import History, Proposal
 from dynjax.recompile.rebalance import (
-    LAYER_BACKWARD,
-    LAYER_FORWARD,
     current_profile,
+    layer_times,
     moved_layers,
     predict_seconds,
 )
@@ -83,8 +82,7 @@ class Repack:
         if profile is None or STAGE_MEMORY not in profile[1]:
             return None
         step, metrics = profile
-        fwd = np.asarray(metrics[LAYER_FORWARD], dtype=np.float64)
-        bwd = np.asarray(metrics[LAYER_BACKWARD], dtype=np.float64)
+        fwd, bwd = layer_times(metrics)
         layer_memory = self.layer_memory(metrics, old)
         activation = float(np.max(metrics[MICROBATCH_INPUT]))
         before = predict_seconds(fwd, bwd, old, plan, self.comm)
