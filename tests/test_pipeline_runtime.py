@@ -212,12 +212,9 @@ def test_dispatch_order_respects_dependencies():
         dispatch_order(((f0, b0, f1, b1), (f1, b1, f0, b0)))
 
 
-def test_migration_is_exact_and_recompiles_only_changed_stages(programs, reference):
-    programs, template = programs
-    ref_metrics, ref_state = reference
-    before = programs.lower(spec_for(ASSIGNMENT, "1f1b")).compile()
-    after = programs.lower(spec_for((2, 1, 1, 1), "1f1b")).compile()
-    assert {s for _, s in after.compiled} == {0, 1}  # stages 2 and 3 keep layers 3 and 4
+def train_and_migrate(programs, template, before, after):
+    """The test batches on ``before``'s layout, migrating to ``after``'s before step 1; checks
+    the state is moved bit for bit (momentum included). Returns (pipeline, migration, losses)."""
     pipeline = Pipeline(programs, template)
     pipeline.place(initial_state(), before.spec)
     exe, losses = before, []
@@ -229,8 +226,18 @@ def test_migration_is_exact_and_recompiles_only_changed_stages(programs, referen
             for x, y in zip(
                 jax.tree.leaves(held), jax.tree.leaves(pipeline.host_state()), strict=True
             ):
-                np.testing.assert_array_equal(x, y)  # bit for bit, momentum included
+                np.testing.assert_array_equal(x, y)
         losses.append(host_metrics(jax.device_get(pipeline.step(exe, **batch)))["loss"])
+    return pipeline, migration, losses
+
+
+def test_migration_is_exact_and_recompiles_only_changed_stages(programs, reference):
+    programs, template = programs
+    ref_metrics, ref_state = reference
+    before = programs.lower(spec_for(ASSIGNMENT, "1f1b")).compile()
+    after = programs.lower(spec_for((2, 1, 1, 1), "1f1b")).compile()
+    assert {s for _, s in after.compiled} == {0, 1}  # stages 2 and 3 keep layers 3 and 4
+    pipeline, migration, losses = train_and_migrate(programs, template, before, after)
     assert migration.moves == ((1, 1, 0),)  # (layer, from stage, to stage)
     assert sorted(pipeline.state[0]["params"]["layers"]) == [0, 1]
     momentum = pipeline.state[0]["opt_state"][1][0].trace["layers"]
@@ -314,19 +321,7 @@ def test_repack_onto_fewer_stages_is_exact_and_frees_the_rest(programs, referenc
     ref_metrics, ref_state = reference
     before = programs.lower(spec_for(ASSIGNMENT, "1f1b")).compile()
     packed = programs.lower(spec_for((3, 2), "1f1b")).compile()
-    pipeline = Pipeline(programs, template)
-    pipeline.place(initial_state(), before.spec)
-    exe, losses = before, []
-    for step, batch in enumerate(batches()):
-        if step == 1:
-            held = pipeline.host_state()
-            migration = pipeline.migrate(packed)
-            exe = packed
-            for x, y in zip(
-                jax.tree.leaves(held), jax.tree.leaves(pipeline.host_state()), strict=True
-            ):
-                np.testing.assert_array_equal(x, y)
-        losses.append(host_metrics(jax.device_get(pipeline.step(exe, **batch)))["loss"])
+    pipeline, migration, losses = train_and_migrate(programs, template, before, packed)
     assert migration.moves == ((1, 1, 0), (2, 1, 0), (3, 2, 1), (4, 3, 1))
     assert sorted(pipeline.state) == [0, 1]  # sub-meshes 2 and 3 hold nothing any more
     assert sorted(pipeline.state[1]["params"]["layers"]) == [3, 4]
