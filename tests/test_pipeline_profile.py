@@ -70,7 +70,7 @@ def test_profiled_steps_report_layers_memory_and_a_timeline(tmp_path):
     # The simulator, fed with each stage's mean measured task times, predicts the measured
     # step. Stated tolerance: bubble ratio within 0.06, iteration time within 15%, in the best
     # of the three profiled steps (a loaded 2-core machine delays thread wake-ups and transfers,
-    # which the simulator leaves out; on an idle one the warm steps agree within 0.005 and 1%).
+    # which the simulator leaves out; in runs here the warm steps agreed within 0.005 and 1%).
     # Stages run one after the other would measure a bubble of 0.5 against about 0.43 here.
     errors = []
     for profiled in profiles:
