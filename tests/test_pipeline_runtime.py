@@ -333,3 +333,17 @@ def test_repack_onto_fewer_stages_is_exact_and_frees_the_rest(programs, referenc
     assert_close(ref_state, pipeline.host_state(), 1e-5)
     programs.release((2, 3))
     assert all(spec.index < 2 for _, spec in programs._compiled)
+
+
+def test_profile_of_frozen_layers_counts_only_the_backward_the_step_runs(programs):
+    programs, template = programs
+    exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN)).compile()
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), exe.spec)
+    _, profile = pipeline.profile_step(exe, **batches()[0], repeats=1)
+    units = profile.units
+    # The embedding and layers 0-1 form the frozen prefix: no backward at all.
+    assert units.embed[1] == 0 and units.layer_backward[:2] == (0.0, 0.0)
+    # Layer 3 is frozen but after trainable layer 2: it passes gradients back.
+    assert units.layer_backward[3] > 0 and units.layer_backward[2] > 0
+    assert min(units.layer_forward) > 0 and min(units.head) > 0

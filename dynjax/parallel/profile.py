@@ -49,21 +49,28 @@ class UnitTimes:
     head: tuple[float, float]  # (forward, backward) of the final norm, head and loss
 
 
-def unit_spec(stage: StageSpec, unit: tuple) -> StageSpec:
-    """A one-unit stage on ``stage``'s sub-mesh: the embedding, one layer, or the head."""
+def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -> StageSpec:
+    """A one-unit stage on ``stage``'s sub-mesh: the embedding, one layer, or the head.
+
+    The unit keeps what decides its backward's cost in ``stage``: a frozen layer computes no
+    weight gradient, and a unit with nothing trainable before it in the model
+    (``trainable_before`` False) passes no gradient back, so a layer of a frozen prefix has no
+    backward at all (seed 000 §4.2.3), as in the stage programs.
+    """
     one = dataclasses.replace(
         stage, first=False, last=False, layers=(), moe=(), capacities=(), frozen=(),
-        embed_frozen=False, input_grads=True, cached_routing=False,
+        embed_frozen=False, input_grads=trainable_before, cached_routing=False,
     )
     if unit == ("embed",):
-        return dataclasses.replace(one, first=True, input_grads=False)
+        return dataclasses.replace(one, first=True, embed_frozen=stage.embed_frozen)
     if unit == ("head",):
         return dataclasses.replace(one, last=True)
     i = unit[1]
+    one = dataclasses.replace(one, layers=(i,), frozen=(i,) if i in stage.frozen else ())
     if i not in stage.moe:
-        return dataclasses.replace(one, layers=(i,))
+        return one
     caps = (stage.capacities[stage.moe.index(i)],)
-    return dataclasses.replace(one, layers=(i,), moe=(i,), capacities=caps)
+    return dataclasses.replace(one, moe=(i,), capacities=caps)
 
 
 def unit_times(
@@ -79,21 +86,24 @@ def unit_times(
     measured: dict[tuple, tuple[float, float]] = {}
     forward, backward = {}, {}
     embed = head = (0.0, 0.0)
+    trainable_before = False  # a unit before this one gets gradients: it must pass them back
     for stage in spec.stages:
         units = [("layers", i) for i in stage.layers]
         units = ([("embed",)] if stage.first else []) + units + ([("head",)] if stage.last else [])
         for unit in units:
-            one = unit_spec(stage, unit)
+            one = unit_spec(stage, unit, trainable_before=trainable_before)
             graph = parts.layers[unit[1]] if unit[0] == "layers" else None
-            signature = (stage.index, unit[0], one.capacities, graph)
+            signature = (stage.index, unit[0], one.capacities, graph, one.frozen != (),
+                         one.input_grads, one.embed_frozen)
             if signature not in measured:
-                units = one.units(parts.learned_positions)
-                unit_params = select(params[stage.index], units)
+                unit_params = select(params[stage.index], one.units(parts.learned_positions))
                 measured[signature] = _time_unit(one, unit_params, get, shapes, repeats)
             if unit[0] == "layers":
                 forward[unit[1]], backward[unit[1]] = measured[signature]
+                trainable_before |= not one.frozen
             elif unit[0] == "embed":
                 embed = measured[signature]
+                trainable_before |= not one.embed_frozen
             else:
                 head = measured[signature]
     layers = sorted(forward)
@@ -118,6 +128,8 @@ def _time_unit(
     else:
         forward = _median(lambda: get("fwd", one)(params, x, None), repeats)
         seed = _random(s.y, rng)
+    if not one.has_backward:  # inside a frozen prefix: the step runs no backward for it
+        return forward, 0.0
     acc = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding), s.acc)
     bwd = get("bwd", one)
 
