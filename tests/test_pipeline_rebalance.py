@@ -5,25 +5,25 @@ import numpy as np
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from .tiny import tiny_config
+from .tiny import layer_moves, tiny_config
 
 
 def test_rebalance_by_time_migrates_layers_and_keeps_the_losses(tmp_path):
     config = dict(
-        model__num_layers=4, mesh__stage=2, mesh__data=2, train__steps=60,
-        train__microbatches=4, train__log_every=1, train__eval_every=60,
-        train__checkpoint_every=60, recompile__delta_launch=1,
+        model__num_layers=5, mesh__stage=2, mesh__data=2, train__steps=100,
+        train__microbatches=4, train__log_every=1, train__eval_every=100,
+        train__checkpoint_every=100, recompile__delta_launch=1,
     )
     # Without balancing, on the balanced layout (migration is exact, so the layout changes no
-    # loss); it also fills JAX's persistent compilation cache with the programs of (2, 2), so
+    # loss); it also fills JAX's persistent compilation cache with the programs of (3, 2), so
     # the background compile below is ready within a few steps.
     reference = tmp_path / "reference"
-    train(tiny_config(**config, pipeline__stage_layers="(2,2)"), reference, progress=False)
+    train(tiny_config(**config, pipeline__stage_layers="(3,2)"), reference, progress=False)
     balanced = tmp_path / "balanced"
     summary = train(
         tiny_config(
             **config,
-            pipeline__stage_layers="(3,1)",  # deliberately unbalanced: four alike layers
+            pipeline__stage_layers="(4,1)",  # deliberately unbalanced
             balance__enabled=True, balance__every=5, balance__by="time",
             balance__amortize_steps=10**9,
         ),
@@ -33,15 +33,18 @@ def test_rebalance_by_time_migrates_layers_and_keeps_the_losses(tmp_path):
     events = read_jsonl(balanced / "events.jsonl")
     decisions = [e for e in events if e["event"] == "rebalance"]
     first = decisions[0]  # with 4 microbatches the bottleneck stage sets the step time
-    assert first["old"] == [3, 1] and first["new"] == [2, 2] and first["accepted"], first
+    # The best split depends on the measured layer times (on a loaded machine two layers of one
+    # stage can measure twice the others'); any better one will do.
+    old, new = first["old"], first["new"]
+    assert old == [4, 1] and new != old and sum(new) == 5 and first["accepted"], first
     assert first["predicted_new_seconds"] < first["predicted_old_seconds"]
     assert first["policy"] == "rebalance" and first["metrics_step"] % 5 == 0
     migrate = [e for e in events if e["event"] == "migrate"]
     assert summary.recompiles >= 1 and migrate, events
-    assert migrate[0]["moves"] == [[2, 0, 1]] and migrate[0]["step"] < 60
+    assert migrate[0]["moves"] == layer_moves(old, new) and migrate[0]["step"] < 100
     # Later decisions judge the new layout on its own profile, measured after the move.
     later = [e for e in decisions if e["profile_step"] >= migrate[0]["step"]]
-    assert later and later[0]["old"] == [2, 2] and later[0]["measured_seconds"] > 0
+    assert later and later[0]["old"] == new and later[0]["measured_seconds"] > 0
     losses = lambda w: [r["loss"] for r in read_jsonl(w / "metrics.jsonl") if "loss" in r]
-    assert len(losses(balanced)) == 60
+    assert len(losses(balanced)) == 100
     np.testing.assert_allclose(losses(balanced), losses(reference), rtol=1e-5)

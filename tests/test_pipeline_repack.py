@@ -12,11 +12,11 @@ from dynjax.launch.release import RELEASED_FILE, load_release_hook, release
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from .tiny import tiny_config
+from .tiny import layer_moves, tiny_config
 
 RUN = dict(
-    model__num_layers=4, mesh__data=2, train__steps=100, train__microbatches=4,
-    train__log_every=1, train__eval_every=100, train__checkpoint_every=50,
+    model__num_layers=5, mesh__data=2, train__steps=160, train__microbatches=4,
+    train__log_every=1, train__eval_every=160, train__checkpoint_every=40,
     recompile__delta_launch=1,
 )
 REPACK = dict(
@@ -26,15 +26,16 @@ REPACK = dict(
 
 
 class GrowBack:
-    """A test policy that asks for the four stages back once the packed layout has run."""
+    """A test policy that asks for four stages again once a two-stage layout has run."""
 
     name = "grow-back"
 
     def propose(self, history, plan):
         ran = history.values("profile/stage_layers", 1)
-        if ran and list(ran[0]) == [2, 2]:
-            return plan.replace(stage_layers=(1, 1, 1, 1))
+        if ran and len(ran[0]) == 2:
+            return plan.replace(stage_layers=(2, 1, 1, 1))
         return None
+
 
 
 def losses(workdir):
@@ -44,8 +45,8 @@ def losses(workdir):
 
 
 def test_repack_releases_stages_and_keeps_the_losses(tmp_path):
-    # The two-stage layout from the start: the losses to match, and the programs of sub-meshes
-    # 0 and 1 in JAX's persistent compilation cache, so the background compile below is quick.
+    # Two stages from the start: the losses to match (layouts change no loss), and the programs
+    # of the likely packed layout in JAX's persistent compilation cache.
     reference = tmp_path / "reference"
     train(tiny_config(**RUN, mesh__stage=2), reference, progress=False)
     released = []
@@ -59,13 +60,16 @@ def test_repack_releases_stages_and_keeps_the_losses(tmp_path):
     )
     events = read_jsonl(packed / "events.jsonl")
     decision = next(e for e in events if e["event"] == "repack")
-    assert decision["old"] == [1, 1, 1, 1] and decision["new"] == [2, 2] and decision["accepted"]
+    # Which two-stage split is optimal depends on the measured layer times: any one will do.
+    old, new = decision["old"], decision["new"]
+    assert old == [2, 1, 1, 1] and len(new) == 2 and sum(new) == 5 and decision["accepted"]
     assert decision["policy"] == "repack" and decision["metrics_step"] % 5 == 0
     (migrate,) = [e for e in events if e["event"] == "migrate"]
-    assert migrate["moves"] == [[1, 1, 0], [2, 2, 1], [3, 3, 1]]
+    assert migrate["moves"] == layer_moves(old, new)
     (release,) = [e for e in events if e["event"] == "release"]
-    # (The background compile took 16-27 steps of this tiny model on an idle machine.)
-    assert release["step"] == migrate["step"] < 50 and release["stages"] == [2, 3]
+    # (The background compile took 16-27 steps of this tiny model on an idle machine, 37-50 on
+    # a loaded one; the run resumes from step 120 below.)
+    assert release["step"] == migrate["step"] < 120 and release["stages"] == [2, 3]
     devices = jax.devices()[4:8]  # sub-meshes 2 and 3 of the (4, 2, 1) mesh
     assert [d["id"] for d in release["devices"]] == [d.id for d in devices]
     assert released == [devices] and release["hook"].endswith("append")
@@ -75,19 +79,19 @@ def test_repack_releases_stages_and_keeps_the_losses(tmp_path):
     assert refused and all(e["policy"] == "grow-back" for e in refused)
     assert "only 2 stage sub-meshes are available" in refused[0]["reason"]
     assert len([e for e in events if e["event"] == "migrate"]) == 1
-    assert len(losses(packed)) == 100
+    assert len(losses(packed)) == 160
     np.testing.assert_allclose(losses(packed), losses(reference), rtol=1e-5)
 
-    # Lose the last checkpoint: resumed from step 50 on the same mesh, the run stays on two
+    # Lose the last checkpoint: resumed from step 120 on the same mesh, the run stays on two
     # stages, gives the other two back again and trains the same steps to the same losses.
-    shutil.rmtree(packed / "checkpoints" / "100")
+    shutil.rmtree(packed / "checkpoints" / "160")
     train(tiny_config(**RUN, **REPACK, mesh__stage=4), packed, progress=False)
     events = read_jsonl(packed / "events.jsonl")
     resumed = [e for e in events if e["event"] == "release"][-1]
-    assert resumed["step"] == 50 and resumed["stages"] == [2, 3] and resumed["hook"] is None
+    assert resumed["step"] == 120 and resumed["stages"] == [2, 3] and resumed["hook"] is None
     assert resumed["reason"] == "resumed re-packed"
     restart = [e for e in events if e["event"] == "compile"][-1]
-    assert restart["step"] == 50 and restart["plan"]["stage_layers"] == [2, 2]
+    assert restart["step"] == 120 and restart["plan"]["stage_layers"] == new
     np.testing.assert_allclose(losses(packed), losses(reference), rtol=1e-5)
 
 

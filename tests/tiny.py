@@ -3,6 +3,8 @@
 ``python -m dynjax.train --config tests/tiny.py --config.moe.every=2`` runs it as a subprocess.
 """
 
+import numpy as np
+
 from dynjax.config import default_config
 
 
@@ -33,6 +35,14 @@ def tiny_config(**overrides):
             node = node[p]
         node[leaf] = value
     return c
+
+
+def layer_moves(old, new):
+    """[layer, old stage, new stage] of each layer whose stage differs between two layouts (layers
+    per stage): what a `migrate` event lists."""
+    stage_old, stage_new = np.repeat(range(len(old)), old), np.repeat(range(len(new)), new)
+    pairs = enumerate(zip(stage_old.tolist(), stage_new.tolist(), strict=True))
+    return [[i, a, b] for i, (a, b) in pairs if a != b]
 
 
 def get_config():
