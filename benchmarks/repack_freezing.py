@@ -61,7 +61,7 @@ def run(workdir: Path, steps: int, freeze_at: int, repack: bool) -> list[dict]:
         "recompile.delta_launch=1",
     ]
     if repack:
-        overrides += ["balance.repack=True", "balance.every=10", "balance.memory_bytes=8e9"]
+        overrides += ["balance.repack=True", "balance.repack_every=10", "balance.memory_bytes=8e9"]
     cfg = load_config("configs/quickstart.py", overrides)
     train(cfg, workdir, policies=[FreezePrefix(freeze_at, LAYERS // 2)], progress=False)
     return read_jsonl(workdir / "events.jsonl")

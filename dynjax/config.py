@@ -113,12 +113,15 @@ def default_config() -> ml_collections.ConfigDict:
     c.balance.bandwidth_bytes_per_sec = 10e9  # moving a layer's parameters and optimizer state
     c.balance.recompile_seconds = 10.0  # what a move costs besides copying
     c.balance.comm_seconds = 0.0  # one activation hop per microbatch (network-aware, 003 §D.2)
-    # Re-pack onto fewer stages when memory allows, every `balance.every` steps (seed 000 §3.4);
-    # the unused stage sub-meshes are released for good (README "Re-packing").
+    # Re-pack onto fewer stages when memory allows (seed 000 §3.4); the unused stage sub-meshes
+    # are released for good (README "Re-packing").
     c.balance.repack = False
+    c.balance.repack_every = 50  # decide at every n-th metrics step
     c.balance.repack_target = 0  # stages to pack to; 0 = as few as fit
     c.balance.repack_max_slowdown = 0.0  # accept a predicted step up to (1 + this) x today's
-    c.balance.memory_bytes = 0.0  # what one device of a stage may use; 0 = the device's own limit
+    # What one device of a stage may use (re-pack; rebalance too when known); 0 = the device's
+    # own limit, which CPUs do not report.
+    c.balance.memory_bytes = 0.0
     c.balance.memory_headroom = 0.1  # with memory_bytes = 0: fraction of the limit left free
     c.balance.release_hook = ""  # "module:function" called with the released devices
 
@@ -426,8 +429,11 @@ def _check_repack(cfg: ml_collections.ConfigDict) -> None:
     stages = num_stages(cfg)
     if stages < 2:
         raise ConfigError("balance.repack needs a pipeline to shrink: set mesh.stage >= 2")
-    if b.every < 1:
-        raise ConfigError(f"balance.repack decides every balance.every steps: got {b.every}")
+    if b.repack_every < 1:
+        raise ConfigError(
+            f"balance.repack_every={b.repack_every}: re-packing decides every n-th metrics "
+            "step; set balance.repack_every >= 1"
+        )
     if not (p.profile_on_change or p.profile_every):
         raise ConfigError(
             "balance.repack needs the profiled stage memory: set pipeline.profile_on_change=True "
@@ -438,8 +444,10 @@ def _check_repack(cfg: ml_collections.ConfigDict) -> None:
             f"balance.repack_target={b.repack_target} must be fewer than the {stages} stages "
             "(0 = as few as fit)"
         )
-    if b.repack_max_slowdown < 0 or b.memory_bytes < 0:
-        raise ConfigError("balance.repack_max_slowdown and balance.memory_bytes must be >= 0")
+    for key, value in (("repack_max_slowdown", b.repack_max_slowdown),
+                       ("memory_bytes", b.memory_bytes)):
+        if value < 0:
+            raise ConfigError(f"balance.{key}={value} must be >= 0")
     if not 0 <= b.memory_headroom < 1:
         raise ConfigError(f"balance.memory_headroom={b.memory_headroom} must be in [0, 1)")
     hook = b.release_hook

@@ -42,7 +42,7 @@ from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import ModelParts, PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
-from dynjax.recompile import Plan, PlanContext, PlanError, static_capacities
+from dynjax.recompile import Plan, PlanContext, static_capacities
 
 
 def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
@@ -177,13 +177,12 @@ class Experiment:
         plan.validate(self.ctx)
         return plan
 
-    def resumed_plan(self, saved: Plan, saved_mesh_stages: int) -> Plan:
-        """A checkpoint's Plan on this run's mesh (``saved_mesh_stages``: the saving run's
-        mesh.stage). On the same mesh the saved stage assignment stays, also a re-packed one
-        with fewer stages than the mesh (the unused sub-meshes are released again); on another
-        mesh the config's assignment and schedule apply (the checkpoint does not depend on the
-        stages)."""
-        same_mesh = saved_mesh_stages == self.cfg.mesh.stage
+    def resumed_plan(self, saved: Plan, saved_mesh: dict[str, int]) -> Plan:
+        """A checkpoint's Plan on this run's mesh (``saved_mesh``: the saving run's ``mesh``
+        config). A saved assignment with as many stages as the mesh stays; on the same mesh a
+        re-packed one with fewer stays too (the unused sub-meshes are released again); any other
+        takes the config's assignment and schedule (the checkpoint does not depend on them)."""
+        same_mesh = saved_mesh == dict(self.cfg.mesh)
         fits = 0 < len(saved.stage_layers) <= self.ctx.pipeline_stages
         if len(saved.stage_layers) != self.ctx.pipeline_stages and not (same_mesh and fits):
             initial = self.initial_plan()
@@ -332,8 +331,7 @@ class SingleProgramRuntime:
         """Every Plan of this runtime shares one state layout: nothing to migrate."""
         return None
 
-    @property
-    def plan_context(self) -> PlanContext:
+    def plan_context(self, current: Plan) -> PlanContext:
         return self.exp.ctx
 
     def release_unused(self) -> tuple[tuple[int, ...], list[jax.Device]]:
@@ -353,6 +351,8 @@ class PipelineRuntime:
     A Plan with fewer stages than the mesh (a re-pack, seed 000 §3.4) runs stage s on sub-mesh
     s; `release_unused` then gives the trailing sub-meshes back for good: later Plans may not
     use them (`plan_context`), since a cluster scheduler may have handed them to another job.
+    A Plan with fewer stages is always released down to when swapped in, so no Plan ever uses
+    more stage sub-meshes than the one before it.
     """
 
     def __init__(self, exp: Experiment, pipeline: Pipeline) -> None:
@@ -360,10 +360,12 @@ class PipelineRuntime:
         self.evaluations = 0
         self.available_stages = exp.ctx.pipeline_stages
 
-    @property
-    def plan_context(self) -> PlanContext:
-        """What a new Plan is validated against: only the stage sub-meshes not released."""
-        return dataclasses.replace(self.exp.ctx, pipeline_stages=self.available_stages)
+    def plan_context(self, current: Plan) -> PlanContext:
+        """What a new Plan is validated against while ``current`` is the Controller's Plan: the
+        stage sub-meshes ``current`` uses. Those beyond it are released when it is swapped in
+        (the Controller publishes a Plan before the training loop swaps and releases)."""
+        stages = min(self.available_stages, len(current.stage_layers))
+        return dataclasses.replace(self.exp.ctx, pipeline_stages=stages)
 
     def release_unused(self) -> tuple[tuple[int, ...], list[jax.Device]]:
         """Give back the stage sub-meshes the current Plan does not use: returns their indices
@@ -401,11 +403,6 @@ class PipelineRuntime:
 
     def swap(self, plan: Plan, executable) -> Migration | None:
         """Migrate layers to their new stages when the stage assignment changed."""
-        if executable.spec.num_stages > self.available_stages:
-            raise PlanError(
-                f"stage_layers = {plan.stage_layers} needs {executable.spec.num_stages} stage "
-                f"sub-meshes but {self.available_stages} remain after a re-pack released the rest"
-            )
         if executable.spec.stages == self.pipeline.spec.stages:
             self.pipeline.spec = executable.spec  # a new schedule: same state layout
             return None

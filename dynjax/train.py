@@ -93,6 +93,8 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
             )
         )
     b = cfg.balance
+    state_bytes = layer_device_bytes(exp.abstract_state, cfg.model.num_layers)
+    memory = memory_budget(cfg, exp)
     if b.enabled:
         out.append(
             Rebalance(
@@ -107,14 +109,21 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
                 recompile_seconds=b.recompile_seconds,
                 comm_seconds=b.comm_seconds,
                 layer_params=layer_sizes(exp.abstract_state["params"], cfg.model.num_layers),
+                memory_bytes=memory,
+                layer_state_bytes=None if memory is None else state_bytes,
             )
         )
     if b.repack:  # after Rebalance: it packs the layout Rebalance settled on, once profiled
+        if memory is None:
+            raise config_lib.ConfigError(
+                f"balance.repack: the {jax.default_backend()} backend reports no device memory "
+                "limit; set balance.memory_bytes to the bytes one device may use"
+            )
         out.append(
             Repack(
-                memory_bytes=repack_memory_budget(cfg, exp),
-                layer_state_bytes=layer_device_bytes(exp.abstract_state, cfg.model.num_layers),
-                every=b.every,
+                memory_bytes=memory,
+                layer_state_bytes=state_bytes,
+                every=b.repack_every,
                 target=b.repack_target,
                 max_slowdown=b.repack_max_slowdown,
                 comm_seconds=b.comm_seconds,
@@ -123,19 +132,14 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
     return out
 
 
-def repack_memory_budget(cfg: ml_collections.ConfigDict, exp: Experiment) -> float:
+def memory_budget(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
     """Bytes one device of a stage may use: ``balance.memory_bytes``, else the devices' own
-    limit less ``balance.memory_headroom``."""
+    limit less ``balance.memory_headroom``; None where neither is known (CPU)."""
     b = cfg.balance
     if b.memory_bytes:
         return float(b.memory_bytes)
     limit = device_memory_limit(list(exp.mesh.devices.flat))
-    if limit is None:
-        raise config_lib.ConfigError(
-            f"balance.repack: the {jax.default_backend()} backend reports no device memory "
-            "limit; set balance.memory_bytes to the bytes one device may use"
-        )
-    return limit * (1 - b.memory_headroom)
+    return None if limit is None else limit * (1 - b.memory_headroom)
 
 
 def train(
@@ -185,8 +189,8 @@ def train(
         runtime = exp.runtime(plan)
     else:
         host_state, meta = restored
-        saved_stages = meta["config"]["mesh"]["stage"]
-        plan, start = exp.resumed_plan(Plan.from_dict(meta["plan"]), saved_stages), meta["step"]
+        saved = Plan.from_dict(meta["plan"])
+        plan, start = exp.resumed_plan(saved, meta["config"]["mesh"]), meta["step"]
         runtime = exp.runtime(plan, host_state)
         log.info("resumed from step %d of %s", start, workdir)
     steps = cfg.train.steps
@@ -226,7 +230,7 @@ def train(
         compiler,
         [*config_policies, *policies],
         emit=events,
-        validate=lambda p: p.validate(runtime.plan_context),
+        validate=lambda p: p.validate(runtime.plan_context(controller.plan)),
         budget=Budget(budget.max_recompiles, budget.window_steps),
     )
     cache = (

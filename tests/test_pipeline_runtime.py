@@ -333,6 +333,7 @@ def test_repack_onto_fewer_stages_is_exact_and_frees_the_rest(programs, referenc
     assert_close(ref_state, pipeline.host_state(), 1e-5)
     programs.release((2, 3))
     assert all(spec.index < 2 for _, spec in programs._compiled)
+    assert all(spec.index < 2 for spec in programs._shapes)
 
 
 def test_profile_of_frozen_layers_counts_only_the_backward_the_step_runs(programs):

@@ -8,6 +8,7 @@ import pytest
 from dynjax.balance import simulate
 from dynjax.recompile import History, Plan, Rebalance, moved_layers
 from dynjax.recompile import rebalance as rebalance_module
+from dynjax.recompile.memory import MICROBATCH_INPUT, STAGE_INPUTS, STAGE_MEMORY
 from dynjax.recompile.rebalance import (
     ITERATION,
     LAYER_BACKWARD,
@@ -151,3 +152,23 @@ def test_embedding_and_head_times_count_in_their_stages():
     entries = [(0, metrics), (10, {"loss": 1.0})]
     proposal = policy().propose(History.of(entries), PLAN.replace(stage_layers=(2, 2)))
     assert proposal.plan.stage_layers == (3, 1)  # the head's stage gives up a layer
+
+
+def test_a_faster_layout_that_overflows_memory_is_not_proposed():
+    metrics = profile([1.0, 1.0, 1.0, 1.0], (3, 1))
+    # Measured per device: three 10-byte layers on stage 0, one 50-byte layer on stage 1, and
+    # the stage inputs 1F1B keeps (2 and 1 microbatches of 1 byte).
+    metrics[STAGE_MEMORY] = np.array([32.0, 51.0])
+    metrics[STAGE_INPUTS] = np.array([2.0, 1.0])
+    metrics[MICROBATCH_INPUT] = np.array([1.0, 1.0])
+    entries = History.of([(0, metrics), (10, {"loss": 1.0})])
+    state = [1.0, 1.0, 1.0, 5.0]
+    # (2, 2) would put 10 + 50 bytes and 1 kept input on stage 1: over a 55-byte device.
+    tight = policy(memory_bytes=55.0, layer_state_bytes=state).propose(entries, PLAN)
+    (record,) = tight.records
+    assert tight.plan == PLAN and record["new"] == [3, 1] and not record["accepted"]
+    assert record["memory_checked"]
+    roomy = policy(memory_bytes=100.0, layer_state_bytes=state).propose(entries, PLAN)
+    assert roomy.plan.stage_layers == (2, 2)
+    with pytest.raises(ValueError, match="go together"):
+        policy(memory_bytes=55.0)

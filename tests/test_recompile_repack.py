@@ -5,6 +5,12 @@ import pytest
 
 from dynjax.balance import simulate
 from dynjax.recompile import History, Plan, Repack
+from dynjax.recompile.memory import (
+    MICROBATCH_INPUT,
+    STAGE_INPUTS,
+    STAGE_MEMORY,
+    layer_memory,
+)
 from dynjax.recompile.rebalance import (
     LAYER_BACKWARD,
     LAYER_FORWARD,
@@ -12,7 +18,6 @@ from dynjax.recompile.rebalance import (
     STAGE_FORWARD,
     STAGE_LAYERS,
 )
-from dynjax.recompile.repack import MICROBATCH_INPUT, STAGE_INPUTS, STAGE_MEMORY
 
 M = 4
 PLAN = Plan(stage_layers=(2, 2, 2, 2), microbatches=M)
@@ -65,7 +70,7 @@ def test_packs_idle_frozen_stages_without_slowing_the_step():
     assert record["moved_layers"] == [2, 3, 4, 5, 6, 7]
     # 1 and 2 stages were tried first and refused because the step would get slower
     assert [t["stages"] for t in record["tried"]] == [1, 2]
-    assert all("step" in t["why"] for t in record["tried"])
+    assert all(t["why"].startswith("step") for t in record["tried"])
     # memory per new stage: its layers' bytes plus the stage inputs 1F1B keeps there (3, 2, 1)
     assert record["predicted_stage_memory_bytes"] == [43.0, 22.0, 21.0]
 
@@ -96,7 +101,7 @@ def test_memory_decides_how_few_stages_fit():
 def test_layer_memory_shares_a_stage_by_state_bytes():
     metrics = profile(FROZEN_FRONT, (2, 2, 2, 2), layer_bytes=10.0)
     weights = [1.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    shares = policy(layer_state_bytes=weights).layer_memory(metrics, (2, 2, 2, 2))
+    shares = layer_memory(metrics, (2, 2, 2, 2), np.array(weights))
     np.testing.assert_allclose(shares, [5, 15, 10, 10, 10, 10, 10, 10])
 
 

@@ -11,8 +11,8 @@ never waits for a decision. Events (dicts, one JSON line each) record every deci
   plan_diff, plan, lower_seconds, compile_seconds, cache_hit, steps_during_compile,
   swap_stall_seconds;
 - `recompile_rejected`: step, metrics_step, reason (the `PlanError`, or "budget"), policy,
-  plan_diff; once per refused Plan: a policy that keeps proposing it is not logged again until
-  another Plan is refused for the same reason or a recompile goes through;
+  plan_diff; once per refused Plan: a policy (or the budget) that keeps refusing the same Plan
+  is not logged again until it refuses another one or a recompile goes through;
 - `recompile_failed`: lowering or compiling raised; `policy_error`: a policy raised;
 - a policy's own decision records (`Proposal.records`, e.g. `rebalance`), with step,
   metrics_step and policy added.

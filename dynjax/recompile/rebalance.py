@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynjax.balance import diffusion, imbalance, partition, simulate
+from dynjax.balance import InfeasibleError, diffusion, imbalance, partition, simulate
+from dynjax.recompile.memory import STAGE_MEMORY, layer_memory, stage_capacities
 from dynjax.recompile.plan import Plan
 from dynjax.recompile.policy import History, Metrics, Proposal
 
@@ -82,9 +83,14 @@ class Rebalance:
         recompile_seconds: float = 10.0,
         comm_seconds: float = 0.0,
         layer_params: Sequence[int] | None = None,
+        memory_bytes: float | None = None,
+        layer_state_bytes: Sequence[float] | None = None,
     ) -> None:
         """`layer_bytes`: [L] bytes a moved layer copies (parameters and optimizer state).
-        `amortize_steps`: steps the gain is summed over; 0 = the rest of the run."""
+        `amortize_steps`: steps the gain is summed over; 0 = the rest of the run.
+        `memory_bytes`: what one device of a stage may use; with `layer_state_bytes` ([L] per
+        device) no stage of a new layout may need more, by the profile's memory
+        (`dynjax.recompile.memory`). None: memory is not checked."""
         if by not in BY or method not in METHODS:
             raise ValueError(f"by={by!r} must be in {BY} and method={method!r} in {METHODS}")
         if by == "param" and layer_params is None:
@@ -101,6 +107,12 @@ class Rebalance:
         self.recompile_seconds = recompile_seconds
         self.comm = comm_seconds
         self.layer_params = None if layer_params is None else np.asarray(layer_params, float)
+        if (memory_bytes is None) != (layer_state_bytes is None):
+            raise ValueError("memory_bytes and layer_state_bytes go together")
+        self.memory_bytes = memory_bytes
+        self.layer_state_bytes = (
+            None if layer_state_bytes is None else np.asarray(layer_state_bytes, float)
+        )
 
     def propose(self, history: History, plan: Plan) -> Proposal | None:
         old = plan.stage_layers
@@ -119,10 +131,23 @@ class Rebalance:
             return None
         fwd, bwd = layer_times(metrics)
         costs = fwd + bwd if self.by == "time" else self.layer_params
-        if self.method == "partition":
-            new = partition(costs, len(old), current=old, comm=self.comm)
+        limits = {}
+        if self.memory_bytes is not None and STAGE_MEMORY in metrics:
+            limits = dict(
+                memory=layer_memory(metrics, old, self.layer_state_bytes),
+                capacity=stage_capacities(
+                    self.memory_bytes, metrics, plan.schedule, len(old), plan.microbatches
+                ),
+            )
+        try:
+            if self.method == "partition":
+                new = partition(costs, len(old), current=old, comm=self.comm, **limits)
+            else:
+                new = diffusion(costs, old, comm=self.comm, **limits)
+        except InfeasibleError as e:  # no layout fits: keep this one, and say so
+            new, infeasible = old, str(e)
         else:
-            new = diffusion(costs, old, comm=self.comm)
+            infeasible = None
         before = predict_seconds(fwd, bwd, old, plan, self.comm)
         after = predict_seconds(fwd, bwd, new, plan, self.comm)
         moved = moved_layers(old, new)
@@ -149,7 +174,10 @@ class Rebalance:
             "gain_seconds": gain * horizon,
             "move_cost_seconds": cost,
             "amortize_steps": horizon,
+            "memory_checked": bool(limits),
         }
+        if infeasible:
+            record["infeasible"] = infeasible
         reason = (
             f"{list(old)} -> {list(new)}: {before:.4g} -> {after:.4g} s/step predicted, "
             f"gain {gain * horizon:.3g} s over {horizon} steps vs move cost {cost:.3g} s"

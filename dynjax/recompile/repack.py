@@ -7,15 +7,13 @@ layers, and the training loop releases the unused stage sub-meshes through the r
 (`dynjax.launch.release`). Only whole trailing sub-meshes are released: stage s of the packed
 Plan runs on sub-mesh s.
 
-Memory comes from the profile of the current layout, as in DynMo ("the actual memory usage
-from the profiling step"): each stage's measured bytes, less the stage inputs its schedule
-keeps, are shared among its layers in proportion to their state bytes (`layer_state_bytes`,
-with the embedding counted in the first layer and the final norm and head in the last); a
-packed stage must hold its layers' shares plus the stage inputs its new place in the schedule
-keeps. Among the stage counts whose exact min-max layout (`dynjax.balance.partition` with
-memory caps) fits, the policy takes the fewest whose simulated step time is at most
-``1 + max_slowdown`` times today's and whose device-seconds per step (step time x stages) do
-not grow: the same work on fewer devices, at no worse cost per device (seed 000 Fig. 4).
+Memory comes from the profile of the current layout, as in DynMo ("the actual memory usage from
+the profiling step"; `dynjax.recompile.memory`): a packed stage must hold its layers' shares of
+the measured bytes plus the stage inputs its new place in the schedule keeps. Among the stage
+counts whose exact min-max layout (`dynjax.balance.partition` with memory caps) fits, the policy
+takes the fewest whose simulated step time is at most ``1 + max_slowdown`` times today's and
+whose device-seconds per step (step time x stages) do not grow: the same work on fewer devices,
+at no worse cost per device (seed 000 Fig. 4).
 """
 
 from __future__ import annotations
@@ -24,7 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynjax.balance import InfeasibleError, partition, peak_in_flight, schedule_tasks
+from dynjax.balance import InfeasibleError, partition
+from dynjax.recompile.memory import STAGE_MEMORY, layer_memory, stage_capacities
 from dynjax.recompile.plan import Plan
 from dynjax.recompile.policy import History, Proposal
 from dynjax.recompile.rebalance import (
@@ -33,10 +32,6 @@ from dynjax.recompile.rebalance import (
     moved_layers,
     predict_seconds,
 )
-
-STAGE_MEMORY = "profile/stage_memory_bytes"  # [S] per-device bytes of each stage, measured
-STAGE_INPUTS = "profile/stage_input_bytes"  # [S] of which: stage inputs kept for the backward
-MICROBATCH_INPUT = "profile/microbatch_input_bytes"  # [S] one kept stage input
 
 
 class Repack:
@@ -83,21 +78,20 @@ class Repack:
             return None
         step, metrics = profile
         fwd, bwd = layer_times(metrics)
-        layer_memory = self.layer_memory(metrics, old)
-        activation = float(np.max(metrics[MICROBATCH_INPUT]))
+        memory = layer_memory(metrics, old, self.layer_state_bytes)
         before = predict_seconds(fwd, bwd, old, plan, self.comm)
         counts = [self.target] if self.target else range(1, len(old))
         tried, chosen = [], None
         for k in counts:
-            caps = self.memory_bytes - activation * np.array(
-                [peak_in_flight(t) for t in schedule_tasks(plan.schedule, k, plan.microbatches)]
+            caps = stage_capacities(
+                self.memory_bytes, metrics, plan.schedule, k, plan.microbatches
             )
             if caps.min() <= 0:
                 tried.append({"stages": k, "why": "memory: kept stage inputs alone fill a device"})
                 continue
             try:
                 new = partition(
-                    fwd + bwd, k, memory=layer_memory, capacity=caps, comm=self.comm
+                    fwd + bwd, k, memory=memory, capacity=caps, comm=self.comm
                 )
             except InfeasibleError as e:
                 tried.append({"stages": k, "why": f"memory: {e}"})
@@ -127,7 +121,7 @@ class Repack:
             return Proposal(plan, "", records=(record,))
         new, after, caps = chosen
         bounds = np.concatenate(([0], np.cumsum(new)))[:-1]
-        used = np.add.reduceat(layer_memory, bounds)
+        used = np.add.reduceat(memory, bounds)
         record["moved_layers"] = moved_layers(old, new)
         record["predicted_stage_memory_bytes"] = (used + self.memory_bytes - caps).tolist()
         reason = (
@@ -135,18 +129,3 @@ class Repack:
             f"{before:.4g} -> {after:.4g} s/step predicted"
         )
         return Proposal(plan.replace(stage_layers=new), reason, records=(record,))
-
-    def layer_memory(self, metrics: dict, counts: Sequence[int]) -> np.ndarray:
-        """[L] bytes per device each layer needs, from the profiled stage memory: a stage's
-        bytes less its kept inputs, shared in proportion to its layers' state bytes."""
-        resident = np.asarray(metrics[STAGE_MEMORY], np.float64) - np.asarray(
-            metrics[STAGE_INPUTS], np.float64
-        )
-        out = np.empty(int(np.sum(counts)))
-        start = 0
-        for s, n in enumerate(counts):
-            weights = self.layer_state_bytes[start : start + n]
-            share = weights / weights.sum() if weights.sum() > 0 else np.full(n, 1.0 / n)
-            out[start : start + n] = resident[s] * share
-            start += n
-        return out

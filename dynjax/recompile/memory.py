@@ -1,0 +1,51 @@
+"""What a pipeline stage's layers need in memory, read from a profile (seed 000 §3.4).
+
+DynMo balances and re-packs "subject to the memory capacity of each worker", measured in the
+profiling step. A profile gives each stage's bytes per device and the part its kept stage inputs
+take (`dynjax.parallel.profile`); the rest is shared among the stage's layers in proportion to
+their state bytes, so a layer's share moves with it. A stage of another layout needs its layers'
+shares plus the stage inputs the schedule keeps at its place (`peak_in_flight`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dynjax.balance import peak_in_flight, schedule_tasks
+from dynjax.recompile.policy import Metrics
+
+STAGE_MEMORY = "profile/stage_memory_bytes"  # [S] per-device bytes of each stage, measured
+STAGE_INPUTS = "profile/stage_input_bytes"  # [S] of which: stage inputs kept for the backward
+MICROBATCH_INPUT = "profile/microbatch_input_bytes"  # [S] one kept stage input
+
+
+def layer_memory(
+    metrics: Metrics, counts: Sequence[int], layer_state_bytes: np.ndarray
+) -> np.ndarray:
+    """[L] bytes per device each layer needs: its stage's measured bytes less the kept inputs,
+    shared in proportion to the layers' state bytes (embedding in the first layer, head in the
+    last)."""
+    resident = np.asarray(metrics[STAGE_MEMORY], np.float64) - np.asarray(
+        metrics[STAGE_INPUTS], np.float64
+    )
+    out = np.empty(int(np.sum(counts)))
+    start = 0
+    for s, n in enumerate(counts):
+        weights = layer_state_bytes[start : start + n]
+        share = weights / weights.sum() if weights.sum() > 0 else np.full(n, 1.0 / n)
+        out[start : start + n] = resident[s] * share
+        start += n
+    return out
+
+
+def stage_capacities(
+    memory_bytes: float, metrics: Metrics, schedule: str, stages: int, microbatches: int
+) -> np.ndarray:
+    """[stages] bytes per device left for layers on each stage of a ``stages``-stage layout:
+    ``memory_bytes`` less the stage inputs the schedule keeps there (the largest measured input
+    per microbatch, so the first stage's token inputs are over-counted: the safe side)."""
+    activation = float(np.max(metrics[MICROBATCH_INPUT]))
+    kept = [peak_in_flight(t) for t in schedule_tasks(schedule, stages, microbatches)]
+    return memory_bytes - activation * np.array(kept, dtype=np.float64)
