@@ -94,7 +94,7 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
         )
     b = cfg.balance
     state_bytes = layer_device_bytes(exp.abstract_state, cfg.model.num_layers)
-    memory = memory_budget(cfg, exp)
+    memory = memory_budget(cfg, exp) if b.enabled or b.repack else None
     if b.enabled:
         out.append(
             Rebalance(
@@ -134,11 +134,13 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
 
 def memory_budget(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
     """Bytes one device of a stage may use: ``balance.memory_bytes``, else the devices' own
-    limit less ``balance.memory_headroom``; None where neither is known (CPU)."""
+    limit (this process's: only those report it) less ``balance.memory_headroom``; None where
+    neither is known (CPU)."""
     b = cfg.balance
     if b.memory_bytes:
         return float(b.memory_bytes)
-    limit = device_memory_limit(list(exp.mesh.devices.flat))
+    mine = [d for d in exp.mesh.devices.flat if d.process_index == jax.process_index()]
+    limit = device_memory_limit(mine)
     return None if limit is None else limit * (1 - b.memory_headroom)
 
 
