@@ -62,6 +62,11 @@ def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
     )
 
 
+def fresh_params(cfg: GPTConfig, seed: int) -> dict[str, Any]:
+    """A new model's parameters as a pure dict (the NNX state without the modules)."""
+    return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))
+
+
 @dataclasses.dataclass
 class Experiment:
     cfg: ml_collections.ConfigDict
@@ -123,25 +128,26 @@ class Experiment:
 
     def init_state(self) -> dict[str, Any]:
         """Fresh parameters (from ``seed``) and optimizer state, placed on the mesh."""
-        params = nnx.to_pure_dict(nnx.state(GPT(self.model_cfg, rngs=nnx.Rngs(self.cfg.seed))))
-        params = jax.device_put(params, self.param_shardings)
+        params = jax.device_put(fresh_params(self.model_cfg, self.cfg.seed), self.param_shardings)
         return {"params": params, "opt_state": jax.jit(self.optimizer.init)(params)}
 
     def init_host_state(self) -> dict[str, Any]:
         """Fresh parameters and optimizer state as host arrays (what a pipeline splits)."""
-        params = nnx.to_pure_dict(nnx.state(GPT(self.model_cfg, rngs=nnx.Rngs(self.cfg.seed))))
+        params = fresh_params(self.model_cfg, self.cfg.seed)
         return jax.device_get({"params": params, "opt_state": jax.jit(self.optimizer.init)(params)})
+
+    @functools.cached_property
+    def abstract_params(self) -> dict[str, Any]:
+        """Shapes and dtypes of the parameters, without shardings."""
+        return jax.eval_shape(lambda: fresh_params(self.model_cfg, 0))
 
     @functools.cached_property
     def abstract_state(self) -> dict[str, Any]:
         """Shapes, dtypes and shardings of the training state (what lowering and restore need)."""
-        params = jax.eval_shape(
-            lambda: nnx.to_pure_dict(nnx.state(GPT(self.model_cfg, rngs=nnx.Rngs(0))))
-        )
         params = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            params,
-            param_shardings(params, self.mesh),
+            self.abstract_params,
+            param_shardings(self.abstract_params, self.mesh),
         )
         # Moments mirror the parameters' shardings (their paths end like the parameters');
         # scalars such as Adam's count are replicated over the whole mesh.
@@ -272,13 +278,14 @@ class Experiment:
             z_loss_weight=moe.z_loss_weight,
             return_assignments=self.ctx.num_moe_layers > 0 and moe.caching.enabled,
         )
-        params = jax.eval_shape(
-            lambda: nnx.to_pure_dict(nnx.state(GPT(self.model_cfg, rngs=nnx.Rngs(0))))
-        )
         # Up to `cache_size` Plans' worth of stage programs (about four kinds per stage).
         entries = self.cfg.recompile.cache_size * 4 * self.ctx.pipeline_stages
         return PipelinePrograms(
-            setup, Transport(self.mesh), params, self.cfg.data.seq_len, max_entries=entries
+            setup,
+            Transport(self.mesh),
+            self.abstract_params,
+            self.cfg.data.seq_len,
+            max_entries=entries,
         )
 
     def runtime(self, plan: Plan, host_state: dict[str, Any] | None = None):
