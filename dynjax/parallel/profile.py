@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dynjax.balance import peak_in_flight
 from dynjax.parallel.layout import select
 from dynjax.parallel.stages import ModelParts, PipelineSpec, StageSpec
 
@@ -174,15 +175,6 @@ def per_device_bytes(tree: Any) -> int:
         for shard in leaf.addressable_shards:
             totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
     return max(totals.values(), default=0)
-
-
-def peak_in_flight(tasks: Sequence[Any]) -> int:
-    """Most microbatches whose forward ran and backward has not (stage inputs kept)."""
-    live = peak = 0
-    for task in tasks:
-        live += 1 if task.kind == "F" else -1
-        peak = max(peak, live)
-    return peak
 
 
 def stage_memory(

@@ -97,15 +97,12 @@ class Compiler:
                 self._cache.popitem(last=False)
         return future
 
-    def forget(self, drop: Callable[[Hashable], bool]) -> int:
+    def forget(self, drop: Callable[[Hashable], bool]) -> None:
         """Drop the cached executables whose key ``drop`` selects, e.g. those of Plans that run
-        on devices given back after a re-pack (their programs hold memory there); returns how
-        many were dropped."""
+        on devices given back after a re-pack (their programs hold memory there)."""
         with self._lock:
-            keys = [k for k in self._cache if drop(k)]
-            for k in keys:
-                del self._cache[k]
-        return len(keys)
+            for key in [k for k in self._cache if drop(k)]:
+                del self._cache[key]
 
     def get(self, plan: Plan) -> CompileResult:
         """Synchronous `submit`: the `CompileResult` for `plan`."""

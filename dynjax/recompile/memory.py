@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynjax.balance import peak_in_flight, schedule_tasks
+from dynjax.balance import peak_in_flight, schedule_tasks, stage_costs
 from dynjax.recompile.policy import Metrics
 
 STAGE_MEMORY = "profile/stage_memory_bytes"  # [S] per-device bytes of each stage, measured
@@ -30,14 +30,11 @@ def layer_memory(
     resident = np.asarray(metrics[STAGE_MEMORY], np.float64) - np.asarray(
         metrics[STAGE_INPUTS], np.float64
     )
-    out = np.empty(int(np.sum(counts)))
-    start = 0
-    for s, n in enumerate(counts):
-        weights = layer_state_bytes[start : start + n]
-        share = weights / weights.sum() if weights.sum() > 0 else np.full(n, 1.0 / n)
-        out[start : start + n] = resident[s] * share
-        start += n
-    return out
+    stage = np.repeat(np.arange(len(counts)), counts)  # the stage of each layer
+    totals = stage_costs(layer_state_bytes, counts)[stage]
+    even = 1.0 / np.asarray(counts, np.float64)[stage]  # a stage whose layers hold nothing
+    share = np.divide(layer_state_bytes, totals, out=even, where=totals > 0)
+    return resident[stage] * share
 
 
 def stage_capacities(

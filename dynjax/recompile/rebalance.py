@@ -17,7 +17,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynjax.balance import InfeasibleError, diffusion, imbalance, partition, simulate
+from dynjax.balance import (
+    InfeasibleError,
+    diffusion,
+    imbalance,
+    partition,
+    simulate,
+    stage_costs,
+)
 from dynjax.recompile.memory import STAGE_MEMORY, layer_memory, stage_capacities
 from dynjax.recompile.plan import Plan
 from dynjax.recompile.policy import History, Metrics, Proposal
@@ -212,10 +219,9 @@ def predict_seconds(
 ) -> float:
     """Simulated seconds of one step's forward/backward with layers split as ``counts``, from
     per-layer times ``fwd``, ``bwd`` (seconds per microbatch) and ``plan``'s schedule."""
-    bounds = np.concatenate(([0], np.cumsum(counts)))[:-1]
     sim = simulate(
-        np.add.reduceat(fwd, bounds),
-        np.add.reduceat(bwd, bounds),
+        stage_costs(fwd, counts),
+        stage_costs(bwd, counts),
         plan.microbatches,
         schedule=plan.schedule,
         comm=comm,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynjax.balance import InfeasibleError, partition
+from dynjax.balance import InfeasibleError, partition, stage_costs
 from dynjax.recompile.memory import STAGE_MEMORY, layer_memory, stage_capacities
 from dynjax.recompile.plan import Plan
 from dynjax.recompile.policy import History, Proposal
@@ -120,8 +120,7 @@ class Repack:
         if chosen is None:
             return Proposal(plan, "", records=(record,))
         new, after, caps = chosen
-        bounds = np.concatenate(([0], np.cumsum(new)))[:-1]
-        used = np.add.reduceat(memory, bounds)
+        used = stage_costs(memory, new)
         record["moved_layers"] = moved_layers(old, new)
         record["predicted_stage_memory_bytes"] = (used + self.memory_bytes - caps).tolist()
         reason = (
