@@ -403,11 +403,8 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {allowed}")
     if b.every == 0 and b.threshold == 0:
         raise ConfigError("balance.enabled needs balance.every > 0 or balance.threshold > 0")
-    if b.by == "time" and not (p.profile_on_change or p.profile_every):
-        raise ConfigError(
-            "balance.by='time' needs profiles: set pipeline.profile_on_change=True or "
-            "pipeline.profile_every > 0"
-        )
+    if b.by == "time":
+        _need_profiles(cfg, "balance.by='time' needs profiles")
     nonneg = {
         "balance.every": b.every,
         "balance.threshold": b.threshold,
@@ -424,8 +421,16 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
+def _need_profiles(cfg: ml_collections.ConfigDict, why: str) -> None:
+    p = cfg.pipeline
+    if not (p.profile_on_change or p.profile_every):
+        raise ConfigError(
+            f"{why}: set pipeline.profile_on_change=True or pipeline.profile_every > 0"
+        )
+
+
 def _check_repack(cfg: ml_collections.ConfigDict) -> None:
-    b, p = cfg.balance, cfg.pipeline
+    b = cfg.balance
     stages = num_stages(cfg)
     if stages < 2:
         raise ConfigError("balance.repack needs a pipeline to shrink: set mesh.stage >= 2")
@@ -434,11 +439,7 @@ def _check_repack(cfg: ml_collections.ConfigDict) -> None:
             f"balance.repack_every={b.repack_every}: re-packing decides every n-th metrics "
             "step; set balance.repack_every >= 1"
         )
-    if not (p.profile_on_change or p.profile_every):
-        raise ConfigError(
-            "balance.repack needs the profiled stage memory: set pipeline.profile_on_change=True "
-            "or pipeline.profile_every > 0"
-        )
+    _need_profiles(cfg, "balance.repack needs the profiled stage memory")
     if not 0 <= b.repack_target < stages:
         raise ConfigError(
             f"balance.repack_target={b.repack_target} must be fewer than the {stages} stages "
