@@ -93,8 +93,10 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
             )
         )
     b = cfg.balance
+    if not (b.enabled or b.repack):
+        return out
     state_bytes = layer_device_bytes(exp.abstract_state, cfg.model.num_layers)
-    memory = memory_budget(cfg, exp) if b.enabled or b.repack else None
+    memory = memory_budget(cfg, exp)
     if b.enabled:
         out.append(
             Rebalance(
