@@ -5,7 +5,7 @@ import numpy as np
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from .tiny import layer_moves, tiny_config
+from .tiny import layer_moves, tiny_config, warm_layouts
 
 
 def test_rebalance_by_time_migrates_layers_and_keeps_the_losses(tmp_path):
@@ -19,6 +19,8 @@ def test_rebalance_by_time_migrates_layers_and_keeps_the_losses(tmp_path):
     # the background compile below is ready within a few steps.
     reference = tmp_path / "reference"
     train(tiny_config(**config, pipeline__stage_layers="(3,2)"), reference, progress=False)
+    unbalanced = tiny_config(**config, pipeline__stage_layers="(4,1)")
+    warm_layouts(unbalanced, [(2, 3)])  # the other split load-skewed timings have chosen
     balanced = tmp_path / "balanced"
     summary = train(
         tiny_config(

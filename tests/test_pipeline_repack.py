@@ -13,7 +13,7 @@ from dynjax.parallel.profile import device_memory_limit
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from .tiny import layer_moves, tiny_config
+from .tiny import layer_moves, tiny_config, warm_layouts
 
 RUN = dict(
     model__num_layers=5, mesh__data=2, train__steps=160, train__microbatches=4,
@@ -46,10 +46,11 @@ def losses(workdir):
 
 
 def test_repack_releases_stages_and_keeps_the_losses(tmp_path):
-    # Two stages from the start: the losses to match (layouts change no loss), and the programs
-    # of the likely packed layout in JAX's persistent compilation cache.
+    # Two stages from the start: the losses to match (layouts change no loss). Then the two
+    # likely packed layouts go into JAX's persistent compilation cache.
     reference = tmp_path / "reference"
     train(tiny_config(**RUN, mesh__stage=2), reference, progress=False)
+    warm_layouts(tiny_config(**RUN, **REPACK, mesh__stage=4), [(3, 2), (2, 3)])
     released = []
     packed = tmp_path / "packed"
     train(
