@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax import config as config_lib
+from dynjax import resume
 from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
 from dynjax.launch.distributed import exchange, forget
@@ -42,7 +43,7 @@ from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import ModelParts, PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
-from dynjax.recompile import Plan, PlanContext, static_capacities
+from dynjax.recompile import Plan, PlanContext, PlanError, static_capacities
 
 
 def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
@@ -183,18 +184,24 @@ class Experiment:
         plan.validate(self.ctx)
         return plan
 
-    def resumed_plan(self, saved: Plan, saved_mesh: dict[str, int]) -> Plan:
-        """A checkpoint's Plan on this run's mesh (``saved_mesh``: the saving run's ``mesh``
-        config). A saved assignment with as many stages as the mesh stays; on the same mesh a
-        re-packed one with fewer stays too (the unused sub-meshes are released again); any other
-        takes the config's assignment and schedule (the checkpoint does not depend on them)."""
-        same_mesh = saved_mesh == dict(self.cfg.mesh)
-        fits = 0 < len(saved.stage_layers) <= self.ctx.pipeline_stages
-        if len(saved.stage_layers) != self.ctx.pipeline_stages and not (same_mesh and fits):
-            initial = self.initial_plan()
-            saved = saved.replace(stage_layers=initial.stage_layers, schedule=initial.schedule)
-        saved.validate(self.ctx)
-        return saved
+    def resumed_plan(self, saved: Plan, changes: dict[str, tuple[Any, Any]]) -> Plan:
+        """A checkpoint's Plan under this run's config: fields whose config keys changed
+        (``changes``, `dynjax.resume.config_changes`) come from the new config, the rest (what
+        the policies made of them) stay. A re-packed assignment (fewer stages than the mesh)
+        stays only on the same mesh; on another its unused sub-meshes may not exist."""
+        initial = self.initial_plan()
+        plan = resume.resumed_plan(saved, initial, changes)
+        mesh_changed = any(k.startswith("mesh.") for k in changes)
+        if len(plan.stage_layers) != self.ctx.pipeline_stages and mesh_changed:
+            plan = plan.replace(stage_layers=initial.stage_layers)
+        try:
+            plan.validate(self.ctx)
+        except PlanError as err:
+            raise config_lib.ConfigError(
+                f"the checkpoint's Plan cannot run with this config ({err}); resume with the "
+                "saved config or pass a new --workdir"
+            ) from None
+        return plan
 
     def step_options(self, plan: Plan) -> StepOptions:
         return StepOptions(

@@ -46,6 +46,7 @@ from dynjax.recompile import (
     Repack,
     enable_persistent_cache,
 )
+from dynjax.resume import check_resumable, config_changes, resume_event
 from dynjax.writers import MetricsWriter
 
 log = logging.getLogger("dynjax")
@@ -175,7 +176,6 @@ def train(
     exp = Experiment.from_config(cfg)
     config_policies = policies_for(cfg, exp)  # their config errors come before any work
     release_hook = release_hook or load_release_hook(cfg.balance.release_hook)
-    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     events = EventLog(workdir / "events.jsonl")
     if single:
         checkpointer = Checkpointer(
@@ -187,16 +187,23 @@ def train(
     else:
         _check_multi_process(cfg, [*config_policies, *policies])
         checkpointer = _NoCheckpoints()
-    restored = checkpointer.restore_latest(exp.abstract_state)
+    restored = checkpointer.restore_latest(
+        exp.abstract_state,
+        check=lambda meta: check_resumable(config_changes(meta["config"], cfg), workdir),
+    )
     if restored is None:
         plan, start = exp.initial_plan(), 0
         runtime = exp.runtime(plan)
     else:
         host_state, meta = restored
+        changes = config_changes(meta["config"], cfg)
         saved = Plan.from_dict(meta["plan"])
-        plan, start = exp.resumed_plan(saved, meta["config"]["mesh"]), meta["step"]
+        plan, start = exp.resumed_plan(saved, changes), meta["step"]
         runtime = exp.runtime(plan, host_state)
+        events(resume_event(start, changes, saved, plan))
         log.info("resumed from step %d of %s", start, workdir)
+    # Written once the config is known to fit the workdir: it always describes the newest run.
+    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     steps = cfg.train.steps
     if start >= steps:
         checkpointer.close()
@@ -295,9 +302,9 @@ def train(
             else:
                 metrics = runtime.step(executable, batch, cached)
             monitor.push(step, metrics)
-            logger.sample_ids[step] = batch.sample_ids
+            logger.dispatched(step, batch.sample_ids, plan)
             for s, m in monitor.pop_ready(step):
-                logger.observe(s, runtime.host_metrics(s, m), plan, cache, controller, bar)
+                logger.observe(s, runtime.host_metrics(s, m), cache, controller, bar)
             bar.update(1)
             done = step + 1
             if done % cfg.train.eval_every == 0 or done == steps:
@@ -308,10 +315,10 @@ def train(
                 checkpointer.save(
                     done,
                     runtime.checkpoint_state(),
-                    {"plan": plan.to_dict(), "data_position": done, "config": cfg.to_dict()},
+                    {"plan": plan.to_dict(), "config": cfg.to_dict()},
                 )
         for s, m in monitor.drain():
-            logger.observe(s, runtime.host_metrics(s, m), plan, cache, controller, bar)
+            logger.observe(s, runtime.host_metrics(s, m), cache, controller, bar)
     finally:
         bar.close()
         controller.stop()
@@ -349,7 +356,7 @@ def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:
 class _NoCheckpoints:
     """The checkpointer of a multi-process run: nothing to restore, nothing saved."""
 
-    def restore_latest(self, template):
+    def restore_latest(self, template, check=None):
         return None
 
     def all_steps(self) -> list[int]:
@@ -365,13 +372,18 @@ class _Logger:
     def __init__(self, writer: MetricsWriter, exp: Experiment, every: int, steps: int):
         self.writer, self.exp, self.every, self.steps = writer, exp, every, steps
         self.tokens_per_step = exp.cfg.train.batch_size * exp.cfg.data.seq_len
-        self.sample_ids: dict[int, np.ndarray] = {}
+        # Per step in flight: its samples and the Plan it ran with (its metrics arrive Δ steps
+        # later, possibly after a swap, and are labelled with the Plan that produced them).
+        self.in_flight: dict[int, tuple[np.ndarray, Plan]] = {}
         self.last_loss: float | None = None
         self.rates: list[float] = []
         self._mark: tuple[int, float] | None = None
 
-    def observe(self, step, metrics, plan, cache, controller, bar) -> None:
-        ids = self.sample_ids.pop(step)
+    def dispatched(self, step: int, sample_ids: np.ndarray, plan: Plan) -> None:
+        self.in_flight[step] = (sample_ids, plan)
+
+    def observe(self, step, metrics, cache, controller, bar) -> None:
+        ids, plan = self.in_flight.pop(step)
         if cache is not None:
             stability = cache.update(ids, metrics.pop("moe/assignments"))
             metrics[STABILITY] = np.nan if stability is None else stability

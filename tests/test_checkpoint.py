@@ -1,10 +1,11 @@
-"""Checkpoints: exact round trip, per-expert items, fallback from a corrupt latest, resharding."""
+"""Checkpoints: exact round trip, per-expert items, quarantine of a corrupt latest, refused saves,
+resharding."""
 
 import jax
 import numpy as np
 import pytest
 
-from dynjax.checkpoint import Checkpointer, CheckpointError
+from dynjax.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch
 from dynjax.experiment import Experiment
 
 from .tiny import tiny_config
@@ -33,14 +34,14 @@ def test_round_trip_is_exact_and_experts_are_items(trained, tmp_path):
     exp, state = trained
     events = []
     ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
-    ckpt.save(5, state, {"plan": exp.initial_plan().to_dict(), "data_position": 5})
+    ckpt.save(5, state, {"plan": exp.initial_plan().to_dict()})
     ckpt.wait()
     items = sorted(p.name for p in (tmp_path / "5").iterdir() if p.is_dir())
     assert items == sorted(
         ["dense", "meta"] + [f"expert_l{layer}_e{e}" for layer in (0, 1) for e in range(4)]
     )
     restored, meta = ckpt.restore_latest(exp.abstract_state)
-    assert meta["step"] == 5 and meta["data_position"] == 5
+    assert meta["step"] == 5 and meta["plan"] == exp.initial_plan().to_dict()
     assert_bitwise_equal(state, restored)
     assert [e["event"] for e in events] == ["checkpoint", "checkpoint_restore"]
     ckpt.close()
@@ -53,10 +54,10 @@ def _corrupt(step_dir):
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
 
 
-def test_corrupt_latest_falls_back_to_previous(trained, tmp_path):
+def test_corrupt_latest_is_set_aside_and_its_step_saved_again(trained, tmp_path):
     exp, state = trained
     events = []
-    ckpt = Checkpointer(tmp_path, keep=3, emit=events.append)
+    ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
     ckpt.save(1, state, {})
     later = jax.tree.map(lambda a: a + 1 if a.dtype.kind == "f" else a, state)
     ckpt.save(2, later, {})
@@ -66,18 +67,74 @@ def test_corrupt_latest_falls_back_to_previous(trained, tmp_path):
     assert meta["step"] == 1
     assert_bitwise_equal(state, restored)
     failed = [e for e in events if e["event"] == "checkpoint_restore_failed"]
-    assert failed and failed[0]["step"] == 2
+    assert [e["step"] for e in failed] == [2]
+    moved = sorted((tmp_path / "corrupt").iterdir())
+    assert [p.name.split("-")[0] for p in moved] == ["2"] and failed[0]["moved_to"] == str(moved[0])
+    assert (moved[0] / "dense").is_dir()  # kept whole for a person to inspect
+    assert ckpt.all_steps() == [1]  # no longer counted by `keep`, and its step is free again
+    assert ckpt.save(2, later, {})
+    ckpt.save(3, later, {})
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3]  # keep=2 dropped step 1, not a good one for a corrupt one
+    restored, meta = ckpt.restore_latest(exp.abstract_state)
+    assert meta["step"] == 3
+    assert_bitwise_equal(later, restored)
     ckpt.close()
 
 
-def test_restore_into_a_different_model_fails_clearly(trained, tmp_path):
+def test_a_refused_save_is_an_error_event_not_a_checkpoint(trained, tmp_path, caplog):
+    exp, state = trained
+    events = []
+    ckpt = Checkpointer(tmp_path, keep=3, emit=events.append)
+    assert ckpt.save(2, state, {})
+    assert not ckpt.save(2, state, {})  # the step exists: Orbax refuses
+    assert not ckpt.save(1, state, {})  # older than the latest: Orbax refuses
+    assert [(e["event"], e["step"]) for e in events] == [
+        ("checkpoint", 2),
+        ("checkpoint_failed", 2),
+        ("checkpoint_failed", 1),
+    ]
+    assert "was not saved" in caplog.text
+    assert ckpt.save(3, state, {})  # later saves still happen
+    ckpt.close()
+
+
+def test_restore_into_a_different_model_fails_clearly_and_moves_nothing(trained, tmp_path):
     exp, state = trained
     ckpt = Checkpointer(tmp_path, keep=1)
     ckpt.save(1, state, {})
     ckpt.wait()
     other = Experiment.from_config(tiny_config(moe__every=2))  # one MoE layer instead of two
-    with pytest.raises(CheckpointError, match="could be restored"):
+    with pytest.raises(CheckpointMismatch, match="different model configuration"):
         ckpt.restore_latest(other.abstract_state)
+    assert ckpt.all_steps() == [1] and not (tmp_path / "corrupt").exists()
+    ckpt.close()
+
+
+def test_a_check_of_the_metadata_runs_before_any_array_is_read(trained, tmp_path):
+    exp, state = trained
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(1, state, {"config": {"seed": 0}})
+    ckpt.wait()
+
+    def refuse(meta):
+        raise ValueError(f"config {meta['config']} does not match")
+
+    with pytest.raises(ValueError, match="does not match"):
+        ckpt.restore_latest(exp.abstract_state, check=refuse)
+    assert ckpt.all_steps() == [1] and not (tmp_path / "corrupt").exists()
+    ckpt.close()
+
+
+def test_all_checkpoints_corrupt_is_an_error_that_says_where_they_are(trained, tmp_path):
+    exp, state = trained
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(1, state, {})
+    ckpt.wait()
+    _corrupt(tmp_path / "1")
+    with pytest.raises(CheckpointError, match="could be restored.*corrupt"):
+        ckpt.restore_latest(exp.abstract_state)
+    assert len(list((tmp_path / "corrupt").iterdir())) == 1
     ckpt.close()
 
 

@@ -1,0 +1,171 @@
+"""Resuming a workdir: a corrupt checkpoint is set aside and its step saved again; a changed
+config is applied where the saved state allows it and refused before any work where it does not;
+every resume is recorded; logged metrics name the Plan their step ran with."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynjax.config import ConfigError
+from dynjax.experiment import Experiment
+from dynjax.recompile import Plan
+from dynjax.resume import config_changes
+from dynjax.train import main, train
+from dynjax.writers import read_jsonl
+
+from .test_checkpoint import _corrupt
+from .test_train import losses
+from .tiny import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = {"train__steps": 16, "train__checkpoint_every": 4, "train__eval_every": 1000}
+
+
+def events_of(workdir: Path, name: str) -> list[dict]:
+    return [e for e in read_jsonl(workdir / "events.jsonl") if e["event"] == name]
+
+
+def run_killed_after_save(workdir: Path, step: int) -> None:
+    """The CLI on the same config as `RUN`, killed by itself right after saving ``step``."""
+    args = [
+        sys.executable,
+        "tests/kill_after_save.py",
+        str(step),
+        "--config=tests/tiny.py",
+        f"--workdir={workdir}",
+        *(f"--config.{k.replace('__', '.')}={v}" for k, v in RUN.items()),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, timeout=600)
+    assert proc.returncode == -9, proc.stdout.decode()[-2000:] + proc.stderr.decode()[-2000:]
+
+
+def test_a_corrupt_step_is_saved_again_and_a_crash_after_it_resumes_from_it(tmp_path):
+    reference = tmp_path / "reference"
+    train(tiny_config(**RUN), reference, progress=False)
+
+    run = tmp_path / "run"
+    run_killed_after_save(run, 8)  # checkpoints 4 and 8
+    _corrupt(run / "checkpoints" / "8")
+    run_killed_after_save(run, 8)  # falls back to 4, sets 8 aside, trains and saves 8 again
+    assert [e["step"] for e in events_of(run, "checkpoint_restore")] == [4]
+    [moved] = events_of(run, "checkpoint_restore_failed")
+    assert moved["step"] == 8 and Path(moved["moved_to"]).parent == run / "checkpoints" / "corrupt"
+
+    summary = train(tiny_config(**RUN), run, progress=False)
+    assert [e["step"] for e in events_of(run, "checkpoint_restore")] == [4, 8]
+    assert summary.start_step == 8 and summary.checkpoints == [8, 12, 16]
+    assert not events_of(run, "checkpoint_failed")
+    got, want = losses(run), losses(reference)
+    assert set(range(1, 7)) | set(range(9, 17)) <= set(got)  # 7, 8: logged Δ late, killed first
+    assert {s: want[s] for s in got} == got  # every step, bit for bit
+
+
+def test_a_model_or_data_change_is_refused_before_any_work(tmp_path):
+    cfg = tiny_config(train__steps=4, train__checkpoint_every=4)
+    train(cfg, tmp_path, progress=False)
+    saved_config = (tmp_path / "config.json").read_text()
+    changed = tiny_config(
+        train__steps=8, model__d_model=64, data__seq_len=16, seed=1, train__batch_size=16
+    )
+    with pytest.raises(ConfigError) as err:
+        train(changed, tmp_path, progress=False)
+    for key in ("model.d_model", "data.seq_len", "seed", "train.batch_size", "--workdir"):
+        assert key in str(err.value)
+    assert "train.steps" not in str(err.value)  # a change a resume may make
+    assert (tmp_path / "config.json").read_text() == saved_config
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4"]  # nothing moved
+    assert not events_of(tmp_path, "checkpoint_restore")  # no array was read
+
+
+
+def test_the_cli_refuses_a_changed_model_with_exit_2(tmp_path, capsys):
+    train(tiny_config(train__steps=4, train__checkpoint_every=4), tmp_path, progress=False)
+    code = main(["--config=tests/tiny.py", f"--workdir={tmp_path}", "--config.model.d_model=64"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "model.d_model: 32 -> 64" in err
+
+
+def test_step_options_that_changed_are_applied_and_recorded(tmp_path):
+    base = {"moe__every": 2, "train__checkpoint_every": 4, "train__eval_every": 1000}
+    train(tiny_config(train__steps=4, **base), tmp_path, progress=False)
+    changed = tiny_config(
+        train__steps=8,
+        train__dtype="bfloat16",
+        train__microbatches=2,
+        moe__capacity__factor=2.0,
+        **base,
+    )
+    summary = train(changed, tmp_path, progress=False)
+    assert summary.start_step == 4 and summary.final_step == 8
+    [resume] = events_of(tmp_path, "resume")
+    assert resume["step"] == 4
+    assert resume["config_diff"] == {
+        "moe.capacity.factor": [1.25, 2.0],
+        "train.dtype": ["float32", "bfloat16"],
+        "train.microbatches": [0, 2],
+        "train.steps": [4, 8],
+    }
+    assert resume["plan_diff"]["dtype"] == ["float32", "bfloat16"]
+    assert resume["plan_diff"]["microbatches"] == [1, 2]
+    ran = Plan.from_dict(events_of(tmp_path, "compile")[-1]["plan"])
+    exp = Experiment.from_config(changed)
+    assert ran == exp.initial_plan()  # what the new config implies, nothing of the old
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["dtype"] == "bfloat16"
+
+
+def test_a_resume_keeps_what_the_policies_decided_unless_its_keys_changed():
+    cfg = tiny_config(moe__every=1, mesh__stage=2, pipeline__schedule="gpipe")
+    exp = Experiment.from_config(cfg)
+    initial = exp.initial_plan()
+    decided = initial.replace(
+        capacities=((5, 9, 12, 3), (7, 7, 7, 7)), cached_routing=True, stage_layers=(1, 1)
+    )
+    assert exp.resumed_plan(decided, {}) == decided
+    assert exp.resumed_plan(decided, {"train.learning_rate": (1e-3, 2e-3)}) == decided
+    new_factor = exp.resumed_plan(decided, {"moe.capacity.factor": (1.0, 1.25)})
+    assert new_factor == decided.replace(capacities=initial.capacities)
+    schedule = exp.resumed_plan(decided.replace(schedule="1f1b"), {"pipeline.schedule": (0, 0)})
+    assert schedule.schedule == "gpipe" and schedule.capacities == decided.capacities
+
+
+def test_config_changes_counts_keys_an_older_run_lacked_with_their_default():
+    cfg = tiny_config()
+    saved = cfg.to_dict()
+    del saved["balance"]["repack"]  # a key added after that run: it ran with the default
+    saved["train"]["removed_key"] = 1  # a key since removed: nothing to compare
+    assert config_changes(saved, cfg) == {}
+    cfg.balance.repack = True
+    assert config_changes(saved, cfg) == {"balance.repack": (False, True)}
+
+
+class RaiseCapacities:
+    """One more slot for every expert once the metrics of step 3 are seen: one Plan change."""
+
+    name = "raise"
+
+    def propose(self, history, plan):
+        if history.latest_step is None or history.latest_step < 3 or plan.capacities[0][0] > 20:
+            return None
+        return plan.replace(capacities=tuple(tuple(c + 1 for c in cs) for cs in plan.capacities))
+
+
+def test_logged_metrics_name_the_plan_their_step_ran_with(tmp_path):
+    cfg = tiny_config(moe__every=2, train__steps=20, train__eval_every=1000)
+    # The first run fills JAX's persistent cache, so the second swaps within a few steps
+    # (tests/test_recompile_train.py, train_with_warm_cache).
+    train(cfg, tmp_path / "warm", policies=[RaiseCapacities()], progress=False)
+    train(cfg, tmp_path / "run", policies=[RaiseCapacities()], progress=False)
+    [swap] = events_of(tmp_path / "run", "recompile")
+    assert swap["swap_step"] < 18
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    factors = {r["step"]: r["capacity_factor"] for r in records if "loss" in r}
+    assert sorted(factors) == list(range(1, 21))
+    old, new = factors[1], factors[20]
+    assert new > old
+    # Line `step` holds training step step - 1; the swap's first step is `swap_step`.
+    assert all(f == (old if s - 1 < swap["swap_step"] else new) for s, f in factors.items())
