@@ -90,6 +90,7 @@ class Experiment:
             cfg.data.seq_len,
             cfg.data.val_fraction,
             cfg.model.vocab_size,
+            cfg.data.path,
         )
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
         t = cfg.train

@@ -3,11 +3,14 @@
 import numpy as np
 import pytest
 
-from dynjax.data import TokenWindows, TrainOrder, load_tokens, validation_batches
+from dynjax import data
+from dynjax.config import ConfigError
+from dynjax.data import DataError, TokenWindows, TrainOrder, load_tokens, validation_batches
+from dynjax.train import main
 
 
 def windows(tokens, seq_len=8, val=0.25):
-    return TokenWindows(tokens, seq_len, val, vocab_size=256)
+    return TokenWindows(tokens, seq_len, val, vocab_size=256, path="corpus.npy")
 
 
 def test_sources_text_dir_npy_bin(tmp_path):
@@ -23,7 +26,7 @@ def test_sources_text_dir_npy_bin(tmp_path):
     np.testing.assert_array_equal(load_tokens(str(tmp_path / "t.npy"), 0), arr)
     arr.astype(np.uint16).tofile(tmp_path / "t.bin")
     np.testing.assert_array_equal(load_tokens(str(tmp_path / "t.bin"), 0), arr)
-    with pytest.raises(FileNotFoundError, match="data.path='nope' does not exist"):
+    with pytest.raises(DataError, match="data.path='nope' does not exist"):
         load_tokens("nope", 10)
 
 
@@ -55,7 +58,69 @@ def test_order_is_deterministic_resumable_and_covers_each_epoch():
 
 
 def test_bad_data_is_reported():
-    with pytest.raises(ValueError, match="token id 300 >= model.vocab_size=256"):
-        TokenWindows(np.full(100, 300), 8, 0.1, 256)
-    with pytest.raises(ValueError, match="too few for a train/validation split"):
-        TokenWindows(np.zeros(10, np.int64), 8, 0.5, 256)
+    with pytest.raises(DataError, match="too few for a train/validation split"):
+        windows(np.zeros(10, np.int64), val=0.5)
+    with pytest.raises(ConfigError, match="train.batch_size=5 exceeds the 4 training windows"):
+        TrainOrder(windows(np.zeros(41, np.int64)), batch_size=5, seed=0)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (-1, r"token id -1 at index 37 .* outside \[0, model.vocab_size=256\): ids must be >= 0"),
+        (300, r"token id 300 at index 37 .*: raise model.vocab_size to at least 301"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused(bad, message):
+    tokens = np.arange(201, dtype=np.int32) % 256
+    tokens[37] = bad
+    with pytest.raises(DataError, match="data.path='corpus.npy': " + message):
+        windows(tokens)
+
+
+class ReadLog(np.ndarray):
+    """A token array that records the length of each slice taken of part of it."""
+
+    reads: list[int] = []
+
+    def __getitem__(self, key):
+        if isinstance(key, slice) and len(range(*key.indices(len(self)))) < len(self):
+            ReadLog.reads.append(len(range(*key.indices(len(self)))))
+        return super().__getitem__(key)
+
+
+def test_vocabulary_check_reads_a_chunk_at_a_time(monkeypatch):
+    monkeypatch.setattr(data, "SCAN_CHUNK", 16)
+    tokens = np.arange(201, dtype=np.int64) % 256  # 25 windows of 8: every token is used
+    tokens[150] = -5  # in the tenth chunk
+    ReadLog.reads = []
+    with pytest.raises(DataError, match="token id -5 at index 150 "):
+        windows(tokens.view(ReadLog))
+    assert ReadLog.reads and max(ReadLog.reads) <= 16
+    assert sum(ReadLog.reads) >= 151  # the chunks cover the stream up to the bad id
+
+
+def test_empty_and_malformed_files_are_refused(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    np.save(tmp_path / "empty.npy", np.zeros(0, np.int32))
+    (tmp_path / "blank.npy").write_bytes(b"")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    for name in ("empty.txt", "empty.npy", "empty.bin"):
+        with pytest.raises(DataError, match=f"data.path='.*{name}' holds no tokens: point it"):
+            load_tokens(str(tmp_path / name), 100)
+    with pytest.raises(DataError, match="blank.npy' is not a readable .npy array"):
+        load_tokens(str(tmp_path / "blank.npy"), 100)
+    with pytest.raises(DataError, match="odd.bin' has 3 bytes, not a whole number of 2-byte"):
+        load_tokens(str(tmp_path / "odd.bin"), 100)
+
+
+def test_cli_refuses_bad_tokens_with_an_error_not_a_traceback(tmp_path, capsys):
+    tokens = np.random.default_rng(0).integers(0, 256, 4000).astype(np.int32)
+    tokens[2500] = -3
+    np.save(tmp_path / "t.npy", tokens)
+    argv = ["--config", "tests/tiny.py", "--workdir", str(tmp_path / "run")]
+    assert main([*argv, f"--config.data.path={tmp_path / 't.npy'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data.path=") and "token id -3 at index 2500" in err
+
