@@ -10,12 +10,15 @@ whole state is the number of batches consumed, which checkpoints save.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
 from dynjax.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".tsv", ".html", ".xml", ".c", ".h")
 SCAN_CHUNK = 1 << 22  # tokens the vocabulary check reads at once (a memory-mapped corpus is larger)
@@ -153,7 +156,7 @@ class TokenWindows:
                 "more data (data.max_tokens) or a shorter data.seq_len"
             )
         check_token_ids(tokens[: num_windows * seq_len + 1], vocab_size, path)
-        self.tokens, self.seq_len = tokens, seq_len
+        self.tokens, self.seq_len, self.val_fraction = tokens, seq_len, val_fraction
         self.num_train = num_windows - num_val
         self.num_val = num_val
 
@@ -192,11 +195,41 @@ class TrainOrder:
         return self._perm
 
 
-def validation_batches(windows: TokenWindows, batch_size: int, num_batches: int) -> list[Batch]:
-    """The first ``num_batches`` validation batches (the same every evaluation)."""
-    count = min(num_batches, windows.num_val // batch_size)
-    base = windows.num_train
-    return [
-        windows.window(np.arange(base + i * batch_size, base + (i + 1) * batch_size))
-        for i in range(count)
-    ]
+def validation_batches(
+    windows: TokenWindows, batch_size: int, num_batches: int, batch_shards: int
+) -> list[Batch]:
+    """The first ``num_batches`` validation batches (the same every evaluation).
+
+    With fewer validation windows than one batch, one smaller batch of as many as split evenly
+    over the ``batch_shards`` devices a batch is spread over (``mesh.data x mesh.expert``), with
+    a warning: a small validation set still gets evaluated, and says so.
+    """
+    base, available = windows.num_train, windows.num_val
+    if not available or not num_batches:  # no validation set, or no evaluation asked for
+        return []
+    if available >= batch_size:
+        return [
+            windows.window(np.arange(base + i * batch_size, base + (i + 1) * batch_size))
+            for i in range(min(num_batches, available // batch_size))
+        ]
+    size = available // batch_shards * batch_shards
+    short = (
+        f"data.val_fraction={windows.val_fraction} gives {available} validation windows, fewer "
+        f"than train.batch_size={batch_size}"
+    )
+    if not size:
+        log.warning(
+            "%s, and too few to split over the %d batch shards (mesh.data x mesh.expert): "
+            "evaluation is off; raise data.val_fraction",
+            short,
+            batch_shards,
+        )
+        return []
+    log.warning(
+        "%s: evaluating on one batch of %d (the most that split over the %d batch shards, "
+        "mesh.data x mesh.expert); raise data.val_fraction to evaluate on full batches",
+        short,
+        size,
+        batch_shards,
+    )
+    return [windows.window(np.arange(base, base + size))]

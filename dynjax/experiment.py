@@ -122,7 +122,7 @@ class Experiment:
             ),
             windows=windows,
             order=TrainOrder(windows, t.batch_size, cfg.seed),
-            val_batches=validation_batches(windows, t.batch_size, t.eval_batches),
+            val_batches=validation_batches(windows, t.batch_size, t.eval_batches, ctx.batch_shards),
         )
 
     # -- state -------------------------------------------------------------------------------

@@ -1,12 +1,17 @@
 """Byte-level data: sources, split, deterministic and resumable order, stable sample indices."""
 
+import logging
+
 import numpy as np
 import pytest
 
 from dynjax import data
 from dynjax.config import ConfigError
 from dynjax.data import DataError, TokenWindows, TrainOrder, load_tokens, validation_batches
+from dynjax.experiment import Experiment
 from dynjax.train import main
+
+from .tiny import tiny_config
 
 
 def windows(tokens, seq_len=8, val=0.25):
@@ -42,7 +47,7 @@ def test_windows_carry_stable_ids_and_split_is_disjoint():
     batch = w.window(np.array([3, 0]))
     np.testing.assert_array_equal(batch.inputs[0], np.arange(24, 32))
     np.testing.assert_array_equal(batch.targets[0], np.arange(25, 33))
-    val_ids = np.concatenate([b.sample_ids for b in validation_batches(w, 2, 10)])
+    val_ids = np.concatenate([b.sample_ids for b in validation_batches(w, 2, 10, 1)])
     assert val_ids.min() >= w.num_train and len(val_ids) == 6
 
 
@@ -123,4 +128,49 @@ def test_cli_refuses_bad_tokens_with_an_error_not_a_traceback(tmp_path, capsys):
     assert main([*argv, f"--config.data.path={tmp_path / 't.npy'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: data.path=") and "token id -3 at index 2500" in err
+
+
+def test_a_validation_set_smaller_than_a_batch_is_evaluated_with_a_warning(caplog):
+    w = windows(np.arange(201) % 256, val=0.3)  # 25 windows: 18 train, 7 validation
+    with caplog.at_level(logging.WARNING, logger="dynjax.data"):
+        (batch,) = validation_batches(w, batch_size=8, num_batches=4, batch_shards=2)
+    np.testing.assert_array_equal(batch.sample_ids, np.arange(18, 24))
+    assert "data.val_fraction=0.3 gives 7 validation windows, fewer than train.batch_size=8: " \
+        "evaluating on one batch of 6" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynjax.data"):
+        assert validation_batches(w, batch_size=16, num_batches=4, batch_shards=8) == []
+    assert "too few to split over the 8 batch shards" in caplog.text
+    assert "evaluation is off" in caplog.text
+
+
+def short_validation(tmp_path, **overrides):
+    """A run on 60 windows of 32 tokens: 54 to train on, 6 to validate (fewer than a batch of 8),
+    and its runtime at the initial Plan."""
+    tokens = np.random.default_rng(0).integers(0, 256, 60 * 32 + 1).astype(np.int32)
+    np.save(tmp_path / "t.npy", tokens)
+    cfg = tiny_config(
+        data__path=str(tmp_path / "t.npy"), data__val_fraction=0.1, moe__every=2, **overrides
+    )
+    exp = Experiment.from_config(cfg)
+    plan = exp.initial_plan()
+    return exp, plan, exp.runtime(plan)
+
+
+def test_both_runtimes_evaluate_a_validation_set_smaller_than_a_batch(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="dynjax.data"):
+        one, plan, single = short_validation(tmp_path)
+        ep, ep_plan, sharded = short_validation(tmp_path, mesh__data=2, mesh__expert=2)
+        # one training microbatch of 8: the 6 rows run as 3 microbatches of 2 (new shapes)
+        pp, pp_plan, pipeline = short_validation(
+            tmp_path, mesh__stage=2, mesh__data=2, train__microbatches=1
+        )
+    assert pp_plan.stage_layers == (1, 1)
+    assert [len(e.val_batches[0].inputs) for e in (one, ep, pp)] == [6, 4, 6]
+    assert "one batch of 4 (the most that split over the 4 batch shards" in caplog.text
+    six = single.evaluate(plan)
+    assert 4 < six < 7  # about ln(256) at initialization
+    assert pipeline.evaluate(pp_plan) == pytest.approx(six, rel=1e-5)
+    four = one.eval_step(plan)(single.state["params"], one.device_batch(ep.val_batches[0]))
+    assert sharded.evaluate(ep_plan) == pytest.approx(float(four), rel=1e-5)
 
