@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -79,7 +80,7 @@ class Experiment:
     windows: TokenWindows
     order: TrainOrder
     val_batches: list[Batch]
-    _eval_steps: dict = dataclasses.field(default_factory=dict, repr=False)
+    _eval_steps: OrderedDict = dataclasses.field(default_factory=OrderedDict, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ml_collections.ConfigDict) -> Experiment:
@@ -302,13 +303,17 @@ class Experiment:
         return SingleProgramRuntime(self, state)
 
     def eval_step(self, plan: Plan):
-        """Jitted mean validation loss of one batch under ``plan``'s capacities (cached)."""
+        """Jitted mean validation loss of one batch under ``plan``'s capacities. The last
+        ``recompile.cache_size`` are kept, like the Compiler's train steps: a dynamic-capacity
+        run makes a new one at every capacity change."""
         opts = self.step_options(plan)
-        if opts not in self._eval_steps:
-            self._eval_steps[opts] = jax.jit(
-                make_eval_step(self.graphdef, opts, expert_parallel(self.mesh))
-            )
-        return self._eval_steps[opts]
+        fn = self._eval_steps.pop(opts, None) or jax.jit(
+            make_eval_step(self.graphdef, opts, expert_parallel(self.mesh))
+        )
+        self._eval_steps[opts] = fn
+        while len(self._eval_steps) > self.cfg.recompile.cache_size:
+            self._eval_steps.popitem(last=False)
+        return fn
 
     def evaluate(self, params, plan: Plan) -> float | None:
         if not self.val_batches:

@@ -1,6 +1,8 @@
 """Byte-level data: sources, split, deterministic and resumable order, stable sample indices."""
 
+import gc
 import logging
+import weakref
 
 import numpy as np
 import pytest
@@ -174,3 +176,18 @@ def test_both_runtimes_evaluate_a_validation_set_smaller_than_a_batch(tmp_path, 
     four = one.eval_step(plan)(single.state["params"], one.device_batch(ep.val_batches[0]))
     assert sharded.evaluate(ep_plan) == pytest.approx(float(four), rel=1e-5)
 
+
+def test_eval_steps_are_kept_for_the_last_cache_size_plans():
+    exp = Experiment.from_config(tiny_config(moe__every=2, recompile__cache_size=2))
+    a, b, c = (exp.initial_plan().replace(capacities=((n,) * 4,)) for n in (3, 4, 5))
+    first = exp.eval_step(a)
+    assert exp.eval_step(a) is first
+    exp.eval_step(b)
+    assert exp.eval_step(a) is first  # and `a` is now the most recent
+    exp.eval_step(c)  # drops `b`, the least recent
+    assert exp.eval_step(a) is first
+    dropped = weakref.ref(exp.eval_step(b))  # back, dropping `a`
+    exp.eval_step(c)
+    assert exp.eval_step(a) is not first
+    gc.collect()
+    assert dropped() is None  # `b` was dropped again, and nothing else holds it
