@@ -10,12 +10,22 @@ whole state is the number of batches consumed, which checkpoints save.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
+from dynjax.config import ConfigError
+
+log = logging.getLogger(__name__)
+
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".tsv", ".html", ".xml", ".c", ".h")
+SCAN_CHUNK = 1 << 22  # tokens the vocabulary check reads at once (a memory-mapped corpus is larger)
+
+
+class DataError(ConfigError):
+    """The data at ``data.path`` cannot train; the message names the path and the fix."""
 
 
 def embedded_corpus_root() -> Path:
@@ -24,10 +34,11 @@ def embedded_corpus_root() -> Path:
 
 
 def load_tokens(path: str, max_tokens: int) -> np.ndarray:
-    """Read a token stream (uint8 bytes for text, the stored dtype for arrays).
+    """Read a non-empty token stream (uint8 bytes for text, the stored dtype for arrays).
 
     ``path`` may be a text file, a directory of text files (read in sorted order), a ``.npy``
-    array, or a raw ``.bin`` of uint16 tokens; empty means the embedded corpus.
+    array, or a raw ``.bin`` of uint16 tokens; empty means the embedded corpus. Arrays are
+    memory-mapped, not read.
     """
     if not path:
         files = [
@@ -38,17 +49,21 @@ def load_tokens(path: str, max_tokens: int) -> np.ndarray:
         return _read_text_files(files, max_tokens)
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"data.path={path!r} does not exist")
+        raise DataError(f"data.path={path!r} does not exist")
     if p.is_dir():
         files = _text_files(p, TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"data.path={path!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
-        return _read_text_files(files, max_tokens)
-    if p.suffix == ".npy":
-        return _as_tokens(np.load(p, mmap_mode="r"), path)
-    if p.suffix == ".bin":
-        return _as_tokens(np.memmap(p, dtype=np.uint16, mode="r"), path)
-    return _read_text_files([p], max_tokens)
+            raise DataError(f"data.path={path!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+        tokens = _read_text_files(files, max_tokens)
+    elif p.suffix == ".npy":
+        tokens = _as_tokens(_load_npy(p, path), path)
+    elif p.suffix == ".bin":
+        tokens = _load_bin(p, path)
+    else:
+        tokens = _read_text_files([p], max_tokens)
+    if len(tokens) == 0:
+        raise DataError(f"data.path={path!r} holds no tokens: point it at a non-empty corpus")
+    return tokens
 
 
 def _text_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
@@ -66,13 +81,51 @@ def _read_text_files(files: list[Path], max_tokens: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
+def _load_npy(p: Path, path: str) -> np.ndarray:
+    try:
+        return np.load(p, mmap_mode="r")
+    except (ValueError, EOFError, OSError) as e:  # empty, truncated or pickled
+        raise DataError(
+            f"data.path={path!r} is not a readable .npy array ({e}): write it with numpy.save"
+        ) from e
+
+
+def _load_bin(p: Path, path: str) -> np.ndarray:
+    """A raw uint16 stream; NumPy cannot memory-map an empty file nor an odd-sized one."""
+    size = p.stat().st_size
+    if size % 2:
+        raise DataError(
+            f"data.path={path!r} has {size} bytes, not a whole number of 2-byte tokens: a .bin "
+            "holds raw uint16 tokens; write it with array.astype(numpy.uint16).tofile(...)"
+        )
+    return np.memmap(p, dtype=np.uint16, mode="r") if size else np.empty(0, np.uint16)
+
+
 def _as_tokens(array: np.ndarray, path: str) -> np.ndarray:
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(
+        raise DataError(
             f"data.path={path!r}: a token array must be 1-D integers, "
             f"got {array.dtype}{array.shape}"
         )
     return array
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str) -> None:
+    """Refuse ids outside ``[0, vocab_size)``: the embedding and the loss would wrap them.
+
+    Reads ``SCAN_CHUNK`` tokens at a time, so a memory-mapped corpus is never loaded whole.
+    """
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = np.asarray(tokens[start : start + SCAN_CHUNK])
+        if chunk.min() >= 0 and chunk.max() < vocab_size:
+            continue
+        i = start + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+        value = int(tokens[i])
+        fix = "ids must be >= 0" if value < 0 else f"raise model.vocab_size to at least {value + 1}"
+        raise DataError(
+            f"data.path={path!r}: token id {value} at index {i} of the token stream is outside "
+            f"[0, model.vocab_size={vocab_size}): {fix} or re-tokenize the data"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,18 +143,20 @@ class TokenWindows:
     The last ``val_fraction`` of windows is validation, so the two never share text.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, vocab_size: int):
-        num_windows = (len(tokens) - 1) // seq_len
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, val_fraction: float, vocab_size: int, path: str
+    ):
+        num_windows = max(len(tokens) - 1, 0) // seq_len
         num_val = int(num_windows * val_fraction)
         if num_windows - num_val < 1 or (val_fraction > 0 and num_val < 1):
-            raise ValueError(
-                f"{len(tokens)} tokens give {num_windows} windows of data.seq_len={seq_len}: too "
-                "few for a train/validation split; use more data or a shorter data.seq_len"
+            raise DataError(
+                f"data.path={path!r}: {len(tokens)} tokens give {num_windows} windows of "
+                f"data.seq_len={seq_len}, {num_val} of them for validation "
+                f"(data.val_fraction={val_fraction}): too few for a train/validation split; use "
+                "more data (data.max_tokens) or a shorter data.seq_len"
             )
-        top = int(np.max(tokens[: num_windows * seq_len + 1]))
-        if top >= vocab_size:
-            raise ValueError(f"token id {top} >= model.vocab_size={vocab_size}")
-        self.tokens, self.seq_len = tokens, seq_len
+        check_token_ids(tokens[: num_windows * seq_len + 1], vocab_size, path)
+        self.tokens, self.seq_len, self.val_fraction = tokens, seq_len, val_fraction
         self.num_train = num_windows - num_val
         self.num_val = num_val
 
@@ -117,8 +172,9 @@ class TrainOrder:
 
     def __init__(self, windows: TokenWindows, batch_size: int, seed: int):
         if batch_size > windows.num_train:
-            raise ValueError(
-                f"train.batch_size={batch_size} exceeds the {windows.num_train} training windows"
+            raise ConfigError(
+                f"train.batch_size={batch_size} exceeds the {windows.num_train} training windows: "
+                "lower it, or use more data (data.max_tokens) or a shorter data.seq_len"
             )
         self.windows, self.batch_size, self.seed = windows, batch_size, seed
         self._epoch, self._perm = -1, np.empty(0, np.int64)
@@ -139,11 +195,41 @@ class TrainOrder:
         return self._perm
 
 
-def validation_batches(windows: TokenWindows, batch_size: int, num_batches: int) -> list[Batch]:
-    """The first ``num_batches`` validation batches (the same every evaluation)."""
-    count = min(num_batches, windows.num_val // batch_size)
-    base = windows.num_train
-    return [
-        windows.window(np.arange(base + i * batch_size, base + (i + 1) * batch_size))
-        for i in range(count)
-    ]
+def validation_batches(
+    windows: TokenWindows, batch_size: int, num_batches: int, batch_shards: int
+) -> list[Batch]:
+    """The first ``num_batches`` validation batches (the same every evaluation).
+
+    With fewer validation windows than one batch, one smaller batch of as many as split evenly
+    over the ``batch_shards`` devices a batch is spread over (``mesh.data x mesh.expert``), with
+    a warning: a small validation set still gets evaluated, and says so.
+    """
+    base, available = windows.num_train, windows.num_val
+    if not available or not num_batches:  # no validation set, or no evaluation asked for
+        return []
+    if available >= batch_size:
+        return [
+            windows.window(np.arange(base + i * batch_size, base + (i + 1) * batch_size))
+            for i in range(min(num_batches, available // batch_size))
+        ]
+    size = available // batch_shards * batch_shards
+    short = (
+        f"data.val_fraction={windows.val_fraction} gives {available} validation windows, fewer "
+        f"than train.batch_size={batch_size}"
+    )
+    if not size:
+        log.warning(
+            "%s, and too few to split over the %d batch shards (mesh.data x mesh.expert): "
+            "evaluation is off; raise data.val_fraction",
+            short,
+            batch_shards,
+        )
+        return []
+    log.warning(
+        "%s: evaluating on one batch of %d (the most that split over the %d batch shards, "
+        "mesh.data x mesh.expert); raise data.val_fraction to evaluate on full batches",
+        short,
+        size,
+        batch_shards,
+    )
+    return [windows.window(np.arange(base, base + size))]

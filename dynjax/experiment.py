@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -80,7 +81,7 @@ class Experiment:
     windows: TokenWindows
     order: TrainOrder
     val_batches: list[Batch]
-    _eval_steps: dict = dataclasses.field(default_factory=dict, repr=False)
+    _eval_steps: OrderedDict = dataclasses.field(default_factory=OrderedDict, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ml_collections.ConfigDict) -> Experiment:
@@ -91,6 +92,7 @@ class Experiment:
             cfg.data.seq_len,
             cfg.data.val_fraction,
             cfg.model.vocab_size,
+            cfg.data.path,
         )
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
         t = cfg.train
@@ -122,7 +124,7 @@ class Experiment:
             ),
             windows=windows,
             order=TrainOrder(windows, t.batch_size, cfg.seed),
-            val_batches=validation_batches(windows, t.batch_size, t.eval_batches),
+            val_batches=validation_batches(windows, t.batch_size, t.eval_batches, ctx.batch_shards),
         )
 
     # -- state -------------------------------------------------------------------------------
@@ -308,13 +310,17 @@ class Experiment:
         return SingleProgramRuntime(self, state)
 
     def eval_step(self, plan: Plan):
-        """Jitted mean validation loss of one batch under ``plan``'s capacities (cached)."""
+        """Jitted mean validation loss of one batch under ``plan``'s capacities. The last
+        ``recompile.cache_size`` are kept, like the Compiler's train steps: a dynamic-capacity
+        run makes a new one at every capacity change."""
         opts = self.step_options(plan)
-        if opts not in self._eval_steps:
-            self._eval_steps[opts] = jax.jit(
-                make_eval_step(self.graphdef, opts, expert_parallel(self.mesh))
-            )
-        return self._eval_steps[opts]
+        fn = self._eval_steps.pop(opts, None) or jax.jit(
+            make_eval_step(self.graphdef, opts, expert_parallel(self.mesh))
+        )
+        self._eval_steps[opts] = fn
+        while len(self._eval_steps) > self.cfg.recompile.cache_size:
+            self._eval_steps.popitem(last=False)
+        return fn
 
     def evaluate(self, params, plan: Plan) -> float | None:
         if not self.val_batches:

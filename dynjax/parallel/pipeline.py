@@ -17,6 +17,7 @@ for bit (seed 000 §4.1).
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -437,21 +438,26 @@ class Pipeline:
 
     def evaluate(self, batches: Iterable[tuple[np.ndarray, np.ndarray]]) -> float | None:
         """Mean next-token loss over host ``(inputs, targets)`` batches (blocks for the result);
-        None on a process without the last stage, or without batches."""
-        spec = self.spec
-        m_count, last = spec.microbatches, spec.stages[-1]
+        None on a process without the last stage, or without batches.
+
+        A batch runs in microbatches of the largest size that divides both it and the training
+        microbatch: a full batch in the training microbatches, a smaller one (a short validation
+        set) through stage programs compiled for its size."""
         losses = []
         for inputs, targets in batches:
+            size = math.gcd(len(inputs), self.spec.stages[0].microbatch_size)
+            stages = [replace(stage, microbatch_size=size) for stage in self.spec.stages]
+            m_count, last = len(inputs) // size, stages[-1]
             for m in range(m_count):
                 x = None
                 if self.transport.is_local(0):
                     x = jax.device_put(inputs[m::m_count], self._rows(0))
-                for stage in spec.stages[:-1]:
+                for stage in stages[:-1]:
                     s, y = stage.index, None
                     if self.transport.is_local(s):
                         fwd = self.programs.get("fwd", replace(stage, cached_routing=False))
                         y, _ = fwd(self.state[s]["params"], x, None)
-                    x = self.transport.send(y, s, s + 1, self.programs.shapes(spec.stages[s + 1]).x)
+                    x = self.transport.send(y, s, s + 1, self.programs.shapes(stages[s + 1]).x)
                 if self.transport.is_local(last.index):
                     evaluate = self.programs.get("eval", last)
                     t = jax.device_put(targets[m::m_count], self._rows(last.index))
