@@ -19,6 +19,15 @@ def learning_rate_schedule(
     )
 
 
+def clip_gradients(max_norm: float) -> optax.GradientTransformation:
+    """Global-norm clipping to ``max_norm``; 0 = no clipping (nanoGPT's convention).
+
+    Both branches keep an empty state, so the optimizer state has one layout whatever the bound
+    (a checkpoint resumes under another ``train.grad_clip``).
+    """
+    return optax.clip_by_global_norm(max_norm) if max_norm > 0 else optax.identity()
+
+
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
     """Weight decay applies to matrices only (not norms, biases or the router's scale)."""
     schedule = learning_rate_schedule(
@@ -26,7 +35,7 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     return optax.chain(
-        optax.clip_by_global_norm(train_cfg.grad_clip),
+        clip_gradients(train_cfg.grad_clip),
         optax.adamw(
             schedule, b1=0.9, b2=0.95, weight_decay=train_cfg.weight_decay, mask=decay_mask
         ),
