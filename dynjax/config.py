@@ -37,7 +37,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.warmup_steps = 20
     c.train.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
     c.train.weight_decay = 0.1
-    c.train.grad_clip = 1.0
+    c.train.grad_clip = 1.0  # global gradient-norm bound; 0 = no clipping (nanoGPT)
     c.train.log_every = 10
     c.train.eval_every = 100
     c.train.eval_batches = 4
@@ -293,6 +293,8 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
         "mesh.data": mesh.data,
         "mesh.expert": mesh.expert,
         "train.learning_rate": t.learning_rate,
+        "train.eval_batches": t.eval_batches,
+        "data.max_tokens": d.max_tokens,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -315,6 +317,7 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if t.microbatches < 0:
         raise ConfigError(f"train.microbatches={t.microbatches} must be >= 0 (0 = auto)")
+    _check_optimizer(cfg)
     _check_pipeline(cfg)
     needed = mesh.stage * mesh.data * mesh.expert
     if needed > num_devices:
@@ -351,12 +354,94 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
             raise ConfigError(
                 f"moe.capacity.policy={moe.capacity.policy!r} is not one of ('static', 'dynamic')"
             )
+        _check_moe(cfg)
     elif mesh.expert != 1:
         raise ConfigError(
             f"mesh.expert={mesh.expert} needs MoE layers: set moe.every > 0 or mesh.expert=1"
         )
-    if cfg.recompile.delta_launch < 0:
-        raise ConfigError(f"recompile.delta_launch={cfg.recompile.delta_launch} must be >= 0")
+    _check_recompile(cfg)
+
+
+def _at_least(values: dict[str, float], least: float, note: str = "") -> None:
+    """Raise for the first key whose value is below ``least``; ``note`` says what it means."""
+    for key, value in values.items():
+        if value < least:
+            raise ConfigError(f"{key}={value} must be >= {least}{note}")
+
+
+def _check_optimizer(cfg: ml_collections.ConfigDict) -> None:
+    """AdamW and schedule keys: out of range they do not fail, they train wrongly (a negative
+    clip bound flips every update into ascent; a bound of 0 would zero them, so 0 means off)."""
+    t = cfg.train
+    _at_least({"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps}, 0)
+    _at_least({"train.grad_clip": t.grad_clip}, 0, " (a global-norm bound; 0 = no clipping)")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(
+            f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]: the learning rate decays "
+            "to train.learning_rate * train.min_lr_ratio"
+        )
+
+
+def _check_moe(cfg: ml_collections.ConfigDict) -> None:
+    """The MoE block's loss weights and the keys of the policies that are on: everything
+    `DynamicCapacity`, `CachingPolicy` and `AssignmentCache` would reject, named by key."""
+    moe = cfg.moe
+    _at_least(
+        {
+            "moe.expert_mlp_dim": moe.expert_mlp_dim,
+            "moe.aux_loss_weight": moe.aux_loss_weight,
+            "moe.z_loss_weight": moe.z_loss_weight,
+        },
+        0,
+    )
+    if moe.capacity.policy == "dynamic":
+        _check_dynamic_capacity(moe.capacity)
+    if moe.caching.enabled:
+        _check_caching(moe.caching, moe.num_experts)
+
+
+def _check_dynamic_capacity(c: ml_collections.ConfigDict) -> None:
+    if not 0 <= c.target_drop_rate < 1:
+        raise ConfigError(
+            f"moe.capacity.target_drop_rate={c.target_drop_rate} must be in [0, 1): the "
+            "fraction of routed tokens an expert may drop"
+        )
+    if c.min_factor <= 0:
+        raise ConfigError(f"moe.capacity.min_factor={c.min_factor} must be > 0")
+    if c.min_factor > c.max_factor:
+        raise ConfigError(
+            f"moe.capacity.min_factor={c.min_factor} exceeds moe.capacity.max_factor="
+            f"{c.max_factor}: lower min_factor or raise max_factor"
+        )
+    if c.bucket <= 0:
+        raise ConfigError(f"moe.capacity.bucket={c.bucket} must be > 0 (factors round up to it)")
+    _at_least({"moe.capacity.window": c.window}, 1, " (steps of loads per decision)")
+    _at_least({"moe.capacity.headroom": c.headroom}, 1, " (a multiplier on the need; 1 = none)")
+    _at_least({"moe.capacity.hysteresis": c.hysteresis}, 0, " (0 = none)")
+
+
+def _check_caching(c: ml_collections.ConfigDict, num_experts: int) -> None:
+    if not 0 <= c.off_threshold <= c.on_threshold <= 1:
+        raise ConfigError(
+            f"moe.caching needs 0 <= off_threshold <= on_threshold <= 1, got off_threshold="
+            f"{c.off_threshold}, on_threshold={c.on_threshold}: caching switches on at a "
+            "routing stability >= on_threshold and off below off_threshold"
+        )
+    _at_least({"moe.caching.warmup_steps": c.warmup_steps}, 0)
+    _at_least({"moe.caching.window": c.window, "moe.caching.max_entries": c.max_entries}, 1)
+    if num_experts > 32767:
+        raise ConfigError(
+            f"moe.caching.enabled stores expert ids as int16: moe.num_experts={num_experts} "
+            "must be <= 32767, or set moe.caching.enabled=False"
+        )
+
+
+def _check_recompile(cfg: ml_collections.ConfigDict) -> None:
+    r, budget = cfg.recompile, cfg.recompile.budget
+    _at_least({"recompile.delta_launch": r.delta_launch}, 0, " (0 = read metrics at once)")
+    _at_least({"recompile.budget.max_recompiles": budget.max_recompiles}, 0)
+    _at_least({"recompile.budget.window_steps": budget.window_steps}, 1)
+    _at_least({"recompile.cache_size": r.cache_size}, 1, " (executables kept in memory)")
 
 
 def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
@@ -390,6 +475,8 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
     if p.profile_every < 0:
         raise ConfigError(f"pipeline.profile_every={p.profile_every} must be >= 0 (0 = off)")
     b = cfg.balance
+    if b.enabled or b.repack:
+        _check_balance_costs(b)
     if b.repack:
         _check_repack(cfg)
     if not b.enabled:
@@ -410,7 +497,6 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
         "balance.threshold": b.threshold,
         "balance.amortize_steps": b.amortize_steps,
         "balance.recompile_seconds": b.recompile_seconds,
-        "balance.comm_seconds": b.comm_seconds,
     }
     for key, value in nonneg.items():
         if value < 0:
@@ -429,6 +515,15 @@ def _need_profiles(cfg: ml_collections.ConfigDict, why: str) -> None:
         )
 
 
+def _check_balance_costs(b: ml_collections.ConfigDict) -> None:
+    """Keys both rebalance and re-pack read: the hop cost and the memory budget of a stage."""
+    for key, value in (("comm_seconds", b.comm_seconds), ("memory_bytes", b.memory_bytes)):
+        if value < 0:
+            raise ConfigError(f"balance.{key}={value} must be >= 0")
+    if not 0 <= b.memory_headroom < 1:
+        raise ConfigError(f"balance.memory_headroom={b.memory_headroom} must be in [0, 1)")
+
+
 def _check_repack(cfg: ml_collections.ConfigDict) -> None:
     b = cfg.balance
     stages = num_stages(cfg)
@@ -445,12 +540,8 @@ def _check_repack(cfg: ml_collections.ConfigDict) -> None:
             f"balance.repack_target={b.repack_target} must be fewer than the {stages} stages "
             "(0 = as few as fit)"
         )
-    for key, value in (("repack_max_slowdown", b.repack_max_slowdown),
-                       ("memory_bytes", b.memory_bytes)):
-        if value < 0:
-            raise ConfigError(f"balance.{key}={value} must be >= 0")
-    if not 0 <= b.memory_headroom < 1:
-        raise ConfigError(f"balance.memory_headroom={b.memory_headroom} must be in [0, 1)")
+    if b.repack_max_slowdown < 0:
+        raise ConfigError(f"balance.repack_max_slowdown={b.repack_max_slowdown} must be >= 0")
     hook = b.release_hook
     if hook and (hook.count(":") != 1 or not all(hook.split(":"))):
         raise ConfigError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import optax
 
+ROUTER = "router"  # the MoE router's parameter name (`dynjax.model.moe.MoE.router`)
+
 
 def learning_rate_schedule(
     peak: float, warmup: int, total: int, min_ratio: float
@@ -19,14 +21,36 @@ def learning_rate_schedule(
     )
 
 
+def decay_mask(params):
+    """True for the leaves weight decay applies to: matrices, except the MoE router's.
+
+    Norm scales and biases are vectors. Shrinking the router's weights flattens the routing
+    softmax: how evenly tokens spread is left to the balance loss and its weight
+    (``moe.aux_loss_weight``), not to ``train.weight_decay``.
+    """
+
+    def decayed(path, p) -> bool:
+        return p.ndim >= 2 and getattr(path[-1], "key", None) != ROUTER
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
+
+
+def clip_gradients(max_norm: float) -> optax.GradientTransformation:
+    """Global-norm clipping to ``max_norm``; 0 = no clipping (nanoGPT's convention).
+
+    Both branches keep an empty state, so the optimizer state has one layout whatever the bound
+    (a checkpoint resumes under another ``train.grad_clip``).
+    """
+    return optax.clip_by_global_norm(max_norm) if max_norm > 0 else optax.identity()
+
+
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-    """Weight decay applies to matrices only (not norms, biases or the router's scale)."""
+    """AdamW (b2 0.95) after global-norm clipping, weight decay on `decay_mask`'s leaves."""
     schedule = learning_rate_schedule(
         train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio
     )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     return optax.chain(
-        optax.clip_by_global_norm(train_cfg.grad_clip),
+        clip_gradients(train_cfg.grad_clip),
         optax.adamw(
             schedule, b1=0.9, b2=0.95, weight_decay=train_cfg.weight_decay, mask=decay_mask
         ),

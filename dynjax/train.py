@@ -340,12 +340,12 @@ def train(
 
 def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:
     if not config_lib.num_stages(cfg):
-        raise ValueError(
+        raise config_lib.ConfigError(
             f"{jax.process_count()} processes need pipeline stages (mesh.stage > 1): each "
             "process runs the stages on its own devices"
         )
     if policies:
-        raise ValueError(
+        raise config_lib.ConfigError(
             "multi-process runs keep their first Plan: remove the policies (and set "
             "moe.capacity.policy=static, moe.caching.enabled=False, balance.enabled=False, "
             "balance.repack=False)"

@@ -2,6 +2,7 @@
 
 import pytest
 
+from dynjax import train as train_module
 from dynjax.config import ConfigError, load_config, set_value, validate_config
 from dynjax.train import main, parse_args
 
@@ -49,6 +50,89 @@ def test_inconsistent_values_name_the_conflict(overrides, message):
         validate_config(tiny_config(**overrides), num_devices=8)
 
 
+MOE = {"moe__every": 2}
+DYNAMIC = {**MOE, "moe__capacity__policy": "dynamic"}
+CACHING = {**MOE, "moe__caching__enabled": True}
+PIPELINE = {"mesh__stage": 2}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # Optimizer keys: out of range they do not fail, they train wrongly.
+        ({"train__grad_clip": -1.0}, r"train.grad_clip=-1.0 must be >= 0 .*0 = no clipping"),
+        ({"train__weight_decay": -0.1}, r"train.weight_decay=-0.1 must be >= 0"),
+        ({"train__warmup_steps": -1}, r"train.warmup_steps=-1 must be >= 0"),
+        ({"train__learning_rate": 0.0}, r"train.learning_rate must be > 0"),
+        ({"train__min_lr_ratio": 1.5}, r"train.min_lr_ratio=1.5 must be in \[0, 1\]"),
+        ({"train__min_lr_ratio": -0.1}, r"train.min_lr_ratio=-0.1 must be in \[0, 1\]"),
+        ({"train__eval_batches": 0}, r"train.eval_batches must be > 0"),
+        ({"data__max_tokens": 0}, r"data.max_tokens must be > 0"),
+        ({**MOE, "moe__aux_loss_weight": -0.01}, r"moe.aux_loss_weight=-0.01 must be >= 0"),
+        ({**MOE, "moe__z_loss_weight": -1.0}, r"moe.z_loss_weight=-1.0 must be >= 0"),
+        ({**MOE, "moe__expert_mlp_dim": -1}, r"moe.expert_mlp_dim=-1 must be >= 0"),
+        # What DynamicCapacity would reject.
+        (
+            {**DYNAMIC, "moe__capacity__min_factor": 2.5},
+            r"moe.capacity.min_factor=2.5 exceeds moe.capacity.max_factor=2.0: lower",
+        ),
+        ({**DYNAMIC, "moe__capacity__min_factor": 0.0}, r"moe.capacity.min_factor=0.0 must be > 0"),
+        (
+            {**DYNAMIC, "moe__capacity__target_drop_rate": 1.0},
+            r"moe.capacity.target_drop_rate=1.0 must be in \[0, 1\)",
+        ),
+        ({**DYNAMIC, "moe__capacity__window": 0}, r"moe.capacity.window=0 must be >= 1"),
+        ({**DYNAMIC, "moe__capacity__headroom": 0.9}, r"moe.capacity.headroom=0.9 must be >= 1"),
+        ({**DYNAMIC, "moe__capacity__bucket": 0.0}, r"moe.capacity.bucket=0.0 must be > 0"),
+        (
+            {**DYNAMIC, "moe__capacity__hysteresis": -0.1},
+            r"moe.capacity.hysteresis=-0.1 must be >= 0",
+        ),
+        # What CachingPolicy and AssignmentCache would reject.
+        (
+            {**CACHING, "moe__caching__off_threshold": 0.97},
+            r"moe.caching needs 0 <= off_threshold <= on_threshold <= 1, got off_threshold=0.97",
+        ),
+        ({**CACHING, "moe__caching__on_threshold": 1.5}, r"on_threshold=1.5"),
+        ({**CACHING, "moe__caching__off_threshold": -0.1}, r"off_threshold=-0.1"),
+        ({**CACHING, "moe__caching__window": 0}, r"moe.caching.window=0 must be >= 1"),
+        ({**CACHING, "moe__caching__warmup_steps": -1}, r"moe.caching.warmup_steps=-1 must be"),
+        ({**CACHING, "moe__caching__max_entries": 0}, r"moe.caching.max_entries=0 must be >= 1"),
+        # What Monitor, Budget and Compiler would reject.
+        ({"recompile__delta_launch": -1}, r"recompile.delta_launch=-1 must be >= 0"),
+        ({"recompile__budget__max_recompiles": -1}, r"recompile.budget.max_recompiles=-1"),
+        ({"recompile__budget__window_steps": 0}, r"recompile.budget.window_steps=0 must be >= 1"),
+        ({"recompile__cache_size": 0}, r"recompile.cache_size=0 must be >= 1"),
+        # What Repack and Rebalance would reject, or would silently never accept.
+        (
+            {**PIPELINE, "balance__repack": True, "balance__comm_seconds": -1.0},
+            r"balance.comm_seconds=-1.0 must be >= 0",
+        ),
+        (
+            {**PIPELINE, "balance__enabled": True, "balance__memory_headroom": 1.0},
+            r"balance.memory_headroom=1.0 must be in \[0, 1\)",
+        ),
+    ],
+)
+def test_values_that_would_train_wrongly_or_fail_a_policy_are_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(tiny_config(**overrides), num_devices=8)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"train__grad_clip": 0.0},  # no clipping
+        {"train__weight_decay": 0.0, "train__warmup_steps": 0, "train__min_lr_ratio": 1.0},
+        # A policy that is off does not run: its keys are not checked.
+        {**MOE, "moe__caching__off_threshold": 0.99},
+        {**MOE, "moe__capacity__min_factor": 3.0},
+    ],
+)
+def test_boundary_values_and_keys_of_policies_that_are_off_are_accepted(overrides):
+    validate_config(tiny_config(**overrides), num_devices=8)
+
+
 def test_config_file_adding_a_key_is_rejected(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text(
@@ -67,6 +151,32 @@ def test_cli_reports_config_errors_and_exits_2(capsys):
     assert main(["--config", "configs/quickstart.py", "--config.model.d_modle=64"]) == 2
     assert "unknown config key 'model.d_modle'" in capsys.readouterr().err
     assert main(["--config", "configs/missing.py"]) == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--config.train.grad_clip=-1"], "train.grad_clip=-1.0 must be >= 0"),
+        (
+            ["--config.moe.every=2", "--config.moe.caching.enabled=True",
+             "--config.moe.caching.off_threshold=0.99"],
+            "off_threshold <= on_threshold",
+        ),
+    ],
+)
+def test_cli_reports_bad_values_with_the_key_and_exits_2(capsys, overrides, message):
+    assert main(["--config", "tests/tiny.py", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_cli_reports_config_errors_found_once_devices_are_known(capsys, monkeypatch):
+    """Multi-process checks run inside `train` (they need the processes): exit 2 as well."""
+    monkeypatch.setattr(
+        "dynjax.train.train", lambda cfg, *a, **k: train_module._check_multi_process(cfg, [])
+    )
+    assert main(["--config", "tests/tiny.py"]) == 2
+    assert "need pipeline stages (mesh.stage > 1)" in capsys.readouterr().err
 
 
 def test_cli_override_forms():

@@ -94,6 +94,36 @@ def test_cached_routing_dispatches_cached_experts_with_current_gates(moe, x):
     np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-4, atol=1e-5)
 
 
+def aux_loss_reference(moe: MoE, x: np.ndarray, cached=None) -> np.ndarray:
+    """README "Mixture of experts", per group: aux = E * sum_e f_e * P_e with f_e the fraction
+    of the group's S*k (token, choice) pairs dispatched to e before dropping (sums to 1) and
+    P_e the mean router probability of e over the group's tokens."""
+    logits = x @ np.asarray(moe.router[...], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)  # [G, S, E]
+    experts = np.argsort(-probs, axis=-1, kind="stable")[..., :K]  # [G, S, k]
+    if cached is not None:
+        experts = np.where(cached >= 0, cached, experts)
+    f = (experts[..., None] == np.arange(E)).sum(axis=(1, 2)) / (S * K)  # [G, E]
+    p = probs.mean(axis=1)  # [G, E]
+    return E * (f * p).sum(axis=-1)
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_aux_loss_is_the_documented_formula(moe, x, with_cache):
+    """Fractions sum to 1 over the top-k choices (HF Mixtral and MaxText: to k); with cached
+    routing they count the cached experts, the ones dispatched. Drops do not change it."""
+    cached = None
+    if with_cache:
+        rng = np.random.default_rng(2)
+        cached = np.stack([rng.permutation(E)[:K] for _ in range(G * S)]).reshape(G, S, K)
+        cached[0] = -1
+    dispatch = None if cached is None else jnp.asarray(cached)
+    _, stats = moe(jnp.asarray(x), capacities=(1, 3, 2, 5), cached=dispatch)
+    want = aux_loss_reference(moe, x.astype(np.float64), cached)
+    np.testing.assert_allclose(np.asarray(stats.aux_loss), want, rtol=1e-5)
+
+
 def test_slot_layout_places_experts_by_shard():
     layout = SlotLayout((2, 5, 3, 1), shards=2)  # shard 0: experts 0, 1; shard 1: experts 2, 3
     assert layout.slot_sizes == (3, 5)  # local slot i sized by the largest expert sitting in it

@@ -14,7 +14,10 @@ so local expert slot j is sized by the largest capacity among the experts that s
 the devices; the per-expert drop rule stays exact.
 
 Auxiliary losses follow Switch Transformer (seed 001 eq. 3: E * sum_e f_e * P_e) and ST-MoE's
-router z-loss, computed per group and averaged so they too are independent of the sharding.
+router z-loss, computed per group and averaged so they too are independent of the sharding. f_e
+is the fraction of the group's S * k (token, choice) pairs dispatched to expert e before dropping,
+so it sums to 1 over the experts; HF Mixtral and MaxText let it sum to k, so their balance loss is
+k times this one and their weight w is k * w here (README "Mixture of experts").
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class StageSetup:
 
     parts: ModelParts
     optimizer: optax.GradientTransformation
-    grad_clip: float | None  # the optimizer's clip_by_global_norm bound, applied globally here
+    grad_clip: float  # the optimizer's global-norm bound, applied globally here; 0 = no clipping
     aux_loss_weight: float
     z_loss_weight: float
     return_assignments: bool  # add the router's top-k per token to the metrics (caching)
@@ -160,7 +160,7 @@ def update_fn(setup: StageSetup, spec: StageSpec):
     def update(params, opt_state, acc, sq_norms, metrics: Sequence[Metrics]):
         grads = jax.tree.map(lambda a: a / m, acc)
         norm = jnp.sqrt(sum(sq_norms)[0])
-        if setup.grad_clip is not None:
+        if setup.grad_clip > 0:
             # clip_by_global_norm's formula with the norm of every stage's gradients; the
             # optimizer's own clip then sees a norm <= grad_clip and leaves them as they are.
             clip = setup.grad_clip
