@@ -359,6 +359,16 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
         raise ConfigError(
             f"mesh.expert={mesh.expert} needs MoE layers: set moe.every > 0 or mesh.expert=1"
         )
+    else:
+        moe_policies = {
+            "moe.capacity.policy='dynamic'": moe.capacity.policy == "dynamic",
+            "moe.caching.enabled=True": moe.caching.enabled,
+        }
+        asked = [key for key, on in moe_policies.items() if on]
+        if asked:  # it would be ignored: the run would not be what the config says
+            raise ConfigError(
+                f"{', '.join(asked)} needs MoE layers: set moe.every > 0, or turn it off"
+            )
     _check_recompile(cfg)
 
 

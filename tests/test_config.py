@@ -43,6 +43,8 @@ def test_wrong_type_is_rejected():
         ({"train__dtype": "float16"}, r"train.dtype='float16' is not one of"),
         ({"moe__every": 1, "moe__capacity__policy": "adaptive"}, r"moe.capacity.policy='adaptive'"),
         ({"train__steps": 0}, r"train.steps must be > 0"),
+        ({"moe__capacity__policy": "dynamic"}, r"policy='dynamic' needs MoE layers"),
+        ({"moe__caching__enabled": True}, r"moe.caching.enabled=True needs MoE layers"),
     ],
 )
 def test_inconsistent_values_name_the_conflict(overrides, message):

@@ -98,7 +98,7 @@ class DynamicCapacity:
         window: int = 20,
         headroom: float = 1.1,
         bucket: float = 0.25,
-        hysteresis: float = 0.25,
+        hysteresis: float = 0.2,
     ) -> None:
         if not 0 <= target_drop_rate < 1:
             raise ValueError(f"target_drop_rate = {target_drop_rate} must be in [0, 1)")
