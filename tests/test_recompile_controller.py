@@ -21,8 +21,11 @@ from dynjax.recompile import (
     Plan,
     PlanContext,
     Proposal,
+    Rebalance,
     static_capacities,
 )
+
+from .test_recompile_rebalance import profile
 
 CTX = PlanContext(num_moe_layers=0, num_experts=1, top_k=1, group_tokens=8, batch_size=4)
 SPEC = jax.ShapeDtypeStruct((4,), jnp.float32)
@@ -343,3 +346,75 @@ def test_policy_records_are_emitted_whether_or_not_the_plan_changes():
     (recompile,) = run.of("recompile")
     assert recompile["plan_diff"] == {"microbatches": (1, 2)} and run.plan.microbatches == 2
     assert recompile["metrics_step"] == moved["metrics_step"]
+
+
+class Gate:
+    """A slow policy round on purpose: `propose` waits until the gate is open."""
+
+    name = "gate"
+
+    def __init__(self):
+        self.entered, self.open = threading.Event(), threading.Event()
+        self.open.set()
+
+    def propose(self, history, plan):
+        self.entered.set()
+        assert self.open.wait(timeout=30)
+        return None
+
+
+def test_a_periodic_decision_comes_in_the_first_round_after_its_step():
+    """Rebalance every 10 metrics steps, though no round's newest step is a multiple of 10: no
+    round runs while a compile is pending, and steps arrive while a round is busy."""
+    plan = Plan(stage_layers=(3, 1), microbatches=4)
+    compiler = Compiler(ToyLowerer())
+    compiler.get(plan)
+    events: list[dict] = []
+    gate = Gate()
+    rebalance = Rebalance(
+        total_steps=1000, layer_bytes=[100] * 4, every=10, amortize_steps=10**9
+    )
+    controller = Controller(
+        plan,
+        compiler,
+        [gate, rebalance],
+        emit=events.append,
+        validate=lambda p: None,
+        budget=GENEROUS,
+    )
+    ones = [1.0] * 4
+
+    def observe(steps, profiled=None, counts=(3, 1)):
+        for s in steps:
+            controller.observe(s, profile(ones, counts) if s == profiled else {"loss": 1.0})
+
+    controller.start()
+    try:
+        observe([0], profiled=0)  # the first Plan's profile: (3, 1) -> (2, 2), compiled
+        assert controller.wait_idle(timeout=30) and controller.pending is not None
+        for s in range(1, 13):  # step 10 passes while the compile is pending: no round
+            observe([s])
+            assert controller.wait_idle(timeout=30)
+        deadline = time.monotonic() + 30
+        while (swap := controller.poll(13)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        controller.swap_done(swap)
+        observe([13], profiled=13, counts=(2, 2))  # the new Plan's first step is profiled
+        assert controller.wait_idle(timeout=30)
+        gate.open.clear()
+        gate.entered.clear()
+        observe([14])
+        assert gate.entered.wait(timeout=30)  # a round on steps up to 14 is busy ...
+        observe(range(15, 26))  # ... while steps 15-25 arrive: step 20 is never the newest
+        gate.open.set()
+        assert controller.wait_idle(timeout=30)
+    finally:
+        controller.stop()
+        compiler.shutdown()
+    decisions = [e for e in events if e["event"] == "rebalance"]
+    assert [e["metrics_step"] for e in decisions] == [0, 13, 25]
+    assert [e["old"] for e in decisions] == [[3, 1], [2, 2], [2, 2]]
+    assert [e["profile_step"] for e in decisions] == [0, 13, 13]
+    assert all(e["trigger"] == "every" for e in decisions)
+    assert controller.plan.stage_layers == (2, 2)

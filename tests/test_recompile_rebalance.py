@@ -84,21 +84,39 @@ def test_balanced_layout_records_a_decision_without_a_move():
     assert record["moved_layers"] == [] and record["move_cost_seconds"] == 0
 
 
-def test_decides_only_every_n_steps_and_on_a_profile_of_the_current_layout():
+def test_decides_once_per_period_in_the_first_round_after_its_multiple():
     rebalance = policy(every=10)
-    assert rebalance.propose(history(0, 9), PLAN) is None  # not a multiple of `every`
-    assert rebalance.propose(history(0, 20), PLAN) is not None
+    assert rebalance.propose(history(0, 3), PLAN) is not None  # period 0: the first round
+    assert rebalance.propose(history(0, 9), PLAN) is None  # decided in this period already
+    # No round saw step 10 as its newest (metrics observed in a batch, or a compile pending):
+    # the first round after it decides, not the one after step 20.
+    assert rebalance.propose(history(0, 13), PLAN).records[0]["trigger"] == "every"
+    assert rebalance.propose(history(0, 19), PLAN) is None
+    assert rebalance.propose(history(0, 35), PLAN) is not None  # 20 and 30 unseen: once
+    assert rebalance.propose(history(0, 39), PLAN) is None
+    # At the round after step 40 the new layout's profile had not arrived: it decides when it
+    # does, in the same period.
+    moved = PLAN.replace(stage_layers=(2, 2))
+    assert rebalance.propose(history(0, 41), moved) is None
+    assert rebalance.propose(history(42, 43, counts=(2, 2)), moved).records[0]["old"] == [2, 2]
+    assert rebalance.propose(history(42, 49, counts=(2, 2)), moved) is None
+
+
+def test_decides_only_on_a_profile_of_the_current_layout():
     # the newest profile ran another layout (the new Plan's profile has not arrived yet)
-    assert rebalance.propose(history(0, 10, counts=(2, 2)), PLAN) is None
+    assert policy().propose(history(0, 10, counts=(2, 2)), PLAN) is None
     assert policy().propose(History(), PLAN) is None
     assert policy().propose(history(0, 10), Plan()) is None  # no pipeline
 
 
-def test_threshold_decides_when_an_unbalanced_profile_arrives():
+def test_threshold_decides_once_on_each_unbalanced_profile():
     rebalance = policy(every=0, threshold=0.5)  # measured imbalance of (3, 1) is 1.0
     proposal = rebalance.propose(history(7, 7), PLAN)
     assert proposal.plan.stage_layers == (2, 2) and proposal.records[0]["trigger"] == "threshold"
-    assert rebalance.propose(history(7, 8), PLAN) is None  # only when the profile arrives
+    assert rebalance.propose(history(7, 8), PLAN) is None  # decided on that profile already
+    # A profile first seen in a round whose newest step is later (metrics observed in a batch).
+    late = policy(every=0, threshold=0.5).propose(history(7, 9), PLAN)
+    assert late.records[0]["profile_step"] == 7 and late.records[0]["trigger"] == "threshold"
     assert policy(every=0, threshold=1.5).propose(history(7, 7), PLAN) is None
 
 

@@ -45,8 +45,9 @@ def profile(fwd, counts, *, layer_bytes=10.0, input_bytes=1.0):
 
 def history(fwd=FROZEN_FRONT, counts=(2, 2, 2, 2), latest=10, **kw):
     """Steps 0..latest with a profile of ``counts`` at step 0."""
-    entries = ((s, profile(fwd, counts, **kw) if s == 0 else {"loss": 1.0}) for s in range(11))
-    return History.of(e for e in entries if e[0] <= latest)
+    return History.of(
+        (s, profile(fwd, counts, **kw) if s == 0 else {"loss": 1.0}) for s in range(latest + 1)
+    )
 
 
 def policy(**kw):
@@ -119,8 +120,21 @@ def test_target_asks_for_a_stage_count_and_device_seconds_must_not_grow():
     assert one.propose(History.of(entries), three).plan.stage_layers == (3,)
 
 
-def test_decides_only_on_schedule_and_on_a_profile_of_the_current_layout():
-    assert policy().propose(history(latest=9), PLAN) is None  # not a multiple of every
+def test_decides_once_per_period_in_the_first_round_after_its_multiple():
+    repack = policy(every=10)
+    assert repack.propose(history(latest=3), PLAN) is not None  # period 0: the first round
+    assert repack.propose(history(latest=9), PLAN) is None  # decided in this period already
+    # No round saw step 10 as its newest (metrics observed in a batch, or a compile pending):
+    # the first round after it decides, not the one after step 20.
+    assert repack.propose(history(latest=13), PLAN).records[0]["event"] == "repack"
+    assert repack.propose(history(latest=19), PLAN) is None
+    # Without a profile of the current layout at the round after step 20, it decides when one
+    # arrives, in the same period.
+    assert repack.propose(history(latest=21, counts=(4, 2, 1, 1)), PLAN) is None
+    assert repack.propose(history(latest=22), PLAN) is not None
+
+
+def test_decides_only_on_a_profile_of_the_current_layout():
     assert policy().propose(history(counts=(4, 2, 1, 1)), PLAN) is None  # another layout
     assert policy().propose(history(), Plan(stage_layers=(8,))) is None  # nothing to merge
     without_memory = History.of(

@@ -69,12 +69,35 @@ class Policy(Protocol):
 
     `propose(history, plan)` returns the Plan it wants (or a `Proposal` with a reason), or None
     to keep `plan`. It must be pure: no I/O, no device calls, no hidden state that changes what
-    it proposes for the same inputs.
+    it proposes for the same inputs, except a record of its own past decisions (`Periodic`):
+    the history does not say which steps earlier rounds saw, so "decided already this period"
+    cannot be read from the inputs.
     """
 
     name: str
 
     def propose(self, history: History, plan: Plan) -> Plan | Proposal | None: ...
+
+
+@dataclass
+class Periodic:
+    """When a decision taken once every `every` metrics steps is due (`every` = 0: never).
+
+    Due in the first round whose newest metrics step lies in a period (``step // every``) not
+    decided in yet. Testing ``step % every == 0`` instead misses its turn whenever the multiple
+    is not the newest step of a round: the Controller observes metrics in batches and runs no
+    round while a compile is pending, so the decision would wait a whole interval more.
+    """
+
+    every: int
+    decided: int = -1  # the period of the last decision; -1: none yet, so period 0 is due
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step // self.every > self.decided
+
+    def decide(self, step: int) -> None:
+        """Record a decision taken on metrics up to ``step``: the next is due a period on."""
+        self.decided = step // self.every
 
 
 def as_proposal(policy: Policy, result: Plan | Proposal | None) -> Proposal | None:

@@ -27,7 +27,7 @@ from dynjax.balance import (
 )
 from dynjax.recompile.memory import STAGE_MEMORY, layer_memory, stage_capacities
 from dynjax.recompile.plan import Plan
-from dynjax.recompile.policy import History, Metrics, Proposal
+from dynjax.recompile.policy import History, Metrics, Periodic, Proposal
 
 LAYER_FORWARD = "profile/layer_forward_seconds"  # [L] seconds per microbatch
 LAYER_BACKWARD = "profile/layer_backward_seconds"  # [L] (with the forward's recompute)
@@ -57,9 +57,10 @@ class Rebalance:
     A decision is taken on the newest profile of the *current* layout (the first step of every
     Plan is profiled, `pipeline.profile_on_change`; `pipeline.profile_every` refreshes it):
 
-    * when the newest metrics step is a multiple of `every` (0: never), or
-    * when that profile has just arrived and the imbalance (seed 000 eq. 2) of its measured
-      stage times exceeds `threshold` (0: off).
+    * once every `every` metrics steps (0: never), in the first round after a multiple of
+      `every` that has such a profile (`Periodic`), or
+    * in the first round that sees a profile not decided on yet whose measured stage times'
+      imbalance (seed 000 eq. 2) exceeds `threshold` (0: off).
 
     Per-layer costs are the profiled forward + backward times (`by="time"`, with the embedding
     in the first layer and the head in the last) or the `layer_params` given here
@@ -108,7 +109,9 @@ class Rebalance:
             raise ValueError(f"bandwidth_bytes_per_sec={bandwidth_bytes_per_sec} must be > 0")
         self.total_steps = total_steps
         self.layer_bytes = np.asarray(layer_bytes, dtype=np.float64)
-        self.every, self.threshold, self.by, self.method = every, threshold, by, method
+        self.threshold, self.by, self.method = threshold, by, method
+        self._periodic = Periodic(every)
+        self._judged = -1  # the step of the newest profile a decision was taken on
         self.amortize_steps = amortize_steps
         self.bandwidth = bandwidth_bytes_per_sec
         self.recompile_seconds = recompile_seconds
@@ -130,12 +133,15 @@ class Rebalance:
             return None
         step, metrics = profile
         latest = history.latest_step
-        periodic = self.every > 0 and latest % self.every == 0
+        periodic = self._periodic.due(latest)
         stage_times = np.asarray(metrics[STAGE_FORWARD]) + np.asarray(metrics[STAGE_BACKWARD])
         measured_imbalance = imbalance(stage_times)
-        triggered = 0 < self.threshold < measured_imbalance and latest == step
+        triggered = 0 < self.threshold < measured_imbalance and step > self._judged
         if not (periodic or triggered):
             return None
+        if periodic:
+            self._periodic.decide(latest)
+        self._judged = step
         fwd, bwd = layer_times(metrics)
         costs = fwd + bwd if self.by == "time" else self.layer_params
         limits = {}

@@ -25,7 +25,7 @@ import numpy as np
 from dynjax.balance import InfeasibleError, partition, stage_costs
 from dynjax.recompile.memory import STAGE_MEMORY, layer_memory, stage_capacities
 from dynjax.recompile.plan import Plan
-from dynjax.recompile.policy import History, Proposal
+from dynjax.recompile.policy import History, Periodic, Proposal
 from dynjax.recompile.rebalance import (
     current_profile,
     layer_times,
@@ -37,7 +37,8 @@ from dynjax.recompile.rebalance import (
 class Repack:
     """Proposes a Plan with fewer pipeline stages when memory allows and the step keeps pace.
 
-    Decides every `every` metrics steps, on the newest profile of the current layout. `target`
+    Decides once every `every` metrics steps, in the first round after a multiple of `every`
+    that has a profile of the current layout (`Periodic`), on that profile. `target`
     asks for exactly that many stages (0: as few as fit). Every decision returns a `repack`
     record: the old and new layouts, the stage counts tried and why each failed, the simulated
     step time of both layouts, the estimated memory per new stage against `memory_bytes`.
@@ -63,19 +64,21 @@ class Repack:
             raise ValueError("every, target, max_slowdown and comm_seconds must be >= 0")
         self.memory_bytes = float(memory_bytes)
         self.layer_state_bytes = np.asarray(layer_state_bytes, dtype=np.float64)
-        self.every, self.target = every, target
+        self.target = target
+        self._periodic = Periodic(every)
         self.max_slowdown, self.comm = max_slowdown, comm_seconds
 
     def propose(self, history: History, plan: Plan) -> Proposal | None:
         old = plan.stage_layers
         latest = history.latest_step
-        if len(old) < 2 or latest is None or not (self.every and latest % self.every == 0):
+        if len(old) < 2 or latest is None or not self._periodic.due(latest):
             return None
         if self.target >= len(old):  # packed to the target already: nothing to decide
             return None
         profile = current_profile(history, old)
         if profile is None or STAGE_MEMORY not in profile[1]:
             return None
+        self._periodic.decide(latest)
         step, metrics = profile
         fwd, bwd = layer_times(metrics)
         memory = layer_memory(metrics, old, self.layer_state_bytes)
