@@ -65,7 +65,7 @@ def test_repack_releases_stages_and_keeps_the_losses(tmp_path):
     # Which two-stage split is optimal depends on the measured layer times: any one will do.
     old, new = decision["old"], decision["new"]
     assert old == [2, 1, 1, 1] and len(new) == 2 and sum(new) == 5 and decision["accepted"]
-    assert decision["policy"] == "repack" and decision["metrics_step"] % 5 == 0
+    assert decision["policy"] == "repack"
     (migrate,) = [e for e in events if e["event"] == "migrate"]
     assert migrate["moves"] == layer_moves(old, new)
     (release,) = [e for e in events if e["event"] == "release"]
