@@ -64,30 +64,6 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.mlp_dim = 512
     c.model.positions = "rope"  # "rope" | "learned"
 
-    c.moe = ml_collections.ConfigDict()
-    c.moe.num_experts = 8
-    c.moe.top_k = 2
-    c.moe.every = 0  # an MoE block in every n-th layer (layers n-1, 2n-1, ...); 0 = dense model
-    c.moe.expert_mlp_dim = 0  # 0: same as model.mlp_dim
-    c.moe.aux_loss_weight = 0.01
-    c.moe.z_loss_weight = 0.0
-    c.moe.capacity = ml_collections.ConfigDict()
-    c.moe.capacity.factor = 1.25  # the static global factor, and the start of a dynamic run
-    c.moe.capacity.policy = "static"  # "static" | "dynamic" (per-expert, seed 001 §4.1)
-    c.moe.capacity.target_drop_rate = 0.01
-    c.moe.capacity.min_factor = 0.5
-    c.moe.capacity.max_factor = 2.0
-    c.moe.capacity.window = 20  # steps of observed loads per decision
-    c.moe.capacity.headroom = 1.1
-    c.moe.capacity.bucket = 0.25  # capacity factors are rounded up to multiples of this
-    c.moe.capacity.hysteresis = 0.2  # shrink only when it saves at least this fraction
-    c.moe.caching = ml_collections.ConfigDict()  # sample-assignment caching (seed 001 §4.2)
-    c.moe.caching.enabled = False
-    c.moe.caching.on_threshold = 0.96
-    c.moe.caching.off_threshold = 0.90
-    c.moe.caching.warmup_steps = 100
-    c.moe.caching.window = 10
-    c.moe.caching.max_entries = 65536  # samples whose assignments are kept on the host
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.stage = 1
@@ -135,8 +111,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.recompile.budget.window_steps = 100  # ... within any this many steps
     c.recompile.cache_size = 8  # compiled executables kept in memory (LRU)
     c.recompile.cache_dir = ""  # JAX persistent compilation cache; "" = ~/.cache/dynjax/jax
+    for plugin in _plugins():  # each dynamism scheme's section, with its own defaults
+        c[plugin.name] = plugin.config()
     c.lock()
     return c
+
+
+def _plugins():
+    """The registered dynamism plugins (read here, at the edge: DESIGN.md "Dynamism plugins")."""
+    from dynjax.dynamism import registered
+
+    return registered()
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
@@ -275,7 +260,7 @@ def microbatches(cfg: ml_collections.ConfigDict) -> int:
 def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
     """Check values and their combinations; raise ConfigError naming the keys and the fix."""
     _check_types(cfg, default_config())
-    m, t, d, moe, mesh = cfg.model, cfg.train, cfg.data, cfg.moe, cfg.mesh
+    m, t, d, mesh = cfg.model, cfg.train, cfg.data, cfg.mesh
     positive = {
         "train.steps": t.steps,
         "train.batch_size": t.batch_size,
@@ -333,46 +318,12 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
             f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.expert*"
             f"train.microbatches = {mesh.data}*{mesh.expert}*{micro} = {shards}"
         )
-    if moe.every < 0:
-        raise ConfigError(f"moe.every={moe.every} must be >= 0 (0 = no MoE layers)")
-    if moe.every:
-        if not moe_layer_indices(cfg):
-            raise ConfigError(
-                f"moe.every={moe.every} > model.num_layers={m.num_layers}: no layer would be MoE"
-            )
-        if not 1 <= moe.top_k <= moe.num_experts:
-            raise ConfigError(
-                f"moe.top_k={moe.top_k} must be in [1, moe.num_experts={moe.num_experts}]"
-            )
-        if moe.num_experts % mesh.expert:
-            raise ConfigError(
-                f"moe.num_experts={moe.num_experts} must be divisible by mesh.expert={mesh.expert}"
-            )
-        if moe.capacity.factor <= 0:
-            raise ConfigError(f"moe.capacity.factor={moe.capacity.factor} must be > 0")
-        if moe.capacity.policy not in ("static", "dynamic"):
-            raise ConfigError(
-                f"moe.capacity.policy={moe.capacity.policy!r} is not one of ('static', 'dynamic')"
-            )
-        _check_moe(cfg)
-    elif mesh.expert != 1:
-        raise ConfigError(
-            f"mesh.expert={mesh.expert} needs MoE layers: set moe.every > 0 or mesh.expert=1"
-        )
-    else:
-        moe_policies = {
-            "moe.capacity.policy='dynamic'": moe.capacity.policy == "dynamic",
-            "moe.caching.enabled=True": moe.caching.enabled,
-        }
-        asked = [key for key, on in moe_policies.items() if on]
-        if asked:  # it would be ignored: the run would not be what the config says
-            raise ConfigError(
-                f"{', '.join(asked)} needs MoE layers: set moe.every > 0, or turn it off"
-            )
+    for plugin in _plugins():
+        plugin.validate(cfg)
     _check_recompile(cfg)
 
 
-def _at_least(values: dict[str, float], least: float, note: str = "") -> None:
+def at_least(values: dict[str, float], least: float, note: str = "") -> None:
     """Raise for the first key whose value is below ``least``; ``note`` says what it means."""
     for key, value in values.items():
         if value < least:
@@ -383,8 +334,8 @@ def _check_optimizer(cfg: ml_collections.ConfigDict) -> None:
     """AdamW and schedule keys: out of range they do not fail, they train wrongly (a negative
     clip bound flips every update into ascent; a bound of 0 would zero them, so 0 means off)."""
     t = cfg.train
-    _at_least({"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps}, 0)
-    _at_least({"train.grad_clip": t.grad_clip}, 0, " (a global-norm bound; 0 = no clipping)")
+    at_least({"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps}, 0)
+    at_least({"train.grad_clip": t.grad_clip}, 0, " (a global-norm bound; 0 = no clipping)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(
             f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]: the learning rate decays "
@@ -392,66 +343,12 @@ def _check_optimizer(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_moe(cfg: ml_collections.ConfigDict) -> None:
-    """The MoE block's loss weights and the keys of the policies that are on: everything
-    `DynamicCapacity`, `CachingPolicy` and `AssignmentCache` would reject, named by key."""
-    moe = cfg.moe
-    _at_least(
-        {
-            "moe.expert_mlp_dim": moe.expert_mlp_dim,
-            "moe.aux_loss_weight": moe.aux_loss_weight,
-            "moe.z_loss_weight": moe.z_loss_weight,
-        },
-        0,
-    )
-    if moe.capacity.policy == "dynamic":
-        _check_dynamic_capacity(moe.capacity)
-    if moe.caching.enabled:
-        _check_caching(moe.caching, moe.num_experts)
-
-
-def _check_dynamic_capacity(c: ml_collections.ConfigDict) -> None:
-    if not 0 <= c.target_drop_rate < 1:
-        raise ConfigError(
-            f"moe.capacity.target_drop_rate={c.target_drop_rate} must be in [0, 1): the "
-            "fraction of routed tokens an expert may drop"
-        )
-    if c.min_factor <= 0:
-        raise ConfigError(f"moe.capacity.min_factor={c.min_factor} must be > 0")
-    if c.min_factor > c.max_factor:
-        raise ConfigError(
-            f"moe.capacity.min_factor={c.min_factor} exceeds moe.capacity.max_factor="
-            f"{c.max_factor}: lower min_factor or raise max_factor"
-        )
-    if c.bucket <= 0:
-        raise ConfigError(f"moe.capacity.bucket={c.bucket} must be > 0 (factors round up to it)")
-    _at_least({"moe.capacity.window": c.window}, 1, " (steps of loads per decision)")
-    _at_least({"moe.capacity.headroom": c.headroom}, 1, " (a multiplier on the need; 1 = none)")
-    _at_least({"moe.capacity.hysteresis": c.hysteresis}, 0, " (0 = none)")
-
-
-def _check_caching(c: ml_collections.ConfigDict, num_experts: int) -> None:
-    if not 0 <= c.off_threshold <= c.on_threshold <= 1:
-        raise ConfigError(
-            f"moe.caching needs 0 <= off_threshold <= on_threshold <= 1, got off_threshold="
-            f"{c.off_threshold}, on_threshold={c.on_threshold}: caching switches on at a "
-            "routing stability >= on_threshold and off below off_threshold"
-        )
-    _at_least({"moe.caching.warmup_steps": c.warmup_steps}, 0)
-    _at_least({"moe.caching.window": c.window, "moe.caching.max_entries": c.max_entries}, 1)
-    if num_experts > 32767:
-        raise ConfigError(
-            f"moe.caching.enabled stores expert ids as int16: moe.num_experts={num_experts} "
-            "must be <= 32767, or set moe.caching.enabled=False"
-        )
-
-
 def _check_recompile(cfg: ml_collections.ConfigDict) -> None:
     r, budget = cfg.recompile, cfg.recompile.budget
-    _at_least({"recompile.delta_launch": r.delta_launch}, 0, " (0 = read metrics at once)")
-    _at_least({"recompile.budget.max_recompiles": budget.max_recompiles}, 0)
-    _at_least({"recompile.budget.window_steps": budget.window_steps}, 1)
-    _at_least({"recompile.cache_size": r.cache_size}, 1, " (executables kept in memory)")
+    at_least({"recompile.delta_launch": r.delta_launch}, 0, " (0 = read metrics at once)")
+    at_least({"recompile.budget.max_recompiles": budget.max_recompiles}, 0)
+    at_least({"recompile.budget.window_steps": budget.window_steps}, 1)
+    at_least({"recompile.cache_size": r.cache_size}, 1, " (executables kept in memory)")
 
 
 def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:

@@ -26,6 +26,7 @@ from dynjax import config as config_lib
 from dynjax import resume
 from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
+from dynjax.dynamism import enabled_plugins
 from dynjax.launch.distributed import exchange, forget
 from dynjax.model import GPT, GPTConfig
 from dynjax.optim import learning_rate_schedule, make_optimizer
@@ -44,7 +45,7 @@ from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import ModelParts, PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
-from dynjax.recompile import Plan, PlanContext, PlanError, static_capacities
+from dynjax.recompile import Plan, PlanContext, PlanError
 
 
 def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
@@ -175,7 +176,6 @@ class Experiment:
 
     def initial_plan(self) -> Plan:
         plan = Plan(
-            capacities=static_capacities(self.ctx, self.cfg.moe.capacity.factor),
             microbatches=config_lib.microbatches(self.cfg),
             dtype=self.cfg.train.dtype,
             stage_layers=config_lib.stage_layers(
@@ -183,6 +183,8 @@ class Experiment:
             ),
             schedule=self.cfg.pipeline.schedule,
         )
+        for plugin in enabled_plugins(self.cfg):
+            plan = plugin.initial_plan(plan, self.cfg, self.ctx)
         plan.validate(self.ctx)
         return plan
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer
+from dynjax.dynamism import enabled_plugins
 from dynjax.experiment import Experiment
 from dynjax.launch.distributed import initialize_from_env
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
@@ -34,10 +35,8 @@ from dynjax.recompile import (
     STABILITY,
     AssignmentCache,
     Budget,
-    CachingPolicy,
     Compiler,
     Controller,
-    DynamicCapacity,
     EventLog,
     Monitor,
     Plan,
@@ -68,31 +67,7 @@ class RunSummary:
 
 def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
     """The Controller's policies this config asks for."""
-    out = []
-    if exp.ctx.num_moe_layers and cfg.moe.capacity.policy == "dynamic":
-        c = cfg.moe.capacity
-        out.append(
-            DynamicCapacity(
-                exp.ctx,
-                target_drop_rate=c.target_drop_rate,
-                min_factor=c.min_factor,
-                max_factor=c.max_factor,
-                window=c.window,
-                headroom=c.headroom,
-                bucket=c.bucket,
-                hysteresis=c.hysteresis,
-            )
-        )
-    if exp.ctx.num_moe_layers and cfg.moe.caching.enabled:
-        c = cfg.moe.caching
-        out.append(
-            CachingPolicy(
-                on_threshold=c.on_threshold,
-                off_threshold=c.off_threshold,
-                warmup_steps=c.warmup_steps,
-                window=c.window,
-            )
-        )
+    out = [policy for plugin in enabled_plugins(cfg) for policy in plugin.policies(cfg, exp)]
     b = cfg.balance
     if not (b.enabled or b.repack):
         return out

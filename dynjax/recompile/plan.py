@@ -86,6 +86,11 @@ class Plan:
     frozen_layers: layers that compute no weight gradient and get no optimizer update. Freezing
       layer 0 freezes the token (and position) embedding with it, so a frozen prefix of the model
       runs no backward at all (layer freezing, seed 000 §4.2.3). Pipeline runs only.
+    parts: each dynamism plugin's part of the Plan (DESIGN.md "Dynamism plugins"), as sorted
+      ``(plugin name, part)`` pairs; a part is ``(field, value)`` pairs of JSON data (numbers,
+      strings, bools and nested tuples), read with `part` and changed with `with_part`. MoE's
+      part predates them and keeps its own fields, `capacities` and `cached_routing`, so Plans
+      saved before and policies that name them work unchanged.
 
     >>> a = Plan(capacities=((4, 4),))
     >>> b = a.replace(capacities=((4, 6),), cached_routing=True)
@@ -93,6 +98,9 @@ class Plan:
     {'capacities[0][1]': (4, 6), 'cached_routing': (False, True)}
     >>> Plan.from_dict(b.to_dict()) == b
     True
+    >>> c = b.with_part("toy", width=(8, 4))
+    >>> c.part("toy"), b.diff(c)
+    ({'width': (8, 4)}, {'parts.toy.width': (None, [8, 4])})
     """
 
     capacities: tuple[tuple[int, ...], ...] = ()
@@ -102,10 +110,13 @@ class Plan:
     stage_layers: tuple[int, ...] = ()
     schedule: str = "1f1b"
     frozen_layers: tuple[int, ...] = ()
+    parts: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _freeze(getattr(self, f.name)))
+        parts = self.parts.items() if isinstance(self.parts, dict) else self.parts
+        object.__setattr__(self, "parts", _freeze_parts(dict(parts)))
         # NumPy integers from a policy would hash equal but break JSON: store Python ints.
         caps = tuple(tuple(int(c) for c in layer) for layer in self.capacities)
         object.__setattr__(self, "capacities", caps)
@@ -116,6 +127,16 @@ class Plan:
 
     def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)
+
+    def part(self, name: str) -> dict[str, Any]:
+        """Plugin ``name``'s part as a dict of frozen values; empty when it has none."""
+        return dict(dict(self.parts).get(name, ()))
+
+    def with_part(self, name: str, **fields: Any) -> Plan:
+        """This Plan with plugin ``name``'s part updated by ``fields``."""
+        parts = dict(self.parts)
+        parts[name] = tuple({**dict(parts.get(name, ())), **fields}.items())
+        return self.replace(parts=parts)
 
     def validate(self, ctx: PlanContext) -> None:
         """Raise `PlanError` listing every problem of this Plan for `ctx`, each with its fix."""
@@ -213,7 +234,9 @@ class Plan:
             old, new = getattr(self, f.name), getattr(other, f.name)
             if old == new:
                 continue
-            if f.name == "capacities" and [len(x) for x in old] == [len(x) for x in new]:
+            if f.name == "parts":
+                out.update(_parts_diff(self, other))
+            elif f.name == "capacities" and [len(x) for x in old] == [len(x) for x in new]:
                 for layer, (a, b) in enumerate(zip(old, new, strict=True)):
                     for expert, (ca, cb) in enumerate(zip(a, b, strict=True)):
                         if ca != cb:
@@ -240,7 +263,9 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (tuples as lists); `Plan.from_dict` restores an equal Plan."""
-        return {f.name: _thaw(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out = {f.name: _thaw(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["parts"] = {name: {k: _thaw(v) for k, v in part} for name, part in self.parts}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
@@ -252,6 +277,24 @@ class Plan:
                 f"unknown Plan fields {unknown}: the Plan was saved by a newer dynjax; upgrade"
             )
         return cls(**d)
+
+
+def _freeze_parts(parts: dict[str, Any]) -> tuple:
+    """``{name: {field: value}}`` (or pairs) -> sorted, hashable pairs of frozen values."""
+    return tuple(
+        (str(name), tuple(sorted((str(k), _freeze(v)) for k, v in dict(part).items())))
+        for name, part in sorted(parts.items())
+    )
+
+
+def _parts_diff(a: Plan, b: Plan) -> dict[str, tuple[Any, Any]]:
+    out = {}
+    for name in sorted(set(dict(a.parts)) | set(dict(b.parts))):
+        old, new = a.part(name), b.part(name)
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                out[f"parts.{name}.{key}"] = (_thaw(old.get(key)), _thaw(new.get(key)))
+    return out
 
 
 def base_capacity(ctx: PlanContext) -> float:

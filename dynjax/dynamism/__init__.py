@@ -1,0 +1,9 @@
+"""Dynamism schemes as plugins (DESIGN.md "Dynamism plugins"): one module per scheme.
+
+Importing this package registers the built-in schemes; `register` adds others.
+"""
+
+from dynjax.dynamism import moe  # noqa: F401 - registers the scheme
+from dynjax.dynamism.base import Plugin, enabled_plugins, register, registered
+
+__all__ = ["Plugin", "enabled_plugins", "register", "registered"]

@@ -1,0 +1,77 @@
+"""The plugin interface every dynamism scheme implements, and the registry that collects them.
+
+DESIGN.md "Dynamism plugins": a scheme (MoE capacities and caching, pruning, freezing, sparse
+attention, early exit, mixture of depths; seed 000 §2) is one `Plugin` in one module of
+`dynjax.dynamism`. The generic machinery reads the registry at the edge (`dynjax.config` for the
+config sections and their checks, `dynjax.experiment` and `dynjax.train` for Plan parts,
+policies and costs) and never names a scheme, so adding one edits no other file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import ml_collections
+
+if TYPE_CHECKING:  # the edge modules call plugins; plugins never import them at run time
+    from dynjax.experiment import Experiment
+    from dynjax.recompile import Plan, PlanContext, Policy
+
+
+class Plugin:
+    """One dynamism scheme. Subclasses set `name` and override what their scheme needs.
+
+    - `config`: the section `cfg.<name>` with its one default per key, `enabled` included;
+    - `validate`: raise `dynjax.config.ConfigError` naming the key and the fix; called for every
+      config, enabled or not (a scheme's keys may contradict others even when it is off);
+    - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
+    - `policies`: the Controller policies the config asks for (pure `propose(history, plan)`);
+    - `layer_costs`: each layer's relative cost under a Plan (a dense layer = 1.0; seed 000 §2
+      gives the load model of each case), multiplied over plugins for the balancer's traces.
+    """
+
+    name: str = ""
+
+    def config(self) -> ml_collections.ConfigDict:
+        section = ml_collections.ConfigDict()
+        section.enabled = False
+        return section
+
+    def enabled(self, cfg: ml_collections.ConfigDict) -> bool:
+        return bool(cfg[self.name].enabled)
+
+    def validate(self, cfg: ml_collections.ConfigDict) -> None:
+        """Check this scheme's keys; raise `dynjax.config.ConfigError`."""
+
+    def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
+        return plan
+
+    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
+        return []
+
+    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
+        return None
+
+
+_REGISTRY: dict[str, Plugin] = {}
+
+
+def register(plugin: Plugin) -> Plugin:
+    """Add ``plugin`` (a scheme defined anywhere, e.g. in a user's package or a test); its
+    config section exists in every `default_config()` made afterwards."""
+    if not plugin.name or not plugin.name.isidentifier():
+        raise ValueError(f"a plugin needs an identifier as its name, got {plugin.name!r}")
+    if plugin.name in _REGISTRY and type(_REGISTRY[plugin.name]) is not type(plugin):
+        raise ValueError(f"another plugin is already registered as {plugin.name!r}")
+    _REGISTRY[plugin.name] = plugin
+    return plugin
+
+
+def registered() -> tuple[Plugin, ...]:
+    """Every registered plugin, in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def enabled_plugins(cfg: ml_collections.ConfigDict) -> tuple[Plugin, ...]:
+    return tuple(p for p in registered() if p.enabled(cfg))

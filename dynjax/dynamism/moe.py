@@ -1,0 +1,208 @@
+"""MoE as a dynamism plugin: per-expert capacities and sample-assignment caching.
+
+Seed 001 §4.1 (dynamic per-expert capacities) and §4.2 (sample-assignment caching); seed 000
+§2.1 (MoE's load: a layer's cost follows the tokens its experts are given). The MoE block
+itself is `dynjax.model.moe`; its Plan part is the Plan's `capacities` and `cached_routing`
+fields (they predate the plugin interface and saved Plans name them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import ml_collections
+
+from dynjax.config import ConfigError, at_least, moe_layer_indices
+from dynjax.dynamism.base import Plugin, register
+from dynjax.recompile import (
+    CachingPolicy,
+    DynamicCapacity,
+    Plan,
+    PlanContext,
+    Policy,
+    base_capacity,
+    static_capacities,
+)
+
+if TYPE_CHECKING:
+    from dynjax.experiment import Experiment
+
+
+class MoEPlugin(Plugin):
+    """The `moe` section: model shape (experts, top-k, which layers), loss weights, capacities
+    and caching. On when `moe.every > 0`."""
+
+    name = "moe"
+
+    def config(self) -> ml_collections.ConfigDict:
+        c = ml_collections.ConfigDict()
+        c.num_experts = 8
+        c.top_k = 2
+        c.every = 0  # an MoE block in every n-th layer (layers n-1, 2n-1, ...); 0 = dense model
+        c.expert_mlp_dim = 0  # 0: same as model.mlp_dim
+        c.aux_loss_weight = 0.01
+        c.z_loss_weight = 0.0
+        c.capacity = ml_collections.ConfigDict()
+        c.capacity.factor = 1.25  # the static global factor, and the start of a dynamic run
+        c.capacity.policy = "static"  # "static" | "dynamic" (per-expert, seed 001 §4.1)
+        c.capacity.target_drop_rate = 0.01
+        c.capacity.min_factor = 0.5
+        c.capacity.max_factor = 2.0
+        c.capacity.window = 20  # steps of observed loads per decision
+        c.capacity.headroom = 1.1
+        c.capacity.bucket = 0.25  # capacity factors are rounded up to multiples of this
+        c.capacity.hysteresis = 0.2  # shrink only when it saves at least this fraction
+        c.caching = ml_collections.ConfigDict()  # sample-assignment caching (seed 001 §4.2)
+        c.caching.enabled = False
+        c.caching.on_threshold = 0.96
+        c.caching.off_threshold = 0.90
+        c.caching.warmup_steps = 100
+        c.caching.window = 10
+        c.caching.max_entries = 65536  # samples whose assignments are kept on the host
+        return c
+
+    def enabled(self, cfg: ml_collections.ConfigDict) -> bool:
+        return cfg.moe.every > 0
+
+    def validate(self, cfg: ml_collections.ConfigDict) -> None:
+        m, moe, mesh = cfg.model, cfg.moe, cfg.mesh
+        if moe.every < 0:
+            raise ConfigError(f"moe.every={moe.every} must be >= 0 (0 = no MoE layers)")
+        if moe.every:
+            if not moe_layer_indices(cfg):
+                raise ConfigError(
+                    f"moe.every={moe.every} > model.num_layers={m.num_layers}: no layer would "
+                    "be MoE"
+                )
+            if not 1 <= moe.top_k <= moe.num_experts:
+                raise ConfigError(
+                    f"moe.top_k={moe.top_k} must be in [1, moe.num_experts={moe.num_experts}]"
+                )
+            if moe.num_experts % mesh.expert:
+                raise ConfigError(
+                    f"moe.num_experts={moe.num_experts} must be divisible by "
+                    f"mesh.expert={mesh.expert}"
+                )
+            if moe.capacity.factor <= 0:
+                raise ConfigError(f"moe.capacity.factor={moe.capacity.factor} must be > 0")
+            if moe.capacity.policy not in ("static", "dynamic"):
+                raise ConfigError(
+                    f"moe.capacity.policy={moe.capacity.policy!r} is not one of "
+                    "('static', 'dynamic')"
+                )
+            _check_moe(cfg)
+        elif mesh.expert != 1:
+            raise ConfigError(
+                f"mesh.expert={mesh.expert} needs MoE layers: set moe.every > 0 or mesh.expert=1"
+            )
+        else:
+            moe_policies = {
+                "moe.capacity.policy='dynamic'": moe.capacity.policy == "dynamic",
+                "moe.caching.enabled=True": moe.caching.enabled,
+            }
+            asked = [key for key, on in moe_policies.items() if on]
+            if asked:  # it would be ignored: the run would not be what the config says
+                raise ConfigError(
+                    f"{', '.join(asked)} needs MoE layers: set moe.every > 0, or turn it off"
+                )
+
+    def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
+        return plan.replace(capacities=static_capacities(ctx, cfg.moe.capacity.factor))
+
+    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
+        moe, out = cfg.moe, []
+        if not self.enabled(cfg):
+            return out
+        if moe.capacity.policy == "dynamic":
+            c = moe.capacity
+            out.append(
+                DynamicCapacity(
+                    exp.ctx,
+                    target_drop_rate=c.target_drop_rate,
+                    min_factor=c.min_factor,
+                    max_factor=c.max_factor,
+                    window=c.window,
+                    headroom=c.headroom,
+                    bucket=c.bucket,
+                    hysteresis=c.hysteresis,
+                )
+            )
+        if moe.caching.enabled:
+            c = moe.caching
+            out.append(
+                CachingPolicy(
+                    on_threshold=c.on_threshold,
+                    off_threshold=c.off_threshold,
+                    warmup_steps=c.warmup_steps,
+                    window=c.window,
+                )
+            )
+        return out
+
+    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
+        """An MoE layer computes its experts' slots: its cost is the mean capacity over the
+        average load (factor 1), seed 000 §2.1; other layers count 1."""
+        if not plan.capacities:
+            return None
+        costs = [1.0] * exp.ctx.num_layers
+        for layer, caps in zip(exp.model_cfg.moe_layers, plan.capacities, strict=True):
+            costs[layer] = sum(caps) / len(caps) / base_capacity(exp.ctx)
+        return costs
+
+
+def _check_moe(cfg: ml_collections.ConfigDict) -> None:
+    """The MoE block's loss weights and the keys of the policies that are on: everything
+    `DynamicCapacity`, `CachingPolicy` and `AssignmentCache` would reject, named by key."""
+    moe = cfg.moe
+    at_least(
+        {
+            "moe.expert_mlp_dim": moe.expert_mlp_dim,
+            "moe.aux_loss_weight": moe.aux_loss_weight,
+            "moe.z_loss_weight": moe.z_loss_weight,
+        },
+        0,
+    )
+    if moe.capacity.policy == "dynamic":
+        _check_dynamic_capacity(moe.capacity)
+    if moe.caching.enabled:
+        _check_caching(moe.caching, moe.num_experts)
+
+
+def _check_dynamic_capacity(c: ml_collections.ConfigDict) -> None:
+    if not 0 <= c.target_drop_rate < 1:
+        raise ConfigError(
+            f"moe.capacity.target_drop_rate={c.target_drop_rate} must be in [0, 1): the "
+            "fraction of routed tokens an expert may drop"
+        )
+    if c.min_factor <= 0:
+        raise ConfigError(f"moe.capacity.min_factor={c.min_factor} must be > 0")
+    if c.min_factor > c.max_factor:
+        raise ConfigError(
+            f"moe.capacity.min_factor={c.min_factor} exceeds moe.capacity.max_factor="
+            f"{c.max_factor}: lower min_factor or raise max_factor"
+        )
+    if c.bucket <= 0:
+        raise ConfigError(f"moe.capacity.bucket={c.bucket} must be > 0 (factors round up to it)")
+    at_least({"moe.capacity.window": c.window}, 1, " (steps of loads per decision)")
+    at_least({"moe.capacity.headroom": c.headroom}, 1, " (a multiplier on the need; 1 = none)")
+    at_least({"moe.capacity.hysteresis": c.hysteresis}, 0, " (0 = none)")
+
+
+def _check_caching(c: ml_collections.ConfigDict, num_experts: int) -> None:
+    if not 0 <= c.off_threshold <= c.on_threshold <= 1:
+        raise ConfigError(
+            f"moe.caching needs 0 <= off_threshold <= on_threshold <= 1, got off_threshold="
+            f"{c.off_threshold}, on_threshold={c.on_threshold}: caching switches on at a "
+            "routing stability >= on_threshold and off below off_threshold"
+        )
+    at_least({"moe.caching.warmup_steps": c.warmup_steps}, 0)
+    at_least({"moe.caching.window": c.window, "moe.caching.max_entries": c.max_entries}, 1)
+    if num_experts > 32767:
+        raise ConfigError(
+            f"moe.caching.enabled stores expert ids as int16: moe.num_experts={num_experts} "
+            "must be <= 32767, or set moe.caching.enabled=False"
+        )
+
+
+register(MoEPlugin())
