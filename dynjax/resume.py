@@ -4,7 +4,8 @@ A checkpoint stores the config that wrote it. Resuming with another config must 
 something other than what the user asked for without a word: keys that decide what the saved
 state *is* (model shape, vocabulary, data and its order) are refused before any work, naming
 each key; keys that only decide how the step runs (dtype, microbatches, pipeline layout and
-schedule, capacities, policies, hyper-parameters, train.steps) are applied, and every resume is
+schedule, a scheme's Plan part such as capacities, policies, hyper-parameters, train.steps)
+are applied, and every resume is
 recorded with its config diff (`resume_event`), so the workdir tells what ran when.
 """
 
@@ -16,26 +17,18 @@ import ml_collections
 
 from dynjax import config as config_lib
 from dynjax.config import ConfigError
+from dynjax.dynamism import registered
 from dynjax.recompile import Plan
 
 # A key equal to or under one of these decides what the checkpoint holds or which data the
-# step t sees (the batch at step t is a pure function of seed, data and batch size).
-FIXED_ON_RESUME = (
-    "seed",
-    "data.",
-    "model.",
-    "train.batch_size",
-    "moe.every",
-    "moe.num_experts",
-    "moe.top_k",
-    "moe.expert_mlp_dim",
-)
+# step t sees (the batch at step t is a pure function of seed, data and batch size); each
+# dynamism plugin adds its own (`Plugin.fixed_on_resume`).
+FIXED_ON_RESUME = ("seed", "data.", "model.", "train.batch_size")
 
-# The config keys each dynamic Plan field comes from. A resumed run keeps the saved value (what
+# The config keys each core Plan field comes from. A resumed run keeps the saved value (what
 # the policies made of it) unless one of its keys changed; then the new config's value applies.
+# Each plugin decides for its own part (`Plugin.resumed_plan`).
 PLAN_SOURCES = {
-    "capacities": ("moe.capacity.",),
-    "cached_routing": ("moe.caching.",),
     "microbatches": ("train.microbatches", "mesh."),
     "dtype": ("train.dtype",),
     "schedule": ("pipeline.schedule",),
@@ -69,7 +62,8 @@ def config_changes(
 
 def check_resumable(changes: dict[str, tuple[Any, Any]], workdir: object) -> None:
     """Raise ConfigError naming every changed key the saved state cannot follow."""
-    fixed = {k: v for k, v in changes.items() if _matches(k, FIXED_ON_RESUME)}
+    keys = FIXED_ON_RESUME + tuple(k for p in registered() for k in p.fixed_on_resume)
+    fixed = {k: v for k, v in changes.items() if _matches(k, keys)}
     if fixed:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in fixed.items())
         raise ConfigError(
@@ -87,7 +81,10 @@ def resumed_plan(saved: Plan, implied: Plan, changes: dict[str, tuple[Any, Any]]
         for field, keys in PLAN_SOURCES.items()
         if any(_matches(k, keys) for k in changes)
     }
-    return saved.replace(**fields)
+    plan = saved.replace(**fields)
+    for plugin in registered():
+        plan = plugin.resumed_plan(plan, implied, changes)
+    return plan
 
 
 def resume_event(

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer
-from dynjax.dynamism import enabled_plugins
+from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
 from dynjax.launch.distributed import initialize_from_env
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
@@ -46,7 +46,7 @@ from dynjax.recompile import (
     enable_persistent_cache,
 )
 from dynjax.resume import check_resumable, config_changes, resume_event
-from dynjax.writers import MetricsWriter
+from dynjax.writers import LayerCostsWriter, MetricsWriter
 
 log = logging.getLogger("dynjax")
 SCALARS = ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction")
@@ -232,7 +232,11 @@ def train(
     )
     monitor = Monitor(cfg.recompile.delta_launch)
     writer = MetricsWriter(workdir)
-    logger = _Logger(writer, exp, cfg.train.log_every, steps)
+    plugins = enabled_plugins(cfg)
+    costs = (
+        LayerCostsWriter(workdir, lambda p: layer_costs(plugins, p, exp)) if plugins else None
+    )
+    logger = _Logger(writer, costs, exp, cfg.train.log_every, steps)
     bar = tqdm(
         total=steps,
         initial=start,
@@ -344,8 +348,15 @@ class _NoCheckpoints:
 class _Logger:
     """Turns host metrics (Δ steps late) into log lines, cache updates and policy input."""
 
-    def __init__(self, writer: MetricsWriter, exp: Experiment, every: int, steps: int):
-        self.writer, self.exp, self.every, self.steps = writer, exp, every, steps
+    def __init__(
+        self,
+        writer: MetricsWriter,
+        costs: LayerCostsWriter | None,
+        exp: Experiment,
+        every: int,
+        steps: int,
+    ):
+        self.writer, self.costs, self.exp, self.every, self.steps = writer, costs, exp, every, steps
         self.tokens_per_step = exp.cfg.train.batch_size * exp.cfg.data.seq_len
         # Per step in flight: its samples and the Plan it ran with (its metrics arrive Δ steps
         # later, possibly after a swap, and are labelled with the Plan that produced them).
@@ -368,7 +379,10 @@ class _Logger:
         now = time.perf_counter()
         if self._mark is None:  # the first step also paid for dispatch warm-up: start timing here
             self._mark = (done, now)
-        if done % self.every and done != self.steps:
+        logged = not done % self.every or done == self.steps
+        if self.costs is not None and (logged or "profile/layer_forward_seconds" in metrics):
+            self.costs.write(done, plan, metrics)
+        if not logged:
             return
         record = {k: float(metrics[k]) for k in SCALARS if k in metrics}
         record["learning_rate"] = float(self.exp.schedule(step))

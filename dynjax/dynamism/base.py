@@ -9,7 +9,7 @@ policies and costs) and never names a scheme, so adding one edits no other file.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import ml_collections
@@ -26,12 +26,16 @@ class Plugin:
     - `validate`: raise `dynjax.config.ConfigError` naming the key and the fix; called for every
       config, enabled or not (a scheme's keys may contradict others even when it is off);
     - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
+    - `resumed_plan`: what a resumed run with a changed config keeps of the saved part;
     - `policies`: the Controller policies the config asks for (pure `propose(history, plan)`);
     - `layer_costs`: each layer's relative cost under a Plan (a dense layer = 1.0; seed 000 §2
       gives the load model of each case), multiplied over plugins for the balancer's traces.
     """
 
     name: str = ""
+    # Keys (or "prefix." for all under it) that decide what the saved state is: a resumed run
+    # must keep them (`dynjax.resume`).
+    fixed_on_resume: tuple[str, ...] = ()
 
     def config(self) -> ml_collections.ConfigDict:
         section = ml_collections.ConfigDict()
@@ -46,6 +50,16 @@ class Plugin:
 
     def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
         return plan
+
+    def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
+        """A checkpoint's Plan under a changed config (``changed``: the dotted keys): the
+        scheme's part comes from ``implied`` (the new config's fresh Plan) when a key of its
+        section changed, else stays as the policies left it."""
+        if not any(key.startswith(f"{self.name}.") for key in changed):
+            return saved
+        parts = dict(saved.parts)
+        parts.pop(self.name, None)
+        return saved.replace(parts=parts).with_part(self.name, **implied.part(self.name))
 
     def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
         return []
@@ -75,3 +89,14 @@ def registered() -> tuple[Plugin, ...]:
 
 def enabled_plugins(cfg: ml_collections.ConfigDict) -> tuple[Plugin, ...]:
     return tuple(p for p in registered() if p.enabled(cfg))
+
+
+def layer_costs(plugins: Sequence[Plugin], plan: Plan, exp: Experiment) -> list[float]:
+    """Each layer's modelled cost under ``plan``: the product of the plugins' factors (a layer
+    no plugin changes costs 1.0), seed 000 §2."""
+    costs = [1.0] * exp.ctx.num_layers
+    for plugin in plugins:
+        factors = plugin.layer_costs(plan, exp)
+        if factors is not None:
+            costs = [c * float(f) for c, f in zip(costs, factors, strict=True)]
+    return costs

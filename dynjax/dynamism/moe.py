@@ -8,7 +8,7 @@ fields (they predate the plugin interface and saved Plans name them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import ml_collections
@@ -34,6 +34,7 @@ class MoEPlugin(Plugin):
     and caching. On when `moe.every > 0`."""
 
     name = "moe"
+    fixed_on_resume = ("moe.every", "moe.num_experts", "moe.top_k", "moe.expert_mlp_dim")
 
     def config(self) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict()
@@ -109,6 +110,18 @@ class MoEPlugin(Plugin):
 
     def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
         return plan.replace(capacities=static_capacities(ctx, cfg.moe.capacity.factor))
+
+    def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
+        """Capacities follow `moe.capacity.*` (back to the static factor when it changed),
+        cached routing follows `moe.caching.*` (off until the policy decides again)."""
+        fields = {"capacities": "moe.capacity.", "cached_routing": "moe.caching."}
+        return saved.replace(
+            **{
+                field: getattr(implied, field)
+                for field, prefix in fields.items()
+                if any(key.startswith(prefix) for key in changed)
+            }
+        )
 
     def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
         moe, out = cfg.moe, []

@@ -1,0 +1,79 @@
+"""The plugin interface: registry, config sections, Plan parts, resume rules, layer costs."""
+
+import ml_collections
+import pytest
+
+from dynjax.config import ConfigError, default_config, validate_config
+from dynjax.dynamism import Plugin, layer_costs, register, registered
+from dynjax.experiment import Experiment
+from dynjax.recompile import Plan
+from dynjax.resume import check_resumable, config_changes
+from dynjax.train import train
+from dynjax.writers import read_jsonl
+
+from .tiny import tiny_config
+
+
+class Toy(Plugin):
+    """A scheme defined outside the library: a width per layer, a cost, a resume-fixed key."""
+
+    name = "toy"
+    fixed_on_resume = ("toy.seed",)
+
+    def config(self):
+        c = ml_collections.ConfigDict()
+        c.enabled = False
+        c.width = 2
+        c.seed = 0
+        return c
+
+    def validate(self, cfg):
+        if cfg.toy.enabled and cfg.toy.width < 1:
+            raise ConfigError(f"toy.width={cfg.toy.width} must be >= 1")
+
+    def initial_plan(self, plan, cfg, ctx):
+        return plan.with_part("toy", widths=(cfg.toy.width,) * ctx.num_layers)
+
+    def layer_costs(self, plan, exp):
+        return [w / 2 for w in plan.part("toy")["widths"]]
+
+
+register(Toy())
+
+
+def test_a_registered_plugin_gets_a_config_section_and_its_checks():
+    assert any(isinstance(p, Toy) for p in registered())
+    cfg = default_config()
+    assert cfg.toy.enabled is False and cfg.toy.width == 2
+    cfg.toy.enabled, cfg.toy.width = True, 0
+    with pytest.raises(ConfigError, match="toy.width=0"):
+        validate_config(cfg, num_devices=1)
+
+
+def test_its_plan_part_and_costs_come_from_the_config():
+    exp = Experiment.from_config(tiny_config(toy__enabled=True, toy__width=3, moe__every=2))
+    plan = exp.initial_plan()
+    assert plan.part("toy") == {"widths": (3, 3)}
+    assert Plan.from_dict(plan.to_dict()) == plan
+    # Layer 1 is MoE at factor 1.25: the costs of the two plugins multiply.
+    assert layer_costs(registered(), plan, exp) == pytest.approx([1.5, 1.5 * 1.25])
+
+
+def test_resume_keeps_or_refreshes_its_part_and_refuses_its_fixed_keys():
+    cfg = tiny_config(toy__enabled=True)
+    exp = Experiment.from_config(cfg)
+    saved = exp.initial_plan().with_part("toy", widths=(5, 7))
+    assert exp.resumed_plan(saved, {"train.steps": (1, 2)}).part("toy") == {"widths": (5, 7)}
+    refreshed = exp.resumed_plan(saved, {"toy.width": (3, 2)})
+    assert refreshed.part("toy") == {"widths": (2, 2)}
+    changes = config_changes(cfg.to_dict(), tiny_config(toy__enabled=True, toy__seed=4))
+    with pytest.raises(ConfigError, match=r"toy.seed: 0 -> 4"):
+        check_resumable(changes, "workdir")
+
+
+def test_a_run_with_a_plugin_writes_its_layer_costs(tmp_path):
+    cfg = tiny_config(moe__every=2, train__steps=4, train__log_every=2)
+    train(cfg, tmp_path, progress=False)
+    lines = read_jsonl(tmp_path / "layer_costs.jsonl")
+    assert [r["step"] for r in lines] == [2, 4]
+    assert lines[0]["layer_cost"] == pytest.approx([1.0, 1.25])  # the MoE layer at factor 1.25
