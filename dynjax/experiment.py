@@ -409,12 +409,10 @@ class PipelineRuntime:
         return host_metrics({**metrics, "stages": stages})
 
     def swap(self, plan: Plan, executable) -> Migration | None:
-        """Migrate layers to their new stages when the stage assignment changed."""
-        if executable.spec.stages == self.pipeline.spec.stages:
-            self.pipeline.spec = executable.spec  # a new schedule: same state layout
-            return None
-        migration = self.pipeline.migrate(executable)
-        return migration if migration.layers else None
+        """Migrate layers to their new stages when the state layout changed (`Pipeline.swap`);
+        a change of capacities, cached routing or schedule swaps without waiting."""
+        migration = self.pipeline.swap(executable)
+        return migration if migration is not None and migration.layers else None
 
     def checkpoint_state(self) -> dict[str, Any]:
         return self.pipeline.host_state()

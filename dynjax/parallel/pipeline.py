@@ -11,7 +11,8 @@ returns the step's metrics as device arrays; it never waits for a result inside 
 Programs are compiled per kind and the part of the `StageSpec` they depend on (`program_key`):
 a Plan whose stage assignment changes compiles only the stages whose layers changed, and
 `Pipeline.migrate` moves each moved layer's parameters and optimizer state to its new stage bit
-for bit (seed 000 §4.1).
+for bit (seed 000 §4.1). A Plan that keeps the state layout (`state_layout`: capacities, cached
+routing, the schedule changed) swaps in without touching the state or waiting for the device.
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def program_key(kind: str, spec: StageSpec) -> tuple[str, StageSpec]:
     if kind in ("sqnorm", "update"):
         return kind, replace(spec, capacities=(), cached_routing=False)
     return kind, spec
+
+
+def state_layout(spec: PipelineSpec) -> tuple:
+    """What the per-stage state trees depend on: the units each stage holds and which of them
+    train (the gradient accumulator's). Plans equal here share one state: swapping between them
+    moves nothing."""
+    return tuple(
+        (s.index, s.first, s.last, s.layers, s.frozen, s.embed_frozen) for s in spec.stages
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +254,14 @@ class Pipeline:
         self._single_process("gathering the full state")
         stages = [jax.device_get(self.state[s]) for s in sorted(self.state)]
         return join(self.full_template, stages)
+
+    def swap(self, exe: PipelineExecutable) -> Migration | None:
+        """Run ``exe`` from the next step. A spec with the same `state_layout` only switches
+        (no device wait: the steps in flight keep running); any other migrates."""
+        if state_layout(exe.spec) == state_layout(self.spec):
+            self.spec = exe.spec
+            return None
+        return self.migrate(exe)
 
     def migrate(self, exe: PipelineExecutable) -> Migration:
         """Lay the state out for ``exe``: every layer whose stage changed moves to its new stage
