@@ -338,7 +338,7 @@ def test_repack_onto_fewer_stages_is_exact_and_frees_the_rest(programs, referenc
 
 def test_profile_of_frozen_layers_counts_only_the_backward_the_step_runs(programs):
     programs, template = programs
-    exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN)).compile()
+    exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN), profiling=True).compile()
     pipeline = Pipeline(programs, template)
     pipeline.place(initial_state(), exe.spec)
     _, profile = pipeline.profile_step(exe, **batches()[0], repeats=1)

@@ -1,14 +1,20 @@
 """Swapping Plans in a pipeline: a change that keeps the state layout (capacities, cached routing,
-schedule) moves nothing and waits for nothing."""
+schedule) moves nothing and waits for nothing, and the profile of a swapped-in Plan compiles
+nothing on the training thread (its one-unit programs compiled with it, in the background)."""
 
+import functools
+import threading
 
 import jax
 import numpy as np
 import pytest
 
+import dynjax.parallel.pipeline as pipeline_module
 from dynjax.experiment import Experiment
 from dynjax.parallel.pipeline import Pipeline, host_metrics, state_layout
+from dynjax.parallel.profile import unit_spec
 from dynjax.parallel.stages import PipelineSpec, stage_specs
+from dynjax.recompile import Compiler
 
 from .tiny import tiny_config
 
@@ -80,3 +86,50 @@ def test_a_capacity_change_swaps_without_migrating_or_waiting(exp, monkeypatch):
     got = loss(runtime, after, batches[2])
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     assert abs(old_step - expected) > 1e-6 * expected
+
+
+def test_profiling_a_swapped_in_plan_compiles_nothing_on_the_training_thread(exp, monkeypatch):
+    compiler = Compiler(functools.partial(exp.lower_train_step, profiling=True))
+    old = exp.initial_plan()
+    new = old.replace(capacities=NEW_CAPACITIES)
+    try:
+        runtime = exp.runtime(old)
+        runtime.profile_step(compiler.get(old).executable, exp.order.batch(0), None)
+        after = compiler.get(new).executable
+    finally:
+        compiler.shutdown()
+    runtime.swap(new, after)
+    me = threading.get_ident()
+    here = []
+
+    def spy_lower(kind, setup, stage, mesh, shapes):
+        if threading.get_ident() == me:
+            here.append(("lowered", kind, stage.layers))
+        return lower_stage(kind, setup, stage, mesh, shapes)
+
+    def on_compile_event(event, seconds, **_):  # tracing, lowering to MLIR, XLA's compile
+        if event.startswith("/jax/core/compile/") and threading.get_ident() == me:
+            here.append((event, seconds))
+
+    lower_stage = pipeline_module.lower_stage
+    monkeypatch.setattr(pipeline_module, "lower_stage", spy_lower)
+    jax.monitoring.register_event_duration_secs_listener(on_compile_event)
+    try:
+        metrics, profile = runtime.profile_step(after, exp.order.batch(1), None)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile_event)
+    assert here == []
+    # The MoE layer's one-layer programs of the new capacities are the ones that ran.
+    moe_layer = unit_spec(after.spec.stages[0], ("layers", 1))
+    assert moe_layer.capacities == NEW_CAPACITIES
+    assert {("fwd", moe_layer), ("bwd", moe_layer)} <= set(after.profiling)
+    assert min(profile.units.layer_forward + profile.units.layer_backward) > 0
+    assert "profile/layer_forward_seconds" in metrics
+
+
+def test_profiling_needs_the_programs_lowered_with_the_plan(exp):
+    plan = exp.initial_plan()
+    runtime = exp.runtime(plan)
+    plain = exp.lower_train_step(plan).compile()
+    with pytest.raises(ValueError, match="profiling=True"):
+        runtime.profile_step(plain, exp.order.batch(0), None)
