@@ -1,4 +1,4 @@
-"""RECOMPILE benchmarks on ``configs/moe.py``: overlap, dynamic vs static capacity, caching.
+"""RECOMPILE benchmarks on ``configs/moe.py``: overlap, capacity, caching, pipeline swaps.
 
 Every training run is ``dynjax.train.train`` in its own subprocess, with its own fresh JAX
 persistent compilation cache (so background compiles are real compiles, not cache hits from an
@@ -17,6 +17,9 @@ in one process), recompiles per 1,000 steps; against static global factors 1.0, 
 the smallest static factor that reaches the dynamic run's drop rate.
 Table 3, caching: routing stability curve, share of steps with cached routing, loss next to a run
 without caching, on a small corpus (``data.max_tokens``) so that samples repeat every few steps.
+Table 4, pipeline swaps: a 4-stage pipeline (8 fake CPU devices) whose capacities a policy changes
+every few steps; per swap, the swap stall and the tracing, lowering and compiling the training
+thread did up to the end of the new Plan's profiled step, in median step times of the same run.
 
 Run it from the repository root on an otherwise idle machine: every table is measured by wall
 clock, and other load on the cores changes step times and compile times.
@@ -24,6 +27,7 @@ clock, and other load on the cores changes step times and compile times.
     python benchmarks/recompile.py          # 5 capacity runs x 600 steps + 2 caching runs x 400
     python benchmarks/recompile.py --quick  # capacity runs of 150 steps (caching still 400)
     python benchmarks/recompile.py --workdir runs/bench [--reuse]  # keep runs / re-read them
+    python benchmarks/recompile.py --only pipeline  # Table 4 alone (about 2 min)
 
 The default took 33 and 50 min on two shared cores under a load average of ~4 (0.3-0.65 s per
 step); at the ~0.15 s per step of two idle cores it would be about 12 min.
@@ -40,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +99,9 @@ def worker(spec: dict[str, Any]) -> None:
 
     cfg = load_config(CONFIG, spec["overrides"])
     cfg.recompile.cache_dir = spec["cache_dir"]
+    if spec.get("pipeline_swaps"):
+        pipeline_worker(cfg, spec)
+        return
     probe = Probe(spec["keep_loads"])
     t0 = time.perf_counter()
     summary = train(cfg, spec["workdir"], policies=[probe], progress=False)
@@ -117,10 +125,14 @@ def worker(spec: dict[str, Any]) -> None:
     )
 
 
-def run_training(args, name: str, overrides: list[str], keep_loads: bool = False) -> dict:
+def run_training(
+    args, name: str, overrides: list[str], keep_loads: bool = False, **extra: Any
+) -> dict:
     """Train in a subprocess; returns the run's metrics, events and probe data.
 
     With ``--reuse``, a finished run of the same spec in ``--workdir`` is read, not rerun.
+    ``extra`` goes into the worker's spec (``pipeline_swaps``: Table 4's run, on 8 fake CPU
+    devices).
     """
     workdir, cache = args.root / name, args.root / f"cache_{name}"
     spec = {
@@ -128,12 +140,16 @@ def run_training(args, name: str, overrides: list[str], keep_loads: bool = False
         "workdir": str(workdir),
         "cache_dir": str(cache),
         "keep_loads": keep_loads,
+        **extra,
     }
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
     }
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if extra.get("pipeline_swaps"):
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAKE_DEVICES}".strip()
     finished = workdir / "spec.json"
     done = finished.exists() and json.loads(finished.read_text()) == spec
     for attempt in range(0 if (args.reuse and done) else WORKER_RETRIES + 1):
@@ -667,6 +683,170 @@ def caching_benchmark(args) -> tuple[str, dict, list[dict]]:
     return "\n".join([head, cols, *rows, *notes]), {"cached": cached.mean()}, [on]
 
 
+# -- table 4: pipeline swaps -------------------------------------------------------------------
+
+FAKE_DEVICES = "--xla_force_host_platform_device_count=8"
+# configs/moe.py made tiny, on 4 stages x 2 data devices: one layer per stage, MoE on stages 1
+# and 3; the budget lets the benchmark's policy change capacities as often as it likes.
+PIPELINE_OVERRIDES = [
+    "mesh.stage=4",
+    "mesh.data=2",
+    "model.d_model=64",
+    "model.mlp_dim=128",
+    "moe.expert_mlp_dim=128",
+    "data.seq_len=64",
+    "train.microbatches=4",
+    "recompile.budget.max_recompiles=1000",
+]
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+class CapacityChanges:
+    """A policy that adds one slot to every expert's capacity in the last MoE layer every
+    ``every`` metrics steps: each change is a Plan not seen before (a real background compile of
+    the last stage's backward, not a cache hit) that moves no layer. The layer's one-layer
+    profiling programs change too (a middle stage's only layer would share its stage's)."""
+
+    name = "benchmark_capacity"
+
+    def __init__(self, every: int) -> None:
+        self.every, self.due = every, every
+
+    def propose(self, history, plan):
+        if history.latest_step is None or history.latest_step < self.due:
+            return None
+        self.due = history.latest_step + self.every
+        *rest, last = plan.capacities
+        return plan.replace(capacities=(*rest, tuple(c + 1 for c in last)))
+
+
+class TrainingThreadClock:
+    """What the training (main) thread spends tracing, lowering and compiling, from JAX's
+    monitoring events, and when each `PipelineRuntime.swap` and `profile_step` ran.
+
+    Nested traces (a jit inside a traced function) are counted on their own too, so the
+    seconds are an upper bound; the count of backend compiles is exact.
+    """
+
+    def __init__(self) -> None:
+        self.compiles: list[tuple[float, str, float]] = []  # (end time, event, seconds)
+        self.calls: list[tuple[str, float, float]] = []  # (method, start, end)
+
+    def listen(self, event: str, seconds: float, **_: Any) -> None:
+        if event in COMPILE_EVENTS and threading.current_thread() is threading.main_thread():
+            self.compiles.append((time.time(), event, seconds))
+
+    def wrap(self, cls: type, method: str) -> None:
+        inner = getattr(cls, method)
+
+        def timed(runtime, *args, **kwargs):
+            t0 = time.time()
+            try:
+                return inner(runtime, *args, **kwargs)
+            finally:
+                self.calls.append((method, t0, time.time()))
+
+        setattr(cls, method, timed)
+
+    def between(self, start: float, end: float) -> tuple[int, float]:
+        """(backend compiles, seconds of all compile events) that ended in [start, end]."""
+        inside = [(e, s) for t, e, s in self.compiles if start <= t <= end]
+        return sum(e == COMPILE_EVENTS[-1] for e, _ in inside), sum(s for _, s in inside)
+
+
+def pipeline_worker(cfg, spec: dict[str, Any]) -> None:
+    """Table 4's run: train with `CapacityChanges`, timing the training thread's swaps."""
+    import jax
+
+    from dynjax.experiment import PipelineRuntime
+    from dynjax.train import train
+
+    clock = TrainingThreadClock()
+    jax.monitoring.register_event_duration_secs_listener(clock.listen)
+    clock.wrap(PipelineRuntime, "swap")
+    clock.wrap(PipelineRuntime, "profile_step")
+    summary = train(cfg, spec["workdir"], policies=[CapacityChanges(spec["every"])], progress=False)
+    swaps = [(t0, t1) for m, t0, t1 in clock.calls if m == "swap"]
+    profiles = [(t0, t1) for m, t0, t1 in clock.calls if m == "profile_step"]
+    rows = []
+    for start, end in swaps:
+        profiled = next(((a, b) for a, b in profiles if a >= end), None)
+        until = profiled[1] if profiled else end  # the profile of the new Plan, when on
+        compiles, seconds = clock.between(start, until)
+        rows.append({
+            "swap_seconds": end - start,
+            "profile_seconds": profiled[1] - profiled[0] if profiled else None,
+            "thread_compiles": compiles,
+            "thread_compile_seconds": seconds,
+        })
+    (Path(spec["workdir"]) / "probe.json").write_text(
+        json.dumps({
+            "rounds": [],
+            "swaps": rows,
+            "seconds": summary.seconds,
+            "eval_loss": summary.eval_loss,
+            "recompiles": summary.recompiles,
+            "devices": jax.device_count(),
+        })
+    )
+
+
+def pipeline_benchmark(args) -> tuple[str, dict, list[dict]]:
+    steps, every = args.pipeline_steps, args.pipeline_every
+    _say(f"pipeline: capacity changes every {every} steps in a 4-stage pipeline, {steps} steps")
+    overrides = [*_common(steps), *PIPELINE_OVERRIDES]
+    run = run_training(args, "pipeline", overrides, pipeline_swaps=True, every=every)
+    intervals, _, _ = window_stats(run)
+    events = recompiles(run)
+    delta = json.loads((args.root / "pipeline" / "config.json").read_text())["recompile"][
+        "delta_launch"
+    ]
+    # A swap and its profiled step show in the metrics lines of the next Δ + 1 steps.
+    near = {s for e in events for s in range(e["swap_step"], e["swap_step"] + delta + 3)}
+    median = statistics.median([d for s, d in intervals.items() if s not in near])
+    migrates = sum(1 for e in run["events"] if e["event"] == "migrate")
+    head = (
+        f"Table 4. Pipeline swaps of a capacity change: configs/moe.py with "
+        f"{' '.join(PIPELINE_OVERRIDES[:-1])} ({run['devices']} fake CPU devices), {steps} "
+        f"steps, a policy adding one slot to the last MoE layer's capacities every {every} "
+        "steps (no layer moves), pipeline.profile_on_change on. swap = runtime.swap on the "
+        "training thread; stall = recompile event's swap_stall_seconds (poll to swap_done); "
+        "thread compile = tracing, lowering and compiling on the training thread from the "
+        "swap to the end of the new Plan's profiled step (n = backend compiles); profile = "
+        "that profiled step, informational (it times every unit by design); ratios in median "
+        "step times."
+    )
+    cols = (
+        f"{'swap step':>10}{'bg compile s':>13}{'swap':>8}{'stall':>8}{'n':>4}"
+        f"{'thread compile':>15}{'stall+compile':>14}{'profile':>9}"
+    )
+    rows, totals = [], []
+    for e, r in zip(events, run["swaps"], strict=True):
+        total = (e["swap_stall_seconds"] + r["thread_compile_seconds"]) / median
+        totals.append(total)
+        profile = r["profile_seconds"] / median if r["profile_seconds"] is not None else math.nan
+        rows.append(
+            f"{e['swap_step']:>10}{e['compile_seconds']:>13.2f}"
+            f"{r['swap_seconds'] / median:>8.3f}{e['swap_stall_seconds'] / median:>8.3f}"
+            f"{r['thread_compiles']:>4}{r['thread_compile_seconds'] / median:>15.3f}"
+            f"{total:>14.3f}{profile:>9.1f}"
+        )
+    if not rows:
+        return head + "\n  (no swap happened: run longer)", {}, []
+    worst = max(totals)
+    foot = (
+        f"median step {median * 1e3:.0f} ms; {len(rows)} swaps, {migrates} migrate events; "
+        f"stall + training-thread compile: median {statistics.median(totals):.3f}, max "
+        f"{worst:.3f} step times (target <= {TARGET_STALL:.0f} step: "
+        f"{'met' if worst <= TARGET_STALL else 'NOT met'})"
+    )
+    return "\n".join([head, cols, *rows, foot]), {"stall": worst}, []
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -678,7 +858,13 @@ def main() -> None:
         "--cache-steps", type=int, help="steps per caching run (400; quick 400: caching needs them)"
     )
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary directory)")
-    parser.add_argument("--only", choices=("capacity", "caching"), help="run one benchmark")
+    parser.add_argument(
+        "--only", choices=("capacity", "caching", "pipeline"), help="run one benchmark"
+    )
+    parser.add_argument("--pipeline-steps", type=int, default=500, help="steps of Table 4's run")
+    parser.add_argument(
+        "--pipeline-every", type=int, default=10, help="steps between Table 4's capacity changes"
+    )
     parser.add_argument(
         "--reuse", action="store_true", help="with --workdir: read finished runs, do not rerun"
     )
@@ -702,15 +888,18 @@ def main() -> None:
         args.root = Path(tmp)
     try:
         tables, runs = [], []
-        if args.only != "caching":
+        if args.only in (None, "capacity"):
             text, _, r = capacity_benchmark(args)
             tables.append(text)
             runs += r
-        if args.only != "capacity":
+        if args.only in (None, "caching"):
             text, _, r = caching_benchmark(args)
             tables.append(text)
             runs += r
-        overlap, _ = overlap_table(runs)
+        if args.only in (None, "pipeline"):
+            text, _, _ = pipeline_benchmark(args)
+            tables.append(text)
+        overlap = [overlap_table(runs)[0]] if runs else []
         import jax
 
         reused = sum(r["reused"] for r in args.all_runs)
@@ -722,7 +911,7 @@ def main() -> None:
             + (f" ({reused} read back from --workdir)" if reused else "")
             + f", {sum(r['seconds'] for r in args.all_runs):.0f} s inside train()\n"
         )
-        print("\n\n".join([overlap, *tables]))
+        print("\n\n".join([*overlap, *tables]))
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -218,14 +218,16 @@ class Experiment:
             return_assignments=self.ctx.num_moe_layers > 0 and self.cfg.moe.caching.enabled,
         )
 
-    def lower_train_step(self, plan: Plan):
+    def lower_train_step(self, plan: Plan, *, profiling: bool = False):
         """Trace and lower the train step of ``plan`` from abstract values (no buffers touched).
 
         A pipeline Plan lowers only the stage programs that are not compiled yet; ``compile()``
-        of the result builds them (`dynjax.parallel.pipeline.LoweredPipeline`).
+        of the result builds them (`dynjax.parallel.pipeline.LoweredPipeline`). ``profiling``
+        (a run that profiles its pipeline steps) adds the programs that profile a step.
         """
         if plan.stage_layers:
-            return self.pipeline_programs.lower(self.pipeline_spec(plan))
+            spec = self.pipeline_spec(plan)
+            return self.pipeline_programs.lower(spec, profiling=profiling)
         step = make_train_step(
             self.graphdef, self.optimizer, self.step_options(plan), expert_parallel(self.mesh)
         )
@@ -424,12 +426,10 @@ class PipelineRuntime:
         return host_metrics({**metrics, "stages": stages})
 
     def swap(self, plan: Plan, executable) -> Migration | None:
-        """Migrate layers to their new stages when the stage assignment changed."""
-        if executable.spec.stages == self.pipeline.spec.stages:
-            self.pipeline.spec = executable.spec  # a new schedule: same state layout
-            return None
-        migration = self.pipeline.migrate(executable)
-        return migration if migration.layers else None
+        """Migrate layers to their new stages when the state layout changed (`Pipeline.swap`);
+        a change of capacities, cached routing or schedule swaps without waiting."""
+        migration = self.pipeline.swap(executable)
+        return migration if migration is not None and migration.layers else None
 
     def checkpoint_state(self) -> dict[str, Any]:
         return self.pipeline.host_state()

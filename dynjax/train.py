@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -198,7 +199,15 @@ def train(
             time.perf_counter() - began,
         )
 
-    compiler = Compiler(exp.lower_train_step, max_entries=cfg.recompile.cache_size)
+    # A pipeline profiles the first step of every Plan (seed 000 §3.1) and every n-th step;
+    # each Plan's profiling programs compile with it, in the background.
+    profiles = single and bool(plan.stage_layers)  # profiling times every stage on one host
+    profile_on_change = cfg.pipeline.profile_on_change and profiles
+    profile_every = cfg.pipeline.profile_every if profiles else 0
+    lower = functools.partial(
+        exp.lower_train_step, profiling=profile_on_change or bool(profile_every)
+    )
+    compiler = Compiler(lower, max_entries=cfg.recompile.cache_size)
     first = compiler.get(plan)
     events(
         {
@@ -246,10 +255,6 @@ def train(
         dynamic_ncols=True,
     )
     recompiles, eval_loss = 0, None
-    # A pipeline profiles the first step of every Plan (seed 000 §3.1) and every n-th step.
-    profiles = single and bool(plan.stage_layers)  # profiling times every stage on one host
-    profile_on_change = cfg.pipeline.profile_on_change and profiles
-    profile_every = cfg.pipeline.profile_every if profiles else 0
     profile_next = profile_on_change
 
     def release_unused(step: int, reason: str) -> None:

@@ -408,7 +408,7 @@ def test_migration_carries_adamw_counts_and_moments_exactly():
 
 def test_profile_of_frozen_layers_counts_only_the_backward_the_step_runs(programs):
     programs, template = programs
-    exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN)).compile()
+    exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN), profiling=True).compile()
     pipeline = Pipeline(programs, template)
     pipeline.place(initial_state(), exe.spec)
     _, profile = pipeline.profile_step(exe, **batches()[0], repeats=1)

@@ -46,14 +46,16 @@ def layer_moves(old, new):
 
 
 def warm_layouts(config, layouts):
-    """Compile the train step of each stage layout of ``config`` into JAX's persistent
-    compilation cache (enabled by an earlier `train` in this process), so that a policy's
-    background compile of one of them is ready within a few steps even on a busy machine."""
+    """Compile the train step of each stage layout of ``config``, with its profiling programs,
+    into JAX's persistent compilation cache (enabled by an earlier `train` in this process), so
+    that a policy's background compile of one of them is ready within a few steps even on a
+    busy machine."""
     from dynjax.experiment import Experiment  # jax-heavy: only for the tests that need it
 
     exp = Experiment.from_config(config)
     for layout in layouts:
-        exp.lower_train_step(exp.initial_plan().replace(stage_layers=layout)).compile()
+        plan = exp.initial_plan().replace(stage_layers=layout)
+        exp.lower_train_step(plan, profiling=True).compile()
 
 
 def get_config():

@@ -11,7 +11,8 @@ returns the step's metrics as device arrays; it never waits for a result inside 
 Programs are compiled per kind and the part of the `StageSpec` they depend on (`program_key`):
 a Plan whose stage assignment changes compiles only the stages whose layers changed, and
 `Pipeline.migrate` moves each moved layer's parameters and optimizer state to its new stage bit
-for bit (seed 000 §4.1).
+for bit (seed 000 §4.1). A Plan that keeps the state layout (`state_layout`: capacities, cached
+routing, the schedule changed) swaps in without touching the state or waiting for the device.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from jax.sharding import PartitionSpec as P
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.layout import join, relayout
 from dynjax.parallel.mesh import TOKEN_AXES
-from dynjax.parallel.profile import Profile, TaskTime, stage_memory, unit_times
+from dynjax.parallel.profile import Profile, TaskTime, stage_memory, unit_programs, unit_times
 from dynjax.parallel.stage_programs import StageSetup, StageShapes, lower_stage, stage_shapes
 from dynjax.parallel.stages import PipelineSpec, StageSpec
 from dynjax.parallel.transport import Transport
 
 ProgramKey = tuple[str, int]  # (kind, stage)
+UnitKey = tuple[str, StageSpec]  # (kind, one-unit spec): a profiling program
 
 
 def program_kinds(spec: StageSpec) -> tuple[str, ...]:
@@ -61,6 +63,15 @@ def program_key(kind: str, spec: StageSpec) -> tuple[str, StageSpec]:
     return kind, spec
 
 
+def state_layout(spec: PipelineSpec) -> tuple:
+    """What the per-stage state trees depend on: the units each stage holds and which of them
+    train (the gradient accumulator's). Plans equal here share one state: swapping between them
+    moves nothing."""
+    return tuple(
+        (s.index, s.first, s.last, s.layers, s.frozen, s.embed_frozen) for s in spec.stages
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineExecutable:
     """Compiled programs for every stage (of this process) of one `PipelineSpec`."""
@@ -69,6 +80,7 @@ class PipelineExecutable:
     programs: Mapping[ProgramKey, Any]  # (kind, stage) -> jax.stages.Compiled
     compiled: tuple[ProgramKey, ...]  # compiled for this spec; the others came from the cache
     order: tuple[tuple[int, Any], ...]  # global dispatch order of (stage, task)
+    profiling: Mapping[UnitKey, Any]  # `profile.unit_programs`; empty: lowered without them
 
 
 @dataclasses.dataclass
@@ -79,13 +91,22 @@ class LoweredPipeline:
     programs: PipelinePrograms
     ready: dict[ProgramKey, Any]
     lowered: dict[ProgramKey, tuple[StageSpec, jax.stages.Lowered]]
+    profiling_ready: dict[UnitKey, Any]
+    profiling_lowered: dict[UnitKey, jax.stages.Lowered]
 
     def compile(self) -> PipelineExecutable:
         programs = dict(self.ready)
         for key, (stage, lowered) in self.lowered.items():
             programs[key] = self.programs.store(key[0], stage, lowered.compile())
+        profiling = dict(self.profiling_ready)
+        for (kind, one), lowered in self.profiling_lowered.items():
+            profiling[kind, one] = self.programs.store(kind, one, lowered.compile())
         return PipelineExecutable(
-            self.spec, programs, tuple(sorted(self.lowered)), dispatch_order(self.spec.tasks)
+            self.spec,
+            programs,
+            tuple(sorted(self.lowered)),
+            dispatch_order(self.spec.tasks),
+            profiling,
         )
 
 
@@ -122,23 +143,38 @@ class PipelinePrograms:
             hit = self._shapes.setdefault(spec, hit)
         return hit
 
-    def lower(self, spec: PipelineSpec) -> LoweredPipeline:
-        """The programs of this process's stages: cached ones ready, the others lowered."""
+    def lower(self, spec: PipelineSpec, *, profiling: bool = False) -> LoweredPipeline:
+        """The programs of this process's stages: cached ones ready, the others lowered; with
+        ``profiling``, the one-unit programs that profile the spec's step too."""
         ready, lowered = {}, {}
         for stage in spec.stages:
             if not self.transport.is_local(stage.index):
                 continue
             for kind in program_kinds(stage):
-                key = (kind, stage.index)
-                with self._lock:
-                    hit = self._compiled.get(program_key(kind, stage))
-                    if hit is not None:
-                        self._compiled.move_to_end(program_key(kind, stage))
+                hit = self._cached(kind, stage)
                 if hit is not None:
-                    ready[key] = hit
+                    ready[kind, stage.index] = hit
                 else:
-                    lowered[key] = (stage, self.lower_one(kind, stage))
-        return LoweredPipeline(spec, self, ready, lowered)
+                    lowered[kind, stage.index] = (stage, self.lower_one(kind, stage))
+        units_ready, units_lowered = {}, {}
+        for kind, one in unit_programs(spec, self.setup.parts) if profiling else ():
+            if not self.transport.is_local(one.index):
+                continue
+            hit = self._cached(kind, one)
+            if hit is not None:
+                units_ready[kind, one] = hit
+            else:
+                units_lowered[kind, one] = self.lower_one(kind, one)
+        return LoweredPipeline(spec, self, ready, lowered, units_ready, units_lowered)
+
+    def _cached(self, kind: str, stage: StageSpec) -> Any:
+        """A compiled program (now the most recently used), or None."""
+        key = program_key(kind, stage)
+        with self._lock:
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+        return hit
 
     def lower_one(self, kind: str, stage: StageSpec) -> jax.stages.Lowered:
         mesh = self.transport.stage_meshes[stage.index]
@@ -246,6 +282,14 @@ class Pipeline:
         stages = [jax.device_get(self.state[s]) for s in sorted(self.state)]
         return join(self.full_template, stages)
 
+    def swap(self, exe: PipelineExecutable) -> Migration | None:
+        """Run ``exe`` from the next step. A spec with the same `state_layout` only switches
+        (no device wait: the steps in flight keep running); any other migrates."""
+        if state_layout(exe.spec) == state_layout(self.spec):
+            self.spec = exe.spec
+            return None
+        return self.migrate(exe)
+
     def migrate(self, exe: PipelineExecutable) -> Migration:
         """Lay the state out for ``exe``: every layer whose stage changed moves to its new stage
         with its optimizer state, bit for bit; the others stay where they are."""
@@ -348,13 +392,22 @@ class Pipeline:
         repeats: int = 3,
     ) -> tuple[dict[str, Any], Profile]:
         """`timed_step`, then each unit's forward and backward time and each stage's memory
-        (seed 000 §3.1: the step after a change is profiled). Blocks until all are measured."""
+        (seed 000 §3.1: the step after a change is profiled). Blocks until all are measured.
+
+        The one-unit programs come with ``exe`` (lowered with ``profiling``): nothing compiles
+        here, on the training thread.
+        """
+        if not exe.profiling:
+            raise ValueError(
+                "profiling a step needs its one-unit programs: lower the spec with "
+                "PipelinePrograms.lower(spec, profiling=True)"
+            )
         metrics, timeline = self.timed_step(exe, inputs, targets, cached)
         params = {s: st["params"] for s, st in self.state.items()}
         times = unit_times(
             exe.spec,
             params,
-            self.programs.get,
+            lambda kind, one: exe.profiling[kind, one],
             self.programs.shapes,
             self.programs.setup.parts,
             repeats=repeats,

@@ -6,9 +6,11 @@ a stage's layers into one program, so a layer's time is measured by running that
 a one-unit stage (the same `stage_programs`, on the layer's own stage sub-mesh, with its live
 parameters): a forward program, and a backward program that recomputes the forward first, as a
 stage's backward does. Layers with the same graph and capacities on the same stage compile and
-run one such program. Memory is the compiler's memory analysis of the stage programs plus the
-live parameter, optimizer-state and gradient-accumulator bytes, and the stage inputs the
-schedule keeps for the backward, all per device.
+run one such program; they are lowered and compiled with their Plan, in the background
+(`unit_programs`), so a profiled step waits for no compile. Memory is the compiler's memory
+analysis of the stage programs plus the live parameter, optimizer-state and
+gradient-accumulator bytes, and the stage inputs the schedule keeps for the backward, all per
+device.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax
 import numpy as np
 
 from dynjax.balance import peak_in_flight
-from dynjax.parallel.layout import select
+from dynjax.parallel.layout import Unit, select
 from dynjax.parallel.stages import ModelParts, PipelineSpec, StageSpec
 
 GetProgram = Callable[[str, StageSpec], Any]  # (kind, spec) -> compiled program
@@ -74,6 +76,45 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
     return dataclasses.replace(one, moe=(i,), capacities=caps)
 
 
+def unit_kinds(one: StageSpec) -> tuple[str, ...]:
+    """The programs that time a one-unit stage: its forward ("eval" for the head, which ends in
+    the loss), and its backward where the step runs one."""
+    return ("eval" if one.last else "fwd",) + (("bwd",) if one.has_backward else ())
+
+
+def timed_units(spec: PipelineSpec, parts: ModelParts) -> list[tuple[Unit, StageSpec, tuple]]:
+    """Every unit of the model in order, as (unit, its one-unit spec, its timing signature).
+
+    Units with equal signatures (the same graph and capacities on the same stage) run one
+    program and share one measurement.
+    """
+    out = []
+    trainable_before = False  # a unit before this one gets gradients: it must pass them back
+    for stage in spec.stages:
+        units = [("layers", i) for i in stage.layers]
+        units = ([("embed",)] if stage.first else []) + units + ([("head",)] if stage.last else [])
+        for unit in units:
+            one = unit_spec(stage, unit, trainable_before=trainable_before)
+            graph = parts.layers[unit[1]] if unit[0] == "layers" else None
+            signature = (stage.index, unit[0], one.capacities, graph, one.frozen != (),
+                         one.input_grads, one.embed_frozen)
+            out.append((unit, one, signature))
+            if unit[0] == "layers":
+                trainable_before |= not one.frozen
+            elif unit[0] == "embed":
+                trainable_before |= not one.embed_frozen
+    return out
+
+
+def unit_programs(spec: PipelineSpec, parts: ModelParts) -> list[tuple[str, StageSpec]]:
+    """The (kind, one-unit spec) programs `unit_times` runs for ``spec``: lowered and compiled
+    with the Plan, off the training thread, so profiling its first step compiles nothing."""
+    firsts: dict[tuple, StageSpec] = {}
+    for _, one, signature in timed_units(spec, parts):
+        firsts.setdefault(signature, one)
+    return [(kind, one) for one in firsts.values() for kind in unit_kinds(one)]
+
+
 def unit_times(
     spec: PipelineSpec,
     params: Mapping[int, Any],
@@ -87,26 +128,16 @@ def unit_times(
     measured: dict[tuple, tuple[float, float]] = {}
     forward, backward = {}, {}
     embed = head = (0.0, 0.0)
-    trainable_before = False  # a unit before this one gets gradients: it must pass them back
-    for stage in spec.stages:
-        units = [("layers", i) for i in stage.layers]
-        units = ([("embed",)] if stage.first else []) + units + ([("head",)] if stage.last else [])
-        for unit in units:
-            one = unit_spec(stage, unit, trainable_before=trainable_before)
-            graph = parts.layers[unit[1]] if unit[0] == "layers" else None
-            signature = (stage.index, unit[0], one.capacities, graph, one.frozen != (),
-                         one.input_grads, one.embed_frozen)
-            if signature not in measured:
-                unit_params = select(params[stage.index], one.units(parts.learned_positions))
-                measured[signature] = _time_unit(one, unit_params, get, shapes, repeats)
-            if unit[0] == "layers":
-                forward[unit[1]], backward[unit[1]] = measured[signature]
-                trainable_before |= not one.frozen
-            elif unit[0] == "embed":
-                embed = measured[signature]
-                trainable_before |= not one.embed_frozen
-            else:
-                head = measured[signature]
+    for unit, one, signature in timed_units(spec, parts):
+        if signature not in measured:
+            unit_params = select(params[one.index], one.units(parts.learned_positions))
+            measured[signature] = _time_unit(one, unit_params, get, shapes, repeats)
+        if unit[0] == "layers":
+            forward[unit[1]], backward[unit[1]] = measured[signature]
+        elif unit[0] == "embed":
+            embed = measured[signature]
+        else:
+            head = measured[signature]
     layers = sorted(forward)
     return UnitTimes(
         layer_forward=tuple(forward[i] for i in layers),
@@ -122,14 +153,15 @@ def _time_unit(
     s = shapes(one)
     rng = np.random.default_rng(0)
     x = _random(s.x, rng)
+    forward_kind, *backward_kind = unit_kinds(one)
     if one.last:
         targets = _random(s.targets, rng)
-        forward = _median(lambda: get("eval", one)(params, x, targets), repeats)
+        forward = _median(lambda: get(forward_kind, one)(params, x, targets), repeats)
         seed = targets
     else:
-        forward = _median(lambda: get("fwd", one)(params, x, None), repeats)
+        forward = _median(lambda: get(forward_kind, one)(params, x, None), repeats)
         seed = _random(s.y, rng)
-    if not one.has_backward:  # inside a frozen prefix: the step runs no backward for it
+    if not backward_kind:  # inside a frozen prefix: the step runs no backward for it
         return forward, 0.0
     acc = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding), s.acc)
     bwd = get("bwd", one)
