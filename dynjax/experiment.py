@@ -291,8 +291,10 @@ class Experiment:
             z_loss_weight=moe.z_loss_weight,
             return_assignments=self.ctx.num_moe_layers > 0 and moe.caching.enabled,
         )
-        # Up to `cache_size` Plans' worth of stage programs (about four kinds per stage).
-        entries = self.cfg.recompile.cache_size * 4 * self.ctx.pipeline_stages
+        # Up to `cache_size` Plans' worth of stage programs: about four kinds per stage, and
+        # a forward and a backward per layer for profiling.
+        per_plan = 4 * self.ctx.pipeline_stages + 2 * self.ctx.num_layers
+        entries = self.cfg.recompile.cache_size * per_plan
         return PipelinePrograms(
             setup,
             Transport(self.mesh),
