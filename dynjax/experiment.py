@@ -216,6 +216,7 @@ class Experiment:
             aux_loss_weight=self.cfg.moe.aux_loss_weight,
             z_loss_weight=self.cfg.moe.z_loss_weight,
             return_assignments=self.ctx.num_moe_layers > 0 and self.cfg.moe.caching.enabled,
+            frozen_layers=plan.frozen_layers,
         )
 
     def lower_train_step(self, plan: Plan, *, profiling: bool = False):
@@ -319,7 +320,7 @@ class Experiment:
         """Jitted mean validation loss of one batch under ``plan``'s capacities. The last
         ``recompile.cache_size`` are kept, like the Compiler's train steps: a dynamic-capacity
         run makes a new one at every capacity change."""
-        opts = self.step_options(plan)
+        opts = dataclasses.replace(self.step_options(plan), frozen_layers=())  # no backward
         fn = self._eval_steps.pop(opts, None) or jax.jit(
             make_eval_step(self.graphdef, opts, expert_parallel(self.mesh))
         )

@@ -123,8 +123,9 @@ def test_pipeline_plan_fields_round_trip_and_old_plans_load():
     single = PlanContext(num_moe_layers=0, num_experts=1, top_k=1, group_tokens=8,
                          batch_size=8, num_layers=4)
     old.validate(single)
-    with pytest.raises(PlanError, match="frozen_layers = \\(1,\\) needs the pipeline runtime"):
-        old.replace(frozen_layers=(1,)).validate(single)
+    old.replace(frozen_layers=(1,)).validate(single)  # the single-program step freezes too
+    with pytest.raises(PlanError, match=r"frozen_layers \[4\] are not layers"):
+        old.replace(frozen_layers=(4,)).validate(single)
 
 
 def test_static_baselines_uniform_and_by_param():

@@ -24,7 +24,7 @@ expert parallel over ``'expert'`` exactly as the single-program step (`dynjax.pa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -35,10 +35,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax.model import lm_loss
-from dynjax.parallel.layout import by_path, fill, select
+from dynjax.parallel.layout import select
 from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
 from dynjax.parallel.stages import ModelParts, StageSpec
-from dynjax.parallel.step import DTYPES, cast_floats
+from dynjax.parallel.step import DTYPES, cast_floats, overlay, update_trainable
 
 Metrics = dict[str, jax.Array]
 
@@ -102,14 +102,6 @@ def _microbatch_metrics(setup: StageSetup, stats, ce) -> tuple[jax.Array, Metric
     return local, metrics
 
 
-def _overlay(params: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` with the units of ``part`` replaced (both keyed by name)."""
-    out = dict(params)
-    for key, value in part.items():
-        out[key] = {**params[key], **value} if key == "layers" else value
-    return out
-
-
 def forward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
     def fwd(params, x, cached):
         y, stats = apply_stage(setup, spec, mesh, params, x, cached)
@@ -123,7 +115,7 @@ def backward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
 
     def bwd(params, acc, x, seed, cached):
         def f(trainable, x):
-            out, stats = apply_stage(setup, spec, mesh, _overlay(params, trainable), x, cached)
+            out, stats = apply_stage(setup, spec, mesh, overlay(params, trainable), x, cached)
             local, metrics = _microbatch_metrics(
                 setup, stats, lm_loss(out, seed) if spec.last else None
             )
@@ -166,13 +158,9 @@ def update_fn(setup: StageSetup, spec: StageSpec):
             clip = setup.grad_clip
             grads = jax.tree.map(lambda g: jnp.where(norm < clip, g, (g / norm) * clip), grads)
         trainable = select(params, trainable_units)
-        template = jax.eval_shape(setup.optimizer.init, trainable)
-        sub_state = fill(template, by_path(opt_state))
-        updates, sub_state = setup.optimizer.update(grads, sub_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
-        opt_state = fill(opt_state, {**by_path(opt_state), **by_path(sub_state)})
+        trainable, opt_state = update_trainable(setup.optimizer, grads, opt_state, trainable)
         zeros = jax.tree.map(jnp.zeros_like, acc)
-        return _overlay(params, trainable), opt_state, zeros, _fold(metrics, norm)
+        return overlay(params, trainable), opt_state, zeros, _fold(metrics, norm)
 
     return update
 

@@ -10,6 +10,7 @@ a static argument, so a different Plan is a different executable.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ import optax
 from flax import nnx
 
 from dynjax.model import ExpertParallel, lm_loss
+from dynjax.parallel.layout import by_path, fill, select
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -33,6 +35,9 @@ class StepOptions:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     return_assignments: bool = False  # add the router's top-k per token to the metrics
+    # Layers that get no gradient and no update (layer 0 freezes the embedding with it): a
+    # frozen prefix of the model runs no backward (seed 000 §4.2.3).
+    frozen_layers: tuple[int, ...] = ()
 
 
 def cast_floats(tree, dtype):
@@ -78,6 +83,37 @@ def _join_microbatches(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
+def trainable_units(params: Mapping[str, Any], frozen_layers: Iterable[int]) -> list[tuple]:
+    """The units of ``params`` (``("embed",)``, ``("layers", i)``, ...) that train: all but
+    the frozen layers, and the embedding and positions when layer 0 is frozen."""
+    frozen = {("layers", i) for i in frozen_layers}
+    if ("layers", 0) in frozen:
+        frozen |= {("embed",), ("pos",)}
+    units = [(k,) for k in params if k != "layers"]
+    units += [("layers", i) for i in params.get("layers", {})]
+    return [u for u in units if u not in frozen]
+
+
+def overlay(params: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with the units of ``part`` replaced (both keyed by name)."""
+    out = dict(params)
+    for key, value in part.items():
+        out[key] = {**params[key], **value} if key == "layers" else value
+    return out
+
+
+def update_trainable(optimizer, grads, opt_state, trainable):
+    """Apply ``optimizer`` to the ``trainable`` units only: the others keep their parameters
+    and optimizer state (their moments are not decayed, their slots not touched).
+
+    Returns (new trainable units, full new optimizer state)."""
+    template = jax.eval_shape(optimizer.init, trainable)
+    sub_state = fill(template, by_path(opt_state))
+    updates, sub_state = optimizer.update(grads, sub_state, trainable)
+    trainable = optax.apply_updates(trainable, updates)
+    return trainable, fill(opt_state, {**by_path(opt_state), **by_path(sub_state)})
+
+
 def make_train_step(
     graphdef,
     optimizer: optax.GradientTransformation,
@@ -87,13 +123,20 @@ def make_train_step(
     """Build ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted).
 
     ``batch`` holds ``inputs``/``targets`` [B, S] and, with cached routing, ``cached`` [L, B, S, k].
+    Only the trainable units are differentiated: the frozen layers are constants of the
+    program, so XLA keeps no backward for a frozen prefix at all.
     """
-    grad_fn = jax.value_and_grad(
-        lambda p, i, t, c: forward_loss(graphdef, p, i, t, c, opts, parallel), has_aux=True
-    )
+
+    def loss(trainable, frozen, inputs, targets, cached):
+        return forward_loss(
+            graphdef, overlay(frozen, trainable), inputs, targets, cached, opts, parallel
+        )
+
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def one(params, inputs, targets, cached):
-        (_, (ce, aux, z, stats)), grads = grad_fn(params, inputs, targets, cached)
+        trainable = select(params, trainable_units(params, opts.frozen_layers))
+        (_, (ce, aux, z, stats)), grads = grad_fn(trainable, params, inputs, targets, cached)
         return grads, ce, aux, z, stats
 
     def step(params, opt_state, batch: dict[str, Any]):
@@ -116,13 +159,15 @@ def make_train_step(
                 acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
                 return acc, (ce, aux, z, st)
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            trainable = select(params, trainable_units(params, opts.frozen_layers))
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
             grads, (ce, aux, z, st) = jax.lax.scan(body, zeros, xs)
             grads = jax.tree.map(lambda g: g / m, grads)
             ce, aux, z = jnp.mean(ce), jnp.mean(aux), jnp.mean(z)
             stats = [type(s)(*(_join_microbatches(f) for f in s)) for s in st]
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        trainable = select(params, trainable_units(params, opts.frozen_layers))
+        trainable, opt_state = update_trainable(optimizer, grads, opt_state, trainable)
+        params = overlay(params, trainable)
         metrics = {"loss": ce, "aux_loss": aux, "z_loss": z, "grad_norm": optax.tree.norm(grads)}
         metrics.update(_moe_metrics(stats, opts))
         return params, opt_state, metrics

@@ -85,7 +85,7 @@ class Plan:
     schedule: the pipeline schedule, one of `SCHEDULES` (seed 003 §A).
     frozen_layers: layers that compute no weight gradient and get no optimizer update. Freezing
       layer 0 freezes the token (and position) embedding with it, so a frozen prefix of the model
-      runs no backward at all (layer freezing, seed 000 §4.2.3). Pipeline runs only.
+      runs no backward at all (layer freezing, seed 000 §4.2.3).
     parts: each dynamism plugin's part of the Plan (DESIGN.md "Dynamism plugins"), as sorted
       ``(plugin name, part)`` pairs; a part is ``(field, value)`` pairs of JSON data (numbers,
       strings, bools and nested tuples), read with `part` and changed with `with_part`. MoE's
@@ -184,11 +184,6 @@ class Plan:
                 problems.append(
                     f"stage_layers is empty but the mesh has {ctx.pipeline_stages} pipeline "
                     "stages: give one layer count per stage, e.g. dynjax.balance.uniform"
-                )
-            if self.frozen_layers:
-                problems.append(
-                    f"frozen_layers = {self.frozen_layers} needs the pipeline runtime: set "
-                    f"pipeline.stage_layers (e.g. '({ctx.num_layers},)' for one stage)"
                 )
         else:
             if len(stages) > ctx.pipeline_stages:
