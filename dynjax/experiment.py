@@ -26,9 +26,10 @@ from dynjax import config as config_lib
 from dynjax import resume
 from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
-from dynjax.dynamism import enabled_plugins
+from dynjax.dynamism import enabled_plugins, plan_layer_options
 from dynjax.launch.distributed import exchange, forget
 from dynjax.model import GPT, GPTConfig
+from dynjax.model.hooks import LayerOptions
 from dynjax.optim import learning_rate_schedule, make_optimizer
 from dynjax.parallel import (
     TOKEN_AXES,
@@ -83,6 +84,7 @@ class Experiment:
     order: TrainOrder
     val_batches: list[Batch]
     _eval_steps: OrderedDict = dataclasses.field(default_factory=OrderedDict, repr=False)
+    _layer_options: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ml_collections.ConfigDict) -> Experiment:
@@ -217,7 +219,14 @@ class Experiment:
             z_loss_weight=self.cfg.moe.z_loss_weight,
             return_assignments=self.ctx.num_moe_layers > 0 and self.cfg.moe.caching.enabled,
             frozen_layers=plan.frozen_layers,
+            layer_options=self.layer_options(plan),
         )
+
+    def layer_options(self, plan: Plan) -> tuple[LayerOptions, ...]:
+        """Each layer's plugin records under ``plan`` (computed once per Plan)."""
+        if plan not in self._layer_options:
+            self._layer_options = {plan: plan_layer_options(enabled_plugins(self.cfg), plan, self)}
+        return self._layer_options[plan]
 
     def lower_train_step(self, plan: Plan, *, profiling: bool = False):
         """Trace and lower the train step of ``plan`` from abstract values (no buffers touched).
@@ -277,6 +286,7 @@ class Experiment:
             batch_size=self.cfg.train.batch_size,
             cached_routing=plan.cached_routing,
             dtype=plan.dtype,
+            options=self.layer_options(plan),
         )
         tasks = schedule_tasks(plan.schedule, len(stages), plan.microbatches)
         return PipelineSpec(stages, plan.schedule, tasks)

@@ -1,11 +1,16 @@
-"""The plugin interface: registry, config sections, Plan parts, resume rules, layer costs."""
+"""The plugin interface: registry, config sections, Plan parts, resume rules, layer costs,
+per-layer options with a block hook and its metric, in both runtimes."""
 
+import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import pytest
 
 from dynjax.config import ConfigError, default_config, validate_config
 from dynjax.dynamism import Plugin, layer_costs, register, registered
 from dynjax.experiment import Experiment
+from dynjax.model.hooks import register_block_hook
 from dynjax.recompile import Plan
 from dynjax.resume import check_resumable, config_changes
 from dynjax.train import train
@@ -37,8 +42,17 @@ class Toy(Plugin):
     def layer_costs(self, plan, exp):
         return [w / 2 for w in plan.part("toy")["widths"]]
 
+    def layer_options(self, plan, exp):
+        return [w / 2 for w in plan.part("toy")["widths"]]  # the hook's scale of each layer
+
+
+def scale_block_output(x, scale):
+    """The toy's block hook: scales the block's output and reports its mean |x| per row."""
+    return x * scale, {"toy/mean_abs": jnp.mean(jnp.abs(x), axis=(1, 2))}
+
 
 register(Toy())
+register_block_hook("toy", scale_block_output, {"toy/mean_abs": "rows"})
 
 
 def test_a_registered_plugin_gets_a_config_section_and_its_checks():
@@ -77,3 +91,43 @@ def test_a_run_with_a_plugin_writes_its_layer_costs(tmp_path):
     lines = read_jsonl(tmp_path / "layer_costs.jsonl")
     assert [r["step"] for r in lines] == [2, 4]
     assert lines[0]["layer_cost"] == pytest.approx([1.0, 1.25])  # the MoE layer at factor 1.25
+
+
+def one_step(cfg, plan_change=lambda plan: plan):
+    exp = Experiment.from_config(cfg)
+    plan = plan_change(exp.initial_plan())
+    runtime = exp.runtime(plan)
+    executable = exp.lower_train_step(plan).compile()
+    metrics = runtime.host_metrics(0, jax.device_get(
+        runtime.step(executable, exp.order.batch(0), None)))
+    return exp, plan, metrics
+
+
+@pytest.mark.parametrize("pipeline", [{}, {"mesh__stage": 2}], ids=["single", "pipeline"])
+def test_layer_options_reach_the_block_hook_and_its_metric_comes_back(pipeline):
+    base = dict(model__num_layers=4, train__batch_size=8, **pipeline)
+    _, _, plain = one_step(tiny_config(**base))
+    _, _, same = one_step(tiny_config(toy__enabled=True, **base))  # scale 1: the same model
+    np.testing.assert_allclose(same["loss"], plain["loss"], rtol=1e-6)
+    assert same["toy/mean_abs"].shape == (4, 8)  # [layers, rows in batch order]
+    assert "toy/mean_abs" not in plain
+    assert same["layer_grad_norm"].shape == (4,) and np.all(same["layer_grad_norm"] > 0)
+    _, _, scaled = one_step(
+        tiny_config(toy__enabled=True, **base),
+        lambda plan: plan.with_part("toy", widths=(8, 2, 2, 2)),  # layer 0's output x 4
+    )
+    # The hook reports its input: layer 0's is unchanged, every later one carries the x 4.
+    np.testing.assert_allclose(scaled["toy/mean_abs"][0], same["toy/mean_abs"][0], rtol=1e-5)
+    assert np.all(scaled["toy/mean_abs"][1:] > 2 * same["toy/mean_abs"][1:])
+
+
+def test_a_changed_layer_option_recompiles_only_its_stage():
+    exp = Experiment.from_config(
+        tiny_config(toy__enabled=True, model__num_layers=4, mesh__stage=2)
+    )
+    plan = exp.initial_plan()
+    exp.lower_train_step(plan).compile()
+    changed = plan.with_part("toy", widths=(2, 2, 2, 4))  # layer 3, on stage 1
+    lowered = exp.lower_train_step(changed)
+    assert {stage for _, stage in lowered.lowered} == {1}
+    assert exp.pipeline_spec(changed).stages[0] == exp.pipeline_spec(plan).stages[0]

@@ -4,6 +4,20 @@ Importing this package registers the built-in schemes; `register` adds others.
 """
 
 from dynjax.dynamism import moe  # noqa: F401 - registers the scheme
-from dynjax.dynamism.base import Plugin, enabled_plugins, layer_costs, register, registered
+from dynjax.dynamism.base import (
+    Plugin,
+    enabled_plugins,
+    layer_costs,
+    plan_layer_options,
+    register,
+    registered,
+)
 
-__all__ = ["Plugin", "enabled_plugins", "layer_costs", "register", "registered"]
+__all__ = [
+    "Plugin",
+    "enabled_plugins",
+    "layer_costs",
+    "plan_layer_options",
+    "register",
+    "registered",
+]

@@ -10,9 +10,11 @@ policies and costs) and never names a scheme, so adding one edits no other file.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ml_collections
+
+from dynjax.model.hooks import LayerOptions, layer_options
 
 if TYPE_CHECKING:  # the edge modules call plugins; plugins never import them at run time
     from dynjax.experiment import Experiment
@@ -26,6 +28,7 @@ class Plugin:
     - `validate`: raise `dynjax.config.ConfigError` naming the key and the fix; called for every
       config, enabled or not (a scheme's keys may contradict others even when it is off);
     - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
+    - `layer_options`: the per-layer records its block hook reads (`dynjax.model.hooks`);
     - `resumed_plan`: what a resumed run with a changed config keeps of the saved part;
     - `policies`: the Controller policies the config asks for (pure `propose(history, plan)`);
     - `layer_costs`: each layer's relative cost under a Plan (a dense layer = 1.0; seed 000 §2
@@ -60,6 +63,12 @@ class Plugin:
         parts = dict(saved.parts)
         parts.pop(self.name, None)
         return saved.replace(parts=parts).with_part(self.name, **implied.part(self.name))
+
+    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
+        """Each layer's static record for the scheme's block hook (None for a layer it leaves
+        alone), or None for none at all. Records must be hashable: they key the compile cache,
+        so a change recompiles only the pipeline stages whose layers' records changed."""
+        return None
 
     def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
         return []
@@ -100,3 +109,18 @@ def layer_costs(plugins: Sequence[Plugin], plan: Plan, exp: Experiment) -> list[
         if factors is not None:
             costs = [c * float(f) for c, f in zip(costs, factors, strict=True)]
     return costs
+
+
+def plan_layer_options(
+    plugins: Sequence[Plugin], plan: Plan, exp: Experiment
+) -> tuple[LayerOptions, ...]:
+    """Every layer's `LayerOptions` under ``plan``: each plugin's record for it; () when no
+    plugin gives any."""
+    per_plugin = {p.name: p.layer_options(plan, exp) for p in plugins}
+    per_plugin = {name: recs for name, recs in per_plugin.items() if recs is not None}
+    if not per_plugin:
+        return ()
+    return tuple(
+        layer_options({name: recs[i] for name, recs in per_plugin.items()})
+        for i in range(exp.ctx.num_layers)
+    )

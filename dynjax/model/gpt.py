@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import optax
 from flax import nnx
 
 from dynjax.model.attention import CausalSelfAttention
+from dynjax.model.hooks import LayerOptions, apply_block_hooks
 from dynjax.model.mlp import MLP
 from dynjax.model.moe import MoE, MoEStats
 
@@ -58,12 +60,56 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(d, cfg.mlp_dim, out_std=cfg.residual_std, rngs=rngs)
 
-    def __call__(self, x, *, capacities=None, parallel=None, cached=None):
+    def __call__(
+        self, x, *, capacities=None, parallel=None, cached=None, options: LayerOptions = ()
+    ):
+        """(output, MoE stats or None, the block hooks' metrics) of one layer."""
         x = x + self.attn(self.norm1(x))
-        if not self.is_moe:
-            return x + self.mlp(self.norm2(x)), None
-        y, stats = self.moe(self.norm2(x), capacities=capacities, parallel=parallel, cached=cached)
-        return x + y, stats
+        stats = None
+        if self.is_moe:
+            y, stats = self.moe(
+                self.norm2(x), capacities=capacities, parallel=parallel, cached=cached
+            )
+        else:
+            y = self.mlp(self.norm2(x))
+        x, metrics = apply_block_hooks(x + y, options)
+        return x, stats, metrics
+
+
+def run_layers(
+    blocks: Sequence[Block],
+    x: jax.Array,
+    *,
+    capacities: Sequence[tuple[int, ...]],
+    options: Sequence[LayerOptions] | None,
+    parallel,
+    cached: jax.Array | Sequence[jax.Array] | None,
+) -> tuple[jax.Array, tuple[MoEStats, ...], tuple[dict[str, jax.Array], ...]]:
+    """The one layer loop of the model and of every pipeline stage.
+
+    ``capacities`` and ``cached`` hold one entry per MoE block of ``blocks`` in order;
+    ``options`` one `LayerOptions` per block (None: none). Returns the output, the MoE blocks'
+    stats in order and each block's hook metrics.
+    """
+    if len(capacities) != sum(b.is_moe for b in blocks):
+        raise ValueError(
+            f"{len(capacities)} capacity tuples for {sum(b.is_moe for b in blocks)} MoE layers"
+        )
+    options = options if options is not None else ((),) * len(blocks)
+    stats, metrics = [], []
+    for block, opts in zip(blocks, options, strict=True):
+        j = len(stats)
+        x, s, m = block(
+            x,
+            capacities=capacities[j] if block.is_moe else None,
+            parallel=parallel,
+            cached=cached[j] if (block.is_moe and cached is not None) else None,
+            options=opts,
+        )
+        if s is not None:
+            stats.append(s)
+        metrics.append(m)
+    return x, tuple(stats), tuple(metrics)
 
 
 class GPT(nnx.Module):
@@ -91,25 +137,33 @@ class GPT(nnx.Module):
         cached: tuple[jax.Array, ...] | None = None,
     ) -> tuple[jax.Array, tuple[MoEStats, ...]]:
         """tokens [B, S] -> (logits [B, S, V] float32, stats of each MoE layer in order)."""
-        if len(capacities) != len(self.cfg.moe_layers):
-            raise ValueError(
-                f"{len(capacities)} capacity tuples for {len(self.cfg.moe_layers)} MoE layers"
-            )
+        logits, stats, _ = self.forward(
+            tokens, capacities=capacities, parallel=parallel, cached=cached
+        )
+        return logits, stats
+
+    def forward(
+        self,
+        tokens: jax.Array,
+        *,
+        capacities: tuple[tuple[int, ...], ...] = (),
+        parallel=None,
+        cached: tuple[jax.Array, ...] | None = None,
+        options: Sequence[LayerOptions] | None = None,
+    ):
+        """`__call__` with each layer's options: also returns each layer's hook metrics."""
         x = self.embed(tokens)
         if self.cfg.positions == "learned":
             x = x + self.pos[: tokens.shape[1]].astype(x.dtype)
-        stats = []
-        for block in self.layers:
-            j = len(stats)
-            x, s = block(
-                x,
-                capacities=capacities[j] if block.is_moe else None,
-                parallel=parallel,
-                cached=cached[j] if (block.is_moe and cached is not None) else None,
-            )
-            if s is not None:
-                stats.append(s)
-        return self.head(self.norm(x)).astype(jnp.float32), tuple(stats)
+        x, stats, metrics = run_layers(
+            list(self.layers),
+            x,
+            capacities=capacities,
+            options=options,
+            parallel=parallel,
+            cached=cached,
+        )
+        return self.head(self.norm(x)).astype(jnp.float32), stats, metrics
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

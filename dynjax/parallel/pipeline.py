@@ -556,8 +556,12 @@ def host_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
         "aux_loss": f32(sum(f32(s["aux"]) for s in stages)),
         "z_loss": f32(sum(f32(s["z"]) for s in stages)),
         "grad_norm": stages[0]["grad_norm"],
+        # Per-layer metrics: stages hold consecutive layers, so layer order is stage order.
+        "layer_grad_norm": np.concatenate([s["layer_grad_norm"] for s in stages]),
         **{k: v for k, v in raw.items() if k != "stages"},  # e.g. a profile's metrics
     }
+    for name in sorted({n for s in stages for n in s["layers"]}):
+        out[name] = np.concatenate([s["layers"][name] for s in stages if name in s["layers"]])
     moe = [s for s in stages if "loads" in s]
     if moe:
         loads = np.concatenate([s["loads"] for s in moe])  # [L, B, E] in layer order

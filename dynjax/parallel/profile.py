@@ -61,7 +61,7 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
     backward at all (seed 000 §4.2.3), as in the stage programs.
     """
     one = dataclasses.replace(
-        stage, first=False, last=False, layers=(), moe=(), capacities=(), frozen=(),
+        stage, first=False, last=False, layers=(), moe=(), capacities=(), frozen=(), options=(),
         embed_frozen=False, input_grads=trainable_before, cached_routing=False,
     )
     if unit == ("embed",):
@@ -69,7 +69,10 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
     if unit == ("head",):
         return dataclasses.replace(one, last=True)
     i = unit[1]
-    one = dataclasses.replace(one, layers=(i,), frozen=(i,) if i in stage.frozen else ())
+    options = (stage.layer_options()[stage.layers.index(i)],) if stage.options else ()
+    one = dataclasses.replace(
+        one, layers=(i,), frozen=(i,) if i in stage.frozen else (), options=options
+    )
     if i not in stage.moe:
         return one
     caps = (stage.capacities[stage.moe.index(i)],)

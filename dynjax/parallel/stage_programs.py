@@ -35,10 +35,19 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax.model import lm_loss
+from dynjax.model.gpt import run_layers
 from dynjax.parallel.layout import select
 from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
 from dynjax.parallel.stages import ModelParts, StageSpec
-from dynjax.parallel.step import DTYPES, cast_floats, overlay, update_trainable
+from dynjax.parallel.step import (
+    DTYPES,
+    cast_floats,
+    fold_layer_metrics,
+    layer_grad_norms,
+    overlay,
+    stack_layer_metrics,
+    update_trainable,
+)
 
 Metrics = dict[str, jax.Array]
 
@@ -56,7 +65,8 @@ class StageSetup:
 
 
 def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, cached):
-    """The stage's slice of ``GPT.__call__``: (output, MoE stats of its layers in order).
+    """The stage's slice of ``GPT.forward``: (output, MoE stats of its layers in order, each
+    layer's hook metrics), through the model's own layer loop.
 
     The first stage takes tokens [b, S] and embeds them; the last returns float32 logits.
     """
@@ -66,31 +76,28 @@ def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, cache
         x = nnx.merge(parts.embed, p["embed"])(x)
         if parts.learned_positions:
             x = x + p["pos"][: x.shape[1]].astype(x.dtype)
-    parallel = expert_parallel(mesh)
-    caps, stats = iter(spec.capacities), []
-    for i in spec.layers:
-        block = nnx.merge(parts.layers[i], p["layers"][i])
-        j = len(stats)
-        x, s = block(
-            x,
-            capacities=next(caps) if block.is_moe else None,
-            parallel=parallel,
-            cached=cached[j] if (block.is_moe and cached is not None) else None,
-        )
-        if s is not None:
-            stats.append(s)
+    x, stats, layer_metrics = run_layers(
+        [nnx.merge(parts.layers[i], p["layers"][i]) for i in spec.layers],
+        x,
+        capacities=spec.capacities,
+        options=spec.layer_options(),
+        parallel=expert_parallel(mesh),
+        cached=cached,
+    )
     if spec.last:
         x = nnx.merge(parts.head, p["head"])(nnx.merge(parts.norm, p["norm"])(x))
         x = x.astype(jnp.float32)
-    return x, tuple(stats)
+    return x, stats, layer_metrics
 
 
-def _microbatch_metrics(setup: StageSetup, stats, ce) -> tuple[jax.Array, Metrics]:
+def _microbatch_metrics(
+    setup: StageSetup, stats, ce, layer_metrics
+) -> tuple[jax.Array, Metrics]:
     """(the stage's share of the loss to minimise, its metrics) for one microbatch."""
     aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
     z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
     local = setup.aux_loss_weight * aux + setup.z_loss_weight * z
-    metrics: Metrics = {"aux": aux, "z": z}
+    metrics: Metrics = {"aux": aux, "z": z, "layers": stack_layer_metrics(layer_metrics)}
     if ce is not None:
         metrics["ce"] = ce
         local = ce + local
@@ -104,8 +111,8 @@ def _microbatch_metrics(setup: StageSetup, stats, ce) -> tuple[jax.Array, Metric
 
 def forward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
     def fwd(params, x, cached):
-        y, stats = apply_stage(setup, spec, mesh, params, x, cached)
-        return y, _microbatch_metrics(setup, stats, None)[1]
+        y, stats, layer_metrics = apply_stage(setup, spec, mesh, params, x, cached)
+        return y, _microbatch_metrics(setup, stats, None, layer_metrics)[1]
 
     return fwd
 
@@ -115,9 +122,11 @@ def backward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
 
     def bwd(params, acc, x, seed, cached):
         def f(trainable, x):
-            out, stats = apply_stage(setup, spec, mesh, overlay(params, trainable), x, cached)
+            out, stats, layer_metrics = apply_stage(
+                setup, spec, mesh, overlay(params, trainable), x, cached
+            )
             local, metrics = _microbatch_metrics(
-                setup, stats, lm_loss(out, seed) if spec.last else None
+                setup, stats, lm_loss(out, seed) if spec.last else None, layer_metrics
             )
             return (local if spec.last else (out, local)), metrics
 
@@ -160,7 +169,9 @@ def update_fn(setup: StageSetup, spec: StageSpec):
         trainable = select(params, trainable_units)
         trainable, opt_state = update_trainable(setup.optimizer, grads, opt_state, trainable)
         zeros = jax.tree.map(jnp.zeros_like, acc)
-        return overlay(params, trainable), opt_state, zeros, _fold(metrics, norm)
+        folded = _fold(metrics, norm)
+        folded["layer_grad_norm"] = layer_grad_norms(grads, spec.layers)  # before clipping
+        return overlay(params, trainable), opt_state, zeros, folded
 
     return update
 
@@ -181,6 +192,7 @@ def _fold(metrics: Sequence[Metrics], grad_norm: jax.Array) -> Metrics:
         if k in metrics[0]
     }
     out["grad_norm"] = grad_norm
+    out["layers"] = fold_layer_metrics([mb["layers"] for mb in metrics])
     if "loads" in metrics[0]:
         out["loads"] = join("loads")
         out["dropped"] = sum(mb["dropped"] for mb in metrics)
@@ -191,7 +203,7 @@ def _fold(metrics: Sequence[Metrics], grad_norm: jax.Array) -> Metrics:
 
 def evaluate_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
     def evaluate(params, x, targets):
-        logits, _ = apply_stage(setup, spec, mesh, params, x, None)
+        logits, _, _ = apply_stage(setup, spec, mesh, params, x, None)
         return lm_loss(logits, targets)
 
     return evaluate

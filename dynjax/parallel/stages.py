@@ -16,6 +16,7 @@ from typing import Any
 from flax import nnx
 
 from dynjax.model import GPT, GPTConfig
+from dynjax.model.hooks import LayerOptions
 from dynjax.parallel.layout import Unit
 
 
@@ -37,6 +38,11 @@ class StageSpec:
     microbatch_size: int
     cached_routing: bool
     dtype: str
+    options: tuple[LayerOptions, ...] = ()  # each layer's plugin records (empty: none)
+
+    def layer_options(self) -> tuple[LayerOptions, ...]:
+        """One `LayerOptions` per layer of the stage."""
+        return self.options or ((),) * len(self.layers)
 
     def units(self, learned_positions: bool) -> tuple[Unit, ...]:
         """The parameter units this stage holds, in model order."""
@@ -93,11 +99,14 @@ def stage_specs(
     batch_size: int,
     cached_routing: bool,
     dtype: str,
+    options: Sequence[LayerOptions] = (),
 ) -> tuple[StageSpec, ...]:
     """Split the model into consecutive stages of ``stage_layers[s]`` layers each.
 
     A frozen prefix of the model (the embedding and every layer before the first trainable one,
     seed 000 §4.2.3) needs no gradient: stages after it still pass input gradients back to it.
+    ``options`` holds each model layer's plugin records; a stage carries those of its layers, so
+    only stages whose records change compile anew.
     """
     frozen = set(frozen_layers)
     embed_frozen = 0 in frozen
@@ -125,6 +134,7 @@ def stage_specs(
                 microbatch_size=batch_size // microbatches,
                 cached_routing=cached_routing,
                 dtype=dtype,
+                options=tuple(options[start : start + count]) if any(options) else (),
             )
         )
         start += count

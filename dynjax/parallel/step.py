@@ -10,7 +10,7 @@ a static argument, so a different Plan is a different executable.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 from dynjax.model import ExpertParallel, lm_loss
+from dynjax.model.hooks import LayerOptions, reduction
 from dynjax.parallel.layout import by_path, fill, select
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -38,6 +39,7 @@ class StepOptions:
     # Layers that get no gradient and no update (layer 0 freezes the embedding with it): a
     # frozen prefix of the model runs no backward (seed 000 §4.2.3).
     frozen_layers: tuple[int, ...] = ()
+    layer_options: tuple[LayerOptions, ...] = ()  # each layer's plugin records; () = none
 
 
 def cast_floats(tree, dtype):
@@ -47,14 +49,52 @@ def cast_floats(tree, dtype):
 
 
 def forward_loss(graphdef, params, inputs, targets, cached, opts: StepOptions, parallel):
-    """Loss to minimise and its parts for one (micro)batch."""
+    """Loss to minimise and its parts for one (micro)batch: (total, (ce, aux, z, MoE stats,
+    the layers' hook metrics stacked by name))."""
     model = nnx.merge(graphdef, cast_floats(params, DTYPES[opts.dtype]))
-    logits, stats = model(inputs, capacities=opts.capacities, parallel=parallel, cached=cached)
+    logits, stats, layer_metrics = model.forward(
+        inputs,
+        capacities=opts.capacities,
+        parallel=parallel,
+        cached=cached,
+        options=opts.layer_options or None,
+    )
     ce = lm_loss(logits, targets)
     aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
     z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
     total = ce + opts.aux_loss_weight * aux + opts.z_loss_weight * z
-    return total, (ce, aux, z, stats)
+    return total, (ce, aux, z, stats, stack_layer_metrics(layer_metrics))
+
+
+def stack_layer_metrics(layer_metrics: Sequence[Mapping[str, jax.Array]]) -> dict:
+    """Each hook metric stacked over the layers that report it, in layer order: [Lr, ...]."""
+    names = sorted({name for m in layer_metrics for name in m})
+    return {n: jnp.stack([m[n] for m in layer_metrics if n in m]) for n in names}
+
+
+def fold_layer_metrics(per_microbatch: Sequence[Mapping[str, jax.Array]]) -> dict:
+    """Per-microbatch stacked hook metrics -> the step's, by each metric's reduction: "mean"
+    and "sum" over microbatches, "rows" back in batch order (microbatch j holds rows j, j+M,
+    ... of the batch, as `_split_microbatches` cuts them)."""
+    out = {}
+    for name in per_microbatch[0]:
+        stacked = jnp.stack([mb[name] for mb in per_microbatch])  # [M, Lr, ...]
+        kind = reduction(name)
+        if kind == "rows":
+            moved = jnp.moveaxis(stacked, 0, 2)  # [Lr, b, M, ...]
+            out[name] = moved.reshape(moved.shape[0], -1, *moved.shape[3:])
+        else:
+            out[name] = jnp.sum(stacked, 0) if kind == "sum" else jnp.mean(stacked, 0)
+    return out
+
+
+def layer_grad_norms(grads: Mapping[str, Any], layers: Sequence[int]) -> jax.Array:
+    """[len(layers)] global norm of each layer's gradient; NaN for a layer without one (frozen):
+    what gradient-based freezing measures (seed 000 §4.2.3)."""
+    got = grads.get("layers", {})
+    return jnp.stack(
+        [optax.tree.norm(got[i]) if i in got else jnp.float32(jnp.nan) for i in layers]
+    ) if layers else jnp.zeros((0,), jnp.float32)
 
 
 def _moe_metrics(stats, opts: StepOptions) -> dict[str, jax.Array]:
@@ -136,15 +176,15 @@ def make_train_step(
 
     def one(params, inputs, targets, cached):
         trainable = select(params, trainable_units(params, opts.frozen_layers))
-        (_, (ce, aux, z, stats)), grads = grad_fn(trainable, params, inputs, targets, cached)
-        return grads, ce, aux, z, stats
+        (_, parts), grads = grad_fn(trainable, params, inputs, targets, cached)
+        return grads, *parts
 
     def step(params, opt_state, batch: dict[str, Any]):
         inputs, targets = batch["inputs"], batch["targets"]
         cached = batch.get("cached") if opts.cached_routing else None
         m = opts.microbatches
         if m == 1:
-            grads, ce, aux, z, stats = one(params, inputs, targets, cached)
+            grads, ce, aux, z, stats, layer_metrics = one(params, inputs, targets, cached)
         else:
             xs = (
                 _split_microbatches(inputs, m),
@@ -155,20 +195,25 @@ def make_train_step(
             )
 
             def body(acc, x):
-                g, ce, aux, z, st = one(params, x[0], x[1], x[2])
+                g, *parts = one(params, x[0], x[1], x[2])
                 acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
-                return acc, (ce, aux, z, st)
+                return acc, tuple(parts)
 
             trainable = select(params, trainable_units(params, opts.frozen_layers))
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
-            grads, (ce, aux, z, st) = jax.lax.scan(body, zeros, xs)
+            grads, (ce, aux, z, st, lm) = jax.lax.scan(body, zeros, xs)
             grads = jax.tree.map(lambda g: g / m, grads)
             ce, aux, z = jnp.mean(ce), jnp.mean(aux), jnp.mean(z)
             stats = [type(s)(*(_join_microbatches(f) for f in s)) for s in st]
+            layer_metrics = fold_layer_metrics(
+                [jax.tree.map(lambda a, j=j: a[j], lm) for j in range(m)]
+            )
         trainable = select(params, trainable_units(params, opts.frozen_layers))
         trainable, opt_state = update_trainable(optimizer, grads, opt_state, trainable)
         params = overlay(params, trainable)
         metrics = {"loss": ce, "aux_loss": aux, "z_loss": z, "grad_norm": optax.tree.norm(grads)}
+        metrics["layer_grad_norm"] = layer_grad_norms(grads, range(len(params["layers"])))
+        metrics.update(layer_metrics)
         metrics.update(_moe_metrics(stats, opts))
         return params, opt_state, metrics
 
