@@ -12,7 +12,7 @@ its records into NumPy arrays (`series`, `plan_changes`, `expert_load`, `stage_l
 `layer_costs`, `frozen_layers`, `pruning_series`, `event_marks`, `summary`), testable without
 matplotlib; small ``plot_*`` functions draw them. In a notebook::
 
-    from dynjax.report import load_run, plot_loss, plot_expert_load
+    from dynjax.report import expert_load, load_run, plot_expert_load, plot_loss
     run = load_run("workdirs/moe")
     plot_loss(run)                      # a new figure, or plot_loss(run, ax=my_axes)
     plot_expert_load(run)
@@ -160,18 +160,23 @@ def plan_changes(events: Sequence[dict[str, Any]]) -> list[tuple[int, dict[str, 
     """(boundary, plan) of every Plan the run trained with, in order: the first Plan from each
     ``compile`` event (at its ``step``; a resumed run compiles again) and each swapped-in Plan
     from its ``recompile`` event (at its ``swap_step``). The Plan runs the steps after
-    ``boundary`` (metrics steps ``boundary + 1, ...``)."""
-    out = []
-    for order, e in enumerate(events):
+    ``boundary`` (metrics steps ``boundary + 1, ...``). A resumed run's ``compile`` at step b
+    undoes the swaps at b or later that the run before it wrote: it redid those steps."""
+    out: list[tuple[int, dict[str, Any]]] = []
+    for e in events:
         plan = e.get("plan")
         if not isinstance(plan, dict):
             continue
         if e.get("event") == "compile" and _is_number(e.get("step")):
-            out.append((int(e["step"]), order, plan))
+            at = int(e["step"])
+            out = [(b, p) for b, p in out if b < at]
         elif e.get("event") == "recompile" and _is_number(e.get("swap_step")):
-            out.append((int(e["swap_step"]), order, plan))
-    out.sort(key=lambda t: (t[0], t[1]))
-    return [(b, plan) for b, _, plan in out]
+            at = int(e["swap_step"])
+        else:
+            continue
+        out.append((at, plan))
+    out.sort(key=lambda t: t[0])  # stable: file order within a step
+    return out
 
 
 def plans_at(
@@ -187,11 +192,16 @@ def plans_at(
 
 
 def moe_layer_indices(run: Run) -> list[int] | None:
-    """The model layers holding an MoE block (``moe.every``), None without a config."""
+    """The model layers holding an MoE block, None without a config that says."""
+    import ml_collections
+
+    from dynjax import config as config_lib
+
     every, layers = run.config_value("moe.every"), run.config_value("model.num_layers")
     if not (_is_number(every) and _is_number(layers)):
         return None
-    return [i for i in range(int(layers)) if every > 0 and (i + 1) % every == 0]
+    cfg = ml_collections.ConfigDict({"moe": {"every": every}, "model": {"num_layers": layers}})
+    return list(config_lib.moe_layer_indices(cfg))
 
 
 @dataclass
@@ -281,19 +291,9 @@ def stage_load(run: Run) -> StageLoad | None:
         timeline = e.get("timeline")
         if not _is_number(e.get("step")) or not isinstance(timeline, list):
             continue
-
-        def busy(stage: Any, kind: str) -> float:
-            return float(
-                sum(
-                    t[3] - t[2]
-                    for t in stage
-                    if isinstance(t, list) and len(t) == 4 and t[0] == kind
-                )
-            )
-
         steps.append(int(e["step"]) + 1)  # loop step s is metrics step s + 1
-        fwd.append([busy(s, "F") for s in timeline])
-        bwd.append([busy(s, "B") for s in timeline])
+        fwd.append([_busy(s, "F") for s in timeline])
+        bwd.append([_busy(s, "B") for s in timeline])
         bubble.append(float(e["bubble_ratio"]) if _is_number(e.get("bubble_ratio")) else np.nan)
         it = e.get("iteration_seconds")
         iteration.append(float(it) if _is_number(it) else np.nan)
@@ -305,6 +305,23 @@ def stage_load(run: Run) -> StageLoad | None:
         _ragged(bwd),
         np.array(bubble),
         np.array(iteration),
+    )
+
+
+def _busy(stage: Any, kind: str) -> float:
+    """Seconds a stage's timeline (``[kind, microbatch, start, end]`` tasks) spent on
+    ``kind`` ("F" or "B") tasks."""
+    tasks = stage if isinstance(stage, list) else []
+    return float(
+        sum(
+            t[3] - t[2]
+            for t in tasks
+            if isinstance(t, list)
+            and len(t) == 4
+            and t[0] == kind
+            and _is_number(t[2])
+            and _is_number(t[3])
+        )
     )
 
 
@@ -344,18 +361,17 @@ def layer_costs(run: Run) -> LayerCosts | None:
     ``profile`` events. None when there is neither."""
     modelled = _by_step(run.layer_costs, "layer_cost")
     modelled = {s: v for s, v in modelled.items() if isinstance(v, list)}
-    timed: dict[int, list[float]] = {}
-    for r in run.layer_costs:
-        f, b = r.get("layer_forward_seconds"), r.get("layer_backward_seconds")
-        if _is_number(r.get("step")) and isinstance(f, list) and isinstance(b, list):
-            if len(f) == len(b):
-                timed[int(r["step"])] = [x + y for x, y in zip(f, b, strict=True)]
-    if not timed:
-        for e in run.events_of("profile"):
-            f, b = e.get("layer_forward_seconds"), e.get("layer_backward_seconds")
-            if _is_number(e.get("step")) and isinstance(f, list) and isinstance(b, list):
-                if len(f) == len(b):
-                    timed[int(e["step"]) + 1] = [x + y for x, y in zip(f, b, strict=True)]
+    timed = {
+        int(r["step"]): seconds
+        for r in run.layer_costs
+        if _is_number(r.get("step")) and (seconds := _layer_seconds(r)) is not None
+    }
+    if not timed:  # loop step s of a profile event is metrics step s + 1
+        timed = {
+            int(e["step"]) + 1: seconds
+            for e in run.events_of("profile")
+            if _is_number(e.get("step")) and (seconds := _layer_seconds(e)) is not None
+        }
     if not modelled and not timed:
         return None
     timed = dict(sorted(timed.items()))
@@ -365,6 +381,16 @@ def layer_costs(run: Run) -> LayerCosts | None:
         np.array(list(timed), dtype=np.int64),
         _ragged(list(timed.values())),
     )
+
+
+def _layer_seconds(record: dict[str, Any]) -> list[float] | None:
+    """Each layer's forward + backward seconds of a record that has both lists."""
+    f, b = record.get("layer_forward_seconds"), record.get("layer_backward_seconds")
+    if not (isinstance(f, list) and isinstance(b, list) and len(f) == len(b)):
+        return None
+    if not all(map(_is_number, f + b)):
+        return None
+    return [x + y for x, y in zip(f, b, strict=True)]
 
 
 @dataclass
@@ -479,7 +505,9 @@ def summary(run: Run) -> dict[str, Any]:
             ),
             None,
         ),
-        "compile_seconds": [float(e.get("compile_seconds") or 0.0) for e in compiles],
+        "compile_seconds": [
+            float(e["compile_seconds"]) for e in compiles if _is_number(e.get("compile_seconds"))
+        ],
         "recompiles": [
             {
                 "step": e.get("step"),
@@ -1223,14 +1251,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("workdir", help="the run's workdir (finished or still running)")
     parser.add_argument("--out", default=None, help="output directory (default WORKDIR/report)")
     args = parser.parse_args(argv)
-    import matplotlib
-
-    matplotlib.use("Agg")
     try:
-        plots = write_report(args.workdir, args.out)
-    except ReportError as e:
+        run = load_run(args.workdir)
+    except (ReportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        import matplotlib
+    except ImportError:
+        print("error: the report needs matplotlib: pip install 'matplotlib>=3.8'", file=sys.stderr)
+        return 2
+    matplotlib.use("Agg")  # files only, no display
+    try:
+        plots = write_report(run, args.out)
     except OSError as e:
         print(f"error: cannot write the report: {e}", file=sys.stderr)
         return 2

@@ -182,6 +182,13 @@ def test_cli_refuses_a_directory_without_metrics(tmp_path, capsys):
     assert err.startswith("error: no metrics.jsonl in") and "Traceback" not in err
 
 
+def test_cli_reports_an_output_it_cannot_write(runs, tmp_path, capsys):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    assert report.main([str(runs / "dense"), "--out", str(blocked / "report")]) == 2
+    assert capsys.readouterr().err.startswith("error: cannot write the report")
+
+
 # ---------------------------------------------------------------------------------------------
 # Records -> arrays, on hand-written records
 
@@ -201,6 +208,19 @@ def test_plans_run_the_steps_after_their_swap():
     caps = [p["capacities"] for p in report.plans_at(changes, [1, 5, 6, 9])]
     assert caps == [[[2, 2]], [[2, 2]], [[3, 1]], [[3, 1]]]  # step 5 ran before the swap
     assert report.plans_at(changes, [0]) == [None]
+
+
+def test_a_resumed_run_undoes_the_swaps_it_redid():
+    # Swapped at 50, killed at 60, resumed from the checkpoint of step 40 (with the old Plan),
+    # then swapped again at 55.
+    events = [
+        {"event": "compile", "step": 0, "plan": plan(capacities=[[2]])},
+        {"event": "recompile", "swap_step": 50, "plan": plan(capacities=[[3]])},
+        {"event": "compile", "step": 40, "plan": plan(capacities=[[2]])},
+        {"event": "recompile", "swap_step": 55, "plan": plan(capacities=[[4]])},
+    ]
+    changes = report.plan_changes(events)
+    assert [(b, p["capacities"]) for b, p in changes] == [(0, [[2]]), (40, [[2]]), (55, [[4]])]
 
 
 def test_expert_capacity_follows_the_plan_times_the_groups(tmp_path):
