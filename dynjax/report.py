@@ -1268,11 +1268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: cannot write the report: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path(args.workdir) / "report"
-    written = [p for p in plots if p.path is not None]
-    print(
-        f"wrote {out / 'report.md'} and {len(written)} plots: "
-        + ", ".join(p.path.name for p in written if p.path)
-    )
+    names = ", ".join(p.path.name for p in plots if p.path is not None) or "none yet"
+    print(f"wrote {out / 'report.md'}; plots: {names}")
     for p in plots:
         if p.path is None:
             print(f"  skipped {p.name}: {p.reason}")
