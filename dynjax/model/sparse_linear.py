@@ -22,11 +22,12 @@ their gradient is zero. Forward and backward cost ``K / (in // bs)`` of the dens
   ``[bs, K*bs] @ [K*bs, M]`` product; padding slabs meet zero weight blocks. The backward runs the
   same loop: ``dx`` scatter-adds each column's ``[K*bs, M]`` contribution onto its block-rows
   (padding rows are dropped), ``dw`` is ``xs @ dy_j.T`` for the present blocks only and lands in a
-  dense zero ``[in, out]``. A custom VJP keeps autodiff from differentiating the gathers. The loop
-  (rather than one batched product) keeps every temporary to ``step_bytes``: a gathered copy of all
-  present blocks is ``K`` times the output, and on CPU such a buffer costs more than the FLOPs
-  saved. XLA's ``cost_analysis`` counts a loop body once, so compare FLOPs with one step
-  (``step_bytes=None``).
+  dense zero ``[in, out]``. A custom VJP keeps autodiff from differentiating the gathers. One
+  block-column per loop step, because on CPU (XLA 0.10) each product is then a 2-D dot that goes
+  to YNNPACK (batched ones fall back to Eigen, 2-3x slower), and the gathered slabs (``K*bs x M``)
+  stay in cache; one batched step over all columns gathers ``K`` times the output, a buffer that
+  costs more than the FLOPs saved. XLA's ``cost_analysis`` counts a loop body once, so compare
+  FLOPs with ``loop=False``.
 - ``"pallas"`` (the default on GPU): ``pallas_kernels.block_sparse_matmul`` on a
   ``BlockSparseMatrix`` of the ``C*K`` indexed blocks (padding blocks are zero and point at a
   valid block-row, so they add nothing); gradients reach ``w`` through the block gather.
@@ -48,7 +49,6 @@ from jax import lax
 from pallas_kernels import BlockSparseMatrix, block_sparse_matmul
 
 Impl = Literal["auto", "xla", "pallas"]
-STEP_BYTES = 1 << 20  # gathered activations per loop step: about one L2 cache
 
 
 def bucket_blocks(count: int, n_rows: int) -> int:
@@ -106,14 +106,6 @@ def _blocks(w: jax.Array, index: jax.Array, bs: int) -> jax.Array:
     n_rows, n_cols = w.shape[0] // bs, w.shape[1] // bs
     tiles = w.reshape(n_rows, bs, n_cols, bs)
     return tiles.at[index, :, jnp.arange(n_cols)[:, None], :].get(mode="fill", fill_value=0)
-
-
-def _group(n_cols: int, k: int, m: int, bs: int, itemsize: int, step_bytes: int | None) -> int:
-    """Block-columns per loop step: the largest divisor of ``n_cols`` within ``step_bytes``."""
-    if step_bytes is None:
-        return n_cols
-    fit = max(1, step_bytes // (k * bs * m * itemsize))
-    return max(g for g in range(1, min(fit, n_cols) + 1) if n_cols % g == 0)
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -217,7 +209,7 @@ def block_pruned_matmul(
     block_size: int,
     impl: Impl = "auto",
     interpret: bool | None = None,
-    step_bytes: int | None = STEP_BYTES,
+    loop: bool = True,
 ) -> jax.Array:
     """``x @ (w * block_mask_of(index))`` at ``K / (in // bs)`` of the dense cost.
 
@@ -225,8 +217,9 @@ def block_pruned_matmul(
     int32 table of ``column_block_index`` (runtime data; ``K`` and ``block_size`` are static).
     Differentiable in ``x`` and ``w``; ``w``'s gradient is zero outside the present blocks.
     ``impl``: ``"auto"`` takes Pallas on GPU and XLA elsewhere; ``interpret`` is passed to the
-    Pallas kernels (``None``: compile on GPU). ``step_bytes`` bounds the gathered activations per
-    XLA loop step (``None``: one step, for ``cost_analysis``). Accumulates in fp32.
+    Pallas kernels (``None``: compile on GPU). ``loop=False`` runs the XLA path as one batched
+    step (slow, ``K`` times the output in temporaries; for ``cost_analysis``, which counts a loop
+    body once). Accumulates in fp32.
 
     Example:
       >>> mask = np.array([[True, False], [False, True]])  # block-diagonal, blocks of 2
@@ -256,6 +249,5 @@ def block_pruned_matmul(
     if impl == "pallas":
         y = _pallas_matmul(x2, w.astype(dtype), index, bs, interpret)
     else:
-        g = _group(n_cols, k, x2.shape[0], bs, jnp.dtype(dtype).itemsize, step_bytes)
-        y = _xla_matmul(x2, w.astype(dtype), index, bs, g)
+        y = _xla_matmul(x2, w.astype(dtype), index, bs, 1 if loop else n_cols)
     return y.reshape(*lead, d_out)
