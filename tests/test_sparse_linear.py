@@ -69,13 +69,13 @@ def _assert_close(actual, expected, name, tol=1e-5):
     assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
 
 
-def _check(lead, d_in, d_out, density, seed, **kw):
-    x, w, dy, mask = _problem(lead, d_in, d_out, density, seed)
+def _check(lead, d_in, d_out, density, seed, dtype=jnp.float32, tol=1e-5, **kw):
+    x, w, dy, mask = _problem(lead, d_in, d_out, density, seed, dtype)
     index = jnp.asarray(column_block_index(mask))
     got = _run(x, w, dy, index, **kw)
     for name, a, b in zip(("y", "dx", "dw"), got, _reference(x, w, dy, mask), strict=True):
-        assert a.shape == b.shape and a.dtype == jnp.float32, name
-        _assert_close(a, b, name)
+        assert a.shape == b.shape and a.dtype == dtype, name
+        _assert_close(a, b, name, tol)
     # dw is exactly zero on pruned blocks, not merely small.
     dw_blocks = np.asarray(got[2]).reshape(d_in // BS, BS, d_out // BS, BS)
     assert not np.abs(dw_blocks).max(axis=(1, 3))[~mask].any()
@@ -86,6 +86,11 @@ def _check(lead, d_in, d_out, density, seed, **kw):
        lead=st.sampled_from([(24,), (2, 5)]))
 def test_matches_masked_dense(density, seed, lead):
     _check(lead, 64, 48, density, seed)
+
+
+def test_bf16_accumulates_in_fp32():
+    """dx sums one product per block-column: 128 of them here, too many for bf16 sums."""
+    _check((16,), 32, 1024, 0.9, seed=5, dtype=jnp.bfloat16, tol=1e-2)
 
 
 def test_one_batched_step_matches_too():

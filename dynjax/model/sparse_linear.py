@@ -135,7 +135,7 @@ def _xla_forward(xT: jax.Array, blocks: jax.Array, index: jax.Array, bs: int, g:
 
 def _xla_backward(xT: jax.Array, blocks: jax.Array, index: jax.Array, dy: jax.Array, bs: int,
                   g: int) -> tuple[jax.Array, jax.Array]:
-    """``(dx^T [R, bs, M], dw blocks [C, K, bs, bs])``, one loop over block-column groups."""
+    """``(dx^T [R, bs, M], dw blocks [C, K, bs, bs])`` in fp32, one loop over column groups."""
     n_cols, k = index.shape
     n_rows, _, m = xT.shape
     blocks_g = blocks.reshape(n_cols // g, g, k * bs, bs)
@@ -147,12 +147,12 @@ def _xla_backward(xT: jax.Array, blocks: jax.Array, index: jax.Array, dy: jax.Ar
         xs = _gather_slabs(xT, rows[s], g, k, bs)
         db = _dot("gkm,gcm->gkc", xs, dy_t).reshape(1, g, k, bs, bs)
         dx_part = _dot("gkc,gcm->gkm", blocks_g[s], dy_t).reshape(g * k, bs, m)
-        dxT = dxT.at[rows[s]].add(dx_part.astype(dxT.dtype), mode="drop")
-        dblocks = lax.dynamic_update_slice(dblocks, db.astype(dblocks.dtype), (s, 0, 0, 0, 0))
+        dxT = dxT.at[rows[s]].add(dx_part, mode="drop")  # sums over columns: keep fp32
+        dblocks = lax.dynamic_update_slice(dblocks, db, (s, 0, 0, 0, 0))
         return dxT, dblocks
 
-    init = (jnp.zeros((n_rows, bs, m), xT.dtype),
-            jnp.zeros((n_cols // g, g, k, bs, bs), blocks.dtype))
+    init = (jnp.zeros((n_rows, bs, m), jnp.float32),
+            jnp.zeros((n_cols // g, g, k, bs, bs), jnp.float32))
     dxT, dblocks = lax.fori_loop(0, n_cols // g, step, init)
     return dxT, dblocks.reshape(n_cols, k, bs, bs)
 
@@ -179,9 +179,9 @@ def _xla_matmul_bwd(bs, g, residuals, dy):
     n_cols = index.shape[0]
     dxT, dblocks = _xla_backward(xT, blocks, index, dy, bs, g)
     dw = jnp.zeros((n_rows, bs, n_cols, bs), blocks.dtype)
-    dw = dw.at[index, :, jnp.arange(n_cols)[:, None], :].add(dblocks, mode="drop")
-    index_cotangent = np.zeros(index.shape, jax.dtypes.float0)
-    return dxT.reshape(n_rows * bs, m).T, dw.reshape(n_rows * bs, n_cols * bs), index_cotangent
+    dw = dw.at[index, :, jnp.arange(n_cols)[:, None], :].add(dblocks.astype(dw.dtype), mode="drop")
+    dx = dxT.reshape(n_rows * bs, m).T.astype(xT.dtype)
+    return dx, dw.reshape(n_rows * bs, n_cols * bs), np.zeros(index.shape, jax.dtypes.float0)
 
 
 _xla_matmul.defvjp(_xla_matmul_fwd, _xla_matmul_bwd)
