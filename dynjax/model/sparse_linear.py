@@ -17,14 +17,14 @@ their gradient is zero. Forward and backward cost ``K / (in // bs)`` of the dens
 
 - ``"xla"`` (CPU, any backend; the default off GPU). Everything runs in the transposed
   activation layout ``xT[r] = x[:, r*bs:(r+1)*bs].T`` (``[in//bs, bs, M]``), where a present
-  block's activations are one contiguous slab. A loop over groups of output block-columns gathers
+  block's activations are one contiguous slab. A loop over the output block-columns gathers
   each column's ``K`` slabs and multiplies them with its ``K`` weight blocks in one
   ``[bs, K*bs] @ [K*bs, M]`` product; padding slabs meet zero weight blocks. The backward runs the
   same loop: ``dx`` scatter-adds each column's ``[K*bs, M]`` contribution onto its block-rows
   (padding rows are dropped), ``dw`` is ``xs @ dy_j.T`` for the present blocks only and lands in a
   dense zero ``[in, out]``. A custom VJP keeps autodiff from differentiating the gathers. One
-  block-column per loop step, because on CPU (XLA 0.10) each product is then a 2-D dot that goes
-  to YNNPACK (batched ones fall back to Eigen, 2-3x slower), and the gathered slabs (``K*bs x M``)
+  block-column per loop step, because on CPU (jax 0.10) each product is then a 2-D dot that XLA
+  hands to YNNPACK (batched ones were not, and ran slower), and the gathered slabs (``K*bs x M``)
   stay in cache; one batched step over all columns gathers ``K`` times the output, a buffer that
   costs more than the FLOPs saved. XLA's ``cost_analysis`` counts a loop body once, so compare
   FLOPs with ``loop=False``.
@@ -118,7 +118,7 @@ def _gather_slabs(xT: jax.Array, rows: jax.Array, g: int, k: int, bs: int) -> ja
 
 
 def _xla_forward(xT: jax.Array, blocks: jax.Array, index: jax.Array, bs: int, g: int,
-                 dtype) -> jax.Array:
+                 dtype: jnp.dtype) -> jax.Array:
     """``y = x @ w_masked`` from ``xT`` (``[R, bs, M]``) and the indexed blocks."""
     n_cols, k = index.shape
     m = xT.shape[-1]
@@ -126,6 +126,8 @@ def _xla_forward(xT: jax.Array, blocks: jax.Array, index: jax.Array, bs: int, g:
     rows = index.reshape(n_cols // g, g * k)
 
     def step(s, y):
+        # Keep the product in its own [g, bs, M] layout and transpose in the update: with
+        # ``(w_t @ xs).T`` XLA folded the transpose into the dot, which then ran 3x slower.
         y_t = _dot("gck,gkm->gcm", blocks_t[s], _gather_slabs(xT, rows[s], g, k, bs))
         return lax.dynamic_update_slice(y, y_t.transpose(2, 0, 1).reshape(m, g * bs).astype(dtype),
                                         (0, s * g * bs))
