@@ -46,7 +46,9 @@ class Plugin:
         return section
 
     def enabled(self, cfg: ml_collections.ConfigDict) -> bool:
-        return bool(cfg[self.name].enabled)
+        """Whether ``cfg`` turns the scheme on (a config made before the plugin was registered
+        has no section for it: off)."""
+        return self.name in cfg and bool(cfg[self.name].enabled)
 
     def validate(self, cfg: ml_collections.ConfigDict) -> None:
         """Check this scheme's keys; raise `dynjax.config.ConfigError`."""
