@@ -243,7 +243,7 @@ def train(
     writer = MetricsWriter(workdir)
     plugins = enabled_plugins(cfg)
     costs = (
-        LayerCostsWriter(workdir, lambda p: layer_costs(plugins, p, exp)) if plugins else None
+        LayerCostsWriter(workdir, lambda p, m: layer_costs(plugins, p, exp, m)) if plugins else None
     )
     logger = _Logger(writer, costs, exp, cfg.train.log_every, steps)
     bar = tqdm(
@@ -277,6 +277,9 @@ def train(
                 controller.swap_done(swap)
                 release_unused(step, swap.reason)
                 profile_next = profile_next or profile_on_change
+            for plugin in plugins:  # e.g. a pruning event, on the state this step will use
+                for event in plugin.before_step(step, runtime.stage_states(), plan, exp):
+                    events(event)
             batch = exp.order.batch(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
             if profile_next or (profile_every and step % profile_every == 0):

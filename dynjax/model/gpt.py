@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from dynjax.model.attention import CausalSelfAttention
-from dynjax.model.hooks import LayerOptions, apply_block_hooks
+from dynjax.model.hooks import LayerOptions, apply_block_hooks, apply_weight_hooks
 from dynjax.model.mlp import MLP
 from dynjax.model.moe import MoE, MoEStats
 
@@ -99,6 +99,7 @@ def run_layers(
     stats, metrics = [], []
     for block, opts in zip(blocks, options, strict=True):
         j = len(stats)
+        block, weight_metrics = apply_weight_hooks(block, opts)
         x, s, m = block(
             x,
             capacities=capacities[j] if block.is_moe else None,
@@ -108,7 +109,7 @@ def run_layers(
         )
         if s is not None:
             stats.append(s)
-        metrics.append(m)
+        metrics.append({**weight_metrics, **m})
     return x, tuple(stats), tuple(metrics)
 
 
