@@ -44,6 +44,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 3
     c.train.dtype = "float32"  # compute dtype; parameters and optimizer state stay float32
+    # Peak FLOP/s of one device for MFU; 0 = the known dense peak of the device kind and dtype
+    # (none on CPU or an unknown device: then no MFU is logged).
+    c.train.peak_flops = 0.0
     # Gradient accumulation steps inside one train step, and the microbatches a pipeline
     # schedule moves through its stages (the same split of the batch). 0 = auto: 1 without a
     # pipeline of 2+ stages, else the largest count <= 2 * mesh.stage that splits the batch
@@ -336,6 +339,7 @@ def _check_optimizer(cfg: ml_collections.ConfigDict) -> None:
     t = cfg.train
     at_least({"train.weight_decay": t.weight_decay, "train.warmup_steps": t.warmup_steps}, 0)
     at_least({"train.grad_clip": t.grad_clip}, 0, " (a global-norm bound; 0 = no clipping)")
+    at_least({"train.peak_flops": t.peak_flops}, 0, " (FLOP/s of one device; 0 = known peak)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(
             f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]: the learning rate decays "

@@ -28,6 +28,7 @@ from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer
 from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
+from dynjax.flops import config_flops_per_token, mfu, peak_flops
 from dynjax.launch.distributed import initialize_from_env
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
@@ -61,6 +62,8 @@ class RunSummary:
     final_loss: float | None
     eval_loss: float | None
     tokens_per_sec: float | None  # median over logging intervals
+    mfu: float | None  # median over logging intervals; None without a known peak
+    flops_per_token: float  # model FLOPs of one trained token (forward and backward)
     recompiles: int
     checkpoints: list[int]
     seconds: float
@@ -191,12 +194,14 @@ def train(
             workdir,
             start,
             start,
-            None,
-            None,
-            None,
-            0,
-            checkpointer.all_steps(),
-            time.perf_counter() - began,
+            final_loss=None,
+            eval_loss=None,
+            tokens_per_sec=None,
+            mfu=None,
+            flops_per_token=config_flops_per_token(cfg),
+            recompiles=0,
+            checkpoints=checkpointer.all_steps(),
+            seconds=time.perf_counter() - began,
         )
 
     # A pipeline profiles the first step of every Plan (seed 000 §3.1) and every n-th step;
@@ -319,6 +324,8 @@ def train(
         logger.last_loss,
         eval_loss,
         logger.median_rate(),
+        logger.median_mfu(),
+        logger.flops_per_token,
         recompiles,
         checkpointer.all_steps(),
         time.perf_counter() - began,
@@ -366,6 +373,12 @@ class _Logger:
     ):
         self.writer, self.costs, self.exp, self.every, self.steps = writer, costs, exp, every, steps
         self.tokens_per_step = exp.cfg.train.batch_size * exp.cfg.data.seq_len
+        # Model FLOPs utilisation (PaLM app. B): the config's FLOPs per token against the peak.
+        self.flops_per_token = config_flops_per_token(exp.cfg)
+        self.devices = exp.mesh.devices.size
+        kind = jax.devices()[0].device_kind
+        self.peak = exp.cfg.train.peak_flops or peak_flops(kind, exp.cfg.train.dtype)
+        self.mfus: list[float] = []
         # Per step in flight: its samples and the Plan it ran with (its metrics arrive Δ steps
         # later, possibly after a swap, and are labelled with the Plan that produced them).
         self.in_flight: dict[int, tuple[np.ndarray, Plan]] = {}
@@ -398,6 +411,11 @@ class _Logger:
             rate = (done - self._mark[0]) * self.tokens_per_step / (now - self._mark[1])
             record["tokens_per_sec"] = rate
             self.rates.append(rate)
+            per_device = rate / self.devices
+            record["tflops_per_device"] = per_device * self.flops_per_token / 1e12
+            if self.peak:
+                record["mfu"] = mfu(per_device, self.flops_per_token, self.peak)
+                self.mfus.append(record["mfu"])
             self._mark = (done, now)
         if "moe/tokens_per_expert" in metrics:
             record["tokens_per_expert"] = metrics["moe/tokens_per_expert"].tolist()
@@ -418,6 +436,9 @@ class _Logger:
     def median_rate(self) -> float | None:
         return statistics.median(self.rates) if self.rates else None
 
+    def median_mfu(self) -> float | None:
+        return statistics.median(self.mfus) if self.mfus else None
+
 
 def format_summary(s: RunSummary) -> str:
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
@@ -426,6 +447,9 @@ def format_summary(s: RunSummary) -> str:
         ("final train loss", fmt(s.final_loss, ".4f")),
         ("eval loss", fmt(s.eval_loss, ".4f")),
         ("tokens/s (median)", fmt(s.tokens_per_sec, ",.0f")),
+        ("model FLOPs/token", f"{s.flops_per_token / 1e6:,.1f} M (forward + backward)"),
+        ("MFU (median)", "n/a (no known peak: set train.peak_flops)" if s.mfu is None
+         else f"{100 * s.mfu:.1f} %"),
         ("recompiles", str(s.recompiles)),
         ("checkpoints", ", ".join(map(str, s.checkpoints)) or "none"),
         ("wall time", f"{s.seconds:.1f} s"),

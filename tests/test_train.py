@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dynjax.train import format_summary, train
 from dynjax.writers import read_jsonl
 
@@ -90,3 +92,18 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     ]
     assert restores and restores[0]["step"] >= 20
     assert losses(interrupted) == losses(reference)  # every step, bit for bit
+
+
+def test_logs_model_flops_and_mfu_against_the_set_peak(tmp_path):
+    from dynjax.flops import config_flops_per_token
+
+    cfg = tiny_config(train__steps=6, train__peak_flops=1e12)
+    summary = train(cfg, tmp_path, progress=False)
+    per_token = config_flops_per_token(cfg)
+    timed = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "tokens_per_sec" in r]
+    assert timed
+    for r in timed:  # one device: all of the step's tokens
+        assert r["tflops_per_device"] == pytest.approx(r["tokens_per_sec"] * per_token / 1e12)
+        assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * per_token / 1e12)
+    assert summary.flops_per_token == per_token and summary.mfu is not None
+    assert "MFU (median)" in format_summary(summary)
