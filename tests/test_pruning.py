@@ -93,6 +93,9 @@ def test_a_run_prunes_on_schedule_and_resumes_with_its_masks(tmp_path):
     costs = read_jsonl(tmp_path / "layer_costs.jsonl")
     assert costs[-1]["layer_cost"] == pytest.approx(events[-1]["layer_density"], rel=1e-6)
     assert costs[0]["layer_cost"] == pytest.approx([1.0] * 3)  # step 1: still dense
+    logged = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "pruning/density" in r]
+    assert logged[-1]["step"] == 12
+    assert logged[-1]["pruning/density"] == pytest.approx(events[-1]["layer_density"], rel=1e-6)
 
 
 def tied_host_state(exp, integer=False):

@@ -40,13 +40,16 @@ class Plugin:
       (e.g. pruning masks). State kept there is train state like any other: it moves with its
       layer between pipeline stages, is checkpointed, restored and resharded by path;
     - `before_step`: change the training state between two steps (e.g. a pruning event) and
-      report what it did as events.
+      report what it did as events; a pipeline profiles the step after one (seed 000 §3.1);
+    - `logged_metrics`: host metrics of its own that metrics.jsonl gets at logged steps.
     """
 
     name: str = ""
     # Keys (or "prefix." for all under it) that decide what the saved state is: a resumed run
     # must keep them (`dynjax.resume`).
     fixed_on_resume: tuple[str, ...] = ()
+    # Host metrics written to metrics.jsonl at every logged step (scalars, or per-layer lists).
+    logged_metrics: tuple[str, ...] = ()
 
     def config(self) -> ml_collections.ConfigDict:
         section = ml_collections.ConfigDict()

@@ -244,6 +244,7 @@ class PruningPlugin(Plugin):
     name = NAME
     # The masks are optimizer state: their presence and which leaves have one decide its layout.
     fixed_on_resume = ("pruning.enabled", "pruning.include")
+    logged_metrics = (DENSITY,)
 
     def config(self) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict()
