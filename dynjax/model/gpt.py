@@ -19,6 +19,7 @@ from dynjax.model.attention import CausalSelfAttention
 from dynjax.model.hooks import LayerOptions, apply_block_hooks, apply_weight_hooks
 from dynjax.model.mlp import MLP
 from dynjax.model.moe import MoE, MoEStats
+from dynjax.model.pruned import sparse_linears
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +65,15 @@ class Block(nnx.Module):
         self, x, *, capacities=None, parallel=None, cached=None, options: LayerOptions = ()
     ):
         """(output, MoE stats or None, the block hooks' metrics) of one layer."""
-        x = x + self.attn(self.norm1(x))
+        sparse = sparse_linears(options)  # block-sparse matmuls a scheme's record names
+        x = x + self.attn(self.norm1(x), sparse)
         stats = None
         if self.is_moe:
             y, stats = self.moe(
                 self.norm2(x), capacities=capacities, parallel=parallel, cached=cached
             )
         else:
-            y = self.mlp(self.norm2(x))
+            y = self.mlp(self.norm2(x), sparse)
         x, metrics = apply_block_hooks(x + y, options)
         return x, stats, metrics
 
