@@ -280,3 +280,89 @@ def test_a_multi_process_run_is_refused(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(ConfigError, match="pruning.enabled.*2 processes"):
         validate_config(tiny_config(pruning__enabled=True), 1)
+
+
+# --- block granularity: the block-sparse matmul the Plan switches to -------------------------
+
+
+def test_the_sparse_path_policy_picks_linears_below_the_crossover():
+    from dynjax.dynamism.pruning import SparsePath
+    from dynjax.recompile import History, Plan
+
+    policy = SparsePath(block_rows=((8, 8, 8, 32), (8, 8, 0, 0)), sparse_below=0.5)
+    counts = np.array([[8, 3, 5, 9], [4, 5, -1, -1]])  # layer 1 is MoE: no mlp/*
+    assert policy.widths(counts) == ((0, "attn/out", 3), (0, "mlp/down", 12), (1, "attn/qkv", 4))
+    history = History.of([(7, {"pruning/column_blocks": counts})])
+    proposal = policy.propose(history, Plan())
+    assert proposal.plan.part("pruning")["sparse"] == policy.widths(counts)
+    assert policy.propose(history, proposal.plan) is None  # nothing new
+    assert policy.propose(History(), Plan()) is None
+
+
+def test_present_index_is_the_column_index_of_the_zero_pattern():
+    from dynjax.model.pruned import present_index
+    from dynjax.model.sparse_linear import column_block_index
+
+    rng = np.random.default_rng(3)
+    mask = rng.random((6, 5)) < 0.4
+    w = rng.normal(size=(24, 20)).astype(np.float32) * np.kron(mask, np.ones((4, 4)))
+    k = int(mask.sum(0).max()) + 1  # one padding slot at least
+    np.testing.assert_array_equal(
+        np.asarray(present_index(w, 4, k)), column_block_index(mask, k)
+    )
+
+
+def test_block_sparse_linears_equal_dense_ones_at_fewer_flops():
+    import dataclasses
+
+    from dynjax.dynamism.pruning import COLUMN_BLOCKS, SparsePath, linear_block_rows
+    from dynjax.parallel import expert_parallel, make_train_step
+
+    cfg = tiny_config(
+        model__num_layers=2, model__d_model=64, model__mlp_dim=128,
+        pruning__enabled=True, pruning__granularity="block", pruning__block_size=8,
+        pruning__sparse_below=1.0,
+    )
+    exp = Experiment.from_config(cfg)
+    host = exp.init_host_state()
+    rng = np.random.default_rng(0)  # one scale for every matrix: none is pruned away whole
+    host["params"] = jax.tree_util.tree_map_with_path(
+        lambda p, w: rng.normal(0, 0.02, w.shape).astype(w.dtype)
+        if pm.prunable(jax.tree_util.keystr(p, simple=True, separator="/")) else w,
+        host["params"],
+    )
+    dense = exp.initial_plan()
+    runtime = exp.runtime(dense, host)
+    prune(runtime.stage_states(), 0.7, granularity="block", block_size=8)
+    pruned = jax.device_get(runtime.state)
+    dense_exe = exp.lower_train_step(dense).compile()
+    metrics = jax.device_get(runtime.step(dense_exe, exp.order.batch(0), None))
+    policy = SparsePath(block_rows=linear_block_rows(exp.abstract_params, 8), sparse_below=1.0)
+    widths = policy.widths(metrics[COLUMN_BLOCKS])
+    assert len(widths) == 8 and all(0 < k for _, _, k in widths)
+    assert sum(k for _, _, k in widths) < 0.9 * (3 * 8 + 8 + 8 + 16)  # blocks skipped
+    sparse = dense.with_part("pruning", sparse=widths)
+
+    def step_flops(plan):  # the sparse loop as one step: cost_analysis counts a loop body once
+        opts = exp.step_options(plan)
+        unrolled = tuple(
+            tuple((n, dataclasses.replace(r, loop=False)) for n, r in layer)
+            for layer in opts.layer_options
+        )
+        opts = dataclasses.replace(opts, layer_options=unrolled)
+        step = make_train_step(exp.graphdef, exp.optimizer, opts, expert_parallel(exp.mesh))
+        state = exp.abstract_state
+        lowered = jax.jit(step).lower(state["params"], state["opt_state"], exp.abstract_batch(plan))
+        return lowered.compile().cost_analysis()["flops"]
+
+    assert step_flops(sparse) < 0.9 * step_flops(dense)
+
+    results = []
+    for exe in (dense_exe, exp.lower_train_step(sparse).compile()):
+        runtime.state = exp.place_state(pruned)
+        m = jax.device_get(runtime.step(exe, exp.order.batch(1), None))
+        results.append((m["loss"], pm.prunable_leaves(jax.device_get(runtime.state["params"]))))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)
+    for name, w in results[0][1].items():
+        np.testing.assert_allclose(results[1][1][name], w, atol=1e-6, err_msg=name)
+    pruned_stay_zero(runtime.state)

@@ -57,13 +57,17 @@ from dynjax.dynamism import pruning_math as pm
 from dynjax.dynamism.base import Plugin, register
 from dynjax.model import GPT, GPTConfig
 from dynjax.model.hooks import register_weight_hook
+from dynjax.model.pruned import LINEARS, SparseLinears, column_blocks
+from dynjax.model.sparse_linear import bucket_blocks
+from dynjax.recompile import History, Proposal
 
 if TYPE_CHECKING:
     from dynjax.experiment import Experiment
-    from dynjax.recompile import Plan
+    from dynjax.recompile import Plan, Policy
 
 NAME = "pruning"
 DENSITY = "pruning/density"  # [L] per step: each layer's (FLOP-weighted) fraction of kept weights
+COLUMN_BLOCKS = "pruning/column_blocks"  # [L, 4]: busiest block-column's blocks, per `LINEARS`
 GRANULARITIES = ("element", "block")
 
 
@@ -178,31 +182,49 @@ def prune_stage(state: dict[str, Any], keep: Mapping[str, jax.Array]) -> dict[st
 
 
 @dataclasses.dataclass(frozen=True)
-class PrunedLayer:
+class PrunedLayer(SparseLinears):
     """A layer's record (its `LayerOptions` entry): its prunable matrices, by path inside the
-    block, and each one's multiply-adds per token (the weights of its density)."""
+    block, and each one's multiply-adds per token (the weights of its density). As a
+    `SparseLinears` it also names the linears that multiply block-sparsely (block granularity,
+    once the Plan says so) and the block size (0: element granularity)."""
 
-    paths: tuple[str, ...]
-    flops: tuple[float, ...]
+    paths: tuple[str, ...] = ()
+    flops: tuple[float, ...] = ()
 
 
 def zero_pattern(weights: dict[str, jax.Array], record: PrunedLayer):
     """The weight hook: each prunable matrix as ``w * stop_gradient(w != 0)`` (the same values;
-    pruned entries get a zero gradient), and the layer's FLOP-weighted density."""
+    pruned entries get a zero gradient), and the layer's FLOP-weighted density. With blocks,
+    also the most present blocks of any block-column of each of `LINEARS` (-1: not pruned)."""
     replaced, density = {}, jnp.float32(0.0)
     for path, flops in zip(record.paths, record.flops, strict=True):
         w = weights[path]
         live = jax.lax.stop_gradient(w != 0)
         replaced[path] = w * live.astype(w.dtype)
         density += flops / sum(record.flops) * jnp.mean(live, dtype=jnp.float32)
-    return replaced, {DENSITY: density if record.paths else jnp.float32(1.0)}
+    metrics = {DENSITY: density if record.paths else jnp.float32(1.0)}
+    if record.block_size:
+        metrics[COLUMN_BLOCKS] = jnp.stack([
+            column_blocks(weights[f"{lin}/kernel"], record.block_size)
+            if f"{lin}/kernel" in record.paths else jnp.int32(-1)
+            for lin in LINEARS
+        ])
+    return replaced, metrics
 
 
-register_weight_hook(NAME, zero_pattern, {DENSITY: "mean"})
+register_weight_hook(NAME, zero_pattern, {DENSITY: "mean", COLUMN_BLOCKS: "mean"})
 
 
-def layer_records(abstract_params: Any, include: str, top_k: int, num_experts: int):
-    """One `PrunedLayer` per layer of a full parameter tree (shapes suffice)."""
+def layer_records(
+    abstract_params: Any,
+    include: str,
+    top_k: int,
+    num_experts: int,
+    block_size: int = 0,
+    sparse: Sequence[tuple[int, str, int]] = (),
+):
+    """One `PrunedLayer` per layer of a full parameter tree (shapes suffice); ``sparse``: the
+    (layer, linear, K) that multiply block-sparsely (the Plan part)."""
     records = []
     prunable = pm.prunable_leaves(abstract_params, include)
     for i in range(len(abstract_params["layers"])):
@@ -212,7 +234,12 @@ def layer_records(abstract_params: Any, include: str, top_k: int, num_experts: i
             math.prod(w.shape) * (top_k / num_experts if _is_expert(n, w) else 1.0)
             for n, w in mine
         )
-        records.append(PrunedLayer(tuple(n for n, _ in mine), flops))
+        widths = tuple((lin, int(k)) for layer, lin, k in sparse if layer == i)
+        records.append(
+            PrunedLayer(
+                block_size=block_size, widths=widths, paths=tuple(n for n, _ in mine), flops=flops
+            )
+        )
     return tuple(records)
 
 
@@ -257,6 +284,10 @@ class PruningPlugin(Plugin):
         c.granularity = "element"  # "element" | "block" (block_size x block_size blocks)
         c.block_size = 32
         c.include = pm.DEFAULT_INCLUDE  # regex on "/"-joined parameter paths
+        # Block granularity: a dense block's linear (attn/qkv, attn/out, mlp/up, mlp/down)
+        # multiplies block-sparsely once its busiest block-column keeps at most this fraction
+        # of its block-rows (K / (in / block_size), K bucketed); 0 = always dense.
+        c.sparse_below = 0.0
         return c
 
     def validate(self, cfg: ml_collections.ConfigDict) -> None:
@@ -283,6 +314,13 @@ class PruningPlugin(Plugin):
             raise ConfigError(f"pruning.include={p.include!r} matches no parameter of the model")
         if p.granularity == "block":
             _check_blocks(p.block_size, shapes)
+        if not 0.0 <= p.sparse_below <= 1.0:
+            raise ConfigError(f"pruning.sparse_below={p.sparse_below} must be in [0, 1]")
+        if p.sparse_below and p.granularity != "block":
+            raise ConfigError(
+                f"pruning.sparse_below={p.sparse_below} needs pruning.granularity='block': a "
+                "block-sparse matmul skips whole blocks only"
+            )
         if jax.process_count() > 1:
             raise ConfigError(
                 "pruning.enabled: the global selection reads every pipeline stage's weights on "
@@ -290,7 +328,12 @@ class PruningPlugin(Plugin):
             )
 
     def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
-        return saved  # no Plan part: the masks live in the state
+        """The masks live in the state; the Plan part (which linears multiply block-sparsely)
+        stays, unless a pruning key changed: then every linear is dense again until the
+        policy sees the state's blocks."""
+        if not any(key.startswith("pruning.") for key in changed):
+            return saved
+        return saved.replace(parts={k: v for k, v in saved.parts if k != NAME})
 
     def wrap_optimizer(
         self, cfg: ml_collections.ConfigDict, optimizer: optax.GradientTransformation
@@ -298,13 +341,26 @@ class PruningPlugin(Plugin):
         return masked(optimizer, cfg.pruning.include)
 
     def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
-        return self.records(exp)
+        return self.records(exp, plan)
 
     @staticmethod
-    def records(exp: Experiment) -> tuple[PrunedLayer, ...]:
+    def records(exp: Experiment, plan: Plan | None = None) -> tuple[PrunedLayer, ...]:
+        p = exp.cfg.pruning
         return layer_records(
-            exp.abstract_params, exp.cfg.pruning.include, exp.ctx.top_k, exp.ctx.num_experts
+            exp.abstract_params,
+            p.include,
+            exp.ctx.top_k,
+            exp.ctx.num_experts,
+            block_size=p.block_size if p.granularity == "block" else 0,
+            sparse=() if plan is None else plan.part(NAME).get("sparse", ()),
         )
+
+    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
+        p = cfg.pruning
+        if p.granularity != "block" or not p.sparse_below:
+            return []
+        rows = linear_block_rows(exp.abstract_params, p.block_size)
+        return [SparsePath(block_rows=rows, sparse_below=p.sparse_below)]
 
     def metric_costs(self, metrics: Mapping[str, Any], exp: Experiment) -> Sequence[float] | None:
         """Seed 000 §2.2: a layer's load is its retained fraction of the dense cost."""
@@ -340,6 +396,65 @@ class PruningPlugin(Plugin):
                 "seconds": time.perf_counter() - began,
             }
         ]
+
+
+def linear_block_rows(abstract_params: Any, block_size: int) -> tuple[tuple[int, ...], ...]:
+    """``[L][len(LINEARS)]`` block-rows (``in // block_size``) of each layer's dense linears
+    (0 where a layer has none, e.g. ``mlp/*`` of an MoE layer)."""
+    out = []
+    layers = abstract_params["layers"]
+    for layer in (layers[i] for i in sorted(layers)):
+        row = []
+        for lin in LINEARS:
+            node = layer
+            for key in (*lin.split("/"), "kernel"):
+                node = node.get(key, {}) if isinstance(node, dict) else {}
+            row.append(node.shape[0] // block_size if hasattr(node, "shape") else 0)
+        out.append(tuple(row))
+    return tuple(out)
+
+
+class SparsePath:
+    """Switch a linear to the block-sparse matmul once few of its blocks remain (a Plan change,
+    compiled in the background): K = `bucket_blocks` of its busiest block-column's present
+    blocks (``pruning/column_blocks``), block-sparse when ``K / block_rows <= sparse_below``.
+
+    Seed 000 §4.2.2: a sparse kernel pays off only at high sparsity. Pruning only removes
+    blocks, so a K counted at some step bounds every later step's. Pure: the same newest
+    metrics give the same Plan.
+    """
+
+    name = "pruning"
+
+    def __init__(self, *, block_rows: Sequence[Sequence[int]], sparse_below: float) -> None:
+        self.block_rows, self.sparse_below = block_rows, sparse_below
+
+    def widths(self, column_blocks: np.ndarray) -> tuple[tuple[int, str, int], ...]:
+        """The (layer, linear, K) that should multiply block-sparsely."""
+        out = []
+        for layer, (counts, rows) in enumerate(zip(column_blocks, self.block_rows, strict=True)):
+            for lin, count, n_rows in zip(LINEARS, counts, rows, strict=True):
+                if count < 0 or not n_rows:
+                    continue
+                k = bucket_blocks(int(round(float(count))), n_rows)
+                if k / n_rows <= self.sparse_below:
+                    out.append((layer, lin, k))
+        return tuple(out)
+
+    def propose(self, history: History, plan: Plan) -> Proposal | None:
+        latest = history.values(COLUMN_BLOCKS, 1)
+        if not latest:
+            return None
+        want = self.widths(np.asarray(latest[0]))
+        have = tuple(tuple(w) for w in plan.part(NAME).get("sparse", ()))
+        if want == have:
+            return None
+        record = {"event": "sparse_path", "sparse": [list(w) for w in want]}
+        return Proposal(
+            plan.with_part(NAME, sparse=want),
+            f"{len(want)} linears block-sparse (was {len(have)})",
+            records=(record,),
+        )
 
 
 def prune(
