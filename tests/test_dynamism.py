@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dynjax.config import ConfigError, default_config, validate_config
-from dynjax.dynamism import Plugin, layer_costs, register, registered
+from dynjax.dynamism import Plugin, enabled_plugins, layer_costs, register, registered
 from dynjax.experiment import Experiment
 from dynjax.model.hooks import register_block_hook
 from dynjax.recompile import Plan
@@ -70,7 +70,7 @@ def test_its_plan_part_and_costs_come_from_the_config():
     assert plan.part("toy") == {"widths": (3, 3)}
     assert Plan.from_dict(plan.to_dict()) == plan
     # Layer 1 is MoE at factor 1.25: the costs of the two plugins multiply.
-    assert layer_costs(registered(), plan, exp) == pytest.approx([1.5, 1.5 * 1.25])
+    assert layer_costs(enabled_plugins(exp.cfg), plan, exp) == pytest.approx([1.5, 1.5 * 1.25])
 
 
 def test_resume_keeps_or_refreshes_its_part_and_refuses_its_fixed_keys():
