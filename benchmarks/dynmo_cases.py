@@ -391,7 +391,8 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
     import jax  # the recorder builds the model's shapes; the benchmark itself needs no JAX
     import ml_collections
 
-    from dynjax.experiment import fresh_params, gpt_config
+    from dynjax.config import gpt_config
+    from dynjax.model import fresh_params
 
     cfg = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
     num_layers = cfg.model.num_layers

@@ -17,6 +17,7 @@ from pathlib import Path
 import ml_collections
 
 from dynjax.balance import SCHEDULES, by_param, uniform
+from dynjax.model.gpt import GPTConfig
 
 DTYPES = ("float32", "bfloat16")
 
@@ -198,6 +199,24 @@ def moe_layer_indices(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
     """Indices of the layers that hold an MoE block: every ``moe.every``-th layer."""
     n = cfg.moe.every
     return tuple(i for i in range(cfg.model.num_layers) if n > 0 and (i + 1) % n == 0)
+
+
+def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
+    """The model's sizes from a run config: the one place the config is unpacked for it."""
+    m, moe = cfg.model, cfg.moe
+    return GPTConfig(
+        vocab_size=m.vocab_size,
+        num_layers=m.num_layers,
+        d_model=m.d_model,
+        num_heads=m.num_heads,
+        mlp_dim=m.mlp_dim,
+        max_len=cfg.data.seq_len,
+        positions=m.positions,
+        moe_layers=moe_layer_indices(cfg),
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        expert_mlp_dim=moe.expert_mlp_dim,
+    )
 
 
 STATIC_LAYOUTS = ("", "uniform", "by_param")  # named pipeline.stage_layers (seed 000 §5)

@@ -28,7 +28,7 @@ from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
 from dynjax.dynamism import enabled_plugins, plan_layer_options
 from dynjax.launch.distributed import exchange, forget
-from dynjax.model import GPT, GPTConfig
+from dynjax.model import GPT, GPTConfig, fresh_params
 from dynjax.model.hooks import LayerOptions
 from dynjax.optim import learning_rate_schedule, make_optimizer
 from dynjax.parallel import (
@@ -49,23 +49,6 @@ from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError
 
 
-def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
-    m, moe = cfg.model, cfg.moe
-    return GPTConfig(
-        vocab_size=m.vocab_size,
-        num_layers=m.num_layers,
-        d_model=m.d_model,
-        num_heads=m.num_heads,
-        mlp_dim=m.mlp_dim,
-        max_len=cfg.data.seq_len,
-        positions=m.positions,
-        moe_layers=config_lib.moe_layer_indices(cfg),
-        num_experts=moe.num_experts,
-        top_k=moe.top_k,
-        expert_mlp_dim=moe.expert_mlp_dim,
-    )
-
-
 def optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """`make_optimizer`, wrapped by every enabled plugin in registry order (e.g. pruning keeps
     its masks in the optimizer state, so they are train state like the moments)."""
@@ -73,11 +56,6 @@ def optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
     for plugin in enabled_plugins(cfg):
         opt = plugin.wrap_optimizer(cfg, opt)
     return opt
-
-
-def fresh_params(cfg: GPTConfig, seed: int) -> dict[str, Any]:
-    """A new model's parameters as a pure dict (the NNX state without the modules)."""
-    return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))
 
 
 @dataclasses.dataclass
@@ -98,7 +76,7 @@ class Experiment:
     @classmethod
     def from_config(cls, cfg: ml_collections.ConfigDict) -> Experiment:
         config_lib.validate_config(cfg, jax.device_count())
-        model_cfg = gpt_config(cfg)
+        model_cfg = config_lib.gpt_config(cfg)
         windows = TokenWindows(
             load_tokens(cfg.data.path, cfg.data.max_tokens),
             cfg.data.seq_len,

@@ -89,20 +89,20 @@ def model_flops_per_token(
 
 def config_flops_per_token(cfg: Any, **kwargs: Any) -> float:
     """`model_flops_per_token` of a dynjax config (``ml_collections.ConfigDict``)."""
-    from dynjax.config import moe_layer_indices  # the one place that knows the MoE layout
+    from dynjax.config import gpt_config  # the one place the config is unpacked for the model
 
-    m, moe = cfg.model, cfg.moe
+    m = gpt_config(cfg)
     return model_flops_per_token(
         d_model=m.d_model,
         num_layers=m.num_layers,
         num_heads=m.num_heads,
         mlp_dim=m.mlp_dim,
         vocab_size=m.vocab_size,
-        seq_len=cfg.data.seq_len,
-        moe_layers=moe_layer_indices(cfg),
-        top_k=moe.top_k,
-        num_experts=moe.num_experts,
-        expert_mlp_dim=moe.expert_mlp_dim,
+        seq_len=m.max_len,
+        moe_layers=m.moe_layers,
+        top_k=m.top_k,
+        num_experts=m.num_experts,
+        expert_mlp_dim=m.expert_mlp_dim,
         **kwargs,
     )
 

@@ -7,7 +7,8 @@ import optax
 import pytest
 from flax import nnx
 
-from dynjax.experiment import Experiment, gpt_config
+from dynjax.config import gpt_config
+from dynjax.experiment import Experiment
 from dynjax.model import GPT
 from dynjax.optim import make_optimizer
 

@@ -88,7 +88,8 @@ def test_keep_count_rounds_to_nearest():
 
 
 def test_default_filter_selects_exactly_the_matrices_of_the_real_model(tiny):
-    from dynjax.experiment import fresh_params, gpt_config
+    from dynjax.config import gpt_config
+    from dynjax.model import fresh_params
 
     cfg = tiny(moe__every=2, model__positions="learned")  # layer 1 is MoE; learned `pos` exists
     params = fresh_params(gpt_config(cfg), seed=0)

@@ -50,12 +50,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from flax import nnx
 
-from dynjax.config import ConfigError, at_least, moe_layer_indices
+from dynjax.config import ConfigError, at_least, gpt_config
 from dynjax.dynamism import pruning_math as pm
 from dynjax.dynamism.base import Plugin, register
-from dynjax.model import GPT, GPTConfig
+from dynjax.model import fresh_params
 from dynjax.model.hooks import register_weight_hook
 from dynjax.model.pruned import LINEARS, SparseLinears, column_blocks
 from dynjax.model.sparse_linear import bucket_blocks
@@ -500,21 +499,7 @@ def block_mask(mask: jax.Array, block_size: int) -> jax.Array:
 
 def prunable_shapes(cfg: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
     """The shapes of the parameters ``pruning.include`` selects, from the real model."""
-    m, moe = cfg.model, cfg.moe
-    model_cfg = GPTConfig(
-        vocab_size=m.vocab_size,
-        num_layers=m.num_layers,
-        d_model=m.d_model,
-        num_heads=m.num_heads,
-        mlp_dim=m.mlp_dim,
-        max_len=cfg.data.seq_len,
-        positions=m.positions,
-        moe_layers=moe_layer_indices(cfg),
-        num_experts=moe.num_experts,
-        top_k=moe.top_k,
-        expert_mlp_dim=moe.expert_mlp_dim,
-    )
-    params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(0)))))
+    params = jax.eval_shape(lambda: fresh_params(gpt_config(cfg), 0))
     return {n: tuple(w.shape) for n, w in pm.prunable_leaves(params, cfg.pruning.include).items()}
 
 

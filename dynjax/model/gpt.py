@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +168,11 @@ class GPT(nnx.Module):
             cached=cached,
         )
         return self.head(self.norm(x)).astype(jnp.float32), stats, metrics
+
+
+def fresh_params(cfg: GPTConfig, seed: int) -> dict[str, Any]:
+    """A new model's parameters as a pure dict (the NNX state without the modules)."""
+    return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
