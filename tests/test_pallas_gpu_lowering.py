@@ -14,7 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import BlockSparseMatrix, block_sparse_attention, block_sparse_matmul
+from pallas_kernels import BlockSparseMatrix, backend, block_sparse_attention, block_sparse_matmul
+
+pytestmark = pytest.mark.skipif(
+    not backend.pallas_triton_usable(),
+    reason="this jax has no usable Pallas Triton lowering (the kernels fall back to XLA)",
+)
 
 _TRITON = "__gpu$xla.gpu.triton"
 # The GPU the lowering targets: jax >= 0.12 asks the device for its compute capability, and on a
