@@ -7,7 +7,7 @@ import pytest
 
 from dynjax.checkpoint import Checkpointer
 from dynjax.config import ConfigError, validate_config
-from dynjax.dynamism import layer_costs, registered
+from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.dynamism.freezing import GradientFreezing
 from dynjax.experiment import Experiment
 from dynjax.recompile import History, Plan
@@ -54,7 +54,9 @@ def test_the_policy_respects_its_limits():
 def test_frozen_layers_cost_their_forward_and_bad_settings_are_named():
     exp = Experiment.from_config(tiny_config(model__num_layers=4, freezing__enabled=True))
     plan = exp.initial_plan().replace(frozen_layers=(0, 1, 3))
-    costs = layer_costs(registered(), plan, exp)
+    # The run's own plugins, as train.py passes them: a plugin another test module registered
+    # (tests/test_dynamism.py's toy) is disabled here and has no Plan part to cost.
+    costs = layer_costs(enabled_plugins(exp.cfg), plan, exp)
     assert costs == pytest.approx([1 / 3, 1 / 3, 1.0, 2 / 3])
     with pytest.raises(ConfigError, match="freezing.percentile"):
         validate_config(tiny_config(freezing__enabled=True, freezing__percentile=0.0), 1)
