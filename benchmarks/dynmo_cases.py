@@ -1,39 +1,159 @@
-"""DynMo's six dynamic-model cases through the pipeline simulator: static vs dynamic balancing.
+"""DynMo's dynamic-model cases through the pipeline simulator: static vs dynamic balancing.
 
-The cost traces are SYNTHESISED from DynMo's per-case load models (seed 000 §2) and the idleness
-of its Fig. 1: the dynamism plugins that would produce measured per-layer traces do not exist yet.
-Speedups here therefore test the balancers on plausible load shapes; they are not a reproduction
-of the paper's measurements, whose headline numbers are printed beside them for reference.
+Two kinds of rows. RECORDED rows take their per-layer costs from a trace that a real dynjax run
+wrote (``layer_costs.jsonl`` and the ``profile`` events of ``events.jsonl``, copied into
+``benchmarks/traces/<case>.jsonl`` by ``record``, below). SYNTHETIC rows, marked "(synthetic)",
+take them from DynMo's per-case load models (seed 000 §2) and the idleness of its Fig. 1, for the
+schemes that have no plugin yet (MoE's row has a plugin but no recorded trace yet). Synthetic
+speedups test the balancers on plausible load shapes; neither kind reproduces the paper's
+measurements, whose headline numbers are printed beside them for reference.
 
-For each case a 10,000-iteration training trajectory is sampled every 200 iterations. At each
-sample the layer costs (forward, backward, memory) come from the case's model; every balancer
-holds the layout it chose at its last rebalance, made from the profile of that iteration (for
-MoE, sparse attention and MoD, rebalanced every iteration, the profile is the mean of the
-previous PROFILE_WINDOW iterations: no look-ahead at the current iteration's routing noise).
-One 1F1B iteration with M = 4 x S microbatches (seed 000 §5) and a per-hop transfer of 0.05 is
-simulated per sample and layout; the table shows the time-averaged iteration time in units of
-one dense layer's forward.
+Today: freezing is recorded (``configs/freezing.py`` on a 4-stage x 2-data pipeline of 8 fake
+CPU devices); pruning is still synthetic. A recorded pruning trace drops in the same way: record
+a ``configs/pruning.py`` run into ``traces/pruning.jsonl`` and its row comes from
+``recorded_case`` (``main`` uses every ``traces/<case>.jsonl`` it finds and drops that case's
+synthetic row).
+
+Recorded rows. Each profiled step of the run (every ``pipeline.profile_every`` steps and the first
+step of every Plan) is one sample: its measured per-microbatch forward and backward seconds of
+every layer (the embedding's counted in the first layer and the norm/head/loss's in the last, as
+``Rebalance`` does), and each layer's memory: its parameter, Adam-moment and (trainable layers
+only) gradient-accumulator bytes per device, which ``record`` checks against the stage memory the
+profile measured. Stashed stage inputs and XLA temporaries are left out (they belong to a stage,
+not a layer). A sample stands for the steps until the next one. The balancers decide on the first
+profile of every Plan (the run's own compile and each freeze, seed 000 §3.1), and their layout
+holds from the next sample on (no look-ahead). Times are in units of one dense layer's forward:
+the median measured layer forward before the first change. The run itself trained with balancing
+OFF, on the uniform layout, so the trace is the model's own dynamics; every layout is simulated
+from the same measured times (a paired comparison). The "Plan medians" row replaces every
+sample's times by the element-wise median of its Plan's samples: how much of the raw row is CPU
+timing noise. "imbalance" is eq. 2 (``dynjax.balance.imbalance``) of the stage loads (summed
+forward + backward of the measured layer times) under the uniform and the partition layout,
+time-averaged; below the table, the same for the uniform layout from the step timeline the run
+measured (per-stage mean F + B task seconds).
+
+Synthetic rows. A 10,000-iteration training trajectory is sampled every 200 iterations. At each
+sample the layer costs (forward, backward, memory) come from the case's model; every balancer holds
+the layout it chose at its last rebalance, made from the profile of that iteration (for MoE, sparse
+attention and MoD, rebalanced every iteration, the profile is the mean of the previous
+PROFILE_WINDOW iterations: no look-ahead at the current iteration's routing noise).
+
+Both. One 1F1B iteration (M = 4 x S microbatches for synthetic rows, seed 000 §5; the run's own
+M for recorded ones) with a per-hop transfer of 0.05 dense-layer forwards is simulated per sample
+and layout; the table shows the time-averaged iteration time in units of one dense layer's forward.
 
 * static uniform: Megatron-LM's even split, fixed for the whole run.
+* static by-param: DeepSpeed's ``partition_method='parameters'`` (``dynjax.balance.by_param`` of
+  the layers' parameter counts, as ``pipeline.stage_layers='by_param'``), fixed for the whole run.
+  Every case here has equal layers, so it equals uniform.
 * partition: exact min-max by time under memory capacity, moving the fewest layers.
 * diffusion: decentralised diffusion by time (max_iters=10), continuing from its last layout.
 * re-packed: ``repack`` merges neighbouring stages of the partition layout down to the fewest
   workers whose simulated time stays within 5% of partition's, then ``partition`` rebalances them
   (seed 000 §3.4: re-pack "while maintaining comparable performance"). GPUs = mean stages used.
 
-Per-worker memory capacity is 1.5x a dense uniform stage. "vs dense" divides the iteration time of
-the model *without* the dynamism (static uniform) by partition's: the baseline the paper uses for
-sparse attention and early exit. Balancing overhead (profiling, migration) is not modelled.
+Per-worker memory capacity is 1.5x a dense uniform stage. "x dense" divides the iteration time of
+the model *without* the dynamism (static uniform; recorded: the samples before the first change) by
+partition's: the baseline the paper uses for sparse attention and early exit. Balancing overhead
+(profiling, migration) is not modelled.
 
     PYTHONPATH=. python3 benchmarks/dynmo_cases.py
+
+Recording a trace (2026-11-23, one AMD EPYC VM with 2 cores shared with other jobs; 400 steps,
+5.5 min):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python -m dynjax.train \\
+        --config configs/freezing.py --workdir /tmp/trace_freezing \\
+        --config.mesh.stage=4 --config.mesh.data=2 --config.pipeline.profile_every=20
+    PYTHONPATH=. python3 benchmarks/dynmo_cases.py record /tmp/trace_freezing \\
+        benchmarks/traces/freezing.jsonl --case freezing --devices "4x2 fake CPU devices" \\
+        --note "2 cores shared with other jobs (load ~10)" --run-command "<the command above>"
+
+Results (2026-11-23, the same VM, ``PYTHONPATH=. python3 benchmarks/dynmo_cases.py``, 14 s):
+
+DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of a dynjax run
+(benchmarks/traces/); synthetic rows: seed 000 §2 load models.
+
+Time-averaged simulated 1F1B iteration time, unit = one dense layer forward (synthetic: 10,000
+iterations sampled every 200, M = 4 x S; recorded: every profiled step, the run's M):
+
+                        L x S  rebal.  static by-param partition diffusion re-packed GPUs  paper
+------------------------------------------------------------------------------------------------
+(recorded: configs/freezing.py, 4x2 fake CPU devices)
+freezing                  8x4 on Plan   185.3    185.3     179.8     179.8     179.8  4.0  2.23x
+freezing, Plan medians    8x4 on Plan   111.3    111.3     107.6     108.2     107.6  4.0  2.23x
+(synthetic)
+MoE                     32x16    1 it   550.8    550.8     550.8     550.8     550.8 16.0  1.23x
+pruning                 96x24    1000  1296.7   1296.7    1178.4    1184.5    1197.4 23.6  3.18x
+sparse attention        96x24    1 it  1365.0   1365.0    1370.7    1371.4    1375.5 23.9  4.02x
+early exit              96x24     500  1258.8   1258.8     938.9     947.1     956.3 22.2  4.52x
+MoD                     32x16    1 it   415.8    415.8     415.8     415.8     415.8 16.0  1.17x
+
+Speedup over static uniform; imbalance (eq. 2) static uniform -> partition:
+
+                        x param  x part  x diff x repack  x dense   imbalance  paper's baseline
+-----------------------------------------------------------------------------------------------
+(recorded: configs/freezing.py, 4x2 fake CPU devices)
+freezing                  1.00x   1.03x   1.03x    1.03x   1.74x*  1.15->0.93  Egeria, no balancing
+freezing, Plan medians    1.00x   1.03x   1.03x    1.03x   1.24x*  0.95->0.86  Egeria, no balancing
+(synthetic)
+MoE                       1.00x   1.00x   1.00x    1.00x   0.73x   0.31->0.31  static Megatron-LM
+pruning                   1.00x   1.10x   1.09x    1.08x   1.22x   0.51->0.21  static Megatron-LM
+sparse attention          1.00x   1.00x   1.00x    0.99x   2.09x   0.50->0.43  dense attention
+early exit                1.00x   1.34x   1.33x    1.32x   1.53x   1.65->1.02  no early exit
+MoD                       1.00x   1.00x   1.00x    1.00x   1.16x   0.33->0.33  MoD w/o balancing
+
+* recorded: the samples before the first change ran at another time of a shared CPU (unpaired).
+
+freezing: unit = 1.86 ms, 23 profiled steps, M = 8, by-param [2, 2, 2, 2], imbalance of the uniform
+layout from the run's step timeline 1.26; layouts chosen at step 1: (2,2,2,2) all; step 122:
+(2,2,2,2) all; step 146: (3,2,2,1) all; step 205: (4,2,1,1) all.
+
+freezing, Plan medians: layouts chosen at step 1: (2,3,2,1) partition+re-packed, (2,2,2,2)
+diffusion; step 122: (2,2,2,2) all; step 146: (3,2,1,2) all; step 205: (3,2,2,1) partition+re-
+packed, (4,1,2,1) diffusion.
+
+What the recorded freezing row says. The run froze layer 0 at step 122, layers 0-2 at 146 and 0-3
+at 205 (``freezing.max_fraction`` = 0.5; steps as ``metrics.jsonl`` counts them). dynjax's frozen
+layers skip their backward but still run their forward (Egeria caches a frozen prefix's output;
+dynjax does not), so a frozen layer costs about a quarter of a trained one (1.9 ms forward against
+~8 ms forward + backward). With 8 layers on 4 stages, stages 2 and 3 keep two trained layers each
+after the last freeze; the one layout that gives them one each, (5,1,1,1), puts four frozen layers
+and a trained one's state on stage 0, over the 1.5x memory cap, so partition and diffusion settle
+on (4,2,1,1): 1.08x on the samples after step 205 (1.10x for (5,1,1,1) without the cap), 1.03x over
+the run, which is half unfrozen. Re-pack frees no stage: three stages, (4,2,2), cost ~8% (over its
+5%), two do not fit. by-param balances equal layers: the uniform split. Timing noise: the 8 fake
+devices share 2 cores with other jobs, and single measurements in the raw trace are up to 13x their
+Plan's median (a 133 ms layer backward at step 61); whole periods ran ~1.7x slower (the median
+backward of layers 3-6 while trained: 10.1 ms in Plan 2, 5.7-6.7 ms in Plans 0, 1 and 3). The
+layouts are compared on the same samples, so the speedups hold up (1.03x raw and with medians),
+while "x dense" (the samples before the first freeze against the run's average) does not (1.74x
+raw, 1.24x with medians). The "Plan medians" row decides on medians that include its Plan's later
+samples (look-ahead inside a Plan): it measures the noise, not a balancer.
 """
 
+import argparse
+import json
+import os
+import subprocess
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
 
 import numpy as np
 
-from dynjax.balance import diffusion, partition, repack, simulate, uniform
+from dynjax.balance import (
+    by_param,
+    diffusion,
+    imbalance,
+    partition,
+    repack,
+    simulate,
+    stage_costs,
+    uniform,
+)
 
 ITERATIONS = 10_000
 SAMPLE_EVERY = 200
@@ -41,6 +161,16 @@ COMM = 0.05  # per-hop activation transfer, in dense-layer forwards
 CAPACITY_FACTOR = 1.5  # worker memory / dense uniform stage memory
 REPACK_TOLERANCE = 1.05
 PROFILE_WINDOW = 8  # iterations averaged into the profile when rebalancing every iteration
+TRACES = Path(__file__).resolve().parent / "traces"
+ADAM_MOMENTS = 2  # optimizer-state bytes per parameter byte (Adam's mu and nu)
+PAPER = {  # seed 000 abstract / §5: (speedup, its baseline)
+    "MoE": (1.23, "static Megatron-LM"),
+    "pruning": (3.18, "static Megatron-LM"),
+    "freezing": (2.23, "Egeria, no balancing"),
+    "sparse attention": (4.02, "dense attention"),
+    "early exit": (4.52, "no early exit"),
+    "MoD": (1.17, "MoD w/o balancing"),
+}
 
 
 @dataclass(frozen=True)
@@ -61,11 +191,21 @@ class Case:
     name: str
     layers: int
     stages: int
-    every: int  # rebalance period in iterations; 1 = every iteration from the previous profile
+    every: int  # rebalance period in iterations; 1 = every iteration from the previous profile;
+    #             0 = on the first profile of every Plan (`changes`), applied from the next sample
     paper: float  # seed 000 abstract / §5
     paper_baseline: str
-    trace: Callable[[int], Layers]  # layer costs at an iteration
-    dense: Layers  # the same model without its dynamism
+    trace: Callable[[int], Layers]  # layer costs at an iteration (recorded: at a profiled step)
+    dense: Layers  # the same model without its dynamism (memory: the capacity's reference)
+    source: str = "(synthetic)"
+    steps: tuple[int, ...] = tuple(range(0, ITERATIONS, SAMPLE_EVERY))  # the samples
+    weights: tuple[float, ...] = ()  # iterations each sample stands for; () = equal
+    params: tuple[float, ...] = ()  # per-layer parameter counts (by-param); () = equal
+    micro: int = 0  # microbatches per iteration; 0 = 4 x stages (seed 000 §5)
+    changes: tuple[int, ...] = ()  # every == 0: steps whose profile is a new Plan's first
+    dense_steps: tuple[int, ...] = ()  # recorded: samples of the model before any change
+    unit_seconds: float = 0.0  # recorded: seconds of one dense layer forward (the time unit)
+    timeline_imbalance: float | None = None  # recorded: eq. 2 of the run's measured stage times
 
 
 def dense_layers(num_layers: int, fwd: float = 1.0) -> Layers:
@@ -87,7 +227,7 @@ def moe() -> Case:
         fwd = 0.35 + 0.65 * hottest / 1.35  # normalised so balanced routing costs ~1
         return Layers(fwd, 2 * fwd, np.ones(num_layers))
 
-    return Case("MoE", num_layers, 16, 1, 1.23, "static Megatron-LM", trace,
+    return Case("MoE", num_layers, 16, 1, *PAPER["MoE"], trace,
                 dense_layers(num_layers, (0.35 + 0.65 / 1.35)))
 
 
@@ -112,7 +252,7 @@ def pruning() -> Case:
         memory = 0.6 * np.minimum(1.0, 2.0 * density) + 0.4  # CSR: values + indices
         return Layers(fwd, 2 * fwd, memory)
 
-    return Case("pruning", num_layers, 24, 1000, 3.18, "static Megatron-LM", trace,
+    return Case("pruning", num_layers, 24, 1000, *PAPER["pruning"], trace,
                 dense_layers(num_layers))
 
 
@@ -127,7 +267,7 @@ def freezing() -> Case:
         fwd = live.astype(float)
         return Layers(fwd, 2 * fwd, np.where(live, 1.0, 0.15))
 
-    return Case("freezing", num_layers, 24, 500, 2.23, "Egeria (unbalanced freezing)", trace,
+    return Case("freezing", num_layers, 24, 500, *PAPER["freezing"], trace,
                 dense_layers(num_layers))
 
 
@@ -143,7 +283,7 @@ def sparse_attention() -> Case:
         fwd = 0.4 + 1.6 * kept
         return Layers(fwd, 2 * fwd, np.ones(num_layers))
 
-    return Case("sparse attention", num_layers, 24, 1, 4.02, "dense attention", trace,
+    return Case("sparse attention", num_layers, 24, 1, *PAPER["sparse attention"], trace,
                 dense_layers(num_layers, 2.0))
 
 
@@ -159,7 +299,7 @@ def early_exit() -> Case:
         left = np.exp(-np.maximum(depth - first_exit, 0) / scale)
         return Layers(left, 2 * left, 0.6 + 0.4 * left)
 
-    return Case("early exit", num_layers, 24, 500, 4.52, "no early exit", trace,
+    return Case("early exit", num_layers, 24, 500, *PAPER["early exit"], trace,
                 dense_layers(num_layers))
 
 
@@ -175,18 +315,206 @@ def mixture_of_depths() -> Case:
         fwd = np.minimum(share, 1.0)
         return Layers(fwd, 2 * fwd, np.ones(num_layers))
 
-    return Case("MoD", num_layers, 16, 1, 1.17, "MoD w/o balancing", trace,
+    return Case("MoD", num_layers, 16, 1, *PAPER["MoD"], trace,
                 dense_layers(num_layers))
+
+
+# -- recorded traces --------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def measured_layers(sample: dict) -> Layers:
+    """One profiled step of a trace in seconds and bytes: the embedding's times in the first layer
+    and the head's (norm, head, loss) in the last, whose stages run them (as ``Rebalance``)."""
+    fwd = np.array(sample["layer_forward_seconds"], dtype=float)
+    bwd = np.array(sample["layer_backward_seconds"], dtype=float)
+    for key, layer in (("embed_seconds", 0), ("head_seconds", -1)):
+        fwd[layer] += sample[key][0]
+        bwd[layer] += sample[key][1]
+    return Layers(fwd, bwd, np.array(sample["layer_state_bytes"], dtype=float))
+
+
+def recorded_case(path: Path, *, smooth: bool = False) -> Case:
+    """A case from a trace written by ``record``: one sample per profiled step of the run.
+
+    ``smooth``: every sample's times become the element-wise median over the samples of its
+    Plan (what the run measured, less the timing noise of a shared CPU)."""
+    meta, *samples = read_jsonl(path)
+    steps = tuple(s["step"] for s in samples)
+    layers = {s["step"]: measured_layers(s) for s in samples}
+    if smooth:
+        for plan in {s["plan"] for s in samples}:
+            group = [layers[s["step"]] for s in samples if s["plan"] == plan]
+            fwd = np.median([g.fwd for g in group], axis=0)
+            bwd = np.median([g.bwd for g in group], axis=0)
+            for s in samples:
+                if s["plan"] == plan:
+                    layers[s["step"]] = Layers(fwd, bwd, layers[s["step"]].memory)
+    first = samples[0]["plan"]
+    dense_steps = tuple(s["step"] for s in samples if s["plan"] == first)
+    unit = float(np.median([layers[t].fwd[1:-1] for t in dense_steps]))  # no embedding, head
+    scaled = {t: Layers(v.fwd / unit, v.bwd / unit, v.memory) for t, v in layers.items()}
+    changes = tuple(s["step"] for i, s in enumerate(samples)
+                    if i == 0 or s["plan"] != samples[i - 1]["plan"])
+    ends = steps[1:] + (meta["steps"] + 1,)
+    dense = scaled[dense_steps[0]]
+    name = meta["case"]
+    paper, baseline = PAPER.get(name, (float("nan"), "-"))
+    source = f"(recorded: {meta['source']}, {meta['devices']}"
+    source += ", per-Plan median times)" if smooth else ")"
+    timeline = [imbalance(s["stage_seconds"]) for s in samples]
+    weights = tuple(float(e - t) for t, e in zip(steps, ends, strict=True))
+    return Case(
+        name, meta["num_layers"], len(meta["stage_layers"]), 0, paper, baseline,
+        scaled.__getitem__, dense, source=source, steps=steps,
+        weights=weights,
+        params=tuple(meta["layer_params"]), micro=meta["microbatches"], changes=changes,
+        dense_steps=dense_steps, unit_seconds=unit,
+        timeline_imbalance=float(np.average(timeline, weights=weights)),
+    )
+
+
+def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
+           note: str = "") -> None:
+    """Copy a run's trace into ``out``: its profiled ``layer_costs.jsonl`` lines joined with their
+    ``profile`` events (embedding and head times, the measured step timeline as per-stage F + B
+    seconds) and the Plan each ran, plus per-layer parameter counts and state bytes.
+
+    The state bytes model (parameters, Adam's two moments, a gradient accumulator for trainable
+    layers, the embedding with layer 0 and norm + head with the last) is checked against the
+    stage memory each profile measured: a scheme that stores its layers otherwise (e.g. pruned
+    layers in a sparse format) fails here until this model learns it.
+    """
+    import jax  # the recorder builds the model's shapes; the benchmark itself needs no JAX
+    import ml_collections
+
+    from dynjax.experiment import fresh_params, gpt_config
+
+    cfg = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    num_layers = cfg.model.num_layers
+    shapes = jax.eval_shape(lambda: fresh_params(gpt_config(cfg), 0))
+
+    def count(tree, nbytes=False):
+        leaves = jax.tree.leaves(tree)
+        return sum(int(np.prod(a.shape)) * (a.dtype.itemsize if nbytes else 1) for a in leaves)
+
+    layer_params = [count(shapes["layers"][i]) for i in range(num_layers)]
+    layer_bytes = [count(shapes["layers"][i], True) for i in range(num_layers)]
+    embed_bytes = sum(count(shapes[k], True) for k in ("embed", "pos") if k in shapes)
+    head_bytes = sum(count(shapes[k], True) for k in ("norm", "head") if k in shapes)
+
+    events = read_jsonl(workdir / "events.jsonl")
+    plans = [(0, e["plan"]) for e in events if e["event"] == "compile"]
+    plans += [(e["swap_step"], e["plan"]) for e in events if e["event"] == "recompile"]
+    profiles = [e for e in events if e["event"] == "profile"]
+
+    def plan_at(step: int) -> int:
+        return max(i for i, (swap, _) in enumerate(plans) if swap <= step)
+
+    def state_bytes(frozen: set[int]) -> list[int]:
+        out = []
+        for i, b in enumerate(layer_bytes):
+            extra = embed_bytes if i == 0 else head_bytes if i == num_layers - 1 else 0
+            grads = (b + (embed_bytes if i == 0 else 0)) * (i not in frozen)
+            grads += head_bytes if i == num_layers - 1 else 0
+            out.append((b + extra) * (1 + ADAM_MOMENTS) + grads)
+        return out
+
+    samples = []
+    for line in read_jsonl(workdir / "layer_costs.jsonl"):
+        if "layer_forward_seconds" not in line:
+            continue
+        match = [p for p in profiles if p["layer_forward_seconds"] == line["layer_forward_seconds"]
+                 and p["layer_backward_seconds"] == line["layer_backward_seconds"]]
+        if len(match) != 1:
+            raise ValueError(f"step {line['step']}: {len(match)} profile events match")
+        profile = match[0]
+        index = plan_at(profile["step"])
+        plan = plans[index][1]
+        frozen = set(plan.get("frozen_layers", ()))
+        memory = state_bytes(frozen)
+        bounds = np.cumsum([0, *plan["stage_layers"]])
+        for s, m in enumerate(profile["stage_memory_bytes"]):
+            measured = m["params"] + m["opt_state"] + m["grad_accumulator"]
+            modelled = sum(memory[bounds[s]:bounds[s + 1]])
+            if abs(measured - modelled) > 1e-3 * measured:
+                raise ValueError(f"step {line['step']} stage {s}: state bytes measured "
+                                 f"{measured}, modelled {modelled}")
+        stage_seconds = [
+            float(np.mean([t[3] - t[2] for t in tasks if t[0] == "F"])
+                  + np.mean([t[3] - t[2] for t in tasks if t[0] == "B"] or [0.0]))
+            for tasks in profile["timeline"]
+        ]
+        rounded = lambda xs: [round(float(x), 7) for x in xs]  # noqa: E731
+        samples.append({
+            "step": line["step"],
+            "plan": index,
+            "stage_layers": list(plan["stage_layers"]),
+            "frozen_layers": sorted(frozen),
+            "layer_cost": [round(c, 4) for c in line["layer_cost"]],
+            "layer_forward_seconds": rounded(line["layer_forward_seconds"]),
+            "layer_backward_seconds": rounded(line["layer_backward_seconds"]),
+            "embed_seconds": rounded(profile["embed_seconds"]),
+            "head_seconds": rounded(profile["head_seconds"]),
+            "layer_state_bytes": memory,
+            "stage_seconds": rounded(stage_seconds),
+            "iteration_seconds": round(profile["iteration_seconds"], 5),
+        })
+    first = plans[0][1]
+    cpu = "unknown CPU"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in
+                   Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    meta = {
+        "case": case,
+        "source": f"configs/{case}.py",
+        "devices": devices,
+        "command": command,
+        "recorded": date.today().isoformat(),
+        "machine": f"{cpu}, {os.cpu_count()} cores{', ' + note if note else ''}",
+        "steps": cfg.train.steps,
+        "num_layers": num_layers,
+        "stage_layers": list(first["stage_layers"]),
+        "microbatches": first["microbatches"],
+        "schedule": first["schedule"],
+        "balance": bool(cfg.balance.enabled),
+        "layer_params": layer_params,
+        "layer_param_bytes": layer_bytes,
+        "embed_param_bytes": embed_bytes,
+        "head_param_bytes": head_bytes,
+        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in [meta, *samples]))
+    print(f"{out}: {len(samples)} profiled steps, {len(plans)} Plans, {out.stat().st_size:,} bytes")
+
+
+# -- the simulation -----------------------------------------------------------------------------
 
 
 def profile_at(case: Case, t: int) -> Layers:
     """What the monitor reports at iteration ``t``: that iteration's costs, or for per-iteration
     rebalancing the mean of the last ``PROFILE_WINDOW`` iterations (timings are noisy)."""
-    if case.every > 1:
+    if case.every != 1:
         return case.trace(t)
     window = [case.trace(i) for i in range(max(t - PROFILE_WINDOW + 1, 0), t + 1)]
     return Layers(*(np.mean([getattr(w, f) for w in window], axis=0)
                     for f in ("fwd", "bwd", "memory")))
+
+
+def decision_at(case: Case, t: int) -> int | None:
+    """The iteration whose profile the layout in force at ``t`` was chosen from (None: none yet)."""
+    if case.every == 0:
+        past = [c for c in case.changes if c < t]
+        return past[-1] if past else None
+    at = t - 1 if case.every == 1 else (t // case.every) * case.every
+    return at if at >= 0 else None
 
 
 def iteration_time(layers: Layers, counts: tuple[int, ...], micro: int) -> float:
@@ -213,17 +541,21 @@ def repacked(profile: Layers, balanced: tuple[int, ...], capacity: float,
     return best
 
 
-def run(case: Case) -> dict[str, float]:
-    micro = 4 * case.stages
+def run(case: Case) -> dict:
+    micro = case.micro or 4 * case.stages
     static = uniform(case.layers, case.stages)
+    params = np.array(case.params) if case.params else np.ones(case.layers)
+    by_params = by_param(params, case.stages)
     capacity = CAPACITY_FACTOR * case.dense.memory.sum() / case.stages
     layouts = {"partition": static, "diffusion": static, "re-packed": static}
-    times: dict[str, list[float]] = {k: [] for k in ("static", "dense", *layouts)}
+    times: dict[str, list[float]] = {k: [] for k in ("static", "by-param", "dense", *layouts)}
+    imb: dict[str, list[float]] = {"static": [], "partition": []}
     gpus: list[int] = []
+    decisions: list[tuple[int, dict[str, tuple[int, ...]]]] = []
     last = None
-    for t in range(0, ITERATIONS, SAMPLE_EVERY):
-        rebalance_at = t - 1 if case.every == 1 else (t // case.every) * case.every
-        if rebalance_at >= 0 and rebalance_at != last:
+    for t in case.steps:
+        rebalance_at = decision_at(case, t)
+        if rebalance_at is not None and rebalance_at != last:
             last = rebalance_at
             profile = profile_at(case, rebalance_at)
             kw = dict(memory=profile.memory, capacity=capacity)
@@ -231,38 +563,134 @@ def run(case: Case) -> dict[str, float]:
                                              current=layouts["partition"], **kw)
             layouts["diffusion"] = diffusion(profile.time, layouts["diffusion"], **kw)
             layouts["re-packed"] = repacked(profile, layouts["partition"], capacity, micro)
+            decisions.append((rebalance_at, dict(layouts)))
         now = case.trace(t)
         times["static"].append(iteration_time(now, static, micro))
+        times["by-param"].append(iteration_time(now, by_params, micro))
         times["dense"].append(iteration_time(case.dense, static, micro))
         for name, layout in layouts.items():
             times[name].append(iteration_time(now, layout, micro))
+        for name, layout in (("static", static), ("partition", layouts["partition"])):
+            imb[name].append(imbalance(stage_costs(now.time, layout)))
         gpus.append(len(layouts["re-packed"]))
-    out = {name: float(np.mean(v)) for name, v in times.items()}
-    out["gpus"] = float(np.mean(gpus))
+    weights = np.array(case.weights) if case.weights else np.ones(len(case.steps))
+    out: dict = {name: float(np.average(v, weights=weights)) for name, v in times.items()}
+    if case.dense_steps:  # recorded: the run's own samples before the first change
+        before = np.isin(case.steps, case.dense_steps)
+        out["dense"] = float(np.average(np.array(times["static"])[before],
+                                        weights=weights[before]))
+    out["gpus"] = float(np.average(gpus, weights=weights))
+    for name, v in imb.items():
+        out[f"imbalance {name}"] = float(np.average(v, weights=weights))
+    out["by-param layout"] = by_params
+    out["decisions"] = decisions
     return out
 
 
-def main() -> None:
-    cases = [moe(), pruning(), freezing(), sparse_attention(), early_exit(), mixture_of_depths()]
-    print("DynMo cases on SYNTHETIC cost traces (seed 000 §2 load models, Fig. 1 idleness; no "
-          "measured traces yet).")
-    print(f"Time-averaged simulated 1F1B iteration time over {ITERATIONS:,} iterations, sampled "
-          f"every {SAMPLE_EVERY}; M = 4 x S microbatches; unit = one dense layer forward.")
-    header = (f"{'case':<17}{'L x S':>7}{'rebal.':>7}{'static':>9}{'partition':>10}"
-              f"{'diffusion':>10}{'re-packed':>10}{'GPUs':>6} | {'x part':>7}{'x diff':>7}"
-              f"{'x repack':>9}{'x vs dense':>11} | {'paper':>6}  paper's baseline")
+def synthetic_cases() -> list[Case]:
+    return [moe(), pruning(), freezing(), sparse_attention(), early_exit(), mixture_of_depths()]
+
+
+def cases_with_traces(traces: Path = TRACES) -> list[Case]:
+    """Every case: from its recorded trace where ``traces`` has ``<case>.jsonl`` (plus a
+    per-Plan-median row), recorded ones first; else synthetic."""
+    recorded, synthetic = [], []
+    for case in synthetic_cases():
+        path = traces / f"{case.name.replace(' ', '_')}.jsonl"
+        if path.is_file():
+            recorded += [recorded_case(path), recorded_case(path, smooth=True)]
+        else:
+            synthetic.append(case)
+    return recorded + synthetic
+
+
+def label(case: Case) -> str:
+    return f"{case.name}, Plan medians" if "median" in case.source else case.name
+
+
+def source_group(case: Case) -> str:
+    return case.source.replace(", per-Plan median times", "")
+
+
+def table(cases: list[Case], results: list[dict], header: str,
+          row: Callable[[Case, dict], str]) -> None:
     print(header)
     print("-" * len(header))
-    for case in cases:
-        r = run(case)
-        rebalance = "1 it" if case.every == 1 else f"{case.every}"
-        print(f"{case.name:<17}{f'{case.layers}x{case.stages}':>7}{rebalance:>7}"
-              f"{r['static']:>9.1f}{r['partition']:>10.1f}{r['diffusion']:>10.1f}"
-              f"{r['re-packed']:>10.1f}{r['gpus']:>6.1f} | "
-              f"{r['static'] / r['partition']:>6.2f}x{r['static'] / r['diffusion']:>6.2f}x"
-              f"{r['static'] / r['re-packed']:>8.2f}x{r['dense'] / r['partition']:>10.2f}x | "
-              f"{case.paper:>5.2f}x  {case.paper_baseline}")
+    group = None
+    for case, r in zip(cases, results, strict=True):
+        if source_group(case) != group:
+            group = source_group(case)
+            print(group)
+        print(f"{label(case):<23}" + row(case, r))
+
+
+def main() -> None:
+    cases = cases_with_traces()
+    results = [run(case) for case in cases]
+    print("DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of "
+          "a dynjax run\n(benchmarks/traces/); synthetic rows: seed 000 §2 load models.\n")
+    print(f"Time-averaged simulated 1F1B iteration time, unit = one dense layer forward "
+          f"(synthetic: {ITERATIONS:,}\niterations sampled every {SAMPLE_EVERY}, M = 4 x S; "
+          "recorded: every profiled step, the run's M):\n")
+    table(cases, results,
+          f"{'':<23}{'L x S':>6}{'rebal.':>8}{'static':>8}{'by-param':>9}{'partition':>10}"
+          f"{'diffusion':>10}{'re-packed':>10}{'GPUs':>5}{'paper':>7}",
+          lambda c, r: (
+              f"{f'{c.layers}x{c.stages}':>6}{({0: 'on Plan', 1: '1 it'}.get(c.every, c.every)):>8}"
+              f"{r['static']:>8.1f}{r['by-param']:>9.1f}{r['partition']:>10.1f}"
+              f"{r['diffusion']:>10.1f}{r['re-packed']:>10.1f}{r['gpus']:>5.1f}{c.paper:>6.2f}x"))
+    print("\nSpeedup over static uniform; imbalance (eq. 2) static uniform -> partition:\n")
+    table(cases, results,
+          f"{'':<23}{'x param':>8}{'x part':>8}{'x diff':>8}{'x repack':>9}{'x dense':>9}"
+          f"{'imbalance':>12}  paper's baseline",
+          lambda c, r: (
+              f"{r['static'] / r['by-param']:>7.2f}x{r['static'] / r['partition']:>7.2f}x"
+              f"{r['static'] / r['diffusion']:>7.2f}x{r['static'] / r['re-packed']:>8.2f}x"
+              f"{r['dense'] / r['partition']:>7.2f}x{'*' if c.dense_steps else ' '}"
+              f"{r['imbalance static']:>6.2f}->{r['imbalance partition']:<4.2f}"
+              f"  {c.paper_baseline}"))
+    notes = []
+    for case, r in zip(cases, results, strict=True):
+        if not case.unit_seconds:
+            continue
+        chosen = []
+        for t, d in r["decisions"]:
+            kinds = {}
+            for kind, layout in d.items():
+                kinds.setdefault("(" + ",".join(map(str, layout)) + ")", []).append(kind)
+            chosen.append(f"step {t}: " + ", ".join(
+                f"{layout} {'all' if len(k) == len(d) else '+'.join(k)}"
+                for layout, k in kinds.items()))
+        note = (f"{label(case)}: layouts chosen at " + "; ".join(chosen) + ".")
+        if "median" not in case.source:
+            note = (f"{label(case)}: unit = {1e3 * case.unit_seconds:.2f} ms, "
+                    f"{len(case.steps)} profiled steps, M = {case.micro}, by-param "
+                    f"{list(r['by-param layout'])}, imbalance of the uniform layout from the "
+                    f"run's step timeline {case.timeline_imbalance:.2f}; " + note.split(": ", 1)[1])
+        notes.append(note)
+    if notes:
+        print("\n* recorded: the samples before the first change ran at another time of a shared "
+              "CPU (unpaired).")
+    for note in notes:
+        print("\n" + textwrap.fill(note, 100))
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    rec = sub.add_parser("record", help="copy a run's trace into benchmarks/traces/")
+    rec.add_argument("workdir", type=Path)
+    rec.add_argument("out", type=Path)
+    rec.add_argument("--case", required=True, help="the row it replaces, e.g. freezing")
+    rec.add_argument("--devices", required=True, help='e.g. "4x2 fake CPU devices"')
+    rec.add_argument("--run-command", default="", help="the dynjax.train command that ran")
+    rec.add_argument("--note", default="", help="about the machine, e.g. shared cores")
+    args = parser.parse_args()
+    if args.command == "record":
+        record(args.workdir, args.out, args.case, args.devices, args.run_command, args.note)
+    else:
+        main()
 
 
 if __name__ == "__main__":
-    main()
+    cli()

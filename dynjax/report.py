@@ -757,11 +757,12 @@ def _shared_dashes(index: int, count: int) -> tuple[int, tuple[int, int]]:
 
 
 def _edges(steps: np.ndarray) -> np.ndarray:
-    """Cell edges around sorted steps: each step owns the interval back to the previous one."""
+    """Cell edges around sorted steps: each step, a sample of the Plan that step ran with, owns
+    the interval up to the next one (so a change shows where the swap put it)."""
     if steps.size == 1:
         return np.array([steps[0] - 0.5, steps[0] + 0.5])
-    first = steps[0] - (steps[1] - steps[0])
-    return np.concatenate([[first], steps]).astype(np.float64)
+    last = steps[-1] + (steps[-1] - steps[-2])
+    return np.concatenate([steps, [last]]).astype(np.float64)
 
 
 PIPELINE_MARKS = ("recompile", "rebalance", "rebalance_rejected", "repack", "migrate", "release")

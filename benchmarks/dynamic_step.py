@@ -1,0 +1,199 @@
+"""Compute that shrinks: the training step of a dynamic model against the same model kept whole.
+
+Per runtime, the step of one model under each Plan variant against the step under the baseline
+Plan (nothing frozen), measured end to end: `exp.runtime(plan).step(...)` on the batches of
+`exp.order`, host batch placement included, blocking on the metrics at the end of each round of
+``--steps`` steps. Rounds alternate over the variants (A, B, A, B...; the machine is shared and
+noisy) and the table reports medians. Variants so far:
+
+* ``frozen prefix``: ``plan.replace(frozen_layers=(0 .. L/2-1))`` (seed 000 §2.3, §4.2.3). A
+  frozen prefix, embedding included, runs its forward only: no backward, no update. With a
+  layer's backward at about twice its forward, the layers' FLOPs fall to
+  (L/2 * 1 + L/2 * 3) / (L * 3) = 2/3; the embedding's and head's FLOPs add to both.
+
+(A pruning variant would be one more entry of `VARIANTS`.)
+
+Runtimes: the single-program step (one device) and the MPMD pipeline on ``--stages`` x
+``--data`` fake CPU devices (the script sets ``--xla_force_host_platform_device_count=8``
+before importing JAX). FLOPs per step come from ``cost_analysis()`` of the compiled programs,
+which on this JAX counts the FLOPs of one device: the single-program step's is the whole step;
+a pipeline step's is, over its stage programs, (FLOPs x runs per step x devices of the stage's
+sub-mesh): the forward and backward programs run once per microbatch, the gradient norm and
+the update once per step (the update of parameters replicated over the data axis counts once
+per device). A pipeline stage's backward program recomputes the stage's forward from its input
+(activation checkpointing at stage boundaries), so there a layer costs about 1 + 3 and the
+frozen prefix's share is (L/2 * 1 + L/2 * 4) / (L * 4) = 5/8. On a CPU the fake devices share
+the machine's cores, so the pipeline's time is its stages' work on those cores plus host
+dispatch, not a parallel pipeline's. "compile s" is lowering + compiling in this process: the
+variant measured second reuses the pipeline stage programs whose specs it shares.
+
+    PYTHONPATH=. python3 benchmarks/dynamic_step.py [--config configs/freezing.py] \\
+        [--rounds 7] [--steps 4] [--pipeline-steps 2] [--stages 4 --data 2] [--no-pipeline]
+
+Measured 2026-11-23 on a shared 2-core CPU VM (load average about 8 from other engineers'
+jobs during the run; jax 0.10.2, 8 fake CPU devices), the defaults above, 64 s in all, with
+configs/freezing.py as is (8 layers, d_model 128, batch 16 x 128; its freezing plugin enabled,
+so both variants also compute the per-layer gradient norms its policy reads; no policy runs):
+
+    single-program step, 1 device
+    median of 7 rounds x 4 steps
+    variant                tok/s  step ms  ratio    min    max  GFLOP/step  FLOP ratio  compile s
+    ---------------------------------------------------------------------------------------------
+    none                   4,859    421.5   1.00   1.00   1.00      23.515       1.000        7.9
+    frozen prefix L/2      7,969    257.0   1.49   1.41   1.74      15.817       0.673        4.8
+
+    pipeline step, (stage, data) = (4, 2), layers (2, 2, 2, 2), 1f1b with M = 8
+    median of 7 rounds x 2 steps
+    variant                tok/s  step ms  ratio    min    max  GFLOP/step  FLOP ratio  compile s
+    ---------------------------------------------------------------------------------------------
+    none                   5,575    367.3   1.00   1.00   1.00      28.649       1.000        9.6
+    frozen prefix L/2      9,002    227.5   1.65   1.53   1.76      17.555       0.613        3.2
+
+The FLOP ratios are the expected ones (0.673 against 2/3 plus the embedding and head; 0.613
+against 5/8), and the measured speedups are about their inverses (1/0.673 = 1.49, 1/0.613 =
+1.63). "ratio" is the median of per-round ratios; the ratio of the median times (1.64 for the
+single-program step) differs by the noise between rounds. The pipeline's step being faster than
+the single-program one despite more FLOPs is probably a CPU effect (programs of different fake
+devices run on both cores at once), not measured here.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import jax  # noqa: E402
+
+from dynjax.config import load_config  # noqa: E402
+from dynjax.experiment import Experiment  # noqa: E402
+from dynjax.recompile import Plan  # noqa: E402
+
+# name -> how the variant's Plan derives from the baseline's (the first entry is the baseline).
+VARIANTS: dict[str, Callable[[Plan, int], Plan]] = {
+    "none": lambda plan, layers: plan,
+    "frozen prefix L/2": lambda plan, layers: plan.replace(frozen_layers=tuple(range(layers // 2))),
+}
+
+
+def _flops(compiled) -> float:
+    """FLOPs of one run of a compiled program on one device (a dict, or a list of them)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return float(cost.get("flops", 0.0))  # absent: no arithmetic (a frozen stage's sqnorm)
+
+
+def step_flops(exp: Experiment, executable) -> float:
+    """FLOPs of one training step over all devices (see the module docstring)."""
+    if not hasattr(executable, "programs"):  # the single-program step on one device
+        return _flops(executable)
+    spec, meshes = executable.spec, exp.pipeline_programs.transport.stage_meshes
+    total = 0.0
+    for (kind, s), program in executable.programs.items():
+        runs = spec.microbatches if kind in ("fwd", "bwd") else 1
+        total += _flops(program) * runs * meshes[s].devices.size
+    return total
+
+
+def measure(exp: Experiment, plans: dict[str, Plan], steps: int, rounds: int) -> dict[str, dict]:
+    """Compile each Plan, then time ``rounds`` alternating rounds of ``steps`` steps each."""
+    runs, out = {}, {}
+    for name, plan in plans.items():
+        t0 = time.perf_counter()
+        executable = exp.lower_train_step(plan).compile()
+        compile_s = time.perf_counter() - t0
+        runtime = exp.runtime(plan)
+        jax.block_until_ready(runtime.step(executable, exp.order.batch(0), None))  # warm up
+        runs[name] = (runtime, executable)
+        out[name] = {"flops": step_flops(exp, executable), "compile_s": compile_s, "secs": []}
+    for r in range(rounds):
+        for name, (runtime, executable) in runs.items():
+            start = 1 + r * steps  # every variant trains on the same batches
+            t0 = time.perf_counter()
+            for t in range(start, start + steps):
+                metrics = runtime.step(executable, exp.order.batch(t), None)
+            jax.block_until_ready(metrics)
+            out[name]["secs"].append((time.perf_counter() - t0) / steps)
+    return out
+
+
+def report(title: str, exp: Experiment, results: dict[str, dict], steps: int, rounds: int) -> None:
+    tokens = exp.cfg.train.batch_size * exp.cfg.data.seq_len
+    base = results[next(iter(results))]
+    print(f"\n{title}\nmedian of {rounds} rounds x {steps} steps")
+    header = (
+        f"{'variant':<19}{'tok/s':>9}{'step ms':>9}{'ratio':>7}{'min':>7}{'max':>7}"
+        f"{'GFLOP/step':>12}{'FLOP ratio':>12}{'compile s':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        # Per-round ratios of this variant's time to the baseline's time of the same round.
+        ratios = [b / s for b, s in zip(base["secs"], r["secs"], strict=True)]
+        step = statistics.median(r["secs"])
+        print(
+            f"{name:<19}{tokens / step:>9,.0f}{1e3 * step:>9.1f}"
+            f"{statistics.median(ratios):>7.2f}{min(ratios):>7.2f}{max(ratios):>7.2f}"
+            f"{r['flops'] / 1e9:>12.3f}{r['flops'] / base['flops']:>12.3f}"
+            f"{r['compile_s']:>11.1f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/freezing.py")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=4, help="single-program steps per round")
+    parser.add_argument("--pipeline-steps", type=int, default=2, help="pipeline steps per round")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--data", type=int, default=2)
+    parser.add_argument("--no-pipeline", action="store_true")
+    args = parser.parse_args()
+    began = time.perf_counter()
+
+    cfg = load_config(args.config)
+    m = cfg.model
+    print(
+        f"{args.config}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
+        f"mlp {m.mlp_dim}, vocab {m.vocab_size}, batch {cfg.train.batch_size} x "
+        f"{cfg.data.seq_len} tokens, {cfg.train.dtype}; {jax.devices()[0].device_kind} "
+        f"x{jax.device_count()} (fake), jax {jax.__version__}, {os.cpu_count()} cores"
+    )
+    print(
+        "ratio = tok/s of the variant / tok/s of 'none' in the same round (median, min, max "
+        "over rounds); FLOP ratio = variant / 'none'"
+    )
+
+    exp = Experiment.from_config(cfg)
+    base = exp.initial_plan()
+    plans = {name: derive(base, m.num_layers) for name, derive in VARIANTS.items()}
+    results = measure(exp, plans, args.steps, args.rounds)
+    report("single-program step, 1 device", exp, results, args.steps, args.rounds)
+
+    if not args.no_pipeline:
+        cfg = load_config(args.config, [f"mesh.stage={args.stages}", f"mesh.data={args.data}"])
+        exp = Experiment.from_config(cfg)
+        base = exp.initial_plan()
+        plans = {name: derive(base, m.num_layers) for name, derive in VARIANTS.items()}
+        results = measure(exp, plans, args.pipeline_steps, args.rounds)
+        report(
+            f"pipeline step, (stage, data) = ({args.stages}, {args.data}), layers "
+            f"{base.stage_layers}, {base.schedule} with M = {base.microbatches}",
+            exp,
+            results,
+            args.pipeline_steps,
+            args.rounds,
+        )
+    print(f"\ntotal {time.perf_counter() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Block-pruned matmul (XLA path) against the dense matmul on CPU: a table of medians.
+
+MLP-shaped fp32 weights (512x2048 and 1024x4096), blocks of 32, a batch of ``--tokens`` rows
+(default 2048: one sequence of 2048 tokens, or 8 x 256), block densities 50/25/10%. Each mask keeps
+``round(density * in/32)`` random blocks in every block-column, so ``K`` is that count's
+``bucket_blocks`` (for 1024x4096 at 10%, 3 blocks of 32 round up to K = 4). Rows: forward
+(``x @ w``) and forward+backward (``<x @ w, g>`` and its gradient in ``x`` and ``w``). Dense and
+sparse calls alternate so that load from other processes hits both alike; times are medians of
+wall time, speedup = dense median / sparse median, and ``cpu_speedup`` the same ratio of process
+CPU time (all threads: the work done, less sensitive to a loaded machine). ``flops`` is the
+sparse/dense ratio of XLA's ``cost_analysis`` with the sparse loop compiled as one step
+(``loop=False``), against the ideal ``K / (in/32)``. Targets (issue 11): >= 2x at 25% and >= 4x
+at 10%.
+
+    PYTHONPATH=. python benchmarks/sparse_matmul.py [--tokens 2048] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dynjax.model.sparse_linear import block_pruned_matmul, column_block_index
+
+SHAPES = ((512, 2048), (1024, 4096))
+DENSITIES = (0.5, 0.25, 0.1)
+BLOCK = 32
+
+
+def balanced_block_mask(n_rows: int, n_cols: int, density: float, seed: int) -> np.ndarray:
+    """``round(density * n_rows)`` random present blocks in every block-column."""
+    rng = np.random.default_rng(seed)
+    keep = max(1, round(density * n_rows))
+    mask = np.zeros((n_rows, n_cols), bool)
+    for j in range(n_cols):
+        mask[rng.choice(n_rows, keep, replace=False), j] = True
+    return mask
+
+
+def _with_backward(matmul: Callable) -> Callable:
+    """``(x, w, g) -> (<y, g>, (dx, dw))`` for ``y = matmul(x, w)``: one forward, one backward."""
+    return jax.value_and_grad(lambda x, w, g: jnp.vdot(matmul(x, w), g), argnums=(0, 1))
+
+
+def _flops(fn: Callable, *args) -> float:
+    return float(jax.jit(fn).lower(*args).compile().cost_analysis()["flops"])
+
+
+def interleaved_medians(fns: list[Callable], repeats: int) -> list[tuple[float, float]]:
+    """Median (wall, process CPU) seconds of each zero-argument call, calling them in turn."""
+    for fn in fns:
+        jax.block_until_ready(fn())
+    times: list[list[tuple[float, float]]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, acc in zip(fns, times, strict=True):
+            wall, cpu = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn())
+            acc.append((time.perf_counter() - wall, time.process_time() - cpu))
+    return [tuple(map(statistics.median, zip(*t, strict=True))) for t in times]
+
+
+def _row(x, w, g, index, backward: bool, repeats: int) -> dict:
+    """Time dense and sparse (forward, or forward+backward) alternately; FLOP ratio."""
+    wrap = _with_backward if backward else (lambda f: f)
+    args = (x, w, g) if backward else (x, w)
+    dense = wrap(jnp.matmul)
+    sparse, one_step = (
+        wrap(functools.partial(_sparse, index=index, loop=loop)) for loop in (True, False))
+    dense_jit, sparse_jit = jax.jit(dense), jax.jit(sparse)
+    (t_dense, cpu_dense), (t_sparse, cpu_sparse) = interleaved_medians(
+        [functools.partial(dense_jit, *args), functools.partial(sparse_jit, *args)], repeats)
+    (d_in, d_out), k = w.shape, index.shape[1]
+    return dict(
+        weight=f"{d_in}x{d_out}", K=f"{k}/{d_in // BLOCK}", pass_="fwd+bwd" if backward else "fwd",
+        dense_ms=1e3 * t_dense, sparse_ms=1e3 * t_sparse, speedup=t_dense / t_sparse,
+        cpu_speedup=cpu_dense / cpu_sparse,
+        flops=_flops(one_step, *args) / _flops(dense, *args), ideal=k / (d_in // BLOCK),
+    )
+
+
+def _sparse(x, w, index, loop):
+    return block_pruned_matmul(x, w, index, block_size=BLOCK, impl="xla", loop=loop)
+
+
+def bench(tokens: int, repeats: int) -> list[dict]:
+    rows = []
+    for d_in, d_out in SHAPES:
+        keys = jax.random.split(jax.random.key(d_in), 3)
+        x = jax.random.normal(keys[0], (tokens, d_in), jnp.float32)
+        w = jax.random.normal(keys[1], (d_in, d_out), jnp.float32)
+        g = jax.random.normal(keys[2], (tokens, d_out), jnp.float32)
+        for density in DENSITIES:
+            mask = balanced_block_mask(d_in // BLOCK, d_out // BLOCK, density, seed=d_out)
+            index = jnp.asarray(column_block_index(mask))
+            for backward in (False, True):
+                rows.append(dict(density=density, **_row(x, w, g, index, backward, repeats)))
+                print(_table(rows[-1:], header=len(rows) == 1), flush=True)
+    return rows
+
+
+def _table(rows: list[dict], header: bool = True) -> str:
+    cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()] for r in rows]
+    names = [n.rstrip("_") for n in rows[0]]
+    widths = [max(len(n), 9) for n in names]
+    line = lambda vals: "| " + " | ".join(map(str.rjust, vals, widths)) + " |"
+    head = [line(names), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] if header else []
+    return "\n".join([*head, *map(line, cells)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="rows of x")
+    parser.add_argument("--repeats", type=int, default=15, help="timed calls per median")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, fp32, "
+          f"block {BLOCK}, {args.tokens} tokens, median of {args.repeats} (interleaved)\n")
+    bench(args.tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
