@@ -154,7 +154,9 @@ def _call(kernel, cfg: _Config, shape: tuple[int, int, int], in_specs, out_specs
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=backend.triton_params(cfg.block * max(cfg.block, dim)),
+        compiler_params=backend.compiler_params(
+            cfg.block * max(cfg.block, dim), interpret=cfg.interpret
+        ),
         interpret=cfg.interpret,
         name=f"attention{kernel.__name__.removesuffix('_kernel')}",
     )

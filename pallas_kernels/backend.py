@@ -28,7 +28,6 @@ import warnings
 from typing import Literal
 
 import jax
-from jax.experimental.pallas import triton as pl_triton
 
 Route = Literal["interpret", "triton", "xla"]
 _DEPRECATION = "jax-pallas-triton"  # jax's id for the Triton backend's deprecation (0.11+)
@@ -77,8 +76,13 @@ def _warn_xla_once() -> None:
     )
 
 
-def triton_params(tile_elems: int) -> pl_triton.CompilerParams:
-    """Warp count for a tile of ``tile_elems`` elements (8 warps for 128x128 tiles, else 4)."""
+def compiler_params(tile_elems: int, *, interpret: bool):
+    """Triton's warp count for a tile of ``tile_elems`` elements (8 warps for 128x128 tiles, else
+    4); None for the interpreter, which needs none, so it never imports the Triton module."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pl_triton
+
     return pl_triton.CompilerParams(num_warps=8 if tile_elems >= 128 * 128 else 4, num_stages=2)
 
 

@@ -103,7 +103,9 @@ def _call(kernel, cfg: _Config, grid, in_specs, out_specs, out_shape):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=backend.triton_params(cfg.bm * max(cfg.bk, cfg.bn)),
+        compiler_params=backend.compiler_params(
+            cfg.bm * max(cfg.bk, cfg.bn), interpret=cfg.interpret
+        ),
         interpret=cfg.interpret,
         name=f"spmm{kernel.__name__.removesuffix('_kernel')}",
     )
