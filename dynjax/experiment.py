@@ -66,6 +66,15 @@ def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
     )
 
 
+def optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """`make_optimizer`, wrapped by every enabled plugin in registry order (e.g. pruning keeps
+    its masks in the optimizer state, so they are train state like the moments)."""
+    opt = make_optimizer(cfg.train)
+    for plugin in enabled_plugins(cfg):
+        opt = plugin.wrap_optimizer(cfg, opt)
+    return opt
+
+
 def fresh_params(cfg: GPTConfig, seed: int) -> dict[str, Any]:
     """A new model's parameters as a pure dict (the NNX state without the modules)."""
     return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))
@@ -121,7 +130,7 @@ class Experiment:
                 sorted(jax.devices(), key=lambda d: (d.process_index, d.id)),
             ),
             graphdef=graphdef,
-            optimizer=make_optimizer(t),
+            optimizer=optimizer(cfg),
             schedule=learning_rate_schedule(
                 t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio
             ),
@@ -378,6 +387,11 @@ class SingleProgramRuntime:
     def checkpoint_state(self) -> dict[str, Any]:
         return self.state
 
+    def stage_states(self) -> list[dict[str, Any]]:
+        """The live ``{"params", "opt_state"}`` dict of each stage (one here), for plugins
+        that change the state between steps (`Plugin.before_step`)."""
+        return [self.state]
+
     def evaluate(self, plan: Plan) -> float | None:
         return self.exp.evaluate(self.state["params"], plan)
 
@@ -446,6 +460,11 @@ class PipelineRuntime:
 
     def checkpoint_state(self) -> dict[str, Any]:
         return self.pipeline.host_state()
+
+    def stage_states(self) -> list[dict[str, Any]]:
+        """The live ``{"params", "opt_state"}`` dict of each stage of this process, in stage
+        order, keyed as in the full state (`Plugin.before_step`)."""
+        return [self.pipeline.state[s] for s in sorted(self.pipeline.state)]
 
     def evaluate(self, plan: Plan) -> float | None:
         self.evaluations += 1

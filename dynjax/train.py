@@ -248,7 +248,7 @@ def train(
     writer = MetricsWriter(workdir)
     plugins = enabled_plugins(cfg)
     costs = (
-        LayerCostsWriter(workdir, lambda p: layer_costs(plugins, p, exp)) if plugins else None
+        LayerCostsWriter(workdir, lambda p, m: layer_costs(plugins, p, exp, m)) if plugins else None
     )
     logger = _Logger(writer, costs, exp, cfg.train.log_every, steps)
     bar = tqdm(
@@ -282,6 +282,10 @@ def train(
                 controller.swap_done(swap)
                 release_unused(step, swap.reason)
                 profile_next = profile_next or profile_on_change
+            for plugin in plugins:  # e.g. a pruning event, on the state this step will use
+                for event in plugin.before_step(step, runtime.stage_states(), plan, exp):
+                    events(event)
+                    profile_next = profile_next or profile_on_change  # the model changed
             batch = exp.order.batch(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
             if profile_next or (profile_every and step % profile_every == 0):
@@ -370,6 +374,9 @@ class _Logger:
     ):
         self.writer, self.costs, self.exp, self.every, self.steps = writer, costs, exp, every, steps
         self.tokens_per_step = exp.cfg.train.batch_size * exp.cfg.data.seq_len
+        self.plugin_metrics = [
+            name for plugin in enabled_plugins(exp.cfg) for name in plugin.logged_metrics
+        ]
         # Model FLOPs utilisation (PaLM app. B): the config's FLOPs per token against the peak.
         self.flops_per_token = config_flops_per_token(exp.cfg)
         self.devices = exp.mesh.devices.size
@@ -404,6 +411,10 @@ class _Logger:
             return
         record = {k: float(metrics[k]) for k in SCALARS if k in metrics}
         record["learning_rate"] = float(self.exp.schedule(step))
+        for name in self.plugin_metrics:  # e.g. each layer's pruned density
+            if name in metrics:
+                value = np.asarray(metrics[name])
+                record[name] = value.tolist() if value.ndim else float(value)
         if done > self._mark[0]:
             rate = (done - self._mark[0]) * self.tokens_per_step / (now - self._mark[1])
             record["tokens_per_sec"] = rate

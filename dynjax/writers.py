@@ -32,18 +32,16 @@ class MetricsWriter:
 
 class LayerCostsWriter:
     """``layer_costs.jsonl`` (DESIGN.md "Dynamism plugins"): per logged or profiled step, each
-    layer's modelled cost under the Plan the step ran with, and its profiled forward and
-    backward seconds on profiled steps: the traces the balancers are judged on."""
+    layer's modelled cost under the Plan the step ran with and the state its host metrics
+    report (e.g. pruned density), and its profiled forward and backward seconds on profiled
+    steps: the traces the balancers are judged on."""
 
-    def __init__(self, workdir: Path, model_costs: Callable[[Any], list[float]]):
+    def __init__(self, workdir: Path, model_costs: Callable[[Any, dict[str, Any]], list[float]]):
         self.lines = EventLog(workdir / "layer_costs.jsonl")
-        self.model_costs = model_costs
-        self._by_plan: dict[Any, list[float]] = {}
+        self.model_costs = model_costs  # (plan, host metrics) -> [L]
 
     def write(self, step: int, plan: Any, metrics: dict[str, Any]) -> None:
-        if plan not in self._by_plan:
-            self._by_plan = {plan: self.model_costs(plan)}  # Plans change rarely: keep one
-        record: dict[str, Any] = {"step": step, "layer_cost": self._by_plan[plan]}
+        record: dict[str, Any] = {"step": step, "layer_cost": self.model_costs(plan, metrics)}
         for name in ("layer_forward_seconds", "layer_backward_seconds"):
             if f"profile/{name}" in metrics:
                 record[name] = [float(v) for v in metrics[f"profile/{name}"]]

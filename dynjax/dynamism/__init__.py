@@ -3,7 +3,7 @@
 Importing this package registers the built-in schemes; `register` adds others.
 """
 
-from dynjax.dynamism import freezing, moe  # noqa: F401 - each registers its scheme
+from dynjax.dynamism import freezing, moe, pruning  # noqa: F401 - each registers its scheme
 from dynjax.dynamism.base import (
     Plugin,
     enabled_plugins,

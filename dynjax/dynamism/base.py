@@ -9,10 +9,11 @@ policies and costs) and never names a scheme, so adding one edits no other file.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ml_collections
+import optax
 
 from dynjax.model.hooks import LayerOptions, layer_options
 
@@ -32,13 +33,23 @@ class Plugin:
     - `resumed_plan`: what a resumed run with a changed config keeps of the saved part;
     - `policies`: the Controller policies the config asks for (pure `propose(history, plan)`);
     - `layer_costs`: each layer's relative cost under a Plan (a dense layer = 1.0; seed 000 §2
-      gives the load model of each case), multiplied over plugins for the balancer's traces.
+      gives the load model of each case), multiplied over plugins for the balancer's traces;
+    - `metric_costs`: cost factors read from a step's host metrics instead, for what changes
+      without a Plan change (a pruned layer's density: a Plan change would recompile);
+    - `wrap_optimizer`: the run's optimizer with the scheme's per-parameter state around it
+      (e.g. pruning masks). State kept there is train state like any other: it moves with its
+      layer between pipeline stages, is checkpointed, restored and resharded by path;
+    - `before_step`: change the training state between two steps (e.g. a pruning event) and
+      report what it did as events; a pipeline profiles the step after one (seed 000 §3.1);
+    - `logged_metrics`: host metrics of its own that metrics.jsonl gets at logged steps.
     """
 
     name: str = ""
     # Keys (or "prefix." for all under it) that decide what the saved state is: a resumed run
     # must keep them (`dynjax.resume`).
     fixed_on_resume: tuple[str, ...] = ()
+    # Host metrics written to metrics.jsonl at every logged step (scalars, or per-layer lists).
+    logged_metrics: tuple[str, ...] = ()
 
     def config(self) -> ml_collections.ConfigDict:
         section = ml_collections.ConfigDict()
@@ -46,7 +57,9 @@ class Plugin:
         return section
 
     def enabled(self, cfg: ml_collections.ConfigDict) -> bool:
-        return bool(cfg[self.name].enabled)
+        """Whether ``cfg`` turns the scheme on (a config made before the plugin was registered
+        has no section for it: off)."""
+        return self.name in cfg and bool(cfg[self.name].enabled)
 
     def validate(self, cfg: ml_collections.ConfigDict) -> None:
         """Check this scheme's keys; raise `dynjax.config.ConfigError`."""
@@ -76,6 +89,33 @@ class Plugin:
     def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
         return None
 
+    def metric_costs(
+        self, metrics: Mapping[str, Any], exp: Experiment
+    ) -> Sequence[float] | None:
+        """Each layer's cost factor from the host metrics of one step (None: none), multiplied
+        with every plugin's `layer_costs`. For state the Plan does not hold."""
+        return None
+
+    def wrap_optimizer(
+        self, cfg: ml_collections.ConfigDict, optimizer: optax.GradientTransformation
+    ) -> optax.GradientTransformation:
+        """The run's optimizer, for an enabled scheme (`Experiment.from_config`, in registry
+        order). Its state must key per-parameter leaves by the parameter's path (e.g. a
+        params-shaped subtree): shardings, checkpoint items and migration follow paths, and a
+        pipeline stage initialises it on its own units only."""
+        return optimizer
+
+    def before_step(
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+    ) -> list[dict[str, Any]]:
+        """Called by the training loop before it dispatches ``step``, for an enabled scheme.
+
+        ``states``: the runtime's per-stage ``{"params", "opt_state"}`` dicts in stage order
+        (one for the single-program step), keyed as in the full state; replace their entries
+        to change the state (read them here: the arrays of the step before are donated).
+        Returns events for events.jsonl (``{"event": name, "step": step, ...}``)."""
+        return []
+
 
 _REGISTRY: dict[str, Plugin] = {}
 
@@ -100,14 +140,23 @@ def enabled_plugins(cfg: ml_collections.ConfigDict) -> tuple[Plugin, ...]:
     return tuple(p for p in registered() if p.enabled(cfg))
 
 
-def layer_costs(plugins: Sequence[Plugin], plan: Plan, exp: Experiment) -> list[float]:
-    """Each layer's modelled cost under ``plan``: the product of the plugins' factors (a layer
-    no plugin changes costs 1.0), seed 000 §2."""
+def layer_costs(
+    plugins: Sequence[Plugin],
+    plan: Plan,
+    exp: Experiment,
+    metrics: Mapping[str, Any] | None = None,
+) -> list[float]:
+    """Each layer's modelled cost under ``plan`` (and, given a step's host ``metrics``, the
+    state that step ran with): the product of the plugins' factors (a layer no plugin changes
+    costs 1.0), seed 000 §2."""
     costs = [1.0] * exp.ctx.num_layers
     for plugin in plugins:
-        factors = plugin.layer_costs(plan, exp)
-        if factors is not None:
-            costs = [c * float(f) for c, f in zip(costs, factors, strict=True)]
+        factors = [plugin.layer_costs(plan, exp)]
+        if metrics is not None:
+            factors.append(plugin.metric_costs(metrics, exp))
+        for f in factors:
+            if f is not None:
+                costs = [c * float(x) for c, x in zip(costs, f, strict=True)]
     return costs
 
 

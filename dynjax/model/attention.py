@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dynjax.model.pruned import SparseLinears, linear
+
 
 def rotary(x: jax.Array, base: float = 10_000.0) -> jax.Array:
     """Rotary position embedding (RoPE) of x: [B, S, H, Dh], rotating feature pairs by position."""
@@ -26,9 +28,11 @@ class CausalSelfAttention(nnx.Module):
             d_model, d_model, kernel_init=nnx.initializers.normal(out_std), rngs=rngs
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, sparse: SparseLinears | None = None) -> jax.Array:
+        """``sparse``: which of ``attn/qkv``, ``attn/out`` multiply block-sparsely."""
         b, s, d = x.shape
-        q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * self.num_heads, -1), 3, axis=2)
+        qkv = linear(self.qkv, x, "attn/qkv", sparse)
+        q, k, v = jnp.split(qkv.reshape(b, s, 3 * self.num_heads, -1), 3, axis=2)
         if self.rope:
             q, k = rotary(q), rotary(k)
         scale = q.shape[-1] ** -0.5
@@ -37,4 +41,4 @@ class CausalSelfAttention(nnx.Module):
         logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
-        return self.out(y)
+        return linear(self.out, y, "attn/out", sparse)

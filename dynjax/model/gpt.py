@@ -16,9 +16,10 @@ import optax
 from flax import nnx
 
 from dynjax.model.attention import CausalSelfAttention
-from dynjax.model.hooks import LayerOptions, apply_block_hooks
+from dynjax.model.hooks import LayerOptions, apply_block_hooks, apply_weight_hooks
 from dynjax.model.mlp import MLP
 from dynjax.model.moe import MoE, MoEStats
+from dynjax.model.pruned import sparse_linears
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +65,15 @@ class Block(nnx.Module):
         self, x, *, capacities=None, parallel=None, cached=None, options: LayerOptions = ()
     ):
         """(output, MoE stats or None, the block hooks' metrics) of one layer."""
-        x = x + self.attn(self.norm1(x))
+        sparse = sparse_linears(options)  # block-sparse matmuls a scheme's record names
+        x = x + self.attn(self.norm1(x), sparse)
         stats = None
         if self.is_moe:
             y, stats = self.moe(
                 self.norm2(x), capacities=capacities, parallel=parallel, cached=cached
             )
         else:
-            y = self.mlp(self.norm2(x))
+            y = self.mlp(self.norm2(x), sparse)
         x, metrics = apply_block_hooks(x + y, options)
         return x, stats, metrics
 
@@ -99,6 +101,7 @@ def run_layers(
     stats, metrics = [], []
     for block, opts in zip(blocks, options, strict=True):
         j = len(stats)
+        block, weight_metrics = apply_weight_hooks(block, opts)
         x, s, m = block(
             x,
             capacities=capacities[j] if block.is_moe else None,
@@ -108,7 +111,7 @@ def run_layers(
         )
         if s is not None:
             stats.append(s)
-        metrics.append(m)
+        metrics.append({**weight_metrics, **m})
     return x, tuple(stats), tuple(metrics)
 
 

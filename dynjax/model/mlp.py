@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from dynjax.model.pruned import SparseLinears, linear
+
 
 class MLP(nnx.Module):
     def __init__(self, d_model: int, mlp_dim: int, *, out_std: float, rngs: nnx.Rngs):
@@ -13,5 +15,7 @@ class MLP(nnx.Module):
             mlp_dim, d_model, kernel_init=nnx.initializers.normal(out_std), rngs=rngs
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.gelu(self.up(x)))
+    def __call__(self, x: jax.Array, sparse: SparseLinears | None = None) -> jax.Array:
+        """``sparse``: which of ``mlp/up``, ``mlp/down`` multiply block-sparsely."""
+        h = jax.nn.gelu(linear(self.up, x, "mlp/up", sparse))
+        return linear(self.down, h, "mlp/down", sparse)

@@ -1,0 +1,535 @@
+"""Gradual global magnitude pruning as a dynamism plugin (seed 000 §2.2, §3.2.1 eq. 3, Alg. 1;
+seed 003 §B).
+
+Every ``pruning.every`` steps from ``pruning.start_step`` on (``pruning.steps`` + 1 events), the
+weights of the matrices ``pruning.include`` selects are ranked by magnitude over the *whole*
+model, and all but the target fraction of Zhu & Gupta's cubic schedule are set to zero; layers
+end up with different densities, which is the imbalance DynMo balances (seed 000 §2.2). The math
+(schedule, scores, the exact distributed top-k that only sends counts to the host) is
+`dynjax.dynamism.pruning_math`; this module connects it to a run:
+
+- **masks are train state**: `masked` wraps the run's optimizer, and its state (`PruneState`)
+  holds a params-shaped tree of keep masks next to the inner state. They move with their layer
+  between pipeline stages, are checkpointed, restored and resharded like the Adam moments, by
+  path, with no code of their own. Its ``update`` zeroes the gradients of pruned entries
+  before the inner optimizer and the updates after it, so a pruned weight stays exactly zero
+  (weight decay included);
+- **events between steps** (`PruningPlugin.before_step`): per stage, the scores of the current
+  weights, one global selection (`pruning_math.global_masks`), then per stage, jitted, on the
+  stage's own devices: weights multiplied by the masks, the masks replaced, and the Adam
+  moments of pruned entries zeroed. Each event is a ``prune`` record in events.jsonl;
+- **the forward** (a weight hook, `dynjax.model.hooks`): each prunable matrix is used as
+  ``w * (w != 0)``, with the pattern held constant for differentiation. It changes no value
+  (pruned weights are zero) but zeroes the gradient of every pruned weight where it is made,
+  so the global gradient norm (clipping, ``grad_norm``) counts kept weights only, alike in the
+  single-program step and in a pipeline (which clips with the norm of all stages before the
+  optimizer runs). It also reports ``pruning/density`` per layer in the host metrics, from the
+  weights the step ran with: what a policy reads, and the layer's cost (`metric_costs`);
+- **cost model** (seed 000 §2.2: load = retained fraction p_i times the dense cost c_i): a
+  layer's cost factor is its density, weighted by each matrix's multiply-adds per token (an
+  expert matrix counts top_k / num_experts of its size). It is read from the step's metrics,
+  not from the Plan: a density in the Plan would recompile the step at every event.
+
+``granularity="block"`` ranks ``block_size`` x ``block_size`` blocks by their Frobenius norm
+instead (`pruning_math.block_scores`), so whole blocks are zero: what a block-sparse matmul can
+skip. The masks stay element masks (blocks expanded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from dynjax.config import ConfigError, at_least, moe_layer_indices
+from dynjax.dynamism import pruning_math as pm
+from dynjax.dynamism.base import Plugin, register
+from dynjax.model import GPT, GPTConfig
+from dynjax.model.hooks import register_weight_hook
+from dynjax.model.pruned import LINEARS, SparseLinears, column_blocks
+from dynjax.model.sparse_linear import bucket_blocks
+from dynjax.recompile import History, Proposal
+
+if TYPE_CHECKING:
+    from dynjax.experiment import Experiment
+    from dynjax.recompile import Plan, Policy
+
+NAME = "pruning"
+DENSITY = "pruning/density"  # [L] per step: each layer's (FLOP-weighted) fraction of kept weights
+COLUMN_BLOCKS = "pruning/column_blocks"  # [L, 4]: busiest block-column's blocks, per `LINEARS`
+GRANULARITIES = ("element", "block")
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks in the optimizer state
+
+
+class PruneState(NamedTuple):
+    """The state of `masked`: keep masks beside the wrapped optimizer's state."""
+
+    masks: Any  # params-shaped: bool (True = kept) for prunable leaves, None for the others
+    inner: Any  # the wrapped optimizer's state
+
+
+def _name(path: tuple) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def mask_tree(params: Any, masks: Mapping[str, Any]) -> Any:
+    """A params-shaped tree holding ``masks[name]`` at each named leaf and None elsewhere."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: masks.get(_name(p)), params)
+
+
+def apply_masks(tree: Any, masks: Any) -> Any:
+    """``tree`` (params-shaped) with the entries that ``masks`` (a `mask_tree`) prunes zeroed."""
+    return jax.tree.map(
+        lambda m, x: x if m is None else jnp.where(m, x, jnp.zeros_like(x)),
+        masks,
+        tree,
+        is_leaf=lambda m: m is None,
+    )
+
+
+def masked(
+    inner: optax.GradientTransformation, include: str = pm.DEFAULT_INCLUDE
+) -> optax.GradientTransformation:
+    """``inner`` with keep masks for the leaves ``include`` selects (all kept at ``init``).
+
+    ``update`` zeroes the gradients of pruned entries, runs ``inner``, and zeroes their updates:
+    a pruned weight gets no step from momentum or weight decay, so it stays exactly zero.
+
+    Example:
+      >>> params = {"mlp": {"up": {"kernel": jnp.ones((2, 2))}, "bias": jnp.ones(2)}}
+      >>> opt = masked(optax.adamw(0.1, weight_decay=0.5), include=r"kernel$")
+      >>> state = opt.init(params)
+      >>> keep = jnp.array([[True, False], [True, True]])
+      >>> state = state._replace(masks=mask_tree(params, {"mlp/up/kernel": keep}))
+      >>> params = apply_masks(params, state.masks)
+      >>> grads = jax.tree.map(jnp.ones_like, params)
+      >>> updates, state = opt.update(grads, state, params)
+      >>> optax.apply_updates(params, updates)["mlp"]["up"]["kernel"][0, 1].item()
+      0.0
+    """
+
+    def init(params):
+        keep = {
+            name: jnp.ones(w.shape, bool) for name, w in pm.prunable_leaves(params, include).items()
+        }
+        return PruneState(masks=mask_tree(params, keep), inner=inner.init(params))
+
+    def update(grads, state, params=None):
+        grads = apply_masks(grads, state.masks)
+        updates, inner_state = inner.update(grads, state.inner, params)
+        return apply_masks(updates, state.masks), PruneState(state.masks, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def prune_states(opt_state: Any) -> list[PruneState]:
+    """The `PruneState`s inside an optimizer state (one for a run's, wherever it is wrapped)."""
+    is_state = lambda x: isinstance(x, PruneState)
+    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+
+
+def named_masks(opt_state: Any) -> dict[str, jax.Array]:
+    """The keep masks of an optimizer state by parameter path (``layers/3/mlp/up/kernel``)."""
+    [state] = prune_states(opt_state)
+    return {_name(p): m for p, m in jax.tree_util.tree_flatten_with_path(state.masks)[0]}
+
+
+def _with_masks(params: Any, opt_state: Any, keep: Mapping[str, jax.Array]):
+    """(params * masks, opt_state with the masks replaced and Adam's moments of pruned entries
+    zeroed, kept count of each mask): the state after a pruning event, for one stage."""
+    masks = mask_tree(params, keep)
+    is_node = lambda x: isinstance(x, PruneState | optax.ScaleByAdamState)
+
+    def rewrite(node):
+        if isinstance(node, PruneState):
+            return PruneState(masks, jax.tree.map(rewrite, node.inner, is_leaf=is_node))
+        if isinstance(node, optax.ScaleByAdamState):
+            return node._replace(mu=apply_masks(node.mu, masks), nu=apply_masks(node.nu, masks))
+        return node
+
+    counts = {name: jnp.sum(m, dtype=jnp.int32) for name, m in keep.items()}
+    return apply_masks(params, masks), jax.tree.map(rewrite, opt_state, is_leaf=is_node), counts
+
+
+def prune_stage(state: dict[str, Any], keep: Mapping[str, jax.Array]) -> dict[str, int]:
+    """Apply new keep masks (by parameter path) to one stage's ``{"params", "opt_state"}`` in
+    place, on the stage's devices (its arrays are donated); returns each mask's kept count."""
+    params, opt_state = state["params"], state["opt_state"]
+    leaves = {_name(p): a for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    keep = {n: jax.device_put(m, leaves[n].sharding) for n, m in keep.items()}
+    shardings = jax.tree.map(lambda a: a.sharding, (params, opt_state))
+    fn = jax.jit(_with_masks, donate_argnums=(0, 1), out_shardings=(*shardings, None))
+    state["params"], state["opt_state"], counts = fn(params, opt_state, keep)
+    return {n: int(c) for n, c in jax.device_get(counts).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward: gradients of pruned weights are zero where they are made; density as a metric
+
+
+@dataclasses.dataclass(frozen=True)
+class PrunedLayer(SparseLinears):
+    """A layer's record (its `LayerOptions` entry): its prunable matrices, by path inside the
+    block, and each one's multiply-adds per token (the weights of its density). As a
+    `SparseLinears` it also names the linears that multiply block-sparsely (block granularity,
+    once the Plan says so) and the block size (0: element granularity)."""
+
+    paths: tuple[str, ...] = ()
+    flops: tuple[float, ...] = ()
+
+
+def zero_pattern(weights: dict[str, jax.Array], record: PrunedLayer):
+    """The weight hook: each prunable matrix as ``w * stop_gradient(w != 0)`` (the same values;
+    pruned entries get a zero gradient), and the layer's FLOP-weighted density. With blocks,
+    also the most present blocks of any block-column of each of `LINEARS` (-1: not pruned)."""
+    replaced, density = {}, jnp.float32(0.0)
+    for path, flops in zip(record.paths, record.flops, strict=True):
+        w = weights[path]
+        live = jax.lax.stop_gradient(w != 0)
+        replaced[path] = w * live.astype(w.dtype)
+        density += flops / sum(record.flops) * jnp.mean(live, dtype=jnp.float32)
+    metrics = {DENSITY: density if record.paths else jnp.float32(1.0)}
+    if record.block_size:
+        metrics[COLUMN_BLOCKS] = jnp.stack([
+            column_blocks(weights[f"{lin}/kernel"], record.block_size)
+            if f"{lin}/kernel" in record.paths else jnp.int32(-1)
+            for lin in LINEARS
+        ])
+    return replaced, metrics
+
+
+register_weight_hook(NAME, zero_pattern, {DENSITY: "mean", COLUMN_BLOCKS: "mean"})
+
+
+def layer_records(
+    abstract_params: Any,
+    include: str,
+    top_k: int,
+    num_experts: int,
+    block_size: int = 0,
+    sparse: Sequence[tuple[int, str, int]] = (),
+):
+    """One `PrunedLayer` per layer of a full parameter tree (shapes suffice); ``sparse``: the
+    (layer, linear, K) that multiply block-sparsely (the Plan part)."""
+    records = []
+    prunable = pm.prunable_leaves(abstract_params, include)
+    for i in range(len(abstract_params["layers"])):
+        prefix = f"layers/{i}/"
+        mine = [(n[len(prefix) :], w) for n, w in prunable.items() if n.startswith(prefix)]
+        flops = tuple(
+            math.prod(w.shape) * (top_k / num_experts if _is_expert(n, w) else 1.0)
+            for n, w in mine
+        )
+        widths = tuple((lin, int(k)) for layer, lin, k in sparse if layer == i)
+        records.append(
+            PrunedLayer(
+                block_size=block_size, widths=widths, paths=tuple(n for n, _ in mine), flops=flops
+            )
+        )
+    return tuple(records)
+
+
+def _is_expert(path: str, w: Any) -> bool:
+    """A stacked expert matrix ``[E, in, out]``: a token uses top_k of its E slices."""
+    return "moe/" in path and len(w.shape) == 3
+
+
+def layer_densities(
+    counts: Mapping[str, int], shapes: Mapping[str, tuple[int, ...]], records: Sequence[PrunedLayer]
+) -> list[float]:
+    """Each layer's FLOP-weighted density from kept counts by full path (``layers/i/...``)."""
+    out = []
+    for i, rec in enumerate(records):
+        if not rec.paths:
+            out.append(1.0)
+            continue
+        names = [f"layers/{i}/{p}" for p in rec.paths]
+        kept = [counts[n] / math.prod(shapes[n]) for n in names]
+        out.append(float(sum(f * k for f, k in zip(rec.flops, kept, strict=True)) / sum(rec.flops)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The plugin
+
+
+class PruningPlugin(Plugin):
+    name = NAME
+    # The masks are optimizer state: their presence and which leaves have one decide its layout.
+    fixed_on_resume = ("pruning.enabled", "pruning.include")
+    logged_metrics = (DENSITY,)
+
+    def config(self) -> ml_collections.ConfigDict:
+        c = ml_collections.ConfigDict()
+        c.enabled = False
+        c.initial_sparsity = 0.0  # S_i: the target at the first event (t0)
+        c.final_sparsity = 0.8  # S_f: from t0 + steps * every on
+        c.start_step = 50  # t0
+        c.every = 25  # Δt: steps between events
+        c.steps = 4  # n: events after the first (n + 1 in all)
+        c.granularity = "element"  # "element" | "block" (block_size x block_size blocks)
+        c.block_size = 32
+        c.include = pm.DEFAULT_INCLUDE  # regex on "/"-joined parameter paths
+        # Block granularity: a dense block's linear (attn/qkv, attn/out, mlp/up, mlp/down)
+        # multiplies block-sparsely once its busiest block-column keeps at most this fraction
+        # of its block-rows (K / (in / block_size), K bucketed); 0 = always dense.
+        c.sparse_below = 0.0
+        return c
+
+    def validate(self, cfg: ml_collections.ConfigDict) -> None:
+        p = cfg.pruning
+        if not p.enabled:
+            return
+        at_least({"pruning.start_step": p.start_step}, 0)
+        at_least({"pruning.every": p.every, "pruning.steps": p.steps}, 1)
+        if not 0.0 <= p.initial_sparsity <= p.final_sparsity < 1.0:
+            raise ConfigError(
+                f"pruning needs 0 <= pruning.initial_sparsity <= pruning.final_sparsity < 1, got "
+                f"initial_sparsity={p.initial_sparsity}, final_sparsity={p.final_sparsity}"
+            )
+        if p.granularity not in GRANULARITIES:
+            raise ConfigError(
+                f"pruning.granularity={p.granularity!r} is not one of {GRANULARITIES}"
+            )
+        try:
+            re.compile(p.include)
+        except re.error as err:
+            raise ConfigError(f"pruning.include={p.include!r} is not a regex: {err}") from None
+        shapes = prunable_shapes(cfg)
+        if not shapes:
+            raise ConfigError(f"pruning.include={p.include!r} matches no parameter of the model")
+        if p.granularity == "block":
+            _check_blocks(p.block_size, shapes)
+        if not 0.0 <= p.sparse_below <= 1.0:
+            raise ConfigError(f"pruning.sparse_below={p.sparse_below} must be in [0, 1]")
+        if p.sparse_below and p.granularity != "block":
+            raise ConfigError(
+                f"pruning.sparse_below={p.sparse_below} needs pruning.granularity='block': a "
+                "block-sparse matmul skips whole blocks only"
+            )
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "pruning.enabled: the global selection reads every pipeline stage's weights on "
+                f"one host, but this run has {jax.process_count()} processes"
+            )
+
+    def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
+        """The masks live in the state; the Plan part (which linears multiply block-sparsely)
+        stays, unless a pruning key changed: then every linear is dense again until the
+        policy sees the state's blocks."""
+        if not any(key.startswith("pruning.") for key in changed):
+            return saved
+        return saved.replace(parts={k: v for k, v in saved.parts if k != NAME})
+
+    def wrap_optimizer(
+        self, cfg: ml_collections.ConfigDict, optimizer: optax.GradientTransformation
+    ) -> optax.GradientTransformation:
+        return masked(optimizer, cfg.pruning.include)
+
+    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
+        return self.records(exp, plan)
+
+    @staticmethod
+    def records(exp: Experiment, plan: Plan | None = None) -> tuple[PrunedLayer, ...]:
+        p = exp.cfg.pruning
+        return layer_records(
+            exp.abstract_params,
+            p.include,
+            exp.ctx.top_k,
+            exp.ctx.num_experts,
+            block_size=p.block_size if p.granularity == "block" else 0,
+            sparse=() if plan is None else plan.part(NAME).get("sparse", ()),
+        )
+
+    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
+        p = cfg.pruning
+        if p.granularity != "block" or not p.sparse_below:
+            return []
+        rows = linear_block_rows(exp.abstract_params, p.block_size)
+        return [SparsePath(block_rows=rows, sparse_below=p.sparse_below)]
+
+    def metric_costs(self, metrics: Mapping[str, Any], exp: Experiment) -> Sequence[float] | None:
+        """Seed 000 §2.2: a layer's load is its retained fraction of the dense cost."""
+        density = metrics.get(DENSITY)
+        return None if density is None else [float(d) for d in np.asarray(density)]
+
+    def before_step(
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+    ) -> list[dict[str, Any]]:
+        p = exp.cfg.pruning
+        schedule = dict(start=p.start_step, every=p.every, steps=p.steps)
+        if not pm.is_pruning_step(step, **schedule):
+            return []
+        began = time.perf_counter()
+        target = pm.sparsity_at(
+            step, initial=p.initial_sparsity, final=p.final_sparsity, **schedule
+        )
+        keep, total, counts = prune(
+            states, target, include=p.include, granularity=p.granularity, block_size=p.block_size
+        )
+        shapes = {
+            n: tuple(w.shape) for n, w in pm.prunable_leaves(exp.abstract_params, p.include).items()
+        }
+        return [
+            {
+                "event": "prune",
+                "step": step,
+                "sparsity": target,
+                "granularity": p.granularity,
+                "kept": keep,  # elements, or blocks
+                "total": total,
+                "layer_density": layer_densities(counts, shapes, self.records(exp)),
+                "seconds": time.perf_counter() - began,
+            }
+        ]
+
+
+def linear_block_rows(abstract_params: Any, block_size: int) -> tuple[tuple[int, ...], ...]:
+    """``[L][len(LINEARS)]`` block-rows (``in // block_size``) of each layer's dense linears
+    (0 where a layer has none, e.g. ``mlp/*`` of an MoE layer)."""
+    out = []
+    layers = abstract_params["layers"]
+    for layer in (layers[i] for i in sorted(layers)):
+        row = []
+        for lin in LINEARS:
+            node = layer
+            for key in (*lin.split("/"), "kernel"):
+                node = node.get(key, {}) if isinstance(node, dict) else {}
+            row.append(node.shape[0] // block_size if hasattr(node, "shape") else 0)
+        out.append(tuple(row))
+    return tuple(out)
+
+
+class SparsePath:
+    """Switch a linear to the block-sparse matmul once few of its blocks remain (a Plan change,
+    compiled in the background): K = `bucket_blocks` of its busiest block-column's present
+    blocks (``pruning/column_blocks``), block-sparse when ``K / block_rows <= sparse_below``.
+
+    Seed 000 §4.2.2: a sparse kernel pays off only at high sparsity. Pruning only removes
+    blocks, so a K counted at some step bounds every later step's. Pure: the same newest
+    metrics give the same Plan.
+    """
+
+    name = "pruning"
+
+    def __init__(self, *, block_rows: Sequence[Sequence[int]], sparse_below: float) -> None:
+        self.block_rows, self.sparse_below = block_rows, sparse_below
+
+    def widths(self, column_blocks: np.ndarray) -> tuple[tuple[int, str, int], ...]:
+        """The (layer, linear, K) that should multiply block-sparsely."""
+        out = []
+        for layer, (counts, rows) in enumerate(zip(column_blocks, self.block_rows, strict=True)):
+            for lin, count, n_rows in zip(LINEARS, counts, rows, strict=True):
+                if count < 0 or not n_rows:
+                    continue
+                k = bucket_blocks(int(round(float(count))), n_rows)
+                if k / n_rows <= self.sparse_below:
+                    out.append((layer, lin, k))
+        return tuple(out)
+
+    def propose(self, history: History, plan: Plan) -> Proposal | None:
+        latest = history.values(COLUMN_BLOCKS, 1)
+        if not latest:
+            return None
+        want = self.widths(np.asarray(latest[0]))
+        have = tuple(tuple(w) for w in plan.part(NAME).get("sparse", ()))
+        if want == have:
+            return None
+        record = {"event": "sparse_path", "sparse": [list(w) for w in want]}
+        return Proposal(
+            plan.with_part(NAME, sparse=want),
+            f"{len(want)} linears block-sparse (was {len(have)})",
+            records=(record,),
+        )
+
+
+def prune(
+    states: Sequence[dict[str, Any]],
+    sparsity: float,
+    *,
+    include: str = pm.DEFAULT_INCLUDE,
+    granularity: str = "element",
+    block_size: int = 32,
+) -> tuple[int, int, dict[str, int]]:
+    """Prune the stages' states (in stage order, replaced in place) to ``sparsity`` of their
+    prunable elements or blocks, ranked globally by magnitude (seed 000 Alg. 1); returns
+    (kept, total) in elements or blocks, and the kept elements of each matrix by path."""
+    weights = [pm.prunable_leaves(st["params"], include) for st in states]
+    current = [named_masks(st["opt_state"]) for st in states]
+    if granularity == "element":
+        score = pm.element_scores
+    else:
+        score = lambda w, m: pm.block_scores(w, block_size, block_mask(m, block_size))
+    scores = [
+        {n: score(w, cur[n]) for n, w in ws.items()}
+        for ws, cur in zip(weights, current, strict=True)
+    ]
+    total = sum(math.prod(s.shape) for stage in scores for s in stage.values())
+    keep = pm.keep_count(total, sparsity)
+    masks = pm.global_masks(scores, keep)
+    if granularity == "block":
+        masks = [{n: pm.expand_blocks(m, block_size) for n, m in s.items()} for s in masks]
+    counts: dict[str, int] = {}
+    for st, m in zip(states, masks, strict=True):
+        counts.update(prune_stage(st, m))
+    return keep, total, counts
+
+
+@functools.partial(jax.jit, static_argnames="block_size")
+def block_mask(mask: jax.Array, block_size: int) -> jax.Array:
+    """``[..., in, out]`` element mask -> ``[..., in/bs, out/bs]``: a block is kept while any of
+    its entries is."""
+    *lead, k, n = mask.shape
+    tiles = mask.reshape(*lead, k // block_size, block_size, n // block_size, block_size)
+    return jnp.any(tiles, axis=(-3, -1))
+
+
+def prunable_shapes(cfg: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
+    """The shapes of the parameters ``pruning.include`` selects, from the real model."""
+    m, moe = cfg.model, cfg.moe
+    model_cfg = GPTConfig(
+        vocab_size=m.vocab_size,
+        num_layers=m.num_layers,
+        d_model=m.d_model,
+        num_heads=m.num_heads,
+        mlp_dim=m.mlp_dim,
+        max_len=cfg.data.seq_len,
+        positions=m.positions,
+        moe_layers=moe_layer_indices(cfg),
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        expert_mlp_dim=moe.expert_mlp_dim,
+    )
+    params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(0)))))
+    return {n: tuple(w.shape) for n, w in pm.prunable_leaves(params, cfg.pruning.include).items()}
+
+
+def _check_blocks(block_size: int, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    if block_size < 1:
+        raise ConfigError(f"pruning.block_size={block_size} must be >= 1")
+    for name, shape in shapes.items():
+        if len(shape) < 2 or shape[-1] % block_size or shape[-2] % block_size:
+            raise ConfigError(
+                f"pruning.granularity='block' with pruning.block_size={block_size}: {name} has "
+                f"shape {shape}, whose last two dims are not multiples of it (the matrices are "
+                "[d_model, 3*d_model], [d_model, d_model], [d_model, mlp_dim], [mlp_dim, "
+                "d_model] and per expert [d_model, expert_mlp_dim]); pick a block_size that "
+                "divides model.d_model, model.mlp_dim and moe.expert_mlp_dim"
+            )
+
+
+register(PruningPlugin())
