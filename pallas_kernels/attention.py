@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend
+from pallas_kernels import backend, xla
 from pallas_kernels.block_index import compact_rows
 from pallas_kernels.tiles import NN, NT, TN, block, mm
 
@@ -154,7 +154,9 @@ def _call(kernel, cfg: _Config, shape: tuple[int, int, int], in_specs, out_specs
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=backend.triton_params(cfg.block * max(cfg.block, dim)),
+        compiler_params=backend.compiler_params(
+            cfg.block * max(cfg.block, dim), interpret=cfg.interpret
+        ),
         interpret=cfg.interpret,
         name=f"attention{kernel.__name__.removesuffix('_kernel')}",
     )
@@ -244,7 +246,8 @@ def block_sparse_attention(
       causal: also mask keys after the query inside each block (blocks above the diagonal are
         dropped).
       sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
-      interpret: run the Pallas interpreter; ``None`` interprets off GPU and compiles on GPU.
+      interpret: run the Pallas interpreter; ``None`` interprets off GPU and compiles on GPU
+        (``backend.route``).
 
     Returns:
       ``(batch, heads, seq, head_dim)`` in the input dtype; rows with no allowed key are zeros.
@@ -263,9 +266,9 @@ def block_sparse_attention(
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k, v must share one float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     batch, heads, seq, dim = q.shape
-    interpret = backend.resolve_interpret(interpret)
-    backend.check_tile("block_size", block_size, interpret=interpret)
-    backend.check_tile("head_dim", dim, interpret=interpret)
+    how = backend.route(interpret)
+    backend.check_tile("block_size", block_size, interpret=how != "triton")
+    backend.check_tile("head_dim", dim, interpret=how != "triton")
     if seq % block_size:
         raise ValueError(
             f"sequence length {seq} is not a multiple of block_size {block_size}; "
@@ -281,5 +284,9 @@ def block_sparse_attention(
             f"(batch, heads, seq // block_size, seq // block_size) = {(batch, heads, n, n)}"
         ) from None
     scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
-    cfg = _Config(block=block_size, causal=causal, scale=scale, interpret=interpret)
+    if how == "xla":
+        return xla.masked_attention(
+            q, k, v, block_mask, block_size=block_size, causal=causal, scale=scale
+        )
+    cfg = _Config(block=block_size, causal=causal, scale=scale, interpret=how == "interpret")
     return _block_sparse_attention(q, k, v, block_mask, cfg)

@@ -11,23 +11,78 @@ JAX 0.11 in favour of Mosaic GPU (DESIGN.md), but the kernels JAX recommends the
 Hopper/Blackwell that cannot share one body with the CPU interpreter used here. Porting the inner
 loops to Mosaic GPU is the upgrade path once the Triton lowering is removed; the data layout
 (compacted block indices, per-block grids) carries over unchanged.
+
+jax 0.12 makes that port harder still: Mosaic GPU no longer takes ``pl.pallas_call`` at all (only
+``plgpu.kernel``) and has no ``dot_general`` rule, so no kernel body here lowers through it. Until
+a port lands (checked on a GPU), ``route`` keeps the Pallas Triton lowering wherever jax still
+has it: jax 0.11 and 0.12 lower it with a ``DeprecationWarning`` ("The Pallas Triton backend is
+deprecated ..."), which is expected. On a GPU whose jax has removed the lowering or made that
+deprecation an error, the kernels' functions fall back to the same computation in plain XLA ops
+(``pallas_kernels.xla``): the same results and gradients, dense cost, and a warning saying so.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+from typing import Literal
+
 import jax
-from jax.experimental.pallas import triton as pl_triton
+
+Route = Literal["interpret", "triton", "xla"]
+_DEPRECATION = "jax-pallas-triton"  # jax's id for the Triton backend's deprecation (0.11+)
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-    """``None`` means: compile on a GPU backend, interpret everywhere else."""
+@functools.cache
+def pallas_triton_usable() -> bool:
+    """Whether this jax lowers ``pl.pallas_call`` through Triton without raising.
+
+    True on jax 0.10 (no deprecation yet) and on 0.11/0.12 (a warning); False once jax removes
+    the lowering or accelerates its deprecation into an error. (jax internals: read here only.)
+    """
+    try:
+        from jax._src import deprecations
+        from jax._src.pallas.triton import pallas_call_registration  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        return not deprecations.is_accelerated(_DEPRECATION)
+    except ValueError:  # not registered: a jax from before the deprecation
+        return True
+
+
+def route(interpret: bool | None) -> Route:
+    """How a kernel runs: ``interpret=None`` compiles on a GPU backend and interprets elsewhere;
+    ``False`` compiles (also when exporting for a GPU from a CPU host); ``True`` interprets.
+    Compiling means the Pallas Triton lowering while jax has it, else plain XLA (``xla``)."""
     if interpret is None:
-        return jax.default_backend() != "gpu"
-    return bool(interpret)
+        interpret = jax.default_backend() != "gpu"
+    if interpret:
+        return "interpret"
+    if pallas_triton_usable():
+        return "triton"
+    _warn_xla_once()
+    return "xla"
 
 
-def triton_params(tile_elems: int) -> pl_triton.CompilerParams:
-    """Warp count for a tile of ``tile_elems`` elements (8 warps for 128x128 tiles, else 4)."""
+@functools.cache
+def _warn_xla_once() -> None:
+    warnings.warn(
+        f"jax {jax.__version__} has no usable Pallas Triton lowering: pallas_kernels computes "
+        "block-sparse attention and SpMM with dense XLA ops (same results, no sparse speed-up) "
+        "until its kernels are ported to Mosaic GPU (jax 0.10 to 0.12 still run them)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def compiler_params(tile_elems: int, *, interpret: bool):
+    """Triton's warp count for a tile of ``tile_elems`` elements (8 warps for 128x128 tiles, else
+    4); None for the interpreter, which needs none, so it never imports the Triton module."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pl_triton
+
     return pl_triton.CompilerParams(num_warps=8 if tile_elems >= 128 * 128 else 4, num_stages=2)
 
 

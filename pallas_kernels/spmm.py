@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend
+from pallas_kernels import backend, xla
 from pallas_kernels.block_index import segments
 from pallas_kernels.block_sparse_matrix import BlockSparseMatrix
 from pallas_kernels.tiles import NN, NT, TN, block, mm
@@ -103,7 +103,9 @@ def _call(kernel, cfg: _Config, grid, in_specs, out_specs, out_shape):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=backend.triton_params(cfg.bm * max(cfg.bk, cfg.bn)),
+        compiler_params=backend.compiler_params(
+            cfg.bm * max(cfg.bk, cfg.bn), interpret=cfg.interpret
+        ),
         interpret=cfg.interpret,
         name=f"spmm{kernel.__name__.removesuffix('_kernel')}",
     )
@@ -183,8 +185,10 @@ def block_sparse_matmul(
     """
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"x of shape {x.shape} cannot multiply a matrix of shape {w.shape}")
-    interpret = backend.resolve_interpret(interpret)
+    how = backend.route(interpret)
     for name, size in zip(("block_m", "block rows", "block columns"), (block_m, *w.block_size),
                           strict=True):
-        backend.check_tile(name, size, interpret=interpret)
-    return _block_sparse_matmul(x, w, block_m, interpret)
+        backend.check_tile(name, size, interpret=how != "triton")
+    if how == "xla":
+        return xla.dense_matmul(x, w)
+    return _block_sparse_matmul(x, w, block_m, how == "interpret")

@@ -54,9 +54,11 @@ def _reference(q, k, v, do, block_mask, block_size, causal):
         return (out, *vjp(do))
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "causal"))
-def _run(q, k, v, do, block_mask, block_size, causal):
-    attend = functools.partial(block_sparse_attention, block_size=block_size, causal=causal)
+@functools.partial(jax.jit, static_argnames=("block_size", "causal", "interpret"))
+def _run(q, k, v, do, block_mask, block_size, causal, interpret=None):
+    attend = functools.partial(
+        block_sparse_attention, block_size=block_size, causal=causal, interpret=interpret
+    )
     out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, block_mask), q, k, v)
     return (out, *vjp(do))
 
@@ -74,11 +76,11 @@ def _assert_close(actual, expected, tol, name):
         assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
 
 
-def _check(shape, dtype, density, causal, seed):
+def _check(shape, dtype, density, causal, seed, interpret=None):
     q, k, v, do = _inputs(shape, dtype, seed)
     mask = _block_mask(shape, density, seed)
     bs = shape[-1]
-    got = _run(q, k, v, do, jnp.asarray(mask), bs, causal)
+    got = _run(q, k, v, do, jnp.asarray(mask), bs, causal, interpret)
     want = _reference(q, k, v, do, mask, bs, causal)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.dtype == dtype
@@ -99,6 +101,15 @@ def test_matches_dense_reference_fp32(shape, density, causal, seed):
 @given(shape=st.sampled_from(SHAPES[:3]), density=density, seed=st.integers(0, 2**16))
 def test_matches_dense_reference_bf16(shape, density, seed):
     _check(shape, jnp.bfloat16, density, True, seed)
+
+
+def test_a_jax_without_the_triton_lowering_computes_it_with_xla(without_pallas_triton):
+    # What a GPU gets once jax drops the Pallas Triton backend: the same values and gradients
+    # (dense cost), and a warning saying so. Causal and not, rows without keys included.
+    with pytest.warns(RuntimeWarning, match="no usable Pallas Triton lowering"):
+        _check(SHAPES[2], jnp.float32, 0.5, True, seed=3, interpret=False)
+    _check(SHAPES[1], jnp.float32, 0.3, False, seed=4, interpret=False)
+    _check(SHAPES[0], jnp.bfloat16, 0.0, True, seed=5, interpret=False)
 
 
 def test_interpreter_poisons_unwritten_outputs():

@@ -14,17 +14,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import BlockSparseMatrix, block_sparse_attention, block_sparse_matmul
+from pallas_kernels import BlockSparseMatrix, backend, block_sparse_attention, block_sparse_matmul
+
+pytestmark = pytest.mark.skipif(
+    not backend.pallas_triton_usable(),
+    reason="this jax has no usable Pallas Triton lowering (the kernels fall back to XLA)",
+)
 
 _TRITON = "__gpu$xla.gpu.triton"
+# The GPU the lowering targets: jax >= 0.12 asks the device for its compute capability, and on a
+# CPU host only an abstract device can answer. (jax 0.10 lowers without asking.)
+_H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
 
 
 def _triton_kernels(fn, *args) -> list[str]:
-    exported = jax.export.export(
-        jax.jit(fn),
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON)],
-    )(*args)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON)],
+        )(*args)
     return re.findall(r'name = "(\w+)", num_stages', exported.mlir_module())
 
 

@@ -20,11 +20,11 @@ SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCh
 SHAPES = [((5,), 32, 48, (8, 16)), ((2, 3), 16, 16, (8, 8)), ((33,), 32, 32, (16, 8))]
 
 
-@functools.partial(jax.jit, static_argnames=("block_m",))
-def _run(x, blocks, w, dy, block_m=128):
+@functools.partial(jax.jit, static_argnames=("block_m", "interpret"))
+def _run(x, blocks, w, dy, block_m=128, interpret=None):
     """y, dx, dw with ``w``'s values replaced by ``blocks`` (the differentiable leaf)."""
     matmul = lambda x, blocks: block_sparse_matmul(
-        x, dataclasses.replace(w, blocks=blocks), block_m=block_m
+        x, dataclasses.replace(w, blocks=blocks), block_m=block_m, interpret=interpret
     )
     y, vjp = jax.vjp(matmul, x, blocks)
     return (y, *vjp(dy))
@@ -52,7 +52,7 @@ def _assert_close(actual, expected, tol, name):
         assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
 
 
-def _check(shape, dtype, density, seed, block_m=128):
+def _check(shape, dtype, density, seed, block_m=128, interpret=None):
     lead, k, n, (bk, bn) = shape
     rng = np.random.default_rng(seed)
     mask = rng.random((k // bk, n // bn)) < density
@@ -61,13 +61,22 @@ def _check(shape, dtype, density, seed, block_m=128):
     )
     x = jnp.asarray(rng.standard_normal((*lead, k)), dtype)
     dy = jnp.asarray(rng.standard_normal((*lead, n)), dtype)
-    got = _run(x, w.blocks, w, dy, block_m=block_m)
+    got = _run(x, w.blocks, w, dy, block_m=block_m, interpret=interpret)
     for name, a, b in zip(("y", "dx", "dw"), got, _reference(x, w, dy), strict=True):
         assert a.dtype == dtype and a.shape == b.shape, name
         _assert_close(a, b, TOL[dtype], name)
 
 
 density = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.05, 0.95))
+
+
+def test_a_jax_without_the_triton_lowering_computes_it_with_xla(without_pallas_triton):
+    # What a GPU gets once jax drops the Pallas Triton backend: the same y, dx and dw (dense
+    # cost), and a warning saying so; an empty matrix too.
+    with pytest.warns(RuntimeWarning, match="no usable Pallas Triton lowering"):
+        _check(SHAPES[0], jnp.float32, 0.5, seed=1, interpret=False)
+    _check(SHAPES[1], jnp.bfloat16, 0.7, seed=2, interpret=False)
+    _check(SHAPES[2], jnp.float32, 0.0, seed=3, interpret=False)
 
 
 @settings(max_examples=12, **SETTINGS)

@@ -3,9 +3,15 @@
 ``python -m dynjax.train --config tests/tiny.py --config.moe.every=2`` runs it as a subprocess.
 """
 
+from pathlib import Path
+
 import numpy as np
 
 from dynjax.config import default_config
+
+# The tests' corpus, pinned: the default (the running interpreter's standard library) differs by
+# Python version, and so would every loss a test compares. See data/README.md.
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
 
 def tiny_config(**overrides):
@@ -19,8 +25,9 @@ def tiny_config(**overrides):
     c.train.eval_every = 6
     c.train.eval_batches = 1
     c.train.checkpoint_every = 6
+    c.data.path = str(CORPUS)
     c.data.seq_len = 32
-    c.data.max_tokens = 200_000
+    c.data.max_tokens = 200_000  # the whole of CORPUS
     c.model.num_layers = 2
     c.model.d_model = 32
     c.model.num_heads = 2
