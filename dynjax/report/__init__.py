@@ -1,0 +1,105 @@
+"""Run report: PNG plots and a short ``report.md`` of what a run wrote to its workdir.
+
+    python -m dynjax.report WORKDIR [--out DIR]     # DIR defaults to WORKDIR/report
+
+It reads the files of README "What a run writes" (``metrics.jsonl``, ``events.jsonl``,
+``layer_costs.jsonl``, ``config.json``, and ``process_<i>/`` of a multi-process run), on a
+finished run or a live one (a torn last line is skipped). A plot whose data the run does not
+have is skipped, with a line in report.md saying why.
+
+Data and drawing are kept apart, one module each:
+
+* ``workdir`` -- `load_run` reads a workdir into a `Run`.
+* ``arrays`` -- pure functions turn its records into NumPy arrays (`series`, `plan_changes`,
+  `expert_load`, `stage_load`, `layer_costs`, `frozen_layers`, `pruning_series`,
+  `event_marks`), testable without matplotlib; ``key_numbers``: `summary`.
+* ``plots`` -- small ``plot_*`` functions draw them (matplotlib, imported when drawing).
+* ``pngs`` -- which plots the report has (`PLOTS`) and `render`, which writes them as PNGs.
+* ``report_md`` -- `markdown` (report.md's text) and `write_report` (PNGs + report.md).
+* ``cli`` -- `main`, the ``python -m dynjax.report`` command.
+
+In a notebook::
+
+    from dynjax.report import expert_load, load_run, plot_expert_load, plot_loss
+    run = load_run("workdirs/moe")
+    plot_loss(run)                      # a new figure, or plot_loss(run, ax=my_axes)
+    plot_expert_load(run)
+    load = expert_load(run)             # load.tokens [T, L, E], load.capacity [T, L, E]
+
+The x axis of every plot is the optimizer step as metrics.jsonl counts it (steps done): a Plan
+swapped in at loop step s (``swap_step``) first runs step s + 1, and is drawn at x = s.
+"""
+
+from dynjax.report.arrays import (
+    MARKS,
+    ExpertLoad,
+    Frozen,
+    LayerCosts,
+    StageLoad,
+    event_marks,
+    expert_load,
+    frozen_layers,
+    groups_per_step,
+    layer_costs,
+    moe_layer_indices,
+    plan_changes,
+    plans_at,
+    pruning_series,
+    series,
+    stage_layers,
+    stage_load,
+)
+from dynjax.report.cli import main
+from dynjax.report.key_numbers import summary
+from dynjax.report.plots import (
+    WIDTH,
+    plot_expert_load,
+    plot_freezing,
+    plot_layer_costs,
+    plot_loss,
+    plot_pipeline,
+    plot_pruning,
+    plot_throughput,
+)
+from dynjax.report.pngs import DPI, PLOTS, Plot, render
+from dynjax.report.report_md import markdown, write_report
+from dynjax.report.workdir import ReportError, Run, load_run
+
+__all__ = [
+    "DPI",
+    "MARKS",
+    "PLOTS",
+    "WIDTH",
+    "ExpertLoad",
+    "Frozen",
+    "LayerCosts",
+    "Plot",
+    "ReportError",
+    "Run",
+    "StageLoad",
+    "event_marks",
+    "expert_load",
+    "frozen_layers",
+    "groups_per_step",
+    "layer_costs",
+    "load_run",
+    "main",
+    "markdown",
+    "moe_layer_indices",
+    "plan_changes",
+    "plans_at",
+    "plot_expert_load",
+    "plot_freezing",
+    "plot_layer_costs",
+    "plot_loss",
+    "plot_pipeline",
+    "plot_pruning",
+    "plot_throughput",
+    "pruning_series",
+    "render",
+    "series",
+    "stage_layers",
+    "stage_load",
+    "summary",
+    "write_report",
+]

@@ -1,0 +1,149 @@
+"""The plots of the report (name, title, when to skip, caption) and writing them as PNG files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dynjax.report import plots as drawing
+from dynjax.report.arrays import (
+    expert_load,
+    frozen_layers,
+    layer_costs,
+    pruning_series,
+    series,
+    stage_load,
+)
+from dynjax.report.workdir import Run
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+DPI = 100  # every PNG is drawing.WIDTH * DPI = 1000 pixels wide
+
+
+@dataclass
+class Plot:
+    """A PNG the report wrote (``width`` x ``height`` pixels) or skipped (``reason``)."""
+
+    name: str
+    title: str
+    path: Path | None = None
+    width: int = 0
+    height: int = 0
+    reason: str = ""
+
+
+def _axes_plot(draw: Callable[[Run, Any], Any], height: float) -> Callable[[Run, Figure], None]:
+    def on(run: Run, fig: Figure) -> None:
+        fig.set_size_inches(drawing.WIDTH, height)
+        draw(run, fig.add_subplot())
+
+    return on
+
+
+# name, title, drawing onto a given Figure, the reason to skip (None = draw), caption
+PLOTS: tuple[tuple[str, str, Callable[[Run, Figure], Any], Callable[[Run], str | None], str], ...]
+PLOTS = (
+    (
+        "loss",
+        "Loss",
+        _axes_plot(drawing.plot_loss, 4.5),
+        lambda r: None if series(r.metrics, "loss")[0].size else "no `loss` in metrics.jsonl yet",
+        "Training loss per logged step and evaluation loss; red dashes: recompiles swapped in.",
+    ),
+    (
+        "throughput",
+        "Throughput",
+        drawing.plot_throughput,
+        lambda r: (
+            None
+            if series(r.metrics, "tokens_per_sec")[0].size
+            else "no `tokens_per_sec` in metrics.jsonl yet (logged from the second logged step on)"
+        ),
+        "Tokens per second over each logging interval (points; log scale when they spread over "
+        "20x) and their rolling median; MFU and model TFLOP/s per device when logged.",
+    ),
+    (
+        "expert_load",
+        "MoE: expert load against capacity",
+        drawing.plot_expert_load,
+        lambda r: (
+            None
+            if expert_load(r) is not None
+            else "no `tokens_per_expert` in metrics.jsonl: not an MoE run"
+        ),
+        "Per MoE layer: each expert's routed tokens per step (before dropping; solid) against "
+        "its slots in the step (dashed: the Plan's capacity per sequence x sequences per step, "
+        "from the compile/recompile events); right: tokens / capacity, red above 1 (the expert "
+        "surely dropped tokens; below 1 it may still drop in an unlucky sequence).",
+    ),
+    (
+        "pipeline",
+        "Pipeline: measured stage load and rebalancing",
+        drawing.plot_pipeline,
+        lambda r: (
+            None
+            if stage_load(r) is not None
+            else "no `profile` events: not a pipeline run (mesh.stage > 1), or not profiled "
+            "(pipeline.profile_on_change / pipeline.profile_every; multi-process runs are not)"
+        ),
+        "Each stage's busy seconds in a profiled step (all microbatches), the layers it holds, "
+        "and the step's bubble ratio and iteration time; vertical lines: recompiles, accepted "
+        "and declined rebalance decisions, re-packs, migrations, released devices.",
+    ),
+    (
+        "layer_costs",
+        "Per-layer cost",
+        drawing.plot_layer_costs,
+        lambda r: (
+            None
+            if layer_costs(r) is not None
+            else "no layer_costs.jsonl (written when a dynamism plugin is enabled) and no profiled "
+            "layer times"
+        ),
+        "Top: each layer's modelled cost under the Plan in force (a dense layer = 1); bottom: "
+        "its profiled forward + backward time, when profiled.",
+    ),
+    (
+        "freezing",
+        "Layer freezing",
+        _axes_plot(drawing.plot_freezing, 4.0),
+        lambda r: (
+            None
+            if frozen_layers(r) is not None
+            else "no Plan froze a layer (no `frozen_layers` in the compile/recompile events)"
+        ),
+        "The frozen prefix (layers 0..n-1 frozen: no backward) of each Plan over time.",
+    ),
+    (
+        "pruning",
+        "Pruning",
+        drawing.plot_pruning,
+        lambda r: None if pruning_series(r) else "no `pruning/...` metrics in metrics.jsonl",
+        "Each `pruning/...` metric over time (per-layer lists: one line per layer).",
+    ),
+)
+
+
+def render(run: Run, out: Path) -> list[Plot]:
+    """Write every plot the run has data for as ``out/<name>.png``; return them, the skipped
+    ones with their reason."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+
+    out.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for name, title, draw, skip, _ in PLOTS:
+        reason = skip(run)
+        if reason is not None:
+            plots.append(Plot(name, title, reason=reason))
+            continue
+        fig = Figure(layout="constrained")
+        draw(run, fig)
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=DPI)
+        width, height = (round(v * DPI) for v in fig.get_size_inches())
+        plots.append(Plot(name, title, path, width, height))
+    return plots
