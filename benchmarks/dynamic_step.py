@@ -70,18 +70,101 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from dynjax.config import load_config  # noqa: E402
+from dynjax.dynamism import pruning  # noqa: E402
+from dynjax.dynamism.pruning_math import prunable_leaves  # noqa: E402
 from dynjax.experiment import Experiment  # noqa: E402
 from dynjax.recompile import Plan  # noqa: E402
+from dynjax.recompile.policy import History  # noqa: E402
 
-# name -> how the variant's Plan derives from the baseline's (the first entry is the baseline).
-VARIANTS: dict[str, Callable[[Plan, int], Plan]] = {
-    "none": lambda plan, layers: plan,
-    "frozen prefix L/2": lambda plan, layers: plan.replace(frozen_layers=tuple(range(layers // 2))),
+PRUNED_SPARSITY = 0.9
+
+
+class NotApplicable(Exception):
+    """A variant that the config cannot run (the message says what it needs)."""
+
+
+# A variant: (experiment, baseline Plan, the baseline's initial host state) -> (its Plan, its
+# initial host state). Every variant starts from the same weights; one may change them (a
+# pruned copy) besides its Plan, or raise `NotApplicable`.
+Variant = Callable[[Experiment, Plan, dict[str, Any]], tuple[Plan, dict[str, Any]]]
+
+
+def frozen_prefix(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Plan, dict]:
+    layers = exp.cfg.model.num_layers
+    return plan.replace(frozen_layers=tuple(range(layers // 2))), host
+
+
+def pruned_blocks(
+    exp: Experiment, plan: Plan, host: dict[str, Any], *, per_matrix: bool = False
+) -> tuple[Plan, dict]:
+    """What a block-pruning run holds at ``PRUNED_SPARSITY``, through the plugin's own functions:
+    one global magnitude selection of blocks over the whole model (`pruning.prune`, the event a
+    run's `before_step` makes; weights zeroed, masks and Adam moments in the optimizer state),
+    then the Plan its `SparsePath` policy proposes from the busiest block-columns that the
+    plugin's weight hook (`pruning.zero_pattern`) reports: block-sparse matmuls for the linears
+    at or below ``pruning.sparse_below``.
+
+    ``per_matrix``: the selection ranks the blocks of each matrix divided by that matrix's RMS
+    (the masks `pruning.prune` picks on such a copy, applied to the real weights with
+    `pruning.prune_stage`), so that every matrix keeps about the same fraction instead of the
+    matrices with the smallest weights losing all of theirs."""
+    p = exp.cfg.pruning
+    if not (p.enabled and p.granularity == "block" and p.sparse_below > 0):
+        raise NotApplicable(
+            "needs pruning.enabled=True, pruning.granularity='block' and pruning.sparse_below > 0"
+        )
+    [policy] = pruning.PruningPlugin().policies(exp.cfg, exp)
+    device = jax.devices()[0]  # the whole model as one stage
+    ranked = host
+    if per_matrix:
+        names = set(prunable_leaves(host["params"], p.include))
+
+        def scaled(path: tuple, w: np.ndarray) -> np.ndarray:
+            named = jax.tree_util.keystr(path, simple=True, separator="/") in names
+            return w / np.sqrt(np.mean(np.square(w))) if named else w
+
+        ranked = {**host, "params": jax.tree_util.tree_map_with_path(scaled, host["params"])}
+    state = jax.device_put(ranked, device)
+    pruning.prune(
+        [state], PRUNED_SPARSITY, include=p.include, granularity="block", block_size=p.block_size
+    )
+    if per_matrix:
+        keep = {n: m for n, m in pruning.named_masks(state["opt_state"]).items() if m is not None}
+        state = jax.device_put(host, device)
+        pruning.prune_stage(state, keep)
+    host = jax.device_get(state)
+    weights = prunable_leaves(host["params"], p.include)
+    columns = []
+    for i, record in enumerate(pruning.PruningPlugin.records(exp, plan)):
+        layer = {path: weights[f"layers/{i}/{path}"] for path in record.paths}
+        columns.append(np.asarray(pruning.zero_pattern(layer, record)[1][pruning.COLUMN_BLOCKS]))
+    proposal = policy.propose(History.of([(0, {pruning.COLUMN_BLOCKS: np.stack(columns)})]), plan)
+    return (plan if proposal is None else proposal.plan), host
+
+
+# name -> the variant (the first entry is the baseline).
+VARIANTS: dict[str, Variant] = {
+    "none": lambda exp, plan, host: (plan, host),
+    "frozen prefix L/2": frozen_prefix,
+    f"pruned {PRUNED_SPARSITY:.0%} global": pruned_blocks,
+    f"pruned {PRUNED_SPARSITY:.0%} per matrix": lambda exp, plan, host: pruned_blocks(
+        exp, plan, host, per_matrix=True
+    ),
 }
+
+
+def flop_plan(plan: Plan) -> Plan:
+    """The Plan whose compiled step ``cost_analysis`` counts in full: block-sparse matmuls as
+    one batched step (their loop's body is counted once), otherwise ``plan`` itself."""
+    if plan.part(pruning.NAME).get("sparse"):
+        return plan.with_part(pruning.NAME, loop=False)
+    return plan
 
 
 def _flops(compiled) -> float:
@@ -103,17 +186,45 @@ def step_flops(exp: Experiment, executable) -> float:
     return total
 
 
-def measure(exp: Experiment, plans: dict[str, Plan], steps: int, rounds: int) -> dict[str, dict]:
+def variants(exp: Experiment) -> dict[str, tuple[Plan, dict[str, Any]]]:
+    """Each applicable variant's (Plan, initial host state); prints the others."""
+    base, host = exp.initial_plan(), exp.init_host_state()
+    out = {}
+    for name, variant in VARIANTS.items():
+        try:
+            out[name] = variant(exp, base, host)
+        except NotApplicable as why:
+            print(f"skipped {name!r}: {why}")
+    return out
+
+
+def describe(plan: Plan) -> str:
+    """The Plan part that makes a variant, for the table's notes."""
+    sparse = plan.part(pruning.NAME).get("sparse", ())
+    if sparse:
+        return "block-sparse (layer, linear, K): " + ", ".join(
+            f"({i}, {lin}, {k})" for i, lin, k in sparse
+        )
+    if plan.frozen_layers:
+        return f"frozen layers {plan.frozen_layers}"
+    return "the baseline Plan"
+
+
+def measure(
+    exp: Experiment, runs_of: dict[str, tuple[Plan, dict[str, Any]]], steps: int, rounds: int
+) -> dict[str, dict]:
     """Compile each Plan, then time ``rounds`` alternating rounds of ``steps`` steps each."""
     runs, out = {}, {}
-    for name, plan in plans.items():
+    for name, (plan, host) in runs_of.items():
         t0 = time.perf_counter()
         executable = exp.lower_train_step(plan).compile()
         compile_s = time.perf_counter() - t0
-        runtime = exp.runtime(plan)
+        counted = plan == flop_plan(plan) or exp.lower_train_step(flop_plan(plan)).compile()
+        counted = executable if counted is True else counted
+        runtime = exp.runtime(plan, host)
         jax.block_until_ready(runtime.step(executable, exp.order.batch(0), None))  # warm up
         runs[name] = (runtime, executable)
-        out[name] = {"flops": step_flops(exp, executable), "compile_s": compile_s, "secs": []}
+        out[name] = {"flops": step_flops(exp, counted), "compile_s": compile_s, "secs": []}
     for r in range(rounds):
         for name, (runtime, executable) in runs.items():
             start = 1 + r * steps  # every variant trains on the same batches
@@ -130,7 +241,7 @@ def report(title: str, exp: Experiment, results: dict[str, dict], steps: int, ro
     base = results[next(iter(results))]
     print(f"\n{title}\nmedian of {rounds} rounds x {steps} steps")
     header = (
-        f"{'variant':<19}{'tok/s':>9}{'step ms':>9}{'ratio':>7}{'min':>7}{'max':>7}"
+        f"{'variant':<23}{'tok/s':>9}{'step ms':>9}{'ratio':>7}{'min':>7}{'max':>7}"
         f"{'GFLOP/step':>12}{'FLOP ratio':>12}{'compile s':>11}"
     )
     print(header)
@@ -140,7 +251,7 @@ def report(title: str, exp: Experiment, results: dict[str, dict], steps: int, ro
         ratios = [b / s for b, s in zip(base["secs"], r["secs"], strict=True)]
         step = statistics.median(r["secs"])
         print(
-            f"{name:<19}{tokens / step:>9,.0f}{1e3 * step:>9.1f}"
+            f"{name:<23}{tokens / step:>9,.0f}{1e3 * step:>9.1f}"
             f"{statistics.median(ratios):>7.2f}{min(ratios):>7.2f}{max(ratios):>7.2f}"
             f"{r['flops'] / 1e9:>12.3f}{r['flops'] / base['flops']:>12.3f}"
             f"{r['compile_s']:>11.1f}"
@@ -156,10 +267,13 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--data", type=int, default=2)
     parser.add_argument("--no-pipeline", action="store_true")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
     args = parser.parse_args()
     began = time.perf_counter()
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.set)
     m = cfg.model
     print(
         f"{args.config}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
@@ -173,16 +287,18 @@ def main() -> None:
     )
 
     exp = Experiment.from_config(cfg)
-    base = exp.initial_plan()
-    plans = {name: derive(base, m.num_layers) for name, derive in VARIANTS.items()}
+    plans = variants(exp)
+    for name, (plan, _) in plans.items():
+        print(f"{name}: {describe(plan)}")
     results = measure(exp, plans, args.steps, args.rounds)
     report("single-program step, 1 device", exp, results, args.steps, args.rounds)
 
     if not args.no_pipeline:
-        cfg = load_config(args.config, [f"mesh.stage={args.stages}", f"mesh.data={args.data}"])
+        mesh = [f"mesh.stage={args.stages}", f"mesh.data={args.data}"]
+        cfg = load_config(args.config, [*args.set, *mesh])
         exp = Experiment.from_config(cfg)
-        base = exp.initial_plan()
-        plans = {name: derive(base, m.num_layers) for name, derive in VARIANTS.items()}
+        plans = variants(exp)
+        base = next(iter(plans.values()))[0]
         results = measure(exp, plans, args.pipeline_steps, args.rounds)
         report(
             f"pipeline step, (stage, data) = ({args.stages}, {args.data}), layers "
