@@ -323,8 +323,8 @@ def measure(
         t0 = time.perf_counter()
         executable = exp.lower_train_step(plan).compile()
         compile_s = time.perf_counter() - t0
-        counted = plan == flop_plan(plan) or exp.lower_train_step(flop_plan(plan)).compile()
-        counted = executable if counted is True else counted
+        counting = flop_plan(plan)
+        counted = executable if counting == plan else exp.lower_train_step(counting).compile()
         runtime = exp.runtime(plan, host)
         jax.block_until_ready(runtime.step(executable, exp.order.batch(0), None))  # warm up
         runs[name] = (runtime, executable)
