@@ -167,25 +167,24 @@ samples (look-ahead inside a Plan): it measures the noise, not a balancer.
 What the recorded pruning row says. Pruning events at steps 50-250 (targets 0, 0.46, 0.70, 0.79,
 0.80 of the 16 x 16 blocks, ranked over the whole model); after each, the plugin's ``SparsePath``
 policy switched the linears whose busiest block-column keeps at most half its block-rows to the
-block-sparse matmul (Plans swapped in at steps 121, 159, 212 and 258, each profiled at once). The
-global ranking takes the attn/out and mlp/down matrices first (initialised 1/sqrt(2L) smaller):
-from the event at step 100 on, attn/out keeps no block (K = 0) in 6 of the 8 layers and mlp/down
-in 7, so those residual branches output zero and XLA drops the work feeding them. Per-Plan median
-forward + backward per layer: 6.3-6.6 ms dense; in the last Plan 0.6-0.7 ms for layers 1-3, 5, 6
-(both branches gone), 2.9 ms for layer 0 (its MLP kept) and 3.9 and 4.1 ms for layers 4 and 7
-(their attention kept, attn/out at K = 1). The plugin's cost (its density, ``layer_cost``: 0.64
-for layer 0, 0.08-0.18 for the others) does not predict this: layer 4 at density 0.17 costs more
-than layer 0 at 0.64; which matrices survive decides the time, not how many weights. The three
-heavy layers already sit on three stages of the uniform layout, and no layout gives a stage less
-than one of them, so partition and re-pack only move light layers off the slowest stage (layer
-7's, with the head): 1.02x, imbalance 0.75 -> 0.74; re-pack frees no stage within its 5%. "x
+block-sparse matmul (new Plans from steps 122, 160, 213 and 259 as ``metrics.jsonl`` counts them,
+each profiled on its first step). The global ranking takes the attn/out and mlp/down matrices first
+(initialised 1/sqrt(2L) smaller): from the event at step 100 on, attn/out keeps no block (K = 0) in
+6 of the 8 layers and mlp/down in 7, so those residual branches output zero and XLA drops the work
+feeding them. Per-Plan median forward + backward per layer: 6.3-6.6 ms dense; in the last Plan
+0.6-0.7 ms for layers 1-3, 5, 6 (both branches gone), 2.9 ms for layer 0 (its MLP kept) and 3.9 and
+4.1 ms for layers 4 and 7 (their attention kept, attn/out at K = 1). The plugin's cost (its density,
+``layer_cost``: 0.64 for layer 0, 0.08-0.18 for the others) does not predict this: layer 4 at
+density 0.17 costs more than layer 0 at 0.64; which matrices survive decides the time, not how many
+weights. The uniform layout already puts the three heavy layers on three stages, and no stage can
+cost less than its heaviest layer (layer 7 with the head), so partition and re-pack only move light
+layers off that stage: 1.02x, imbalance 0.75 -> 0.74; re-pack frees no stage within its 5%. "x
 dense" (1.59x) compares the dense samples (steps 1-121, earlier on a shared CPU) with the run's
-average: unpaired, like freezing's. The run's own balancer, deciding on the same profiles,
-proposed (3,2,2,1) or (2,2,3,1) at steps 150, 200 and 250 and rejected each (predicted gain over
-its amortisation window 0.2-1.2 s, against a modelled move cost of 10 s). Before this trace, the
-profiler shared one measurement among a stage's layers with the same graph whatever their
-options (``dynjax.parallel.profile.timed_units``): a block-sparse layer reported its stage
-neighbour's time.
+average: unpaired, like freezing's. The run's own balancer, deciding on the same profiles, proposed
+(3,2,2,1) or (2,2,3,1) at steps 150, 200 and 250 and rejected each (predicted gain over its
+amortisation window 0.2-1.2 s, against a modelled move cost of 10 s). Before this trace, the
+profiler shared one measurement among a stage's layers with the same graph whatever their options
+(``dynjax.parallel.profile.timed_units``): a block-sparse layer reported its stage neighbour's time.
 """
 
 import argparse
