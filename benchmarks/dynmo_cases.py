@@ -8,11 +8,10 @@ schemes that have no plugin yet (MoE's row has a plugin but no recorded trace ye
 speedups test the balancers on plausible load shapes; neither kind reproduces the paper's
 measurements, whose headline numbers are printed beside them for reference.
 
-Today: freezing is recorded (``configs/freezing.py`` on a 4-stage x 2-data pipeline of 8 fake
-CPU devices); pruning is still synthetic. A recorded pruning trace drops in the same way: record
-a ``configs/pruning.py`` run into ``traces/pruning.jsonl`` and its row comes from
-``recorded_case`` (``main`` uses every ``traces/<case>.jsonl`` it finds and drops that case's
-synthetic row).
+Today: freezing and pruning are recorded (``configs/freezing.py`` and ``configs/pruning.py``,
+the latter with 8 layers at block granularity, each on a 4-stage x 2-data pipeline of 8 fake CPU
+devices); ``main`` uses every ``traces/<case>.jsonl`` it finds (``recorded_case``) and drops that
+case's synthetic row, so the synthetic pruning row (``pruning()``) no longer prints.
 
 Recorded rows. Each profiled step of the run (every ``pipeline.profile_every`` steps and the first
 step of every Plan) is one sample: its measured per-microbatch forward and backward seconds of
@@ -21,10 +20,13 @@ every layer (the embedding's counted in the first layer and the norm/head/loss's
 only) gradient-accumulator bytes per device, which ``record`` checks against the stage memory the
 profile measured. Stashed stage inputs and XLA temporaries are left out (they belong to a stage,
 not a layer). A sample stands for the steps until the next one. The balancers decide on the first
-profile of every Plan (the run's own compile and each freeze, seed 000 §3.1), and their layout
+profile of every Plan (the run's own compile and each freeze or block-sparse switch, seed 000
+§3.1), and their layout
 holds from the next sample on (no look-ahead). Times are in units of one dense layer's forward:
-the median measured layer forward before the first change. The run itself trained with balancing
-OFF, on the uniform layout, so the trace is the model's own dynamics; every layout is simulated
+the median measured layer forward before the first change. The runs themselves trained on the
+uniform layout (freezing with balancing off; pruning with it on, but every rebalance it decided
+predicted less gain than the move's cost, so it moved nothing), so a trace is the model's own
+dynamics; every layout is simulated
 from the same measured times (a paired comparison). The "Plan medians" row replaces every
 sample's times by the element-wise median of its Plan's samples: how much of the raw row is CPU
 timing noise. "imbalance" is eq. 2 (``dynjax.balance.imbalance``) of the stage loads (summed
@@ -69,7 +71,23 @@ Recording a trace (2026-11-23, one AMD EPYC VM with 2 cores shared with other jo
         benchmarks/traces/freezing.jsonl --case freezing --devices "4x2 fake CPU devices" \\
         --note "2 cores shared with other jobs (load ~10)" --run-command "<the command above>"
 
-Results (2026-11-23, the same VM, ``PYTHONPATH=. python3 benchmarks/dynmo_cases.py``, 14 s):
+Pruning (2026-11-23, the same VM, load 1.7 at the start, 2.4-4.8 during; 300 steps, 88 s). The
+command is ``configs/pruning.py``'s pipeline example with 8 layers instead of 4 (on 4 stages, 4
+layers allow one layout only) at its block-granularity settings (with element granularity a
+layer's time does not change: its matmuls stay dense), and the freezing trace's profile period:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python -m dynjax.train \\
+        --config configs/pruning.py --workdir /tmp/trace_pruning_i11 \\
+        --config.mesh.stage=4 --config.mesh.data=2 --config.balance.enabled=True \\
+        --config.model.num_layers=8 --config.pruning.granularity=block \\
+        --config.pruning.block_size=16 --config.pruning.sparse_below=0.5 \\
+        --config.pipeline.profile_every=20
+    PYTHONPATH=. python3 benchmarks/dynmo_cases.py record /tmp/trace_pruning_i11 \\
+        benchmarks/traces/pruning.jsonl --case pruning --devices "4x2 fake CPU devices" \\
+        --note "2 cores shared with other jobs (load ~2-5)" --run-command "<the command above>"
+
+Results (2026-11-23, the same VM, load 8.0 -> 7.4 from other jobs, ``PYTHONPATH=. python3
+benchmarks/dynmo_cases.py``, 12 s):
 
 DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of a dynjax run
 (benchmarks/traces/); synthetic rows: seed 000 §2 load models.
@@ -79,12 +97,14 @@ iterations sampled every 200, M = 4 x S; recorded: every profiled step, the run'
 
                         L x S  rebal.  static by-param partition diffusion re-packed GPUs  paper
 ------------------------------------------------------------------------------------------------
+(recorded: configs/pruning.py, 4x2 fake CPU devices)
+pruning                   8x4 on Plan    58.3     58.3      57.3      57.9      57.3  4.0  3.18x
+pruning, Plan medians     8x4 on Plan    57.8     57.8      56.8      57.1      56.8  4.0  3.18x
 (recorded: configs/freezing.py, 4x2 fake CPU devices)
 freezing                  8x4 on Plan   185.3    185.3     179.8     179.8     179.8  4.0  2.23x
 freezing, Plan medians    8x4 on Plan   111.3    111.3     107.6     108.2     107.6  4.0  2.23x
 (synthetic)
 MoE                     32x16    1 it   550.8    550.8     550.8     550.8     550.8 16.0  1.23x
-pruning                 96x24    1000  1296.7   1296.7    1178.4    1184.5    1197.4 23.6  3.18x
 sparse attention        96x24    1 it  1365.0   1365.0    1370.7    1371.4    1375.5 23.9  4.02x
 early exit              96x24     500  1258.8   1258.8     938.9     947.1     956.3 22.2  4.52x
 MoD                     32x16    1 it   415.8    415.8     415.8     415.8     415.8 16.0  1.17x
@@ -93,17 +113,30 @@ Speedup over static uniform; imbalance (eq. 2) static uniform -> partition:
 
                         x param  x part  x diff x repack  x dense   imbalance  paper's baseline
 -----------------------------------------------------------------------------------------------
+(recorded: configs/pruning.py, 4x2 fake CPU devices)
+pruning                   1.00x   1.02x   1.01x    1.02x   1.59x*  0.75->0.74  static Megatron-LM
+pruning, Plan medians     1.00x   1.02x   1.01x    1.02x   1.57x*  0.71->0.65  static Megatron-LM
 (recorded: configs/freezing.py, 4x2 fake CPU devices)
 freezing                  1.00x   1.03x   1.03x    1.03x   1.74x*  1.15->0.93  Egeria, no balancing
 freezing, Plan medians    1.00x   1.03x   1.03x    1.03x   1.24x*  0.95->0.86  Egeria, no balancing
 (synthetic)
 MoE                       1.00x   1.00x   1.00x    1.00x   0.73x   0.31->0.31  static Megatron-LM
-pruning                   1.00x   1.10x   1.09x    1.08x   1.22x   0.51->0.21  static Megatron-LM
 sparse attention          1.00x   1.00x   1.00x    0.99x   2.09x   0.50->0.43  dense attention
 early exit                1.00x   1.34x   1.33x    1.32x   1.53x   1.65->1.02  no early exit
 MoD                       1.00x   1.00x   1.00x    1.00x   1.16x   0.33->0.33  MoD w/o balancing
 
 * recorded: the samples before the first change ran at another time of a shared CPU (unpaired).
+
+pruning: unit = 1.70 ms, 22 profiled steps, M = 8, by-param [2, 2, 2, 2], imbalance of the uniform
+layout from the run's step timeline 1.05; layouts chosen at step 1: (2,2,2,2) all; step 122:
+(2,2,3,1) partition+re-packed, (1,3,3,1) diffusion; step 160: (2,3,2,1) partition+re-packed,
+(1,3,3,1) diffusion; step 213: (2,3,2,1) partition+re-packed, (1,3,3,1) diffusion; step 259:
+(2,3,2,1) partition+re-packed, (1,3,3,1) diffusion.
+
+pruning, Plan medians: layouts chosen at step 1: (2,2,2,2) all; step 122: (2,2,3,1) partition+re-
+packed, (1,3,3,1) diffusion; step 160: (2,3,2,1) partition+re-packed, (1,3,3,1) diffusion; step 213:
+(2,2,2,2) partition+re-packed, (1,3,2,2) diffusion; step 259: (2,2,3,1) partition+re-packed,
+(1,3,3,1) diffusion.
 
 freezing: unit = 1.86 ms, 23 profiled steps, M = 8, by-param [2, 2, 2, 2], imbalance of the uniform
 layout from the run's step timeline 1.26; layouts chosen at step 1: (2,2,2,2) all; step 122:
@@ -130,6 +163,28 @@ layouts are compared on the same samples, so the speedups hold up (1.03x raw and
 while "x dense" (the samples before the first freeze against the run's average) does not (1.74x
 raw, 1.24x with medians). The "Plan medians" row decides on medians that include its Plan's later
 samples (look-ahead inside a Plan): it measures the noise, not a balancer.
+
+What the recorded pruning row says. Pruning events at steps 50-250 (targets 0, 0.46, 0.70, 0.79,
+0.80 of the 16 x 16 blocks, ranked over the whole model); after each, the plugin's ``SparsePath``
+policy switched the linears whose busiest block-column keeps at most half its block-rows to the
+block-sparse matmul (new Plans from steps 122, 160, 213 and 259 as ``metrics.jsonl`` counts them,
+each profiled on its first step). The global ranking takes the attn/out and mlp/down matrices first
+(initialised 1/sqrt(2L) smaller): from the event at step 100 on, attn/out keeps no block (K = 0) in
+6 of the 8 layers and mlp/down in 7, so those residual branches output zero and XLA drops the work
+feeding them. Per-Plan median forward + backward per layer: 6.3-6.6 ms dense; in the last Plan
+0.6-0.7 ms for layers 1-3, 5, 6 (both branches gone), 2.9 ms for layer 0 (its MLP kept) and 3.9 and
+4.1 ms for layers 4 and 7 (their attention kept, attn/out at K = 1). The plugin's cost (its density,
+``layer_cost``: 0.64 for layer 0, 0.08-0.18 for the others) does not predict this: layer 4 at
+density 0.17 costs more than layer 0 at 0.64; which matrices survive decides the time, not how many
+weights. The uniform layout already puts the three heavy layers on three stages, and no stage can
+cost less than its heaviest layer (layer 7 with the head), so partition and re-pack only move light
+layers off that stage: 1.02x, imbalance 0.75 -> 0.74; re-pack frees no stage within its 5%. "x
+dense" (1.59x) compares the dense samples (steps 1-121, earlier on a shared CPU) with the run's
+average: unpaired, like freezing's. The run's own balancer, deciding on the same profiles, proposed
+(3,2,2,1) or (2,2,3,1) at steps 150, 200 and 250 and rejected each (predicted gain over its
+amortisation window 0.2-1.2 s, against a modelled move cost of 10 s). Before this trace, the
+profiler shared one measurement among a stage's layers with the same graph whatever their options
+(``dynjax.parallel.profile.timed_units``): a block-sparse layer reported its stage neighbour's time.
 """
 
 import argparse
@@ -384,9 +439,10 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
     seconds) and the Plan each ran, plus per-layer parameter counts and state bytes.
 
     The state bytes model (parameters, Adam's two moments, a gradient accumulator for trainable
-    layers, the embedding with layer 0 and norm + head with the last) is checked against the
-    stage memory each profile measured: a scheme that stores its layers otherwise (e.g. pruned
-    layers in a sparse format) fails here until this model learns it.
+    layers, pruning's one-byte keep masks in the optimizer state for the matrices
+    ``pruning.include`` selects, the embedding with layer 0 and norm + head with the last) is
+    checked against the stage memory each profile measured: a scheme that stores its layers
+    otherwise (e.g. pruned layers in a sparse format) fails here until this model learns it.
     """
     import jax  # the recorder builds the model's shapes; the benchmark itself needs no JAX
     import ml_collections
@@ -406,6 +462,12 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
     layer_bytes = [count(shapes["layers"][i], True) for i in range(num_layers)]
     embed_bytes = sum(count(shapes[k], True) for k in ("embed", "pos") if k in shapes)
     head_bytes = sum(count(shapes[k], True) for k in ("norm", "head") if k in shapes)
+    mask_bytes = [0] * num_layers  # pruning.masked: a bool per prunable weight, dense
+    if cfg.get("pruning", {}).get("enabled", False):
+        from dynjax.dynamism.pruning_math import prunable_leaves
+
+        for name, leaf in prunable_leaves(shapes, cfg.pruning.include).items():
+            mask_bytes[int(name.split("/")[1])] += int(np.prod(leaf.shape))
 
     events = read_jsonl(workdir / "events.jsonl")
     plans = [(0, e["plan"]) for e in events if e["event"] == "compile"]
@@ -421,7 +483,7 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
             extra = embed_bytes if i == 0 else head_bytes if i == num_layers - 1 else 0
             grads = (b + (embed_bytes if i == 0 else 0)) * (i not in frozen)
             grads += head_bytes if i == num_layers - 1 else 0
-            out.append((b + extra) * (1 + ADAM_MOMENTS) + grads)
+            out.append((b + extra) * (1 + ADAM_MOMENTS) + grads + mask_bytes[i])
         return out
 
     samples = []

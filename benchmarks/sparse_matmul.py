@@ -12,7 +12,8 @@ sparse/dense ratio of XLA's ``cost_analysis`` with the sparse loop compiled as o
 (``loop=False``), against the ideal ``K / (in/32)``. Targets (issue 11): >= 2x at 25% and >= 4x
 at 10%.
 
-    PYTHONPATH=. python benchmarks/sparse_matmul.py [--tokens 2048] [--repeats 15]
+    PYTHONPATH=. python benchmarks/sparse_matmul.py [--tokens 2048] [--repeats 15] \\
+        [--shapes 512x2048,1024x4096] [--densities 0.5,0.25,0.1]
 """
 
 from __future__ import annotations
@@ -89,14 +90,19 @@ def _sparse(x, w, index, loop):
     return block_pruned_matmul(x, w, index, block_size=BLOCK, impl="xla", loop=loop)
 
 
-def bench(tokens: int, repeats: int) -> list[dict]:
+def bench(
+    tokens: int,
+    repeats: int,
+    shapes: tuple[tuple[int, int], ...] = SHAPES,
+    densities: tuple[float, ...] = DENSITIES,
+) -> list[dict]:
     rows = []
-    for d_in, d_out in SHAPES:
+    for d_in, d_out in shapes:
         keys = jax.random.split(jax.random.key(d_in), 3)
         x = jax.random.normal(keys[0], (tokens, d_in), jnp.float32)
         w = jax.random.normal(keys[1], (d_in, d_out), jnp.float32)
         g = jax.random.normal(keys[2], (tokens, d_out), jnp.float32)
-        for density in DENSITIES:
+        for density in densities:
             mask = balanced_block_mask(d_in // BLOCK, d_out // BLOCK, density, seed=d_out)
             index = jnp.asarray(column_block_index(mask))
             for backward in (False, True):
@@ -118,11 +124,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048, help="rows of x")
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per median")
+    parser.add_argument(
+        "--shapes", default=",".join(f"{i}x{o}" for i, o in SHAPES), help="INxOUT,... weights"
+    )
+    parser.add_argument(
+        "--densities", default=",".join(map(str, DENSITIES)), help="block densities, D,..."
+    )
     args = parser.parse_args()
+    shapes = tuple(tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(","))
+    densities = tuple(float(d) for d in args.densities.split(","))
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, fp32, "
           f"block {BLOCK}, {args.tokens} tokens, median of {args.repeats} (interleaved)\n")
-    bench(args.tokens, args.repeats)
+    bench(args.tokens, args.repeats, shapes, densities)
 
 
 if __name__ == "__main__":

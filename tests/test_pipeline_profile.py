@@ -3,6 +3,9 @@
 import numpy as np
 
 from dynjax.balance import simulate
+from dynjax.experiment import Experiment
+from dynjax.parallel.profile import timed_units, unit_programs
+from dynjax.parallel.stages import ModelParts
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
@@ -95,3 +98,22 @@ def test_profiled_steps_report_layers_memory_and_a_timeline(tmp_path):
     assert metrics["profile/stage_memory_bytes"].tolist() == [m["total"] for m in memory]
     assert metrics["profile/stage_input_bytes"].tolist() == [m["stage_inputs"] for m in memory]
     assert metrics["profile/stage_backward_seconds"].shape == (2,) and "loss" in metrics
+
+
+def test_layers_of_a_stage_with_different_options_are_timed_apart():
+    # Layers 0 and 1 share stage 0 and one graph; only layer 0 multiplies mlp/up block-sparsely
+    # (a pruning Plan), so each needs its own measurement. Layers 2 and 3 still share one.
+    cfg = tiny_config(
+        model__num_layers=4, mesh__stage=2, mesh__data=1, pruning__enabled=True,
+        pruning__granularity="block", pruning__block_size=16, pruning__sparse_below=0.5,
+    )
+    exp = Experiment.from_config(cfg)
+    plan = exp.initial_plan().with_part("pruning", sparse=((0, "mlp/up", 1),))
+    spec = exp.pipeline_spec(plan)
+    units = timed_units(spec, ModelParts.of(exp.model_cfg))
+    signature = {unit[1]: sig for unit, _, sig in units if unit[0] == "layers"}
+    assert signature[0] != signature[1]
+    assert signature[2] == signature[3]
+    # One forward and one backward program per measurement: the embedding, layer 0, layer 1,
+    # layers 2-3 and the head.
+    assert len(unit_programs(spec, ModelParts.of(exp.model_cfg))) == 2 * 5

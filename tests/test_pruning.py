@@ -366,3 +366,30 @@ def test_block_sparse_linears_equal_dense_ones_at_fewer_flops():
     for name, w in results[0][1].items():
         np.testing.assert_allclose(results[1][1][name], w, atol=1e-6, err_msg=name)
     pruned_stay_zero(runtime.state)
+
+
+def test_a_plan_without_the_sparse_loop_counts_its_flops_in_full():
+    # benchmarks/dynamic_step.py counts a block-sparse Plan's FLOPs on the same Plan with
+    # loop=False: XLA's cost_analysis counts the loop over block-columns' body once.
+    from dynjax.dynamism.pruning import PruningPlugin
+
+    cfg = tiny_config(
+        model__d_model=64, model__mlp_dim=128, pruning__enabled=True,
+        pruning__granularity="block", pruning__block_size=8,
+    )
+    exp = Experiment.from_config(cfg)
+    looped = exp.initial_plan().with_part("pruning", sparse=((0, "mlp/up", 4),))
+    unrolled = looped.with_part("pruning", loop=False)
+    assert [r.loop for r in PruningPlugin.records(exp, looped)] == [True, True]
+    assert [r.loop for r in PruningPlugin.records(exp, unrolled)] == [False, False]
+    assert [r.widths for r in PruningPlugin.records(exp, unrolled)] == [(("mlp/up", 4),), ()]
+    flops = {
+        name: exp.lower_train_step(plan).compile().cost_analysis()["flops"]
+        for name, plan in (("dense", exp.initial_plan()), ("loop", looped), ("one", unrolled))
+    }
+    # Layer 0's mlp/up, [64, 128] in 8 x 8 blocks, at K = 4 of 8 block-rows saves half its
+    # forward and backward multiply-adds over the batch's 8 x 32 tokens (within 10%: the gathers
+    # count too); with the loop, 15 of its 16 block-columns go uncounted as well.
+    saved = 3 * 2 * (8 * 32) * 64 * 128 / 2
+    assert abs(flops["dense"] - flops["one"] - saved) < 0.1 * saved
+    assert flops["one"] - flops["loop"] > 0.8 * saved

@@ -221,9 +221,11 @@ def layer_records(
     num_experts: int,
     block_size: int = 0,
     sparse: Sequence[tuple[int, str, int]] = (),
+    loop: bool = True,
 ):
     """One `PrunedLayer` per layer of a full parameter tree (shapes suffice); ``sparse``: the
-    (layer, linear, K) that multiply block-sparsely (the Plan part)."""
+    (layer, linear, K) that multiply block-sparsely (the Plan part); ``loop``: `SparseLinears`'
+    (False: the block-sparse matmuls as one batched step, for ``cost_analysis``)."""
     records = []
     prunable = pm.prunable_leaves(abstract_params, include)
     for i in range(len(abstract_params["layers"])):
@@ -236,7 +238,11 @@ def layer_records(
         widths = tuple((lin, int(k)) for layer, lin, k in sparse if layer == i)
         records.append(
             PrunedLayer(
-                block_size=block_size, widths=widths, paths=tuple(n for n, _ in mine), flops=flops
+                block_size=block_size,
+                widths=widths,
+                loop=loop,
+                paths=tuple(n for n, _ in mine),
+                flops=flops,
             )
         )
     return tuple(records)
@@ -345,13 +351,15 @@ class PruningPlugin(Plugin):
     @staticmethod
     def records(exp: Experiment, plan: Plan | None = None) -> tuple[PrunedLayer, ...]:
         p = exp.cfg.pruning
+        part = {} if plan is None else plan.part(NAME)
         return layer_records(
             exp.abstract_params,
             p.include,
             exp.ctx.top_k,
             exp.ctx.num_experts,
             block_size=p.block_size if p.granularity == "block" else 0,
-            sparse=() if plan is None else plan.part(NAME).get("sparse", ()),
+            sparse=part.get("sparse", ()),
+            loop=part.get("loop", True),  # False only in Plans made to count FLOPs
         )
 
     def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:

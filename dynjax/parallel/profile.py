@@ -88,8 +88,9 @@ def unit_kinds(one: StageSpec) -> tuple[str, ...]:
 def timed_units(spec: PipelineSpec, parts: ModelParts) -> list[tuple[Unit, StageSpec, tuple]]:
     """Every unit of the model in order, as (unit, its one-unit spec, its timing signature).
 
-    Units with equal signatures (the same graph and capacities on the same stage) run one
-    program and share one measurement.
+    Units with equal signatures (the same graph, capacities and plugin options on the same
+    stage) run one program and share one measurement: two layers of one stage whose options
+    differ (e.g. block-sparse matmuls of different widths) are timed apart.
     """
     out = []
     trainable_before = False  # a unit before this one gets gradients: it must pass them back
@@ -100,7 +101,7 @@ def timed_units(spec: PipelineSpec, parts: ModelParts) -> list[tuple[Unit, Stage
             one = unit_spec(stage, unit, trainable_before=trainable_before)
             graph = parts.layers[unit[1]] if unit[0] == "layers" else None
             signature = (stage.index, unit[0], one.capacities, graph, one.frozen != (),
-                         one.input_grads, one.embed_frozen)
+                         one.input_grads, one.embed_frozen, one.options)
             out.append((unit, one, signature))
             if unit[0] == "layers":
                 trainable_before |= not one.frozen
