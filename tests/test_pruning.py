@@ -14,7 +14,7 @@ from dynjax.checkpoint import Checkpointer
 from dynjax.checkpoint.layout import split_items
 from dynjax.config import ConfigError, validate_config
 from dynjax.dynamism import pruning_math as pm
-from dynjax.dynamism.pruning import PruneState, named_masks, prune
+from dynjax.dynamism.pruning import PruneState, PruningPlugin, named_masks, prune
 from dynjax.experiment import Experiment
 from dynjax.train import train
 from dynjax.writers import read_jsonl
@@ -393,3 +393,36 @@ def test_a_plan_without_the_sparse_loop_counts_its_flops_in_full():
     saved = 3 * 2 * (8 * 32) * 64 * 128 / 2
     assert abs(flops["dense"] - flops["one"] - saved) < 0.1 * saved
     assert flops["one"] - flops["loop"] > 0.8 * saved
+
+
+@pytest.mark.parametrize("scale", ["init", "none"])
+def test_scale_free_ranking_keeps_every_matrix_alive(scale):
+    """At 90% block sparsity on fresh weights, ranking |w| in units of each matrix's init std
+    keeps blocks of every matrix, and is the single-device top-k of those scaled scores; raw
+    magnitudes (scale="none") prune GPT-2's 1/sqrt(2L)-smaller residual projections away."""
+    from dynjax.config import gpt_config
+    from dynjax.model.gpt import init_std
+
+    cfg = tiny_config(
+        model__num_layers=4, model__d_model=64, model__mlp_dim=128,
+        pruning__enabled=True, pruning__granularity="block", pruning__block_size=8,
+        pruning__start_step=0, pruning__steps=1, pruning__initial_sparsity=0.9,
+        pruning__final_sparsity=0.9, pruning__scale=scale,
+    )
+    exp = Experiment.from_config(cfg)
+    host = exp.init_host_state()
+    runtime = exp.runtime(exp.initial_plan(), host)
+    weights = pm.prunable_leaves(host["params"])
+    [event] = PruningPlugin().before_step(0, runtime.stage_states(), exp.initial_plan(), exp)
+    model = gpt_config(cfg)
+    units = {n: init_std(model, n) if scale == "init" else 1.0 for n in weights}
+    want = reference_masks({n: w / units[n] for n, w in weights.items()}, event["kept"], 8)
+    got = named_masks(jax.device_get(runtime.checkpoint_state())["opt_state"])
+    residual = [n for n in got if n.endswith(("attn/out/kernel", "mlp/down/kernel"))]
+    assert len(residual) == 8
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    if scale == "init":
+        assert all(got[n].any() for n in got), [n for n in got if not got[n].any()]
+    else:
+        assert all(not got[n].any() for n in residual)

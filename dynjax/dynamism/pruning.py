@@ -30,6 +30,16 @@ end up with different densities, which is the imbalance DynMo balances (seed 000
   expert matrix counts top_k / num_experts of its size). It is read from the step's metrics,
   not from the Plan: a density in the Plan would recompile the step at every event.
 
+**Scale-free ranking** (``pruning.scale="init"``, the default): a matrix's scores are divided by
+the standard deviation it was initialised with (`dynjax.model.gpt.init_std`) before the global
+ranking. GPT-2's init makes the residual projections (``attn/out``, ``mlp/down``, experts'
+``w_out``) ``1/sqrt(2L)`` times smaller than the other matrices, so a raw magnitude ranking
+(``scale="none"``, Alg. 1 as written) prunes them first and, from about half sparsity on,
+entirely: every block's sublayers then output zero and the model collapses to its embedding and
+head (measured on the pruning trace, `benchmarks/traces/pruning.jsonl`). Measured in units of
+their initial scale, matrices compete on how far training moved them, and the threshold is
+still one for the whole model, so layers still end up with different densities.
+
 ``granularity="block"`` ranks ``block_size`` x ``block_size`` blocks by their Frobenius norm
 instead (`pruning_math.block_scores`), so whole blocks are zero: what a block-sparse matmul can
 skip. The masks stay element masks (blocks expanded).
@@ -55,6 +65,7 @@ from dynjax.config import ConfigError, at_least, gpt_config
 from dynjax.dynamism import pruning_math as pm
 from dynjax.dynamism.base import Plugin, register
 from dynjax.model import fresh_params
+from dynjax.model.gpt import init_std
 from dynjax.model.hooks import register_weight_hook
 from dynjax.model.pruned import LINEARS, SparseLinears, column_blocks
 from dynjax.model.sparse_linear import bucket_blocks
@@ -68,6 +79,7 @@ NAME = "pruning"
 DENSITY = "pruning/density"  # [L] per step: each layer's (FLOP-weighted) fraction of kept weights
 COLUMN_BLOCKS = "pruning/column_blocks"  # [L, 4]: busiest block-column's blocks, per `LINEARS`
 GRANULARITIES = ("element", "block")
+SCALES = ("init", "none")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +301,9 @@ class PruningPlugin(Plugin):
         c.granularity = "element"  # "element" | "block" (block_size x block_size blocks)
         c.block_size = 32
         c.include = pm.DEFAULT_INCLUDE  # regex on "/"-joined parameter paths
+        # "init": rank |w| / the std its matrix was initialised with (scale-free); "none": raw
+        # |w|, which prunes GPT-2's smaller residual projections first (module docstring).
+        c.scale = "init"
         # Block granularity: a dense block's linear (attn/qkv, attn/out, mlp/up, mlp/down)
         # multiplies block-sparsely once its busiest block-column keeps at most this fraction
         # of its block-rows (K / (in / block_size), K bucketed); 0 = always dense.
@@ -310,6 +325,8 @@ class PruningPlugin(Plugin):
             raise ConfigError(
                 f"pruning.granularity={p.granularity!r} is not one of {GRANULARITIES}"
             )
+        if p.scale not in SCALES:
+            raise ConfigError(f"pruning.scale={p.scale!r} is not one of {SCALES}")
         try:
             re.compile(p.include)
         except re.error as err:
@@ -385,12 +402,18 @@ class PruningPlugin(Plugin):
         target = pm.sparsity_at(
             step, initial=p.initial_sparsity, final=p.final_sparsity, **schedule
         )
-        keep, total, counts = prune(
-            states, target, include=p.include, granularity=p.granularity, block_size=p.block_size
-        )
         shapes = {
             n: tuple(w.shape) for n, w in pm.prunable_leaves(exp.abstract_params, p.include).items()
         }
+        model = gpt_config(exp.cfg)
+        keep, total, counts = prune(
+            states,
+            target,
+            include=p.include,
+            granularity=p.granularity,
+            block_size=p.block_size,
+            scales={n: init_std(model, n) for n in shapes} if p.scale == "init" else None,
+        )
         return [
             {
                 "event": "prune",
@@ -471,9 +494,11 @@ def prune(
     include: str = pm.DEFAULT_INCLUDE,
     granularity: str = "element",
     block_size: int = 32,
+    scales: Mapping[str, float] | None = None,
 ) -> tuple[int, int, dict[str, int]]:
     """Prune the stages' states (in stage order, replaced in place) to ``sparsity`` of their
-    prunable elements or blocks, ranked globally by magnitude (seed 000 Alg. 1); returns
+    prunable elements or blocks, ranked globally by magnitude (seed 000 Alg. 1), each matrix's
+    magnitudes divided by its entry of ``scales`` (by path; None: raw magnitudes); returns
     (kept, total) in elements or blocks, and the kept elements of each matrix by path."""
     weights = [pm.prunable_leaves(st["params"], include) for st in states]
     current = [named_masks(st["opt_state"]) for st in states]
@@ -481,8 +506,9 @@ def prune(
         score = pm.element_scores
     else:
         score = lambda w, m: pm.block_scores(w, block_size, block_mask(m, block_size))
+    unit = (lambda n: 1.0) if scales is None else scales.__getitem__
     scores = [
-        {n: score(w, cur[n]) for n, w in ws.items()}
+        {n: score(w, cur[n]) / unit(n) for n, w in ws.items()}
         for ws, cur in zip(weights, current, strict=True)
     ]
     total = sum(math.prod(s.shape) for stage in scores for s in stage.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,17 @@ class GPTConfig:
     def residual_std(self) -> float:
         """GPT-2's scaled init of residual projections keeps activations flat with depth."""
         return 0.02 / math.sqrt(2 * self.num_layers)
+
+
+# The matrices GPT-2 initialises with `GPTConfig.residual_std` rather than 0.02: the projections
+# back into the residual stream. Matched with `re.search` against "/"-joined parameter paths.
+RESIDUAL_PROJECTIONS = r"(^|/)(attn/out/kernel|mlp/down/kernel|moe/w_out)$"
+
+
+def init_std(cfg: GPTConfig, path: str) -> float:
+    """The standard deviation the matrix at ``path`` is initialised with (``Block`` below):
+    the unit in which a scale-free magnitude ranking (pruning) measures its weights."""
+    return cfg.residual_std if re.search(RESIDUAL_PROJECTIONS, path) else 0.02
 
 
 class Block(nnx.Module):
