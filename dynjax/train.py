@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import ml_collections
@@ -286,6 +287,9 @@ def train(
                 for event in plugin.before_step(step, runtime.stage_states(), plan, exp):
                     events(event)
                     profile_next = profile_next or profile_on_change  # the model changed
+            measured = {}  # e.g. layer outputs on a probe batch: they join this step's metrics
+            for plugin in plugins:
+                measured.update(plugin.measure(step, runtime.stage_states(), plan, exp))
             batch = exp.order.batch(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
             if profile_next or (profile_every and step % profile_every == 0):
@@ -295,7 +299,7 @@ def train(
             else:
                 metrics = runtime.step(executable, batch, cached)
             monitor.push(step, metrics)
-            logger.dispatched(step, batch.sample_ids, plan)
+            logger.dispatched(step, batch.sample_ids, plan, measured)
             for s, m in monitor.pop_ready(step):
                 logger.observe(s, runtime.host_metrics(s, m), cache, controller, bar)
             bar.update(1)
@@ -383,18 +387,22 @@ class _Logger:
         kind = jax.devices()[0].device_kind
         self.peak = exp.cfg.train.peak_flops or peak_flops(kind, exp.cfg.train.dtype)
         self.mfus: list[float] = []
-        # Per step in flight: its samples and the Plan it ran with (its metrics arrive Δ steps
-        # later, possibly after a swap, and are labelled with the Plan that produced them).
-        self.in_flight: dict[int, tuple[np.ndarray, Plan]] = {}
+        # Per step in flight: its samples, the Plan it ran with (its metrics arrive Δ steps
+        # later, possibly after a swap, and are labelled with the Plan that produced them) and
+        # what plugins measured before it ran (`Plugin.measure`).
+        self.in_flight: dict[int, tuple[np.ndarray, Plan, dict[str, Any]]] = {}
         self.last_loss: float | None = None
         self.rates: list[float] = []
         self._mark: tuple[int, float] | None = None
 
-    def dispatched(self, step: int, sample_ids: np.ndarray, plan: Plan) -> None:
-        self.in_flight[step] = (sample_ids, plan)
+    def dispatched(
+        self, step: int, sample_ids: np.ndarray, plan: Plan, measured: dict[str, Any]
+    ) -> None:
+        self.in_flight[step] = (sample_ids, plan, measured)
 
     def observe(self, step, metrics, cache, controller, bar) -> None:
-        ids, plan = self.in_flight.pop(step)
+        ids, plan, measured = self.in_flight.pop(step)
+        metrics.update(measured)
         if cache is not None:
             stability = cache.update(ids, metrics.pop("moe/assignments"))
             metrics[STABILITY] = np.nan if stability is None else stability
@@ -404,7 +412,8 @@ class _Logger:
         now = time.perf_counter()
         if self._mark is None:  # the first step also paid for dispatch warm-up: start timing here
             self._mark = (done, now)
-        logged = not done % self.every or done == self.steps
+        # A plugin's measurement between steps is logged with the step it preceded.
+        logged = not done % self.every or done == self.steps or bool(measured)
         if self.costs is not None and (logged or "profile/layer_forward_seconds" in metrics):
             self.costs.write(done, plan, metrics)
         if not logged:
@@ -413,8 +422,8 @@ class _Logger:
         record["learning_rate"] = float(self.exp.schedule(step))
         for name in self.plugin_metrics:  # e.g. each layer's pruned density
             if name in metrics:
-                value = np.asarray(metrics[name])
-                record[name] = value.tolist() if value.ndim else float(value)
+                value = np.asarray(metrics[name], np.float64)  # NaN (not measured): null
+                record[name] = np.where(np.isfinite(value), value, None).tolist()
         if done > self._mark[0]:
             rate = (done - self._mark[0]) * self.tokens_per_step / (now - self._mark[1])
             record["tokens_per_sec"] = rate

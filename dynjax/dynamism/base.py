@@ -41,6 +41,8 @@ class Plugin:
       layer between pipeline stages, is checkpointed, restored and resharded by path;
     - `before_step`: change the training state between two steps (e.g. a pruning event) and
       report what it did as events; a pipeline profiles the step after one (seed 000 §3.1);
+    - `measure`: measure the state between two steps (e.g. layer outputs on a probe batch) as
+      host metrics of the step about to run: its policies read them like the step's own;
     - `logged_metrics`: host metrics of its own that metrics.jsonl gets at logged steps.
     """
 
@@ -115,6 +117,16 @@ class Plugin:
         to change the state (read them here: the arrays of the step before are donated).
         Returns events for events.jsonl (``{"event": name, "step": step, ...}``)."""
         return []
+
+    def measure(
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+    ) -> dict[str, Any]:
+        """Called after every `before_step`, for an enabled scheme, with the same ``states``
+        (read only). Returns host metrics (NumPy arrays by name) that join ``step``'s own when
+        they reach the host: the Controller's history (so its policies) and, for names in
+        `logged_metrics`, metrics.jsonl. For what the training step cannot compute, such as a
+        forward on a fixed probe batch (Egeria, seed 000 §4.2.3)."""
+        return {}
 
 
 _REGISTRY: dict[str, Plugin] = {}
