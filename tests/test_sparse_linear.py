@@ -93,6 +93,25 @@ def test_bf16_accumulates_in_fp32():
     _check((16,), 32, 1024, 0.9, seed=5, dtype=jnp.bfloat16, tol=1e-2)
 
 
+def test_unrolled_loop_with_a_remainder_matches():
+    """11 block-columns: the unrolled loop's last body holds fewer than ``_UNROLL`` columns."""
+    assert 11 % sparse_linear._UNROLL
+    _check((24,), 64, 11 * BS, 0.4, seed=11)
+
+
+def test_scatter_blocks_places_each_block_and_zeros_the_rest():
+    rng = np.random.default_rng(2)
+    mask = _mask(5, 4, 0.5, seed=2)
+    index = column_block_index(mask)  # sentinel-padded: column 0 is empty
+    blocks = rng.standard_normal((4, index.shape[1], BS, BS)).astype(np.float32)
+    dense = np.asarray(sparse_linear._scatter_blocks(jnp.asarray(blocks), jnp.asarray(index), 5))
+    expected = np.zeros((5 * BS, 4 * BS), np.float32)
+    for j, t in np.ndindex(index.shape):
+        if index[j, t] < 5:
+            expected[index[j, t] * BS:(index[j, t] + 1) * BS, j * BS:(j + 1) * BS] = blocks[j, t]
+    np.testing.assert_array_equal(dense, expected)
+
+
 def test_one_batched_step_matches_too():
     _check((24,), 64, 48, 0.4, seed=7, loop=False)
 
