@@ -94,9 +94,15 @@ def test_bf16_accumulates_in_fp32():
 
 
 def test_unrolled_loop_with_a_remainder_matches():
-    """11 block-columns: the unrolled loop's last body holds fewer than ``_UNROLL`` columns."""
-    assert 11 % sparse_linear._UNROLL
+    """11 block-columns of small slabs unroll 8 to a body: the last body holds 3 columns."""
+    assert sparse_linear._unroll(11, 1 << 10) == 8
     _check((24,), 64, 11 * BS, 0.4, seed=11)
+
+
+def test_unroll_bounds_the_gathered_slabs_in_flight():
+    assert [sparse_linear._unroll(128, mib << 20) for mib in (0, 1, 2, 4, 8, 64)] == [
+        8, 8, 4, 2, 1, 1]
+    assert sparse_linear._unroll(3, 1) == 3
 
 
 def test_scatter_blocks_places_each_block_and_zeros_the_rest():

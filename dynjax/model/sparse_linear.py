@@ -50,12 +50,19 @@ from pallas_kernels import BlockSparseMatrix, block_sparse_matmul
 
 Impl = Literal["auto", "xla", "pallas"]
 
-# Columns per unrolled loop body on the XLA path. Inside a loop XLA:CPU runs each gather and
-# update single-threaded; with several columns in one body its thunk executor overlaps one
-# column's gather and update with another's dot. 8 measured best of 1, 2, 4, 8 (forward) and
-# 1, 4, 8, 16 (forward+backward) at benchmarks/sparse_matmul.py's shapes (jax 0.10.2, 2 cores);
-# forward+backward at 512 block-columns still compiles in under a second.
-_UNROLL = 8
+# How far the XLA path unrolls its loop over column groups. Inside a loop XLA:CPU runs each gather
+# and update single-threaded; with several groups in one body its thunk executor overlaps one
+# group's gather and update with another's dot. But each unrolled group holds its own gathered
+# slabs, and past a few MiB of them the overlap loses to cache misses. Measured at
+# benchmarks/sparse_matmul.py's shapes (jax 0.10.2, 2 cores; unroll 1/2/4/8 per row): 512 KiB of
+# slabs per group ran best at 8, 1 MiB at 4-8, 2 MiB at 2-4, 4 MiB at 1-2.
+_UNROLL_MAX = 8
+_UNROLL_BYTES = 8 << 20
+
+
+def _unroll(n_steps: int, slab_bytes: int) -> int:
+    """Loop bodies to unroll: up to ``_UNROLL_BYTES`` of gathered slabs in flight, at most 8."""
+    return max(1, min(_UNROLL_MAX, n_steps, _UNROLL_BYTES // max(slab_bytes, 1)))
 
 
 def bucket_blocks(count: int, n_rows: int) -> int:
@@ -139,8 +146,8 @@ def _xla_forward(xT: jax.Array, blocks: jax.Array, index: jax.Array, bs: int, g:
         return lax.dynamic_update_slice(y, y_t.transpose(2, 0, 1).reshape(m, g * bs).astype(dtype),
                                         (0, s * g * bs))
 
-    return lax.fori_loop(0, n_cols // g, step, jnp.zeros((m, n_cols * bs), dtype),
-                         unroll=min(_UNROLL, n_cols // g))
+    unroll = _unroll(n_cols // g, g * k * bs * m * xT.dtype.itemsize)
+    return lax.fori_loop(0, n_cols // g, step, jnp.zeros((m, n_cols * bs), dtype), unroll=unroll)
 
 
 def _xla_backward(xT: jax.Array, blocks: jax.Array, index: jax.Array, dy: jax.Array, bs: int,
@@ -163,7 +170,8 @@ def _xla_backward(xT: jax.Array, blocks: jax.Array, index: jax.Array, dy: jax.Ar
 
     init = (jnp.zeros((n_rows, bs, m), jnp.float32),
             jnp.zeros((n_cols // g, g, k, bs, bs), jnp.float32))
-    dxT, dblocks = lax.fori_loop(0, n_cols // g, step, init, unroll=min(_UNROLL, n_cols // g))
+    unroll = _unroll(n_cols // g, g * k * bs * m * xT.dtype.itemsize)
+    dxT, dblocks = lax.fori_loop(0, n_cols // g, step, init, unroll=unroll)
     return dxT, dblocks.reshape(n_cols, k, bs, bs)
 
 
