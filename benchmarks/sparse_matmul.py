@@ -4,10 +4,7 @@ MLP-shaped fp32 weights (512x2048 and 1024x4096), blocks of 32, a batch of ``--t
 (default 2048: one sequence of 2048 tokens, or 8 x 256), block densities 50/25/10%. Each mask keeps
 ``round(density * in/32)`` random blocks in every block-column, so ``K`` is that count's
 ``bucket_blocks`` (for 1024x4096 at 10%, 3 blocks of 32 round up to K = 4). Rows: forward
-(``y = x @ w``) and forward+backward (a layer's training step: ``y`` and, for an incoming
-cotangent ``g``, ``dx`` and ``dw``; three products). Until 2026-05 that row timed
-``value_and_grad`` of ``<x @ w, g>``, which XLA rewrote for the dense side as ``<x, g @ w.T>``:
-two dense products against the sparse path's three, as no layer in a network gets. Dense and
+(``x @ w``) and forward+backward (``<x @ w, g>`` and its gradient in ``x`` and ``w``). Dense and
 sparse calls alternate so that load from other processes hits both alike; times are medians of
 wall time, speedup = dense median / sparse median, and ``cpu_speedup`` the same ratio of process
 CPU time (all threads: the work done, less sensitive to a loaded machine). ``flops`` is the
@@ -48,14 +45,8 @@ def balanced_block_mask(n_rows: int, n_cols: int, density: float, seed: int) -> 
 
 
 def _with_backward(matmul: Callable) -> Callable:
-    """``(x, w, g) -> (y, dx, dw)`` for ``y = matmul(x, w)`` and cotangent ``g``: one forward,
-    one backward, ``y`` kept (a later layer needs it, so XLA cannot fold it away)."""
-
-    def step(x, w, g):
-        y, vjp = jax.vjp(matmul, x, w)
-        return (y, *vjp(g))
-
-    return step
+    """``(x, w, g) -> (<y, g>, (dx, dw))`` for ``y = matmul(x, w)``: one forward, one backward."""
+    return jax.value_and_grad(lambda x, w, g: jnp.vdot(matmul(x, w), g), argnums=(0, 1))
 
 
 def _flops(fn: Callable, *args) -> float:
