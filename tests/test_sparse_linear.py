@@ -93,6 +93,31 @@ def test_bf16_accumulates_in_fp32():
     _check((16,), 32, 1024, 0.9, seed=5, dtype=jnp.bfloat16, tol=1e-2)
 
 
+def test_unrolled_loop_with_a_remainder_matches():
+    """11 block-columns of small slabs unroll 8 to a body: the last body holds 3 columns."""
+    assert sparse_linear._unroll(11, 1 << 10) == 8
+    _check((24,), 64, 11 * BS, 0.4, seed=11)
+
+
+def test_unroll_bounds_the_gathered_slabs_in_flight():
+    assert [sparse_linear._unroll(128, mib << 20) for mib in (0, 1, 2, 4, 8, 64)] == [
+        8, 8, 4, 2, 1, 1]
+    assert sparse_linear._unroll(3, 1) == 3
+
+
+def test_scatter_blocks_places_each_block_and_zeros_the_rest():
+    rng = np.random.default_rng(2)
+    mask = _mask(5, 4, 0.5, seed=2)
+    index = column_block_index(mask)  # sentinel-padded: column 0 is empty
+    blocks = rng.standard_normal((4, index.shape[1], BS, BS)).astype(np.float32)
+    dense = np.asarray(sparse_linear._scatter_blocks(jnp.asarray(blocks), jnp.asarray(index), 5))
+    expected = np.zeros((5 * BS, 4 * BS), np.float32)
+    for j, t in np.ndindex(index.shape):
+        if index[j, t] < 5:
+            expected[index[j, t] * BS:(index[j, t] + 1) * BS, j * BS:(j + 1) * BS] = blocks[j, t]
+    np.testing.assert_array_equal(dense, expected)
+
+
 def test_one_batched_step_matches_too():
     _check((24,), 64, 48, 0.4, seed=7, loop=False)
 

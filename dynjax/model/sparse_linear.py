@@ -21,13 +21,17 @@ their gradient is zero. Forward and backward cost ``K / (in // bs)`` of the dens
   each column's ``K`` slabs and multiplies them with its ``K`` weight blocks in one
   ``[bs, K*bs] @ [K*bs, M]`` product; padding slabs meet zero weight blocks. The backward runs the
   same loop: ``dx`` scatter-adds each column's ``[K*bs, M]`` contribution onto its block-rows
-  (padding rows are dropped), ``dw`` is ``xs @ dy_j.T`` for the present blocks only and lands in a
-  dense zero ``[in, out]``. A custom VJP keeps autodiff from differentiating the gathers. One
-  block-column per loop step, because on CPU (jax 0.10) each product is then a 2-D dot that XLA
-  hands to YNNPACK (batched ones were not, and ran slower), and the gathered slabs (``K*bs x M``)
-  stay in cache; one batched step over all columns gathers ``K`` times the output, a buffer that
-  costs more than the FLOPs saved. XLA's ``cost_analysis`` counts a loop body once, so compare
-  FLOPs with ``loop=False``.
+  (padding rows are dropped), ``dw`` is ``xs @ dy_j.T`` for the present blocks only; the dense
+  ``[in, out]`` gradient is then written in one gather pass (`_scatter_blocks`). A custom VJP
+  keeps autodiff from differentiating the gathers. One block-column per product: grouping ``g``
+  columns into one batched product (also YNNPACK on jax 0.10.2) made the transposed write into
+  ``y`` about 3x slower, and one batched step over all columns gathers ``K`` times the output, a
+  buffer that costs more than the FLOPs saved. The loop is unrolled (`_unroll`) so that XLA
+  overlaps one column's gather and write, which run single-threaded inside a loop, with another
+  column's product. Where the time goes (profiled, 1024x4096, ``K = 4``, 2048 rows, forward): the
+  products about a third; the first touch of the fresh 32 MiB output (page faults, which the
+  dense matmul pays too) about 6 ms; the gathers and the transposed writes about 5 ms each. XLA's
+  ``cost_analysis`` counts a loop body once, so compare FLOPs with ``loop=False``.
 - ``"pallas"`` (the default on GPU): ``pallas_kernels.block_sparse_matmul`` on a
   ``BlockSparseMatrix`` of the ``C*K`` indexed blocks (padding blocks are zero and point at a
   valid block-row, so they add nothing); gradients reach ``w`` through the block gather.
@@ -49,6 +53,20 @@ from jax import lax
 from pallas_kernels import BlockSparseMatrix, block_sparse_matmul
 
 Impl = Literal["auto", "xla", "pallas"]
+
+# How far the XLA path unrolls its loop over column groups. Inside a loop XLA:CPU runs each gather
+# and update single-threaded; with several groups in one body its thunk executor overlaps one
+# group's gather and update with another's dot. But each unrolled group holds its own gathered
+# slabs, and past a few MiB of them the overlap loses to cache misses. Measured at
+# benchmarks/sparse_matmul.py's shapes (jax 0.10.2, 2 cores; unroll 1/2/4/8 per row): 512 KiB of
+# slabs per group ran best at 8, 1 MiB at 4-8, 2 MiB at 2-4, 4 MiB at 1-2.
+_UNROLL_MAX = 8
+_UNROLL_BYTES = 8 << 20
+
+
+def _unroll(n_steps: int, slab_bytes: int) -> int:
+    """Loop bodies to unroll: up to ``_UNROLL_BYTES`` of gathered slabs in flight, at most 8."""
+    return max(1, min(_UNROLL_MAX, n_steps, _UNROLL_BYTES // max(slab_bytes, 1)))
 
 
 def bucket_blocks(count: int, n_rows: int) -> int:
@@ -132,7 +150,8 @@ def _xla_forward(xT: jax.Array, blocks: jax.Array, index: jax.Array, bs: int, g:
         return lax.dynamic_update_slice(y, y_t.transpose(2, 0, 1).reshape(m, g * bs).astype(dtype),
                                         (0, s * g * bs))
 
-    return lax.fori_loop(0, n_cols // g, step, jnp.zeros((m, n_cols * bs), dtype))
+    unroll = _unroll(n_cols // g, g * k * bs * m * xT.dtype.itemsize)
+    return lax.fori_loop(0, n_cols // g, step, jnp.zeros((m, n_cols * bs), dtype), unroll=unroll)
 
 
 def _xla_backward(xT: jax.Array, blocks: jax.Array, index: jax.Array, dy: jax.Array, bs: int,
@@ -155,7 +174,8 @@ def _xla_backward(xT: jax.Array, blocks: jax.Array, index: jax.Array, dy: jax.Ar
 
     init = (jnp.zeros((n_rows, bs, m), jnp.float32),
             jnp.zeros((n_cols // g, g, k, bs, bs), jnp.float32))
-    dxT, dblocks = lax.fori_loop(0, n_cols // g, step, init)
+    unroll = _unroll(n_cols // g, g * k * bs * m * xT.dtype.itemsize)
+    dxT, dblocks = lax.fori_loop(0, n_cols // g, step, init, unroll=unroll)
     return dxT, dblocks.reshape(n_cols, k, bs, bs)
 
 
@@ -178,12 +198,26 @@ def _xla_matmul_fwd(x, w, index, bs, g):
 def _xla_matmul_bwd(bs, g, residuals, dy):
     xT, blocks, index = residuals
     n_rows, _, m = xT.shape
-    n_cols = index.shape[0]
     dxT, dblocks = _xla_backward(xT, blocks, index, dy, bs, g)
-    dw = jnp.zeros((n_rows, bs, n_cols, bs), blocks.dtype)
-    dw = dw.at[index, :, jnp.arange(n_cols)[:, None], :].add(dblocks.astype(dw.dtype), mode="drop")
     dx = dxT.reshape(n_rows * bs, m).T.astype(xT.dtype)
-    return dx, dw.reshape(n_rows * bs, n_cols * bs), np.zeros(index.shape, jax.dtypes.float0)
+    dw = _scatter_blocks(dblocks.astype(blocks.dtype), index, n_rows)
+    return dx, dw, np.zeros(index.shape, jax.dtypes.float0)
+
+
+def _scatter_blocks(blocks: jax.Array, index: jax.Array, n_rows: int) -> jax.Array:
+    """The dense ``[n_rows*bs, C*bs]`` matrix holding ``blocks[j, t]`` (``[C, K, bs, bs]``) at
+    block ``(index[j, t], j)`` and zeros elsewhere (sentinel slots dropped).
+
+    Written as one gather pass over the output: a small ``[R, C]`` table gives each block's slot
+    (``K``, a zero block, where absent). A zero fill followed by a scatter-add wrote it twice.
+    Rows within a column are unique (as ``column_block_index`` makes them).
+    """
+    n_cols, k, bs, _ = blocks.shape
+    slot = jnp.full((n_rows + 1, n_cols), k, jnp.int32)
+    slot = slot.at[index, jnp.arange(n_cols)[:, None]].set(jnp.arange(k, dtype=jnp.int32))
+    padded = jnp.concatenate([blocks, jnp.zeros((n_cols, 1, bs, bs), blocks.dtype)], axis=1)
+    tiles = padded[jnp.arange(n_cols), slot[:n_rows]]  # [R, C, bs, bs]
+    return tiles.transpose(0, 2, 1, 3).reshape(n_rows * bs, n_cols * bs)
 
 
 _xla_matmul.defvjp(_xla_matmul_fwd, _xla_matmul_bwd)
