@@ -204,44 +204,29 @@ def frozen_prefix(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Pl
     return plan.replace(frozen_layers=tuple(range(layers // 2))), host
 
 
-def pruned_blocks(
-    exp: Experiment, plan: Plan, host: dict[str, Any], *, per_matrix: bool = False
-) -> tuple[Plan, dict]:
+def pruned_blocks(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Plan, dict]:
     """What a block-pruning run holds at ``PRUNED_SPARSITY``, through the plugin's own functions:
-    one global magnitude selection of blocks over the whole model (`pruning.prune`, the event a
-    run's `before_step` makes; weights zeroed, masks and Adam moments in the optimizer state),
-    then the Plan its `SparsePath` policy proposes from the busiest block-columns that the
-    plugin's weight hook (`pruning.zero_pattern`) reports: block-sparse matmuls for the linears
-    at or below ``pruning.sparse_below``.
-
-    ``per_matrix``: the selection ranks the blocks of each matrix divided by that matrix's RMS
-    (the masks `pruning.prune` picks on such a copy, applied to the real weights with
-    `pruning.prune_stage`), so that every matrix keeps about the same fraction instead of the
-    matrices with the smallest weights losing all of theirs."""
+    one global selection of blocks over the whole model, ranked as the config's
+    ``pruning.scale`` says (`pruning.prune` with `pruning.ranking_scales`, the event a run's
+    `before_step` makes; weights zeroed, masks and Adam moments in the optimizer state), then
+    the Plan its `SparsePath` policy proposes from the busiest block-columns that the plugin's
+    weight hook (`pruning.zero_pattern`) reports: block-sparse matmuls for the linears at or
+    below ``pruning.sparse_below``."""
     p = exp.cfg.pruning
     if not (p.enabled and p.granularity == "block" and p.sparse_below > 0):
         raise NotApplicable(
             "needs pruning.enabled=True, pruning.granularity='block' and pruning.sparse_below > 0"
         )
     [policy] = pruning.PruningPlugin().policies(exp.cfg, exp)
-    device = jax.devices()[0]  # the whole model as one stage
-    ranked = host
-    if per_matrix:
-        names = set(prunable_leaves(host["params"], p.include))
-
-        def scaled(path: tuple, w: np.ndarray) -> np.ndarray:
-            named = jax.tree_util.keystr(path, simple=True, separator="/") in names
-            return w / np.sqrt(np.mean(np.square(w))) if named else w
-
-        ranked = {**host, "params": jax.tree_util.tree_map_with_path(scaled, host["params"])}
-    state = jax.device_put(ranked, device)
+    state = jax.device_put(host, jax.devices()[0])  # the whole model as one stage
     pruning.prune(
-        [state], PRUNED_SPARSITY, include=p.include, granularity="block", block_size=p.block_size
+        [state],
+        PRUNED_SPARSITY,
+        include=p.include,
+        granularity="block",
+        block_size=p.block_size,
+        scales=pruning.ranking_scales(exp.cfg),
     )
-    if per_matrix:
-        keep = {n: m for n, m in pruning.named_masks(state["opt_state"]).items() if m is not None}
-        state = jax.device_put(host, device)
-        pruning.prune_stage(state, keep)
     host = jax.device_get(state)
     weights = prunable_leaves(host["params"], p.include)
     columns = []
@@ -256,10 +241,7 @@ def pruned_blocks(
 VARIANTS: dict[str, Variant] = {
     "none": lambda exp, plan, host: (plan, host),
     "frozen prefix L/2": frozen_prefix,
-    f"pruned {PRUNED_SPARSITY:.0%} global": pruned_blocks,
-    f"pruned {PRUNED_SPARSITY:.0%} per matrix": lambda exp, plan, host: pruned_blocks(
-        exp, plan, host, per_matrix=True
-    ),
+    f"pruned {PRUNED_SPARSITY:.0%}": pruned_blocks,
 }
 
 

@@ -405,14 +405,13 @@ class PruningPlugin(Plugin):
         shapes = {
             n: tuple(w.shape) for n, w in pm.prunable_leaves(exp.abstract_params, p.include).items()
         }
-        model = gpt_config(exp.cfg)
         keep, total, counts = prune(
             states,
             target,
             include=p.include,
             granularity=p.granularity,
             block_size=p.block_size,
-            scales={n: init_std(model, n) for n in shapes} if p.scale == "init" else None,
+            scales=ranking_scales(exp.cfg),
         )
         return [
             {
@@ -485,6 +484,15 @@ class SparsePath:
             f"{len(want)} linears block-sparse (was {len(have)})",
             records=(record,),
         )
+
+
+def ranking_scales(cfg: ml_collections.ConfigDict) -> dict[str, float] | None:
+    """What `prune` divides each prunable matrix's scores by under ``cfg`` (by path): its
+    init std for ``pruning.scale="init"``, None (raw magnitudes) for ``"none"``."""
+    if cfg.pruning.scale == "none":
+        return None
+    model = gpt_config(cfg)
+    return {n: init_std(model, n) for n in prunable_shapes(cfg)}
 
 
 def prune(
