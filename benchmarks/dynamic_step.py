@@ -12,17 +12,18 @@ and noisy) and the table reports medians. Variants so far:
   frozen prefix, embedding included, runs its forward only: no backward, no update. With a
   layer's backward at about twice its forward, the layers' FLOPs fall to
   (L/2 * 1 + L/2 * 3) / (L * 3) = 2/3; the embedding's and head's FLOPs add to both.
-* ``pruned 90% global`` (seed 000 §2.2, §4.2.2; needs ``pruning.enabled``,
+* ``pruned 90%`` (seed 000 §2.2, §4.2.2; needs ``pruning.enabled``,
   ``pruning.granularity=block`` and ``pruning.sparse_below`` > 0): the same weights pruned as
-  the plugin's pruning event does it (`pruning.prune`: one global magnitude ranking of the
-  ``block_size`` blocks of every prunable matrix, 90% of them zeroed, the keep masks and zeroed
-  Adam moments in the optimizer state), and the Plan the plugin's `SparsePath` policy proposes
-  for them: the linears whose busiest block-column keeps at most ``sparse_below`` of its
-  block-rows multiply block-sparsely with width K (`dynjax.model.sparse_linear`), the others
-  stay dense (masked).
-* ``pruned 90% per matrix``: the same, but each matrix ranked on its own scale (the masks
-  `pruning.prune` picks on a copy with every prunable matrix divided by its RMS, applied to the
-  real weights by `pruning.prune_stage`): every matrix keeps about 10% of its blocks.
+  the plugin's pruning event does it (`pruning.prune` with `pruning.ranking_scales`: one global
+  ranking of the ``block_size`` blocks of every prunable matrix, 90% of them zeroed, the keep
+  masks and zeroed Adam moments in the optimizer state), and the Plan the plugin's `SparsePath`
+  policy proposes for them: the linears whose busiest block-column keeps at most
+  ``sparse_below`` of its block-rows multiply block-sparsely with width K
+  (`dynjax.model.sparse_linear`), the others stay dense (masked). Run it with
+  ``pruning.scale=init``: ranked raw (the default), every ``attn/out`` and ``mlp/down`` block
+  goes first, the residual branches then output zero and XLA drops their work, and the step
+  measures a model without its blocks (24x faster at 3.7% of the FLOPs, measured), not the
+  block-sparse matmul.
 
 Runtimes: the single-program step (one device) and the MPMD pipeline on ``--stages`` x
 ``--data`` fake CPU devices (the script sets ``--xla_force_host_platform_device_count=8``
@@ -70,95 +71,72 @@ single-program step) differs by the noise between rounds. The pipeline's step be
 the single-program one despite more FLOPs is probably a CPU effect (programs of different fake
 devices run on both cores at once), not measured here.
 
-Pruning, measured 2026-11-23 on the same shared 2-core VM (load average 4.1 at the start, 6.8 at
-the end; jax 0.10.2, 8 fake CPU devices), the defaults above on configs/pruning.py with block
-granularity at the plugin's block size (32) and the policy threshold of the config's block
-example, 54 s in all:
+Pruning, measured 2026-11-23 on the same 2-core VM (load average 1.6-3.1, mostly this run;
+jax 0.10.2, 8 fake CPU devices). configs/pruning.py (4 layers, vocab 256, batch 16 x 128 tokens,
+float32) at block granularity with the plugin's block size (32); "none" is the dense model: the
+same weights, the pruning plugin enabled but nothing pruned (masks all True, every linear
+dense). First at its own width, d_model 128, 59 s:
 
-    PYTHONPATH=. python3 benchmarks/dynamic_step.py --config configs/pruning.py \\
-        --set pruning.granularity=block --set pruning.sparse_below=0.5
+    PYTHONPATH=. python3 benchmarks/dynamic_step.py --config configs/pruning.py \
+        --set pruning.granularity=block --set pruning.sparse_below=0.5 --set pruning.scale=init
 
-configs/pruning.py: 4 layers, d_model 128, 4 heads, mlp 512, vocab 256, batch 16 x 128 tokens,
-float32. "none" is the dense model: the same weights, the pruning plugin enabled but nothing
-pruned (its masks all True, every linear dense). The Plans (layer, linear, K of 4 block-rows, 16
-for mlp/down; linears not named stay dense):
+    pruned 90%: block-sparse (layer, linear, K of 4 block-rows, 16 for mlp/down): (0, attn/qkv,
+      1), (0, attn/out, 1), (0, mlp/up, 1), (0, mlp/down, 2), (1, attn/qkv, 1), (1, attn/out, 0),
+      (1, mlp/up, 1), (1, mlp/down, 4), (2, attn/qkv, 1), (2, attn/out, 1), (2, mlp/up, 1),
+      (2, mlp/down, 4), (3, attn/qkv, 2), (3, attn/out, 2), (3, mlp/up, 2), (3, mlp/down, 4)
 
-    pruned 90% global: (0, attn/qkv, 2), (0, attn/out, 0), (0, mlp/down, 0), (1, attn/qkv, 2),
-      (1, attn/out, 0), (1, mlp/up, 2), (1, mlp/down, 0), (2, attn/qkv, 2), (2, attn/out, 0),
-      (2, mlp/up, 2), (2, mlp/down, 0), (3, attn/qkv, 2), (3, attn/out, 0), (3, mlp/up, 2),
-      (3, mlp/down, 0)
-    pruned 90% per matrix: (0, attn/qkv, 1), (0, attn/out, 1), (0, mlp/up, 2), (0, mlp/down, 4),
-      (1, attn/qkv, 1), (1, attn/out, 0), (1, mlp/up, 1), (1, mlp/down, 2), (2, attn/qkv, 1),
-      (2, attn/out, 0), (2, mlp/up, 1), (2, mlp/down, 4), (3, attn/qkv, 2), (3, attn/out, 1),
-      (3, mlp/up, 2), (3, mlp/down, 4)
-
-    single-program step, 1 device
-    median of 7 rounds x 4 steps
+    single-program step, 1 device, median of 7 rounds x 4 steps
     variant                   tok/s  step ms  ratio    min    max  GFLOP/step  FLOP ratio  compile s
-    ------------------------------------------------------------------------------------------------
-    none                      8,983    228.0   1.00   1.00   1.00      11.976       1.000        0.8
-    frozen prefix L/2        15,180    134.9   1.73   0.89   2.22       8.123       0.678        0.5
-    pruned 90% global       226,998      9.0  24.01  19.74  37.12       0.442       0.037        0.4
-    pruned 90% per matrix     9,848    208.0   1.08   0.77   1.78       3.937       0.329        1.1
+    none                     14,041    145.9   1.00   1.00   1.00      11.976       1.000        0.7
+    frozen prefix L/2        19,836    103.2   1.43   1.38   1.46       8.123       0.678        0.4
+    pruned 90%               13,911    147.2   0.99   0.97   1.07       4.413       0.368        7.2
 
-    pipeline step, (stage, data) = (4, 2), layers (1, 1, 1, 1), 1f1b with M = 8
-    median of 7 rounds x 2 steps
-    variant                   tok/s  step ms  ratio    min    max  GFLOP/step  FLOP ratio  compile s
-    ------------------------------------------------------------------------------------------------
-    none                      9,119    224.6   1.00   1.00   1.00      14.282       1.000        2.1
-    frozen prefix L/2        16,486    124.2   1.59   1.45   1.81       8.973       0.628        1.6
-    pruned 90% global        57,862     35.4   4.98   4.25   6.66       0.546       0.038        2.6
-    pruned 90% per matrix    11,280    181.6   1.17   0.98   1.37       4.713       0.330        2.9
+    pipeline step, (stage, data) = (4, 2), layers (1, 1, 1, 1), 1f1b with M = 8, 7 rounds x 2
+    none                     11,553    177.3   1.00   1.00   1.00      14.282       1.000        1.8
+    frozen prefix L/2        19,319    106.0   1.64   1.43   1.80       8.973       0.628        1.0
+    pruned 90%               10,640    192.5   0.89   0.69   1.05       5.358       0.375       13.4
 
-(Compile times are small: earlier runs had filled the persistent compilation cache. A run just
-before, load 4.1-5.4, gave median ratios 1.67 / 21.97 / 1.11 single-program and 1.62 / 5.14 /
-1.18 pipeline for the three variants, at the same FLOPs.)
+Then 4x wider, where a matrix has 16 block-rows (64 for mlp/down), 112 s:
 
-What the pruning rows say.
+    ... --set model.d_model=512 --set model.mlp_dim=2048 --set model.num_heads=8 \
+        --rounds 5 --steps 2 --pipeline-steps 1
 
-* ``pruned 90% global`` is not a 90%-sparse model but a model without its blocks: the global
-  ranking zeroes every block of every attn/out and mlp/down matrix first (they are initialised
-  1/sqrt(2L) smaller, `dynjax.model.gpt`), so both residual branches of every block output zero
-  (K = 0), XLA drops all the work feeding them, and what remains is the embedding and the head:
-  0.442 GFLOP, 3.7% of the dense step's. Its 24x (5.0x on the pipeline, where dispatch and
-  transfers of 4 stages x 8 microbatches stay) is that, not the block-sparse matmul. The same
-  happens in a run: configs/pruning.py at block granularity (8 layers, blocks of 16; the trace of
-  `benchmarks/dynmo_cases.py`) had attn/out at K = 0 in 6 of its 8 layers and mlp/down in 7 after
-  its second event (46% sparsity), for the rest of the run.
-* ``pruned 90% per matrix`` is the block-sparse matmul at work, and gains far less than its FLOPs:
-  1.08x (single program; rounds 0.77-1.78x on the loaded machine) and 1.17x (pipeline) for a
-  FLOP ratio of 0.33, where 1/0.33 = 3x would follow the FLOPs. The matmul alone at this model's
-  sizes (below, same session, load 5.0-5.2) is the reason: with d_model 128 a 32-block matrix has
-  4 block-rows, K is 1 or 2 of 4 (mlp/down: 2 or 4 of 16), and at 2048 tokens the XLA path's
-  per-block-column loop runs its forward 0.4-0.8x as fast as the dense matmul at K = 2/4 and
-  0.5-1.1x at K = 1/4; forward + backward gains 1.2-1.5x at K = 1/4 (FLOPs 0.25) and loses at
-  K = 2/4 (0.58-0.95x). ``sparse_below=0.5`` switches the K = 2/4 linears too (the policy
-  compares K with the block-rows, not with a measured break-even), and the attention products
-  (QK^T, AV), the embedding and head are not pruned.
+    pruned 90%: (layer, linear, K of 16, 64 for mlp/down): (0, attn/qkv, 6), (0, attn/out, 4),
+      (0, mlp/up, 6), (0, mlp/down, 16), (1, attn/qkv, 6), (1, attn/out, 4), (1, mlp/up, 4),
+      (1, mlp/down, 8), (2, attn/qkv, 4), (2, attn/out, 4), (2, mlp/up, 6), (2, mlp/down, 8),
+      (3, attn/qkv, 6), (3, attn/out, 4), (3, mlp/up, 4), (3, mlp/down, 16)
 
-    PYTHONPATH=. python benchmarks/sparse_matmul.py --shapes 128x384,128x128,128x512,512x128 \\
-        --densities 0.5,0.25
+    single-program step, 1 device, median of 5 rounds x 2 steps
+    none                      2,688    761.9   1.00   1.00   1.00     164.056       1.000        2.5
+    frozen prefix L/2         4,348    471.0   1.61   1.57   1.94     109.900       0.670        2.1
+    pruned 90%                2,151    952.3   0.89   0.76   0.93      51.977       0.317        8.4
 
-    | density |  weight |    K |    pass | dense_ms | sparse_ms | speedup | cpu_speedup | flops |
-    |---------|---------|------|---------|----------|-----------|---------|-------------|-------|
-    |   0.500 | 128x384 |  2/4 |     fwd |    0.964 |     1.888 |   0.510 |       0.510 | 0.500 |
-    |   0.500 | 128x384 |  2/4 | fwd+bwd |    2.931 |     5.031 |   0.583 |       0.682 | 0.504 |
-    |   0.250 | 128x384 |  1/4 |     fwd |    0.694 |     1.410 |   0.492 |       0.747 | 0.250 |
-    |   0.250 | 128x384 |  1/4 | fwd+bwd |    3.439 |     2.850 |   1.207 |       1.212 | 0.253 |
-    |   0.500 | 128x128 |  2/4 |     fwd |    0.333 |     0.800 |   0.416 |       0.416 | 0.500 |
-    |   0.500 | 128x128 |  2/4 | fwd+bwd |    1.352 |     1.688 |   0.801 |       0.805 | 0.504 |
-    |   0.250 | 128x128 |  1/4 |     fwd |    0.358 |     0.616 |   0.581 |       0.589 | 0.250 |
-    |   0.250 | 128x128 |  1/4 | fwd+bwd |    1.724 |     1.137 |   1.516 |       1.450 | 0.253 |
-    |   0.500 | 128x512 |  2/4 |     fwd |    1.338 |     2.745 |   0.488 |       0.498 | 0.500 |
-    |   0.500 | 128x512 |  2/4 | fwd+bwd |    5.532 |     8.576 |   0.645 |       0.736 | 0.504 |
-    |   0.250 | 128x512 |  1/4 |     fwd |    1.244 |     1.907 |   0.652 |       0.665 | 0.250 |
-    |   0.250 | 128x512 |  1/4 | fwd+bwd |    5.045 |     3.683 |   1.370 |       1.369 | 0.253 |
-    |   0.500 | 512x128 | 8/16 |     fwd |    1.322 |     1.610 |   0.821 |       0.820 | 0.500 |
-    |   0.500 | 512x128 | 8/16 | fwd+bwd |    6.590 |     6.906 |   0.954 |       1.025 | 0.503 |
-    |   0.250 | 512x128 | 4/16 |     fwd |    1.352 |     1.184 |   1.142 |       1.103 | 0.250 |
-    |   0.250 | 512x128 | 4/16 | fwd+bwd |    6.027 |     3.939 |   1.530 |       1.410 | 0.252 |
+    pipeline step, (4, 2), layers (1, 1, 1, 1), 1f1b with M = 8, 5 rounds x 1 step
+    none                      1,433   1429.0   1.00   1.00   1.00     194.800       1.000        7.0
+    frozen prefix L/2         2,484    824.3   1.72   1.66   1.77     121.371       0.623        2.5
+    pruned 90%                1,597   1282.2   1.12   0.95   1.37      66.625       0.342       19.0
 
-  (the printed table with its padding narrowed and its ``ideal`` column, K / rows, left out.)
+and with ``--set pruning.sparse_below=0.25`` (only the linears at K <= 1/4 sparse; single
+program only, 42 s): none 2,698 tok/s, frozen 1.58x, pruned 90% 0.81x (0.76-0.92) at a FLOP
+ratio of 0.525.
+
+What the pruning rows say. The 90%-pruned model is not faster on this CPU, at either width,
+although its compiled step has a third of the FLOPs:
+
+* K is the *busiest* block-column's count (bucketed), and every column computes K blocks: at 10%
+  overall density the busiest columns keep 25-37% of their block-rows (6 of 16), so the sparse
+  matmuls run at 25-37% of the dense FLOPs, not 10%.
+* At those widths the XLA block-sparse path is about as fast as the dense matmul on CPU
+  (`benchmarks/sparse_matmul.py`: 0.84-0.96x at 50%, 1.3-1.8x at 25% for MLP-sized weights in
+  isolation; at d_model 128 a matrix has 4 block-rows and K = 1-2 of 4, where the forward is
+  0.4-1.1x). Inside the model it does worse than in isolation (0.81x end to end with only the
+  K <= 1/4 linears sparse): each sparse linear also derives its block index from the weight's
+  zero pattern, and the smaller attention matrices (512x512, 512x1536) gain less than the
+  MLP-sized ones the matmul benchmark times; this was not profiled further.
+* The attention products (QK^T, AV), embedding and head are not pruned.
+
+The frozen rows of the same runs are as before (1.43-1.61x single, 1.64-1.72x pipeline). The GPU
+path (the Pallas kernel) is unmeasured: no GPU was available.
 """
 
 from __future__ import annotations

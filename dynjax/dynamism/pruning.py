@@ -30,15 +30,15 @@ end up with different densities, which is the imbalance DynMo balances (seed 000
   expert matrix counts top_k / num_experts of its size). It is read from the step's metrics,
   not from the Plan: a density in the Plan would recompile the step at every event.
 
-**Scale-free ranking** (``pruning.scale="init"``, the default): a matrix's scores are divided by
-the standard deviation it was initialised with (`dynjax.model.gpt.init_std`) before the global
-ranking. GPT-2's init makes the residual projections (``attn/out``, ``mlp/down``, experts'
-``w_out``) ``1/sqrt(2L)`` times smaller than the other matrices, so a raw magnitude ranking
-(``scale="none"``, Alg. 1 as written) prunes them first and, from about half sparsity on,
-entirely: every block's sublayers then output zero and the model collapses to its embedding and
-head (measured on the pruning trace, `benchmarks/traces/pruning.jsonl`). Measured in units of
-their initial scale, matrices compete on how far training moved them, and the threshold is
-still one for the whole model, so layers still end up with different densities.
+**Ranking scale** (``pruning.scale``). ``"none"`` (the default) ranks raw magnitudes, Alg. 1 as
+written. GPT-2's init makes the residual projections (``attn/out``, ``mlp/down``, experts'
+``w_out``) ``1/sqrt(2L)`` times smaller than the other matrices, so they go first: in an 8-layer
+block-pruning run (`benchmarks/traces/pruning.jsonl`'s settings) ``attn/out`` and ``mlp/down``
+lost every block in most layers from about half sparsity on, and those sublayers add nothing.
+``"init"`` divides each matrix's scores by the std it was initialised with
+(`dynjax.model.gpt.init_std`) before the one global threshold, so matrices compete on how far
+training moved them and every sublayer keeps blocks. It is not the better model by default: on
+300-step CPU runs the raw ranking reached the same or a lower loss (README, "Gradual pruning").
 
 ``granularity="block"`` ranks ``block_size`` x ``block_size`` blocks by their Frobenius norm
 instead (`pruning_math.block_scores`), so whole blocks are zero: what a block-sparse matmul can
@@ -301,9 +301,9 @@ class PruningPlugin(Plugin):
         c.granularity = "element"  # "element" | "block" (block_size x block_size blocks)
         c.block_size = 32
         c.include = pm.DEFAULT_INCLUDE  # regex on "/"-joined parameter paths
-        # "init": rank |w| / the std its matrix was initialised with (scale-free); "none": raw
-        # |w|, which prunes GPT-2's smaller residual projections first (module docstring).
-        c.scale = "init"
+        # "none": rank raw |w| (Alg. 1), which prunes GPT-2's smaller residual projections first;
+        # "init": |w| / the std its matrix was initialised with (module docstring).
+        c.scale = "none"
         # Block granularity: a dense block's linear (attn/qkv, attn/out, mlp/up, mlp/down)
         # multiplies block-sparsely once its busiest block-column keeps at most this fraction
         # of its block-rows (K / (in / block_size), K bucketed); 0 = always dense.
