@@ -389,10 +389,11 @@ def test_a_plan_without_the_sparse_loop_counts_its_flops_in_full():
     }
     # Layer 0's mlp/up, [64, 128] in 8 x 8 blocks, at K = 4 of 8 block-rows saves half its
     # forward and backward multiply-adds over the batch's 8 x 32 tokens (within 10%: the gathers
-    # count too); with the loop, 15 of its 16 block-columns go uncounted as well.
+    # count too); with the loop, cost_analysis counts its body once, and the columns the body
+    # does not unroll go uncounted (how many depends on `sparse_linear._unroll`).
     saved = 3 * 2 * (8 * 32) * 64 * 128 / 2
     assert abs(flops["dense"] - flops["one"] - saved) < 0.1 * saved
-    assert flops["one"] - flops["loop"] > 0.8 * saved
+    assert flops["one"] - flops["loop"] > 0.25 * saved
 
 
 @pytest.mark.parametrize("scale", ["init", "none"])
