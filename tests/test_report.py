@@ -322,6 +322,11 @@ def synthetic(tmp_path):
         })  # fmt: skip
         if step % 10 == 0:
             metrics.append({"step": step, "eval_loss": 5.0 - step / 20 + 0.1})
+        if step % 5 == 0:  # a measured plasticity; the frozen prefix is not measured (null)
+            prefix = 0 if step <= 10 else 1 if step <= 20 else 2
+            plasticity = [None] * prefix + [1.0 / step + 0.1 * layer for layer in range(prefix, 4)]
+            metrics.append({"step": step, "loss": 5.0 - step / 20,
+                            "freezing/plasticity": plasticity})  # fmt: skip
     write_jsonl(work / "metrics.jsonl", metrics)
     frozen = {10: [0], 20: [0, 1], 30: [0, 1, 3]}
     events = [{"event": "compile", "step": 0, "plan": plan(), "compile_seconds": 3.0}]
@@ -345,14 +350,18 @@ def test_freezing_pruning_mfu_and_processes_render(synthetic, tmp_path):
     frozen = report.frozen_layers(run)
     assert frozen.boundaries.tolist() == [0, 10, 20, 30]
     assert frozen.prefix.tolist() == [0, 1, 2, 2] and frozen.count.tolist() == [0, 1, 2, 3]
-    pruning = report.pruning_series(run)
+    pruning = report.scheme_series(run, "pruning")
     assert pruning["pruning/sparsity"][1].shape == (40, 4)
     assert pruning["pruning/target_sparsity"][1].shape == (40,)
+    steps, plasticity = report.scheme_series(run, "freezing")["freezing/plasticity"]
+    assert steps.tolist() == list(range(5, 41, 5)) and plasticity.shape == (8, 4)
+    assert np.isnan(plasticity[2, 0]) and not np.isnan(plasticity[2, 1])  # step 15: prefix 1
+    np.testing.assert_allclose(plasticity[-1], [np.nan, np.nan, 1 / 40 + 0.2, 1 / 40 + 0.3])
     assert sorted(run.processes) == [1, 3] and len(run.processes[1].metrics) == 40
 
     plots = report.write_report(run, tmp_path / "out")
     written = {p.name: p for p in plots if p.path}
-    assert set(written) == {"loss", "throughput", "freezing", "pruning"}
+    assert set(written) == {"loss", "throughput", "freezing", "freezing_metrics", "pruning"}
     assert written["throughput"].height == 700  # a second panel: MFU
     check_pngs(plots, tmp_path / "out")
     markdown = (tmp_path / "out" / "report.md").read_text()
@@ -369,7 +378,7 @@ def test_arrays_need_no_matplotlib(synthetic):
         f"run = report.load_run({str(synthetic)!r})\n"
         "assert report.frozen_layers(run).prefix.tolist() == [0, 1, 2, 2]\n"
         "assert report.summary(run)['last_step'] == 40\n"
-        "assert report.pruning_series(run) and report.expert_load(run) is None\n"
+        "assert report.scheme_series(run, 'pruning') and report.expert_load(run) is None\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,

@@ -11,7 +11,7 @@ Data and drawing are kept apart, one module each:
 
 * ``workdir`` -- `load_run` reads a workdir into a `Run`.
 * ``arrays`` -- pure functions turn its records into NumPy arrays (`series`, `plan_changes`,
-  `expert_load`, `stage_load`, `layer_costs`, `frozen_layers`, `pruning_series`,
+  `expert_load`, `stage_load`, `layer_costs`, `frozen_layers`, `scheme_series`,
   `event_marks`), testable without matplotlib; ``key_numbers``: `summary`.
 * ``plots`` -- small ``plot_*`` functions draw them (matplotlib, imported when drawing).
 * ``pngs`` -- which plots the report has (`PLOTS`) and `render`, which writes them as PNGs.
@@ -44,7 +44,7 @@ from dynjax.report.arrays import (
     moe_layer_indices,
     plan_changes,
     plans_at,
-    pruning_series,
+    scheme_series,
     series,
     stage_layers,
     stage_load,
@@ -58,7 +58,7 @@ from dynjax.report.plots import (
     plot_layer_costs,
     plot_loss,
     plot_pipeline,
-    plot_pruning,
+    plot_scheme,
     plot_throughput,
 )
 from dynjax.report.pngs import DPI, PLOTS, Plot, render
@@ -93,9 +93,9 @@ __all__ = [
     "plot_layer_costs",
     "plot_loss",
     "plot_pipeline",
-    "plot_pruning",
+    "plot_scheme",
     "plot_throughput",
-    "pruning_series",
+    "scheme_series",
     "render",
     "series",
     "stage_layers",

@@ -305,15 +305,20 @@ def frozen_layers(run: Run) -> Frozen | None:
     )
 
 
-def pruning_series(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Every ``pruning/...`` metric as (steps [T], values [T] or [T, L]): scalars and per-layer
-    lists (e.g. each layer's sparsity), whatever the pruning scheme logs."""
-    keys = sorted({k for r in run.metrics for k in r if k.startswith("pruning/")})
+def scheme_series(run: Run, scheme: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every ``<scheme>/...`` metric (e.g. ``pruning/density``, ``freezing/plasticity``) as
+    (steps [T], values [T] or [T, L]): scalars and per-layer lists, whatever the scheme logs. A
+    null in a per-layer list (not measured) reads as NaN."""
+    keys = sorted({k for r in run.metrics for k in r if k.startswith(f"{scheme}/")})
     out = {}
     for key in keys:
         logged = _by_step(run.metrics, key)
         scalar = {s: float(v) for s, v in logged.items() if is_number(v)}
-        vector = {s: v for s, v in logged.items() if isinstance(v, list) and all(map(is_number, v))}
+        vector = {
+            s: [np.nan if x is None else x for x in v]
+            for s, v in logged.items()
+            if isinstance(v, list) and all(x is None or is_number(x) for x in v)
+        }
         if len(vector) > len(scalar):
             out[key] = (np.array(list(vector), dtype=np.int64), _ragged(list(vector.values())))
         elif scalar:

@@ -15,7 +15,7 @@ from dynjax.report.arrays import (
     frozen_layers,
     is_number,
     layer_costs,
-    pruning_series,
+    scheme_series,
     series,
     stage_layers,
     stage_load,
@@ -449,14 +449,15 @@ def plot_freezing(run: Run, ax: Axes | None = None) -> Axes:
     return ax
 
 
-def plot_pruning(run: Run, fig: Figure | None = None) -> Figure:
-    """One panel per ``pruning/...`` metric: a line for a scalar, a line per layer (coloured
-    by layer) for a per-layer list such as each layer's sparsity."""
+def plot_scheme(run: Run, scheme: str, fig: Figure | None = None) -> Figure:
+    """One panel per ``<scheme>/...`` metric (``scheme_series``): a line for a scalar, a line
+    per layer (coloured by layer) for a per-layer list such as each layer's pruned density or
+    plasticity."""
     import matplotlib as mpl
 
-    metrics = pruning_series(run)
+    metrics = scheme_series(run, scheme)
     if not metrics:
-        raise ValueError("no pruning/ metrics")
+        raise ValueError(f"no {scheme}/ metrics")
     fig = _new_figure(fig, 0.6 + 3.0 * len(metrics))
     axes = fig.subplots(len(metrics), 1, squeeze=False, sharex=True)[:, 0]
     for ax, (key, (steps, values)) in zip(axes, metrics.items(), strict=True):
@@ -474,6 +475,9 @@ def plot_pruning(run: Run, fig: Figure | None = None) -> Figure:
                 bar.set_label("layer")
                 bar.locator = mpl.ticker.MaxNLocator(integer=True)
                 bar.update_ticks()
+        finite = values[np.isfinite(values)]
+        if finite.size and finite.min() > 0 and finite.max() > 20 * finite.min():
+            ax.set_yscale("log")  # e.g. plasticity, from above 100 to below 1
         _mark_events(ax, event_marks(run), ["recompile"])
         ax.set_title(key)
         ax.grid(alpha=0.3)

@@ -12,7 +12,7 @@ from dynjax.report.arrays import (
     expert_load,
     frozen_layers,
     layer_costs,
-    pruning_series,
+    scheme_series,
     series,
     stage_load,
 )
@@ -42,6 +42,15 @@ def _axes_plot(draw: Callable[[Run, Any], Any], height: float) -> Callable[[Run,
         draw(run, fig.add_subplot())
 
     return on
+
+
+def _scheme_plot(scheme: str, name: str, title: str, caption: str) -> tuple:
+    """The `PLOTS` entry drawing every ``<scheme>/...`` metric a dynamism plugin logs."""
+
+    def skip(run: Run) -> str | None:
+        return None if scheme_series(run, scheme) else f"no `{scheme}/...` metrics in metrics.jsonl"
+
+    return name, title, lambda run, fig: drawing.plot_scheme(run, scheme, fig), skip, caption
 
 
 # name, title, drawing onto a given Figure, the reason to skip (None = draw), caption
@@ -118,11 +127,16 @@ PLOTS = (
         ),
         "The frozen prefix (layers 0..n-1 frozen: no backward) of each Plan over time.",
     ),
-    (
+    _scheme_plot(
+        "freezing",
+        "freezing_metrics",
+        "Layer freezing: measurements",
+        "Each `freezing/...` metric over time, e.g. each layer's plasticity (one line per layer).",
+    ),
+    _scheme_plot(
+        "pruning",
         "pruning",
         "Pruning",
-        drawing.plot_pruning,
-        lambda r: None if pruning_series(r) else "no `pruning/...` metrics in metrics.jsonl",
         "Each `pruning/...` metric over time (per-layer lists: one line per layer).",
     ),
 )
