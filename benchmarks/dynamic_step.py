@@ -203,7 +203,7 @@ def pruned_blocks(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Pl
         include=p.include,
         granularity="block",
         block_size=p.block_size,
-        scales=pruning.ranking_scales(exp.cfg),
+        scales=pruning.ranking_scales(exp.cfg, prunable_leaves(host["params"], p.include)),
     )
     host = jax.device_get(state)
     weights = prunable_leaves(host["params"], p.include)

@@ -411,7 +411,7 @@ class PruningPlugin(Plugin):
             include=p.include,
             granularity=p.granularity,
             block_size=p.block_size,
-            scales=ranking_scales(exp.cfg),
+            scales=ranking_scales(exp.cfg, shapes),
         )
         return [
             {
@@ -486,13 +486,15 @@ class SparsePath:
         )
 
 
-def ranking_scales(cfg: ml_collections.ConfigDict) -> dict[str, float] | None:
-    """What `prune` divides each prunable matrix's scores by under ``cfg`` (by path): its
-    init std for ``pruning.scale="init"``, None (raw magnitudes) for ``"none"``."""
+def ranking_scales(
+    cfg: ml_collections.ConfigDict, names: Collection[str]
+) -> dict[str, float] | None:
+    """What `prune` divides the scores of each prunable matrix in ``names`` (paths) by under
+    ``cfg``: its init std for ``pruning.scale="init"``, None (raw magnitudes) for ``"none"``."""
     if cfg.pruning.scale == "none":
         return None
     model = gpt_config(cfg)
-    return {n: init_std(model, n) for n in prunable_shapes(cfg)}
+    return {n: init_std(model, n) for n in names}
 
 
 def prune(
