@@ -28,7 +28,7 @@ from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
 from dynjax.dynamism import enabled_plugins, plan_layer_options
 from dynjax.launch.distributed import exchange, forget
-from dynjax.model import GPT, GPTConfig, fresh_params
+from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
 from dynjax.model.hooks import LayerOptions
 from dynjax.optim import learning_rate_schedule, make_optimizer
 from dynjax.parallel import (
@@ -44,7 +44,7 @@ from dynjax.parallel import (
 from dynjax.parallel.layout import layer_sizes
 from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host_metrics
 from dynjax.parallel.stage_programs import StageSetup
-from dynjax.parallel.stages import ModelParts, PipelineSpec, stage_specs
+from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError
 

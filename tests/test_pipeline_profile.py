@@ -4,8 +4,8 @@ import numpy as np
 
 from dynjax.balance import simulate
 from dynjax.experiment import Experiment
+from dynjax.model import ModelParts
 from dynjax.parallel.profile import timed_units, unit_programs
-from dynjax.parallel.stages import ModelParts
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 

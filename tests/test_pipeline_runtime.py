@@ -14,13 +14,13 @@ import pytest
 from flax import nnx
 
 from dynjax.balance import schedule_tasks
-from dynjax.model import GPT, GPTConfig
+from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.optim import make_optimizer
 from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.pipeline import Pipeline, PipelinePrograms, host_metrics
 from dynjax.parallel.stage_programs import StageSetup
-from dynjax.parallel.stages import ModelParts, PipelineSpec, stage_specs
+from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.step import forward_loss
 from dynjax.parallel.transport import Transport
 

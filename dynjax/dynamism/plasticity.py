@@ -26,16 +26,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynjax.model import GPT, GPTConfig
+from dynjax.model import GPTConfig, ModelParts
 
 
 class PlasticityProbe:
     """One run's probe batch and the reference outputs of its layers."""
 
     def __init__(self, cfg: GPTConfig, tokens: np.ndarray) -> None:
-        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-        self.embed = nnx.graphdef(model.embed)
-        self.layers = tuple(nnx.graphdef(block) for block in model.layers)
+        self.parts = ModelParts.of(cfg)
         # A group is one sequence: an expert gets at most one pair per token of it.
         ample = (tokens.shape[1],) * cfg.num_experts
         self.capacities = tuple(
@@ -52,13 +50,13 @@ class PlasticityProbe:
             params = state["params"]
             where = _replicated(params)
             if "embed" in params:
-                x = _embed(self.embed, params["embed"], params.get("pos"),
+                x = _embed(self.parts.embed, params["embed"], params.get("pos"),
                            jax.device_put(self.tokens, where))
             x = jax.device_put(x, where)
             for i in sorted(params.get("layers", {})):
-                x = _layer(self.layers[i], self.capacities[i], params["layers"][i], x)
+                x = _layer(self.parts.layers[i], self.capacities[i], params["layers"][i], x)
                 out[i] = x
-        return [out[i] for i in range(len(self.layers))]
+        return [out[i] for i in range(len(self.parts.layers))]
 
     def refresh(self, states: Sequence[dict[str, Any]]) -> None:
         """Take the current model as the reference."""

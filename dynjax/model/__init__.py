@@ -1,12 +1,13 @@
 """Flax NNX model blocks: attention, MLP, MoE and the GPT that lists them."""
 
-from dynjax.model.gpt import GPT, Block, GPTConfig, fresh_params, lm_loss
+from dynjax.model.gpt import GPT, Block, GPTConfig, ModelParts, fresh_params, lm_loss
 from dynjax.model.moe import ExpertParallel, MoE, MoEStats, SlotLayout, assign_slots, route
 
 __all__ = [
     "GPT",
     "Block",
     "GPTConfig",
+    "ModelParts",
     "fresh_params",
     "lm_loss",
     "ExpertParallel",

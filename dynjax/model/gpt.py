@@ -182,6 +182,33 @@ class GPT(nnx.Module):
         return self.head(self.norm(x)).astype(jnp.float32), stats, metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelParts:
+    """The graph of each parameter unit of a GPT, so a pipeline stage, or a forward run stage by
+    stage (freezing's plasticity probe), can run just its own units."""
+
+    cfg: GPTConfig
+    embed: Any  # nnx.GraphDef of each unit
+    layers: tuple[Any, ...]
+    norm: Any
+    head: Any
+
+    @classmethod
+    def of(cls, cfg: GPTConfig) -> ModelParts:
+        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+        return cls(
+            cfg=cfg,
+            embed=nnx.graphdef(model.embed),
+            layers=tuple(nnx.graphdef(block) for block in model.layers),
+            norm=nnx.graphdef(model.norm),
+            head=nnx.graphdef(model.head),
+        )
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.cfg.positions == "learned"
+
+
 def fresh_params(cfg: GPTConfig, seed: int) -> dict[str, Any]:
     """A new model's parameters as a pure dict (the NNX state without the modules)."""
     return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))

@@ -25,8 +25,9 @@ import jax
 import numpy as np
 
 from dynjax.balance import peak_in_flight
+from dynjax.model import ModelParts
 from dynjax.parallel.layout import Unit, select
-from dynjax.parallel.stages import ModelParts, PipelineSpec, StageSpec
+from dynjax.parallel.stages import PipelineSpec, StageSpec
 
 GetProgram = Callable[[str, StageSpec], Any]  # (kind, spec) -> compiled program
 Shapes = Callable[[StageSpec], Any]  # spec -> stage_programs.StageShapes

@@ -34,11 +34,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynjax.model import lm_loss
+from dynjax.model import ModelParts, lm_loss
 from dynjax.model.gpt import run_layers
 from dynjax.parallel.layout import select
 from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
-from dynjax.parallel.stages import ModelParts, StageSpec
+from dynjax.parallel.stages import StageSpec
 from dynjax.parallel.step import (
     DTYPES,
     cast_floats,

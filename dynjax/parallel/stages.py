@@ -13,9 +13,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from flax import nnx
-
-from dynjax.model import GPT, GPTConfig
 from dynjax.model.hooks import LayerOptions
 from dynjax.parallel.layout import Unit
 
@@ -139,29 +136,3 @@ def stage_specs(
         )
         start += count
     return tuple(specs)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelParts:
-    """The graph of each parameter unit of a GPT, so a stage can run just its own units."""
-
-    cfg: GPTConfig
-    embed: Any  # nnx.GraphDef of each unit
-    layers: tuple[Any, ...]
-    norm: Any
-    head: Any
-
-    @classmethod
-    def of(cls, cfg: GPTConfig) -> ModelParts:
-        model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-        return cls(
-            cfg=cfg,
-            embed=nnx.graphdef(model.embed),
-            layers=tuple(nnx.graphdef(block) for block in model.layers),
-            norm=nnx.graphdef(model.norm),
-            head=nnx.graphdef(model.head),
-        )
-
-    @property
-    def learned_positions(self) -> bool:
-        return self.cfg.positions == "learned"
