@@ -283,13 +283,14 @@ def train(
                 controller.swap_done(swap)
                 release_unused(step, swap.reason)
                 profile_next = profile_next or profile_on_change
+            states = runtime.stage_states() if plugins else []  # live dicts, changed in place
             for plugin in plugins:  # e.g. a pruning event, on the state this step will use
-                for event in plugin.before_step(step, runtime.stage_states(), plan, exp):
+                for event in plugin.before_step(step, states, plan, exp):
                     events(event)
                     profile_next = profile_next or profile_on_change  # the model changed
             measured = {}  # e.g. layer outputs on a probe batch: they join this step's metrics
             for plugin in plugins:
-                measured.update(plugin.measure(step, runtime.stage_states(), plan, exp))
+                measured.update(plugin.measure(step, states, plan, exp))
             batch = exp.order.batch(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
             if profile_next or (profile_every and step % profile_every == 0):
