@@ -57,7 +57,7 @@ and layout; the table shows the time-averaged iteration time in units of one den
 Per-worker memory capacity is 1.5x a dense uniform stage. "x dense" divides the iteration time of
 the model *without* the dynamism (static uniform; recorded: the samples before the first change) by
 partition's: the baseline the paper uses for sparse attention and early exit. Balancing overhead
-(profiling, migration) is not modelled.
+(profiling, migration) is not modelled here: `benchmarks/balance_overhead.py` measures it.
 
     PYTHONPATH=. python3 benchmarks/dynmo_cases.py
 

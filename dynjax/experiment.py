@@ -411,13 +411,22 @@ class PipelineRuntime:
     def step(self, executable, batch: Batch, cached: np.ndarray | None):
         return self.pipeline.step(executable, batch.inputs, batch.targets, cached)
 
-    def profile_step(self, executable, batch: Batch, cached: np.ndarray | None):
+    def profile_step(
+        self,
+        executable,
+        batch: Batch,
+        cached: np.ndarray | None,
+        *,
+        measure_units: bool = True,
+    ):
         """`step`, profiled (blocks): returns (metrics with the profile's added, Profile).
+        ``measure_units``: run every unit alone (after a change of the model) rather than
+        rescale the layout's last measurement by this step's timeline (`Pipeline.profile_step`).
 
         The metrics also name the layout that ran (`profile/stage_layers`, layers per stage),
         so a policy can tell a profile of the current Plan from an older one."""
         metrics, profile = self.pipeline.profile_step(
-            executable, batch.inputs, batch.targets, cached
+            executable, batch.inputs, batch.targets, cached, measure_units=measure_units
         )
         layout = np.array([len(stage.layers) for stage in self.pipeline.spec.stages])
         return {**metrics, **profile.metrics(), "profile/stage_layers": layout}, profile

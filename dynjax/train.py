@@ -294,7 +294,10 @@ def train(
             batch = exp.order.batch(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
             if profile_next or (profile_every and step % profile_every == 0):
-                metrics, profile = runtime.profile_step(executable, batch, cached)
+                # Units run alone only after a change; periodic profiles rescale them.
+                metrics, profile = runtime.profile_step(
+                    executable, batch, cached, measure_units=profile_next
+                )
                 events(profile.event(step))
                 profile_next = False
             else:

@@ -5,6 +5,7 @@ programs, MoE (dropping tokens) and learned positions, gradient clipping that tr
 changed assignment mid-training (migration), with SGD and with the real AdamW.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -307,10 +308,11 @@ def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs)
     exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN)).compile()
     assert ("bwd", 0) not in exe.programs  # stage 0 (embedding, layer 0) runs no backward
     assert ("fwd", 0) in exe.programs
-    # Stage 1 (layer 1 frozen, layer 2 trainable) returns no input gradient: nothing before it
-    # trains. Stage 2 (layer 3, frozen) returns one for layer 2, but no weight gradient.
+    # Stage 1 (layer 1 frozen, layer 2 trainable) returns no input gradient (only a scalar to
+    # wait on): nothing before it trains. Stage 2 (layer 3, frozen) returns one for layer 2,
+    # but no weight gradient.
     _, g_in = exe.programs["bwd", 1].out_info[:2]
-    assert g_in is None
+    assert g_in.shape == ()
     acc_2, g_in_2 = exe.programs["bwd", 2].out_info[:2]
     assert acc_2 == {} and g_in_2.shape == (B // M, 8, CFG.d_model)
     pipeline = Pipeline(programs, template)
@@ -418,3 +420,34 @@ def test_profile_of_frozen_layers_counts_only_the_backward_the_step_runs(program
     # Layer 3 is frozen but after trainable layer 2: it passes gradients back.
     assert units.layer_backward[3] > 0 and units.layer_backward[2] > 0
     assert min(units.layer_forward) > 0 and min(units.head) > 0
+
+
+def test_a_periodic_profile_rescales_the_measured_units_by_its_own_timeline(programs):
+    programs, template = programs
+    exe = programs.lower(spec_for(ASSIGNMENT, "1f1b"), profiling=True).compile()
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), exe.spec)
+    _, full = pipeline.profile_step(exe, **batches()[0], repeats=1)
+    assert full.units_measured and full.event(0)["units"] == "measured"
+
+    def unit_program_ran(*args, **kwargs):
+        raise AssertionError("a periodic profile of a measured layout ran a unit alone")
+
+    no_units = dataclasses.replace(exe, profiling={key: unit_program_ran for key in exe.profiling})
+    _, light = pipeline.profile_step(no_units, **batches()[1], repeats=1, measure_units=False)
+    assert not light.units_measured and light.event(1)["units"] == "rescaled"
+    factors = [
+        sum(t.end - t.start for t in now) / sum(t.end - t.start for t in then)
+        for now, then in zip(light.timeline, full.timeline, strict=True)
+    ]
+    owner = [s for s, count in enumerate(ASSIGNMENT) for _ in range(count)]
+    units = zip(light.units.layer_forward, light.units.layer_backward, strict=True)
+    for i, (f, b) in enumerate(units):
+        np.testing.assert_allclose(f, full.units.layer_forward[i] * factors[owner[i]], rtol=1e-9)
+        np.testing.assert_allclose(b, full.units.layer_backward[i] * factors[owner[i]], rtol=1e-9)
+    np.testing.assert_allclose(light.units.head, np.array(full.units.head) * factors[-1])
+    # Another layout has no measurement to rescale: its units run alone even when not asked.
+    other = programs.lower(spec_for((2, 1, 1, 1), "1f1b"), profiling=True).compile()
+    pipeline.migrate(other)
+    _, fresh = pipeline.profile_step(other, **batches()[2], repeats=1, measure_units=False)
+    assert fresh.units_measured

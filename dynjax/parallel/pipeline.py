@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -35,7 +36,17 @@ from jax.sharding import PartitionSpec as P
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.layout import join, relayout
 from dynjax.parallel.mesh import TOKEN_AXES
-from dynjax.parallel.profile import Profile, TaskTime, stage_memory, unit_programs, unit_times
+from dynjax.parallel.profile import (
+    Profile,
+    TaskTime,
+    UnitTimes,
+    program_temp_bytes,
+    rescaled_units,
+    stage_busy_seconds,
+    stage_memory,
+    unit_programs,
+    unit_times,
+)
 from dynjax.parallel.stage_programs import StageSetup, StageShapes, lower_stage, stage_shapes
 from dynjax.parallel.stages import PipelineSpec, StageSpec
 from dynjax.parallel.transport import Transport
@@ -245,6 +256,10 @@ class Pipeline:
         self.spec: PipelineSpec | None = None
         self.state: dict[int, dict[str, Any]] = {}
         self.acc: dict[int, Any] = {}
+        # The newest unit measurement: (the spec it ran on, its times, each stage's busy
+        # seconds in the step it profiled), what a periodic profile rescales.
+        self._measured_units: tuple[PipelineSpec, UnitTimes, np.ndarray] | None = None
+        self._temps: tuple[PipelineExecutable, dict[int, int]] | None = None  # per executable
 
     # -- state -------------------------------------------------------------------------------
 
@@ -338,49 +353,55 @@ class Pipeline:
         targets: np.ndarray,
         cached: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], tuple[tuple[TaskTime, ...], ...]]:
-        """`step`, with each stage's tasks run by its own host thread that waits for every
-        task's result: returns the metrics and each stage's timeline of tasks, in seconds from
-        the start of the step (what the pipeline simulator of `dynjax.balance` predicts)."""
+        """`step`, with each stage's timeline of tasks in seconds from the start of the step
+        (what the pipeline simulator of `dynjax.balance` predicts).
+
+        The tasks are dispatched exactly as `step` dispatches them, so timing costs the step
+        none of its overlap (a profile every step stays cheap; seed 000 §3.3.1); one watcher
+        thread per stage waits for that stage's results in order. A stage runs its programs in
+        order, so a task ends when its results are ready and starts at the latest of its
+        dispatch, the end of the stage's previous task and the arrival of its input.
+        """
         self._single_process("a timed step")
         run = self._start(exe, inputs, targets, cached)
-        done = {(t.kind, s, t.microbatch): threading.Event() for s, ts in enumerate(exe.spec.tasks)
-                for t in ts}
-        timeline: list[list[TaskTime]] = [[] for _ in exe.spec.stages]
+        stages = exe.spec.num_stages
+        queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(stages)]
+        seen: list[list[tuple[Any, float, float, float]]] = [[] for _ in range(stages)]
         errors: list[BaseException] = []
-        last = exe.spec.num_stages - 1
-        start = time.perf_counter()
 
-        def stage_thread(s: int) -> None:
-            try:
-                for task in exe.spec.tasks[s]:
-                    m = task.microbatch
-                    needs = (("F", s - 1, m) if s > 0 else None) if task.kind == "F" else (
-                        ("B", s + 1, m) if s < last else None
-                    )
-                    if needs is not None:
-                        done[needs].wait()
-                    if errors:
-                        return
-                    t0 = time.perf_counter()
-                    computed, sent = self._run(run, s, task)
+        def watch(s: int) -> None:
+            while (item := queues[s].get()) is not None:
+                task, dispatched, computed, sent = item
+                if errors:
+                    continue  # drain: the step failed
+                try:
                     jax.block_until_ready(computed)
-                    t1 = time.perf_counter()
-                    jax.block_until_ready(sent)  # the consumer waits for the transfer too
-                    timeline[s].append(TaskTime(task.kind, m, t0 - start, t1 - start))
-                    done[task.kind, s, m].set()
-            except BaseException as e:  # re-raised on the calling thread
-                errors.append(e)
-                for event in done.values():
-                    event.set()
+                    end = time.perf_counter() if computed else dispatched
+                    jax.block_until_ready(sent)
+                    arrived = time.perf_counter() if sent else end
+                except BaseException as e:  # re-raised on the calling thread
+                    errors.append(e)
+                    continue
+                seen[s].append((task, dispatched, end, arrived))
 
-        threads = [threading.Thread(target=stage_thread, args=(s,)) for s in range(last + 1)]
+        threads = [threading.Thread(target=watch, args=(s,)) for s in range(stages)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        start = time.perf_counter()
+        try:
+            for s, task in exe.order:
+                dispatched = time.perf_counter()
+                computed, sent = self._run(run, s, task)
+                queues[s].put((task, dispatched, computed, sent))
+            metrics = self._finish(run)
+        finally:
+            for q in queues:
+                q.put(None)
+            for t in threads:
+                t.join()
         if errors:
             raise errors[0]
-        return self._finish(run), tuple(tuple(t) for t in timeline)
+        return metrics, _timeline(seen, start)
 
     def profile_step(
         self,
@@ -390,12 +411,15 @@ class Pipeline:
         cached: np.ndarray | None = None,
         *,
         repeats: int = 3,
+        measure_units: bool = True,
     ) -> tuple[dict[str, Any], Profile]:
         """`timed_step`, then each unit's forward and backward time and each stage's memory
         (seed 000 §3.1: the step after a change is profiled). Blocks until all are measured.
 
-        The one-unit programs come with ``exe`` (lowered with ``profiling``): nothing compiles
-        here, on the training thread.
+        Without ``measure_units``, a layout whose units were measured before gets their times
+        rescaled by this step's own timeline instead (`rescaled_units`): a periodic profile
+        then costs one timed step, not a run of every unit alone. The one-unit programs come
+        with ``exe`` (lowered with ``profiling``): nothing compiles here, on the training thread.
         """
         if not exe.profiling:
             raise ValueError(
@@ -403,17 +427,30 @@ class Pipeline:
                 "PipelinePrograms.lower(spec, profiling=True)"
             )
         metrics, timeline = self.timed_step(exe, inputs, targets, cached)
-        params = {s: st["params"] for s, st in self.state.items()}
-        times = unit_times(
-            exe.spec,
-            params,
-            lambda kind, one: exe.profiling[kind, one],
-            self.programs.shapes,
-            self.programs.setup.parts,
-            repeats=repeats,
-        )
-        memory = stage_memory(exe.spec, self.state, self.acc, exe.programs, self.programs.shapes)
-        return metrics, Profile(times, memory, timeline)
+        start = time.perf_counter()
+        busy = stage_busy_seconds(timeline)
+        measured = self._measured_units
+        if measure_units or measured is None or measured[0] != exe.spec:
+            params = {s: st["params"] for s, st in self.state.items()}
+            times = unit_times(
+                exe.spec,
+                params,
+                lambda kind, one: exe.profiling[kind, one],
+                self.programs.shapes,
+                self.programs.setup.parts,
+                repeats=repeats,
+            )
+            self._measured_units = (exe.spec, times, busy)
+            fresh = True
+        else:
+            _, units, then = measured
+            factors = np.where(then > 0, busy / np.where(then > 0, then, 1.0), 1.0)
+            times, fresh = rescaled_units(units, exe.spec, factors), False
+        if self._temps is None or self._temps[0] is not exe:
+            self._temps = (exe, program_temp_bytes(exe.programs))
+        memory = stage_memory(exe.spec, self.state, self.acc, self._temps[1], self.programs.shapes)
+        seconds = time.perf_counter() - start
+        return metrics, Profile(times, memory, timeline, units_measured=fresh, seconds=seconds)
 
     def _start(self, exe: PipelineExecutable, inputs, targets, cached) -> _Run:
         if exe.spec != self.spec:
@@ -464,7 +501,7 @@ class Pipeline:
             self.acc[s] = out[0]
             if stage.last:
                 run.metrics[s][m] = out[2]
-        done = _present(out)
+        done = _present(out[1:])  # not the accumulator: the stage's next backward donates it
         if not stage.input_grads:
             return done, ()
         like = self.programs.shapes(spec.stages[s - 1]).y
@@ -578,3 +615,26 @@ def host_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
 def _present(*outputs: Any) -> tuple:
     """The arrays of ``outputs`` (None where they are on another process), flattened."""
     return tuple(jax.tree.leaves(outputs))
+
+
+def _timeline(
+    seen: list[list[tuple[Any, float, float, float]]], start: float
+) -> tuple[tuple[TaskTime, ...], ...]:
+    """Each stage's `TaskTime`s from what `Pipeline.timed_step`'s watchers saw: (task, its
+    dispatch, its results ready, its output arrived at the neighbour) per task, in order."""
+    last = len(seen) - 1
+    arrival = {(task.kind, s, task.microbatch): arrived
+               for s, row in enumerate(seen) for task, _, _, arrived in row}
+    out = []
+    for s, row in enumerate(seen):
+        times, free = [], start
+        for task, dispatched, end, _ in row:
+            m = task.microbatch
+            needs = (("F", s - 1, m) if s > 0 else None) if task.kind == "F" else (
+                ("B", s + 1, m) if s < last else None
+            )
+            begin = max(dispatched, free, arrival[needs] if needs else start)
+            free = max(end, begin)
+            times.append(TaskTime(task.kind, m, begin - start, free - start))
+        out.append(tuple(times))
+    return tuple(out)

@@ -214,23 +214,29 @@ def per_device_bytes(tree: Any) -> int:
     return max(totals.values(), default=0)
 
 
+def program_temp_bytes(programs: Mapping[tuple[str, int], Any]) -> dict[int, int]:
+    """Each stage's largest program temporary bytes (the compiler's memory analysis, which
+    takes milliseconds per program: computed once per compiled spec, `Pipeline.profile_step`)."""
+    out: dict[int, int] = {}
+    for (_, owner), compiled in programs.items():
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        out[owner] = max(out.get(owner, 0), temp)
+    return out
+
+
 def stage_memory(
     spec: PipelineSpec,
     state: Mapping[int, Any],
     acc: Mapping[int, Any],
-    programs: Mapping[tuple[str, int], Any],
+    temps: Mapping[int, int],
     shapes: Shapes,
 ) -> tuple[dict[str, int], ...]:
-    """Per-device bytes of each stage: live state, kept stage inputs, program temporaries,
-    their ``total``, and ``microbatch_input``, the bytes of one kept stage input."""
+    """Per-device bytes of each stage: live state, kept stage inputs, program temporaries
+    (``temps``: `program_temp_bytes`), their ``total``, and ``microbatch_input``, the bytes of
+    one kept stage input."""
     out = []
     for stage in spec.stages:
         s = stage.index
-        temps = [
-            compiled.memory_analysis().temp_size_in_bytes
-            for (kind, owner), compiled in programs.items()
-            if owner == s
-        ]
         x = shapes(stage).x
         x_bytes = int(np.prod(x.shape)) * x.dtype.itemsize // x.sharding.num_devices
         record = {
@@ -238,7 +244,7 @@ def stage_memory(
             "opt_state": per_device_bytes(state[s]["opt_state"]),
             "grad_accumulator": per_device_bytes(acc[s]),
             "stage_inputs": peak_in_flight(spec.tasks[s]) * x_bytes,
-            "program_temp": max(temps, default=0),
+            "program_temp": temps.get(s, 0),
         }
         record["total"] = sum(record.values())
         record["microbatch_input"] = x_bytes  # one kept stage input (a part of stage_inputs)
@@ -262,13 +268,46 @@ def bubble_ratio(timeline: Timeline) -> float:
     return 1.0 - busy / (len(timeline) * span) if span > 0 else 0.0
 
 
+def stage_busy_seconds(timeline: Timeline) -> np.ndarray:
+    """[stages] seconds each stage spent on its tasks in one step."""
+    return np.array([sum(t.end - t.start for t in stage) for stage in timeline])
+
+
+def rescaled_units(units: UnitTimes, spec: PipelineSpec, factors: Sequence[float]) -> UnitTimes:
+    """``units`` with every unit of stage s scaled by ``factors[s]``: a periodic profile's
+    per-unit times from its own step's timeline (each stage's busy time against the one the
+    units were measured with) instead of re-running every unit alone (issue: balancing must
+    cost almost nothing, seed 000 §3.3.1). Shares inside a stage keep the measured ones."""
+    forward, backward = dict(), dict()
+    layers = sorted(i for stage in spec.stages for i in stage.layers)
+    at = dict(zip(layers, zip(units.layer_forward, units.layer_backward, strict=True), strict=True))
+    for stage in spec.stages:
+        for i in stage.layers:
+            forward[i] = at[i][0] * factors[stage.index]
+            backward[i] = at[i][1] * factors[stage.index]
+    first, last = factors[0], factors[spec.num_stages - 1]
+    return UnitTimes(
+        layer_forward=tuple(forward[i] for i in layers),
+        layer_backward=tuple(backward[i] for i in layers),
+        embed=(units.embed[0] * first, units.embed[1] * first),
+        head=(units.head[0] * last, units.head[1] * last),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """One profiled step: unit times, stage memory and the measured timeline."""
+    """One profiled step: unit times, stage memory and the measured timeline.
+
+    ``units_measured``: whether the units ran alone for it, or their times were rescaled from
+    an earlier profile of the same layout by this step's timeline (`rescaled_units`);
+    ``seconds``: the host time profiling added beyond the timed step (the balancer's cost).
+    """
 
     units: UnitTimes
     memory: tuple[dict[str, int], ...]  # [stages] per-device bytes by kind (`stage_memory`)
     timeline: tuple[tuple[TaskTime, ...], ...]  # [stages][tasks in execution order]
+    units_measured: bool = True
+    seconds: float = 0.0
 
     @property
     def iteration_seconds(self) -> float:
@@ -314,6 +353,8 @@ class Profile:
             "stage_memory_bytes": [dict(m) for m in self.memory],
             "iteration_seconds": self.iteration_seconds,
             "bubble_ratio": self.bubble_ratio,
+            "units": "measured" if self.units_measured else "rescaled",
+            "seconds": self.seconds,
             "timeline": [
                 [[t.kind, t.microbatch, t.start, t.end] for t in stage] for stage in self.timeline
             ],

@@ -9,9 +9,9 @@ expert parallel over ``'expert'`` exactly as the single-program step (`dynjax.pa
   forward from the stored stage input (activation checkpointing at stage boundaries: a stage
   keeps one input per microbatch in flight, not every intermediate), then adds the weight
   gradients of the trainable layers to the accumulator ``acc`` and returns the input gradient
-  if an earlier stage needs it. The last stage seeds it with the loss; the others with the next
-  stage's input gradient. MoE auxiliary losses of the stage enter here, so every stage's aux and
-  z losses count, as in the single-program loss.
+  if an earlier stage needs it (else a scalar to wait on). The last stage seeds it with the
+  loss; the others with the next stage's input gradient. MoE auxiliary losses of the stage
+  enter here, so every stage's aux and z losses count, as in the single-program loss.
 * ``sqnorm(acc) -> [1]``: this stage's squared gradient norm; `Transport.gather` brings every
   stage's to every stage.
 * ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
@@ -137,10 +137,18 @@ def backward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
         one = jnp.ones((), jnp.float32)
         grads = vjp(one if spec.last else (seed, one))
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads[0])
-        g_x = grads[1] if spec.input_grads else None
+        # Without an input gradient, a scalar that is ready with the backward: something to
+        # wait on that the stage's next backward does not donate (`Pipeline.timed_step`).
+        g_x = grads[1] if spec.input_grads else _done(acc)
         return (acc, g_x, metrics) if spec.last else (acc, g_x)
 
     return bwd
+
+
+def _done(acc: Any) -> jax.Array:
+    """A float32 zero computed from the accumulator, so it is ready only when it is."""
+    leaves = jax.tree.leaves(acc)
+    return leaves[0].reshape(-1)[0] * 0 if leaves else jnp.zeros((), jnp.float32)
 
 
 def sqnorm_fn(spec: StageSpec):
@@ -281,7 +289,7 @@ def lower_stage(
         )
         return jitted.lower(shapes.params, shapes.x, shapes.cached)
     if kind == "bwd":
-        g_x = shapes.x.sharding if spec.input_grads else None
+        g_x = shapes.x.sharding if spec.input_grads else replicated
         outs = (sharding(shapes.acc), g_x) + ((metrics,) if spec.last else ())
         jitted = jax.jit(backward_fn(setup, spec, mesh), out_shardings=outs, donate_argnums=1)
         seed = shapes.targets if spec.last else shapes.y

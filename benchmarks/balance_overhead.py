@@ -1,0 +1,119 @@
+"""What dynamic balancing costs the training loop: profiling, deciding, migrating.
+
+DynMo rebalances MoE and MoD every iteration because the overhead is single-digit percent (seed
+000 §3.3.1, §5.2); the target here is <= 2% of training time at each case's cadence. On a
+pipeline of ``--stages`` x ``--data`` fake CPU devices, in one process and interleaved rounds
+(the machine is shared), it times:
+
+* a plain step: the training loop's steady state, steps dispatched back to back;
+* a profiled step that runs every unit alone (`measure_units=True`: what a step after a change
+  of the model does) and a periodic one whose unit times come from its own timeline
+  (`measure_units=False`); each one's extra seconds over a plain step;
+* one decision: `RebalancePolicy.propose` on a history holding the profile (on the Controller's
+  thread in a run, so it delays no step; shown for completeness);
+* one migration of a layer to the neighbouring stage and back (per move).
+
+Overhead at a cadence of k steps = extra seconds of one periodic profile / (k plain steps); the
+table prints it for each case's cadence (every step for MoE and MoD, seed 000 §4.2.1/§4.2.6; 20
+for the recorded traces; 200 for pruning and freezing). Migration is paid only when a decision
+moves layers; its cost per move is printed beside.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
+        python3 benchmarks/balance_overhead.py [--config configs/quickstart.py] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+
+from dynjax.config import load_config
+from dynjax.experiment import Experiment
+from dynjax.recompile.policy import History
+from dynjax.train import policies_for
+
+CADENCES = (("MoE, MoD (every step)", 1), ("recorded traces", 20), ("pruning, freezing", 200))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/quickstart.py")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--data", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10, help="plain steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    cfg = load_config(args.config, [
+        f"model.num_layers={args.layers}", f"mesh.stage={args.stages}",
+        f"mesh.data={args.data}", f"train.microbatches={args.microbatches}",
+        "balance.enabled=True", "balance.every=1", "pipeline.profile_every=1",
+    ])
+    exp = Experiment.from_config(cfg)
+    plan = exp.initial_plan()
+    runtime = exp.runtime(plan)
+    exe = exp.lower_train_step(plan, profiling=True).compile()
+    runtime.swap(plan, exe)
+    step = 0
+
+    def batch():
+        nonlocal step
+        step += 1
+        return exp.order.batch(step)
+
+    def plain(count: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(count):
+            metrics = runtime.step(exe, batch(), None)
+        jax.block_until_ready(metrics)
+        return (time.perf_counter() - t0) / count
+
+    def profiled(measure_units: bool) -> tuple[float, dict]:
+        t0 = time.perf_counter()
+        metrics, _ = runtime.profile_step(exe, batch(), None, measure_units=measure_units)
+        jax.block_until_ready(metrics)
+        return time.perf_counter() - t0, metrics
+
+    plain(3)
+    profiled(True)  # warm up every program, and measure the layout's units once
+    step_s, full_s, light_s, decide_s = [], [], [], []
+    (policy,) = policies_for(cfg, exp)
+    metrics = {}
+    for _ in range(args.rounds):
+        step_s.append(plain(args.steps))
+        full_s.append(profiled(True)[0])
+        light, metrics = profiled(False)
+        light_s.append(light)
+        history = History.of([(step, runtime.host_metrics(step, metrics))])
+        t0 = time.perf_counter()
+        policy.propose(history, plan)
+        decide_s.append(time.perf_counter() - t0)
+    counts = [len(s.layers) for s in runtime.pipeline.spec.stages]
+    moved = list(counts)
+    moved[0], moved[1] = moved[0] - 1, moved[1] + 1
+    migrate_s = []
+    for layout in (moved, counts):
+        other = plan.replace(stage_layers=tuple(layout))
+        migration = runtime.swap(other, exp.lower_train_step(other, profiling=True).compile())
+        migrate_s.append(migration.seconds)
+    base = statistics.median(step_s)
+    full = statistics.median(full_s) - base
+    light = statistics.median(light_s) - base
+    print(f"\n{args.stages} stages x {args.data} data ({jax.device_count()} "
+          f"{jax.devices()[0].platform} devices), {args.layers} layers, M={args.microbatches}, "
+          f"batch {cfg.train.batch_size} x {cfg.data.seq_len}; medians of {args.rounds} rounds")
+    print(f"plain step {1e3 * base:.1f} ms; extra per profile: units run alone "
+          f"{1e3 * full:.1f} ms, rescaled from the timeline {1e3 * light:.1f} ms; "
+          f"decision {1e3 * statistics.median(decide_s):.2f} ms (controller thread); "
+          f"migration {1e3 * statistics.median(migrate_s):.1f} ms per move")
+    print(f"{'case (cadence)':<28}{'every k':>8}{'units alone':>13}{'rescaled':>10}")
+    for name, k in CADENCES:
+        print(f"{name:<28}{k:>8}{full / (k * base):>13.1%}{light / (k * base):>10.1%}")
+
+
+if __name__ == "__main__":
+    main()
