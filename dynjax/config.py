@@ -216,6 +216,12 @@ def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
         num_experts=moe.num_experts,
         top_k=moe.top_k,
         expert_mlp_dim=moe.expert_mlp_dim,
+        block_parts=tuple(
+            part
+            for plugin in _plugins()
+            if plugin.enabled(cfg)
+            for part in plugin.block_parts(cfg)
+        ),
     )
 
 

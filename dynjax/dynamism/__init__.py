@@ -3,7 +3,13 @@
 Importing this package registers the built-in schemes; `register` adds others.
 """
 
-from dynjax.dynamism import freezing, moe, pruning  # noqa: F401 - each registers its scheme
+from dynjax.dynamism import (  # noqa: F401 - each registers its scheme
+    freezing,
+    mod,
+    moe,
+    pruning,
+    sparse_attention,
+)
 from dynjax.dynamism.base import (
     Plugin,
     enabled_plugins,

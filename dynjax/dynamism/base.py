@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import ml_collections
 import optax
 
-from dynjax.model.hooks import LayerOptions, layer_options
+from dynjax.model.hooks import BlockPart, LayerOptions, layer_options
 
 if TYPE_CHECKING:  # the edge modules call plugins; plugins never import them at run time
     from dynjax.experiment import Experiment
@@ -30,6 +30,7 @@ class Plugin:
       config, enabled or not (a scheme's keys may contradict others even when it is off);
     - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
     - `layer_options`: the per-layer records its block hook reads (`dynjax.model.hooks`);
+    - `block_parts`: extra submodules it adds to chosen layers (`hooks.register_block_part`);
     - `resumed_plan`: what a resumed run with a changed config keeps of the saved part;
     - `policies`: the Controller policies the config asks for (pure `propose(history, plan)`);
     - `layer_costs`: each layer's relative cost under a Plan (a dense layer = 1.0; seed 000 §2
@@ -84,6 +85,12 @@ class Plugin:
         alone), or None for none at all. Records must be hashable: they key the compile cache,
         so a change recompiles only the pipeline stages whose layers' records changed."""
         return None
+
+    def block_parts(self, cfg: ml_collections.ConfigDict) -> Sequence[BlockPart]:
+        """(layer, part name, hashable settings) of each submodule the enabled scheme adds to
+        a layer (`dynjax.model.hooks.register_block_part`): parameters of the model, so keys
+        that change them belong in `fixed_on_resume`."""
+        return ()
 
     def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
         return []

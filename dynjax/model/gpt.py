@@ -18,7 +18,15 @@ import optax
 from flax import nnx
 
 from dynjax.model.attention import CausalSelfAttention
-from dynjax.model.hooks import LayerOptions, apply_block_hooks, apply_weight_hooks
+from dynjax.model.hashed_attention import hashed_record
+from dynjax.model.hooks import (
+    BlockPart,
+    LayerOptions,
+    apply_block_hooks,
+    apply_weight_hooks,
+    block_wrapper,
+    make_block_part,
+)
 from dynjax.model.mlp import MLP
 from dynjax.model.moe import MoE, MoEStats
 from dynjax.model.pruned import sparse_linears
@@ -37,6 +45,8 @@ class GPTConfig:
     num_experts: int = 8
     top_k: int = 2
     expert_mlp_dim: int = 0  # 0: mlp_dim
+    # Plugins' extra submodules per layer: (layer, part name, settings), `hooks.BlockPart`.
+    block_parts: tuple[BlockPart, ...] = ()
 
     @property
     def residual_std(self) -> float:
@@ -73,22 +83,37 @@ class Block(nnx.Module):
             )
         else:
             self.mlp = MLP(d, cfg.mlp_dim, out_std=cfg.residual_std, rngs=rngs)
+        for layer, name, settings in cfg.block_parts:
+            if layer == index:
+                if hasattr(self, name):
+                    raise ValueError(f"block part {name!r} of layer {index} shadows an attribute")
+                setattr(self, name, make_block_part(name, cfg, settings, rngs))
 
     def __call__(
         self, x, *, capacities=None, parallel=None, cached=None, options: LayerOptions = ()
     ):
         """(output, MoE stats or None, the block hooks' metrics) of one layer."""
-        sparse = sparse_linears(options)  # block-sparse matmuls a scheme's record names
-        x = x + self.attn(self.norm1(x), sparse)
-        stats = None
-        if self.is_moe:
-            y, stats = self.moe(
-                self.norm2(x), capacities=capacities, parallel=parallel, cached=cached
-            )
-        else:
-            y = self.mlp(self.norm2(x), sparse)
-        x, metrics = apply_block_hooks(x + y, options)
-        return x, stats, metrics
+        # Records read inside the block: block-sparse matmuls, hashed attention.
+        sparse, hashed = sparse_linears(options), hashed_record(options)
+
+        def residual(x, positions):
+            y, metrics = self.attn(self.norm1(x), sparse, positions, hashed)
+            x = x + y
+            if self.is_moe:
+                y, stats = self.moe(
+                    self.norm2(x), capacities=capacities, parallel=parallel, cached=cached
+                )
+                return x + y, stats, metrics
+            return x + self.mlp(self.norm2(x), sparse), None, metrics
+
+        wrapped = block_wrapper(options)
+        if wrapped is None:
+            x, stats, inner = residual(x, None)
+        else:  # a scheme that picks the tokens the block computes (mixture of depths)
+            name, wrapper, record = wrapped
+            x, stats, inner = wrapper(residual, x, record, getattr(self, name, None))
+        x, metrics = apply_block_hooks(x, options)
+        return x, stats, {**inner, **metrics}
 
 
 def run_layers(

@@ -8,14 +8,21 @@ them. A *weight hook* runs before the block instead, on the block's parameters (
 masks the gradients of its pruned weights and reports their density). Schemes that change the
 inside of a block (e.g. sparse matmuls) read their record there; their metrics still go
 through `register_metrics`.
+
+Schemes that change *which tokens* a block computes (mixture of depths) need two more hooks: a
+*block part*, a parameterised submodule a plugin adds to chosen layers (its parameters live under
+the layer, so they migrate, checkpoint and restore with it), and a *block wrapper*, which runs the
+block's residual body on tokens it chooses. A metric registered as a *loss* is added to the
+training loss by both steps, so a part's auxiliary objective trains without them knowing it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 # (plugin name, its per-layer record), sorted by name; hashable, so specs that hold it key
@@ -27,9 +34,25 @@ REDUCTIONS = ("mean", "sum", "rows")  # over microbatches: average, add, or rows
 # (the block's weights by "/"-joined path inside it, record) -> (replaced weights, metrics)
 WeightHook = Callable[[dict[str, jax.Array], Any], tuple[dict[str, jax.Array], dict]]
 
+# The block's residual body on any token subset: (x [B, S, D], the tokens' original positions
+# [B, S] or None for all) -> (its output, MoE stats or None, metrics of what ran inside).
+Residual = Callable[[jax.Array, jax.Array | None], tuple[jax.Array, Any, dict[str, jax.Array]]]
+# (the residual body, x, the layer's record, the layer's part of the same name or None)
+# -> (the block's output, MoE stats or None, metrics)
+BlockWrapper = Callable[
+    [Residual, jax.Array, Any, nnx.Module | None], tuple[jax.Array, Any, dict[str, jax.Array]]
+]
+# (the model config, the part's hashable settings, rngs) -> the part's module
+PartFactory = Callable[[Any, Any, nnx.Rngs], nnx.Module]
+# (layer index, part name, hashable settings): one entry of `GPTConfig.block_parts`
+BlockPart = tuple[int, str, Any]
+
 _HOOKS: dict[str, BlockHook] = {}
 _WEIGHT_HOOKS: dict[str, WeightHook] = {}
+_WRAPPERS: dict[str, BlockWrapper] = {}
+_PARTS: dict[str, PartFactory] = {}
 _REDUCTIONS: dict[str, str] = {}
+_LOSSES: set[str] = set()
 
 
 def layer_options(records: Mapping[str, Any]) -> LayerOptions:
@@ -58,12 +81,54 @@ def register_weight_hook(
     register_metrics(metrics or {})
 
 
-def register_metrics(metrics: Mapping[str, str]) -> None:
-    """Declare how per-layer metrics fold over microbatches (default: "mean")."""
+def register_block_wrapper(
+    name: str, wrapper: BlockWrapper, metrics: Mapping[str, str] | None = None
+) -> None:
+    """Run every block whose options hold a record ``name`` through
+    ``wrapper(residual, x, record, part)`` instead of its residual body on all tokens; ``part``
+    is the block's part registered under the same name (None without one). One wrapper per
+    block: a layer whose options name two is refused when it runs."""
+    _WRAPPERS[name] = wrapper
+    register_metrics(metrics or {})
+
+
+def register_block_part(name: str, factory: PartFactory) -> None:
+    """Let `GPTConfig.block_parts` entries named ``name`` build ``factory(cfg, settings, rngs)``
+    as the attribute ``name`` of their layer's block."""
+    _PARTS[name] = factory
+
+
+def make_block_part(name: str, cfg: Any, settings: Any, rngs: nnx.Rngs) -> nnx.Module:
+    if name not in _PARTS:
+        raise ValueError(f"no block part registered as {name!r}: import the plugin defining it")
+    return _PARTS[name](cfg, settings, rngs)
+
+
+def block_wrapper(options: LayerOptions) -> tuple[str, BlockWrapper, Any] | None:
+    """(name, wrapper, record) of the one block wrapper ``options`` name, or None."""
+    found = [(name, _WRAPPERS[name], record) for name, record in options if name in _WRAPPERS]
+    if len(found) > 1:
+        names = [f[0] for f in found]
+        raise ValueError(f"a block takes one block wrapper, its options name {names}")
+    return found[0] if found else None
+
+
+def register_metrics(metrics: Mapping[str, str], losses: tuple[str, ...] = ()) -> None:
+    """Declare how per-layer metrics fold over microbatches (default: "mean"); ``losses`` name
+    scalar metrics that are also terms of the training loss (summed over the layers)."""
     bad = {k: v for k, v in metrics.items() if v not in REDUCTIONS}
     if bad:
         raise ValueError(f"unknown reductions {bad}: use one of {REDUCTIONS}")
     _REDUCTIONS.update(metrics)
+    _LOSSES.update(losses)
+
+
+def hook_loss(layer_metrics: Sequence[Mapping[str, jax.Array]]) -> jax.Array:
+    """The loss terms the layers' metrics hold (`register_metrics` ``losses``), summed."""
+    return sum(
+        (m[name] for m in layer_metrics for name in sorted(_LOSSES) if name in m),
+        jnp.float32(0),
+    )
 
 
 def reduction(metric: str) -> str:

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.model import ModelParts, lm_loss
 from dynjax.model.gpt import run_layers
+from dynjax.model.hooks import hook_loss
 from dynjax.parallel.layout import select
 from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
 from dynjax.parallel.stages import StageSpec
@@ -96,7 +97,7 @@ def _microbatch_metrics(
     """(the stage's share of the loss to minimise, its metrics) for one microbatch."""
     aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
     z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
-    local = setup.aux_loss_weight * aux + setup.z_loss_weight * z
+    local = setup.aux_loss_weight * aux + setup.z_loss_weight * z + hook_loss(layer_metrics)
     metrics: Metrics = {"aux": aux, "z": z, "layers": stack_layer_metrics(layer_metrics)}
     if ce is not None:
         metrics["ce"] = ce

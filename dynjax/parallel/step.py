@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from dynjax.model import ExpertParallel, lm_loss
-from dynjax.model.hooks import LayerOptions, reduction
+from dynjax.model.hooks import LayerOptions, hook_loss, reduction
 from dynjax.parallel.layout import by_path, fill, select
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -62,7 +62,7 @@ def forward_loss(graphdef, params, inputs, targets, cached, opts: StepOptions, p
     ce = lm_loss(logits, targets)
     aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
     z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
-    total = ce + opts.aux_loss_weight * aux + opts.z_loss_weight * z
+    total = ce + opts.aux_loss_weight * aux + opts.z_loss_weight * z + hook_loss(layer_metrics)
     return total, (ce, aux, z, stats, stack_layer_metrics(layer_metrics))
 
 

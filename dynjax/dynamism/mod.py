@@ -1,0 +1,93 @@
+"""Mixture of depths as a dynamism plugin (Raposo et al. 2024; seed 000 §2.6, §4.2.6).
+
+Every ``mod.every``-th block is routed (`dynjax.model.mod`): it computes ``mod.capacity`` of
+each sequence's tokens, the rest take the residual path. The token count is static, part of the
+layer's record, so the compiled block really is that much smaller. For the balancer a routed
+layer costs its capacity (seed 000 §4.2.6: the skipped share is a "shadow" layer that takes no
+time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ml_collections
+
+from dynjax.config import ConfigError, moe_layer_indices
+from dynjax.dynamism.base import Plugin, register
+from dynjax.model.hooks import BlockPart
+from dynjax.model.mod import ACCURACY, NAME, PREDICTOR_LOSS, ROUTER_WEIGHT, RoutedBlock
+
+if TYPE_CHECKING:
+    from dynjax.experiment import Experiment
+    from dynjax.recompile import Plan
+
+
+def routed_layers(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
+    """Indices of the routed layers: every ``mod.every``-th, as `moe.every` places MoE blocks."""
+    n = cfg.mod.every
+    return tuple(i for i in range(cfg.model.num_layers) if (i + 1) % n == 0)
+
+
+def routed_tokens(cfg: ml_collections.ConfigDict) -> int:
+    """Tokens per sequence a routed block computes: ``mod.capacity`` of the sequence."""
+    return max(1, round(cfg.mod.capacity * cfg.data.seq_len))
+
+
+class MixtureOfDepths(Plugin):
+    name = NAME
+    # The routers and predictors are parameters of the routed layers.
+    fixed_on_resume = ("mod.enabled", "mod.every", "mod.predictor_hidden")
+    logged_metrics = (ACCURACY, PREDICTOR_LOSS, ROUTER_WEIGHT)
+
+    def config(self) -> ml_collections.ConfigDict:
+        c = ml_collections.ConfigDict()
+        c.enabled = False
+        c.every = 2  # route every n-th block (the paper's best: every other block)
+        c.capacity = 0.125  # fraction of each sequence's tokens a routed block computes
+        c.predictor_hidden = 64  # hidden width of the causal predictor
+        c.predictor_weight = 0.01  # weight of its binary cross entropy in the loss
+        return c
+
+    def validate(self, cfg: ml_collections.ConfigDict) -> None:
+        m = cfg.mod
+        if not m.enabled:
+            return
+        if m.every < 1:
+            raise ConfigError(f"mod.every={m.every} must be >= 1 (1 = route every block)")
+        if not 0 < m.capacity <= 1:
+            raise ConfigError(f"mod.capacity={m.capacity} must be in (0, 1]: a fraction of tokens")
+        if m.predictor_hidden < 1:
+            raise ConfigError(f"mod.predictor_hidden={m.predictor_hidden} must be >= 1")
+        if m.predictor_weight < 0:
+            raise ConfigError(f"mod.predictor_weight={m.predictor_weight} must be >= 0")
+        if not routed_layers(cfg):
+            raise ConfigError(
+                f"mod.every={m.every} routes no layer of model.num_layers="
+                f"{cfg.model.num_layers}: set mod.every <= model.num_layers"
+            )
+        both = sorted(set(routed_layers(cfg)) & set(moe_layer_indices(cfg)))
+        if both:
+            raise ConfigError(
+                f"mod.every={m.every} routes MoE layers {both} (moe.every={cfg.moe.every}): a "
+                "routed block must be dense; set moe.every=0 or a mod.every whose layers differ"
+            )
+
+    def block_parts(self, cfg: ml_collections.ConfigDict) -> Sequence[BlockPart]:
+        return tuple((i, NAME, cfg.mod.predictor_hidden) for i in routed_layers(cfg))
+
+    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
+        cfg = exp.cfg
+        record = RoutedBlock(routed_tokens(cfg), float(cfg.mod.predictor_weight))
+        routed = set(routed_layers(cfg))
+        return tuple(record if i in routed else None for i in range(cfg.model.num_layers))
+
+    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
+        cfg = exp.cfg
+        fraction = routed_tokens(cfg) / cfg.data.seq_len
+        routed = set(routed_layers(cfg))
+        return [fraction if i in routed else 1.0 for i in range(cfg.model.num_layers)]
+
+
+register(MixtureOfDepths())

@@ -1,0 +1,179 @@
+"""Hash-based dynamic sparse attention as a dynamism plugin (Pagliardini et al. 2023; seed 000
+§2.4, §4.2.4).
+
+Every layer attends within angular-LSH buckets (`dynjax.model.hashed_attention`): its XLA path
+computes a static budget of key blocks per query block. The Plan holds each layer's budget
+(``parts.sparse_attention.budgets``, bucketed by `bucket_blocks`); a fresh run starts at every
+causal block (exact), and `AttentionBudget` sizes each layer's budget from the needed-block
+counts the steps report, with headroom and hysteresis, so that at most
+``sparse_attention.max_overflow`` of the needed blocks fall beyond it. A change is a Plan change,
+compiled in the background; only stages whose layers' budgets changed recompile. A layer's cost
+for the balancer is the fraction of causal (query block, key block) pairs its budget computes
+(seed 000 §2.4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ml_collections
+import numpy as np
+
+from dynjax.config import ConfigError
+from dynjax.dynamism.base import Plugin, register
+from dynjax.model.hashed_attention import (
+    NAME,
+    NEEDED_HIST,
+    OVERFLOW,
+    PAIR_FRACTION,
+    HashedAttention,
+)
+from dynjax.model.sparse_linear import bucket_blocks
+from dynjax.recompile import History, Proposal
+
+if TYPE_CHECKING:
+    from dynjax.experiment import Experiment
+    from dynjax.recompile import Plan, PlanContext, Policy
+
+
+def num_blocks(cfg: ml_collections.ConfigDict) -> int:
+    return cfg.data.seq_len // cfg.sparse_attention.block
+
+
+def bucket_budget(blocks: int, num: int) -> int:
+    """A static budget covering ``blocks`` key blocks out of ``num`` (at least one)."""
+    return max(1, bucket_blocks(min(max(blocks, 0), num), num))
+
+
+def overflow_at(hist: np.ndarray, budget: int) -> float:
+    """The fraction of needed blocks beyond ``budget`` for a histogram of needed-block counts
+    per query block (``hist[c]``: query blocks needing c key blocks)."""
+    counts = np.arange(len(hist))
+    total = float(np.sum(hist * counts))
+    return float(np.sum(hist * np.maximum(counts - budget, 0))) / total if total else 0.0
+
+
+def smallest_budget(hist: np.ndarray, max_overflow: float) -> int:
+    """The smallest budget whose overflow on ``hist`` is at most ``max_overflow``."""
+    for budget in range(len(hist)):
+        if overflow_at(hist, budget) <= max_overflow:
+            return budget
+    return len(hist) - 1
+
+
+class SparseAttention(Plugin):
+    name = NAME
+    logged_metrics = (OVERFLOW, PAIR_FRACTION)
+
+    def config(self) -> ml_collections.ConfigDict:
+        c = ml_collections.ConfigDict()
+        c.enabled = False
+        c.buckets = 8  # LSH buckets per head (even: bucket = argmax([xR, -xR]))
+        c.block = 64  # tokens per block of the sorted order; must divide data.seq_len
+        c.max_overflow = 0.01  # the policy keeps dropped needed blocks at most this fraction
+        c.window = 10  # steps of needed-block counts the policy reads
+        c.headroom = 0.25  # budget = (1 + headroom) x the smallest that meets max_overflow
+        c.hysteresis = 0.25  # shrink only below (1 - hysteresis) x the current budget
+        c.seed = 0  # the layers' fixed LSH rotations
+        return c
+
+    def validate(self, cfg: ml_collections.ConfigDict) -> None:
+        a = cfg.sparse_attention
+        if not a.enabled:
+            return
+        if a.buckets < 2 or a.buckets % 2:
+            raise ConfigError(
+                f"sparse_attention.buckets={a.buckets} must be even and >= 2 (argmax of [xR, -xR])"
+            )
+        if a.block < 1 or cfg.data.seq_len % a.block:
+            raise ConfigError(
+                f"sparse_attention.block={a.block} must divide data.seq_len={cfg.data.seq_len}"
+            )
+        if cfg.data.seq_len // a.block < 2:
+            raise ConfigError(
+                f"sparse_attention.block={a.block} leaves one block of data.seq_len="
+                f"{cfg.data.seq_len}: nothing to skip; use a block of at most half the sequence"
+            )
+        if not 0 <= a.max_overflow < 1:
+            raise ConfigError(f"sparse_attention.max_overflow={a.max_overflow} must be in [0, 1)")
+        if a.window < 1:
+            raise ConfigError(f"sparse_attention.window={a.window} must be >= 1")
+        if a.headroom < 0 or not 0 <= a.hysteresis < 1:
+            raise ConfigError(
+                f"sparse_attention.headroom={a.headroom} must be >= 0 and "
+                f"sparse_attention.hysteresis={a.hysteresis} in [0, 1)"
+            )
+        if "mod" in cfg and cfg.mod.enabled:
+            raise ConfigError(
+                "sparse_attention.enabled with mod.enabled: a routed block attends over a "
+                "subset of tokens that need not fill whole blocks; turn one of them off"
+            )
+
+    def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
+        return plan.with_part(NAME, budgets=(num_blocks(cfg),) * cfg.model.num_layers)
+
+    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
+        a = exp.cfg.sparse_attention
+        return tuple(
+            HashedAttention(a.buckets, a.block, int(budget), a.seed, layer)
+            for layer, budget in enumerate(plan.part(NAME)["budgets"])
+        )
+
+    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
+        """Seed 000 §2.4: the fraction of causal block pairs computed, ``budget / ((nb + 1) /
+        2)`` per query block on average (capped at 1: a budget of every block computes the
+        masked upper triangle too)."""
+        nb = num_blocks(exp.cfg)
+        return [min(1.0, b / ((nb + 1) / 2)) for b in plan.part(NAME)["budgets"]]
+
+    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
+        a = cfg.sparse_attention
+        return [AttentionBudget(num_blocks=num_blocks(cfg), max_overflow=a.max_overflow,
+                                window=a.window, headroom=a.headroom, hysteresis=a.hysteresis)]
+
+
+class AttentionBudget:
+    """Each layer's key-block budget from the needed-block histograms of the newest ``window``
+    steps: the smallest budget whose overflow is at most ``max_overflow``, times
+    ``1 + headroom``, bucketed. Grows at once when the current budget overflows; shrinks only
+    below ``(1 - hysteresis)`` x the current one, so noise does not recompile. Pure."""
+
+    name = NAME
+
+    def __init__(self, *, num_blocks: int, max_overflow: float, window: int, headroom: float,
+                 hysteresis: float) -> None:
+        self.num_blocks, self.max_overflow, self.window = num_blocks, max_overflow, window
+        self.headroom, self.hysteresis = headroom, hysteresis
+
+    def wanted(self, hist: np.ndarray) -> int:
+        need = smallest_budget(hist, self.max_overflow)
+        return bucket_budget(math.ceil(need * (1 + self.headroom)), self.num_blocks)
+
+    def propose(self, history: History, plan: Plan) -> Proposal | None:
+        hists = history.values(NEEDED_HIST, self.window)
+        if len(hists) < self.window:
+            return None
+        hist = np.sum([np.asarray(h, dtype=float) for h in hists], axis=0)  # [L, nb + 1]
+        have = tuple(plan.part(NAME)["budgets"])
+        want = []
+        for layer_hist, budget in zip(hist, have, strict=True):
+            target = self.wanted(layer_hist)
+            over = overflow_at(layer_hist, budget) > self.max_overflow
+            shrink = target < (1 - self.hysteresis) * budget
+            want.append(target if over or shrink else budget)
+        want = tuple(want)
+        if want == have:
+            return None
+        overflow = [round(overflow_at(h, b), 4) for h, b in zip(hist, have, strict=True)]
+        record = {"event": "attention_budget", "old": list(have), "new": list(want),
+                  "overflow": overflow, "window": self.window}
+        return Proposal(
+            plan.with_part(NAME, budgets=want),
+            f"attention budgets {list(have)} -> {list(want)} of {self.num_blocks} key blocks",
+            records=(record,),
+        )
+
+
+register(SparseAttention())

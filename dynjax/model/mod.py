@@ -1,0 +1,93 @@
+"""Mixture of depths (Raposo et al. 2024; seed 000 §2.6): a routed block computes only the top
+fraction of each sequence's tokens.
+
+A linear router scores every token; the top ``tokens`` of each sequence (a static count, so the
+compiled block is that much smaller) are gathered in their original order, run through the
+block's attention and MLP with their original positions (RoPE and the causal mask stay those of
+the full sequence), and scattered back as ``x + sigmoid(r) * (block(x) - x)``: scaling by the
+router weight puts the router on the gradient path. The other tokens skip the block (the
+residual path). Top-k over a sequence is not causal, so a small predictor (an MLP on the
+stop-gradient input, as in the paper's §3.5) learns to tell which tokens the router picks: its
+binary cross entropy is a loss term of the training loss, and its accuracy a metric, so that
+sampling can route causally with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dynjax.model.hooks import (
+    Residual,
+    register_block_part,
+    register_block_wrapper,
+    register_metrics,
+)
+
+NAME = "mod"
+ACCURACY, PREDICTOR_LOSS, ROUTER_WEIGHT = (f"{NAME}/{m}" for m in (
+    "predictor_accuracy", "predictor_loss", "router_weight"))
+LOSS = f"{NAME}/loss"  # predictor_weight x the predictor's loss: the term the step minimises
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedBlock:
+    """A routed layer's static record: how many tokens of each sequence its block computes, and
+    the weight of its predictor's loss."""
+
+    tokens: int
+    predictor_weight: float
+
+
+class DepthRouter(nnx.Module):
+    """The router (one linear score per token) and the causal predictor of one routed block."""
+
+    def __init__(self, cfg: Any, predictor_hidden: int, rngs: nnx.Rngs):
+        d, init = cfg.d_model, nnx.initializers.normal(0.02)
+        self.router = nnx.Linear(d, 1, kernel_init=init, rngs=rngs)
+        self.predictor_hidden = nnx.Linear(d, predictor_hidden, kernel_init=init, rngs=rngs)
+        self.predictor_out = nnx.Linear(predictor_hidden, 1, kernel_init=init, rngs=rngs)
+
+    def predict(self, x: jax.Array) -> jax.Array:
+        """[B, S] logits that each token is among its sequence's top-k (stop-gradient input: the
+        predictor must not change what it predicts)."""
+        h = jax.nn.silu(self.predictor_hidden(jax.lax.stop_gradient(x)))
+        return self.predictor_out(h)[..., 0].astype(jnp.float32)
+
+
+def route_depth(
+    residual: Residual, x: jax.Array, record: RoutedBlock, part: DepthRouter
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """The routed block: the top ``record.tokens`` tokens of each sequence through
+    ``residual``, the others unchanged (see the module docstring)."""
+    b, s, _ = x.shape
+    scores = part.router(x)[..., 0].astype(jnp.float32)  # [B, S]
+    _, top = jax.lax.top_k(scores, record.tokens)
+    chosen = jnp.sort(top, axis=-1)  # [B, k]: original order, so causality holds in the subset
+    picked = jnp.take_along_axis(x, chosen[..., None], axis=1)
+    computed, stats, inner = residual(picked, chosen)
+    weight = jax.nn.sigmoid(jnp.take_along_axis(scores, chosen, axis=1))[..., None]
+    routed = picked + weight.astype(x.dtype) * (computed - picked)
+    rows = jnp.arange(b)[:, None]
+    out = x.at[rows, chosen].set(routed)
+    member = jnp.zeros((b, s), jnp.float32).at[rows, chosen].set(1.0)
+    logits = part.predict(x)
+    predictor_loss = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, member))
+    metrics = {
+        **inner,
+        PREDICTOR_LOSS: predictor_loss,
+        LOSS: record.predictor_weight * predictor_loss,
+        ACCURACY: jnp.mean(((logits > 0) == (member > 0)).astype(jnp.float32)),
+        ROUTER_WEIGHT: jnp.mean(weight.astype(jnp.float32)),
+    }
+    return out, stats, metrics
+
+
+register_block_part(NAME, lambda cfg, hidden, rngs: DepthRouter(cfg, hidden, rngs))
+register_block_wrapper(NAME, route_depth)
+register_metrics({LOSS: "mean"}, losses=(LOSS,))
