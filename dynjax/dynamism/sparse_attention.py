@@ -8,8 +8,8 @@ causal block (exact), and `AttentionBudget` sizes each layer's budget from the n
 counts the steps report, with headroom and hysteresis, so that at most
 ``sparse_attention.max_overflow`` of the needed blocks fall beyond it. A change is a Plan change,
 compiled in the background; only stages whose layers' budgets changed recompile. A layer's cost
-for the balancer is the fraction of causal (query block, key block) pairs its budget computes
-(seed 000 §2.4).
+for the balancer is the fraction of (query block, key block) pairs its budget computes (seed 000
+§2.4).
 """
 
 from __future__ import annotations
@@ -122,11 +122,11 @@ class SparseAttention(Plugin):
         )
 
     def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
-        """Seed 000 §2.4: the fraction of causal block pairs computed, ``budget / ((nb + 1) /
-        2)`` per query block on average (capped at 1: a budget of every block computes the
-        masked upper triangle too)."""
+        """Seed 000 §2.4: the fraction of (query block, key block) pairs computed. The dense
+        layer it is relative to computes every pair (XLA's causal attention masks the upper
+        triangle but computes it), so a budget of b of the nb key blocks costs b / nb."""
         nb = num_blocks(exp.cfg)
-        return [min(1.0, b / ((nb + 1) / 2)) for b in plan.part(NAME)["budgets"]]
+        return [b / nb for b in plan.part(NAME)["budgets"]]
 
     def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
         a = cfg.sparse_attention
