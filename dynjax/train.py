@@ -30,6 +30,7 @@ from dynjax.checkpoint import Checkpointer
 from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
+from dynjax.launch.cluster import ClusterError
 from dynjax.launch.distributed import initialize_from_env
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
@@ -511,7 +512,11 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    initialize_from_env()  # a process of a multi-process launch (dynjax.launch.local)
+    try:  # a process of a multi-process launch (local, SLURM or Kubernetes)
+        initialize_from_env()
+    except ClusterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     config_path, overrides, workdir = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = config_lib.load_config(config_path, overrides)

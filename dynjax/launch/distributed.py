@@ -1,8 +1,9 @@
 """The processes of one run: `jax.distributed` set-up from the environment and host exchanges.
 
-A launcher (``dynjax.launch.local``) starts every process of a run with ``DYNJAX_COORDINATOR``
+A launcher starts every process of a run: ``dynjax.launch.local`` with ``DYNJAX_COORDINATOR``
 (host:port of process 0), ``DYNJAX_NUM_PROCESSES``, ``DYNJAX_PROCESS_ID`` and, on CPU,
-``DYNJAX_LOCAL_DEVICES``; ``dynjax.train`` calls `initialize_from_env` before JAX starts.
+``DYNJAX_LOCAL_DEVICES``; SLURM and Kubernetes with their own variables
+(`dynjax.launch.cluster`). ``dynjax.train`` calls `initialize_from_env` before JAX starts.
 
 Each process holds the metrics of its own pipeline stages only, but every process must log and
 decide from the same numbers, so host values are exchanged through the coordinator's key-value
@@ -19,21 +20,24 @@ from typing import Any
 
 import jax
 
-ENV = ("DYNJAX_COORDINATOR", "DYNJAX_NUM_PROCESSES", "DYNJAX_PROCESS_ID")
+from dynjax.launch.cluster import process_env
+
 TIMEOUT_MS = 600_000
 
 
 def initialize_from_env() -> bool:
-    """Join the run's processes if a launcher set the environment; True if it did."""
-    if not all(k in os.environ for k in ENV):
+    """Join the run's processes if a launcher set the environment; True if it did. Raises
+    `ClusterError` (naming the variable) when the environment contradicts itself."""
+    found = process_env(os.environ)
+    if found is None:
         return False
     local = os.environ.get("DYNJAX_LOCAL_DEVICES")
     if local:
         jax.config.update("jax_num_cpu_devices", int(local))
     jax.distributed.initialize(
-        coordinator_address=os.environ["DYNJAX_COORDINATOR"],
-        num_processes=int(os.environ["DYNJAX_NUM_PROCESSES"]),
-        process_id=int(os.environ["DYNJAX_PROCESS_ID"]),
+        coordinator_address=found.coordinator,
+        num_processes=found.num_processes,
+        process_id=found.process_id,
     )
     return True
 

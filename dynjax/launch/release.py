@@ -96,3 +96,59 @@ def release(
     event["hook_seconds"] = time.perf_counter() - start
     log.info("released stage sub-meshes %s (%d devices)", list(stages), len(devices))
     return event
+
+
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def pod_resource_patch(container: str, gpus: int) -> dict[str, Any]:
+    """The strategic-merge patch that sets ``container``'s GPU request and limit to ``gpus``."""
+    amount = {GPU_RESOURCE: str(gpus)}
+    return {"spec": {"containers": [
+        {"name": container, "resources": {"requests": amount, "limits": amount}}
+    ]}}
+
+
+def patch_pod_resources(devices: Sequence[jax.Device]) -> None:
+    """A release hook for a pod of ``launch/k8s/job.yaml``: lowers this pod's GPU request by
+    the local devices released, as DynMo does with ECK (seed 000 §3.4.2), through the API
+    server with the pod's service-account token. Tries the ``pods/<name>/resize`` subresource
+    (in-place resize) and falls back to patching the pod where the cluster has no such
+    subresource (404). Whether a running pod's extended resource may change depends on the
+    cluster (README "Re-packing"); a refusal raises, which `release` records in the event.
+
+    Reads ``POD_NAME``, ``POD_NAMESPACE`` and ``DYNJAX_CONTAINER`` (set by the manifest) and
+    ``DYNJAX_K8S_API`` (default: the in-cluster ``https://$KUBERNETES_SERVICE_HOST:port``)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    env = os.environ
+    pod, namespace = env.get("POD_NAME"), env.get("POD_NAMESPACE", "default")
+    if not pod:
+        raise RuntimeError("POD_NAME is not set: the manifest passes it from metadata.name")
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    gpus = max(len(jax.local_devices()) - len(mine), 0)
+    body = json.dumps(pod_resource_patch(env.get("DYNJAX_CONTAINER", "train"), gpus)).encode()
+    api = env.get("DYNJAX_K8S_API") or (
+        f"https://{env['KUBERNETES_SERVICE_HOST']}:{env.get('KUBERNETES_SERVICE_PORT', '443')}"
+    )
+    account = env.get("DYNJAX_K8S_SERVICE_ACCOUNT", SERVICE_ACCOUNT)
+    headers = {"Content-Type": "application/strategic-merge-patch+json"}
+    token_file = os.path.join(account, "token")
+    if os.path.exists(token_file):
+        with open(token_file) as f:
+            headers["Authorization"] = f"Bearer {f.read().strip()}"
+    ca = os.path.join(account, "ca.crt")
+    context = ssl.create_default_context(cafile=ca) if os.path.exists(ca) else None
+    pod_url = f"{api}/api/v1/namespaces/{namespace}/pods/{pod}"
+    for url in (f"{pod_url}/resize", pod_url):
+        request = urllib.request.Request(url, data=body, headers=headers, method="PATCH")
+        try:
+            with urllib.request.urlopen(request, timeout=30, context=context) as response:
+                log.info("patched %s: %s=%d (HTTP %d)", url, GPU_RESOURCE, gpus, response.status)
+                return
+        except urllib.error.HTTPError as e:
+            if e.code != 404 or url == pod_url:
+                raise RuntimeError(f"PATCH {url}: HTTP {e.code} {e.read()[:200]!r}") from e

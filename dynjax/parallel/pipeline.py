@@ -501,7 +501,8 @@ class Pipeline:
             self.acc[s] = out[0]
             if stage.last:
                 run.metrics[s][m] = out[2]
-        done = _present(out[1:])  # not the accumulator: the stage's next backward donates it
+        # Not the accumulator: the stage's next backward donates it.
+        done = _present(None if out is None else out[1:])
         if not stage.input_grads:
             return done, ()
         like = self.programs.shapes(spec.stages[s - 1]).y
