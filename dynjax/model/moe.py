@@ -110,22 +110,42 @@ def route(
     return probs, gates, experts, router_experts
 
 
+def _positions(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each (token, choice) pair's rank among its group's pairs for the same expert, in priority
+    order (every token's first choice before any second choice, earlier tokens first).
+
+    Returns (order [G, kS] expert ids choice-major, position [G, kS], group_loads [G, E]).
+    """
+    g, s, k = experts.shape
+    order = jnp.swapaxes(experts, 1, 2).reshape(g, k * s)  # choice-major priority
+    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # [G, kS, E]
+    position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)
+    return order, position, jnp.sum(onehot, axis=1)
+
+
+def _back(a: jax.Array, experts: jax.Array) -> jax.Array:
+    """[G, kS] choice-major -> [G, S, k]."""
+    g, s, k = experts.shape
+    return jnp.swapaxes(a.reshape(g, k, s), 1, 2)
+
+
 def assign_slots(experts: jax.Array, layout: SlotLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Buffer row of every (token, choice) pair; dropped pairs point at row ``layout.total``.
 
     Returns (slot [G,S,k] int32, kept [G,S,k] bool, group_loads [G,E] int32).
     """
-    g, s, k = experts.shape
-    num_experts = len(layout.capacities)
-    order = jnp.swapaxes(experts, 1, 2).reshape(g, k * s)  # choice-major priority
-    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # [G, kS, E]
-    position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)
+    order, position, loads = _positions(experts, len(layout.capacities))
     capacity = jnp.asarray(layout.capacities, jnp.int32)[order]
     kept = position < capacity
     base = jnp.asarray(layout.expert_base(), jnp.int32)[order]
     slot = jnp.where(kept, base + position, layout.total)
-    back = lambda a: jnp.swapaxes(a.reshape(g, k, s), 1, 2)
-    return back(slot), back(kept), jnp.sum(onehot, axis=1)
+    return _back(slot, experts), _back(kept, experts), loads
+
+
+def keep_pairs(experts: jax.Array, capacities: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The static path's drop rule with runtime capacities ([E] int): (kept [G,S,k], loads)."""
+    order, position, loads = _positions(experts, capacities.shape[0])
+    return _back(position < capacities.astype(jnp.int32)[order], experts), loads
 
 
 def _expert_ffn(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, slot_sizes) -> jax.Array:
@@ -153,6 +173,49 @@ def _dispatch_experts_combine(x, slot, weight, w_in, w_out, *, layout, expert_ax
         out = jax.lax.all_to_all(out, expert_axis, 1, 1, tiled=True)
     out = jnp.concatenate([out.reshape(g, layout.total, d), jnp.zeros((g, 1, d), out.dtype)], 1)
     return jnp.einsum("gskd,gsk->gsd", out[rows, slot], weight.astype(out.dtype))
+
+
+def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_total, expert_axis):
+    """Kept pairs sorted by expert through ``jax.lax.ragged_dot`` (runtime group sizes).
+
+    The send buffer holds ``shards`` chunks of ``g * shard_total`` rows (g = local groups): chunk
+    j takes the kept pairs for the experts of shard j, which fit as long as every shard's summed
+    capacities are <= ``shard_total``. A receiving shard sorts its rows by local expert; padding
+    rows sort last and ``ragged_dot`` leaves them zero.
+    """
+    g, s, d = x.shape
+    k = experts.shape[-1]
+    local = w_in.shape[0]
+    shards = 1 if expert_axis is None else jax.lax.axis_size(expert_axis)
+    chunk = g * shard_total
+    e, keep = experts.reshape(-1), kept.reshape(-1)
+    dest = jnp.where(keep, e // local, shards)
+    onehot = jax.nn.one_hot(dest, shards, dtype=jnp.int32)  # dropped pairs: a zero row
+    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    keep = keep & (pos < chunk)  # only reachable with capacities over the total: never scatter out
+    idx = jnp.where(keep, dest * chunk + pos, shards * chunk)
+    pairs = jnp.repeat(x.reshape(g * s, d), k, axis=0)
+    send = jnp.zeros((shards * chunk + 1, d), x.dtype).at[idx].add(pairs)[:-1]
+    ids = jnp.full((shards * chunk + 1,), local, jnp.int32).at[idx].set(e % local)[:-1]
+    if shards > 1:
+        send = jax.lax.all_to_all(send.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
+        ids = jax.lax.all_to_all(ids.reshape(shards, chunk), expert_axis, 0, 0, tiled=True)
+        send, ids = send.reshape(shards * chunk, d), ids.reshape(shards * chunk)
+    perm = jnp.argsort(ids, stable=True)
+    sizes = jnp.zeros((local,), jnp.int32).at[ids].add(1, mode="drop")
+    h = jax.nn.gelu(jax.lax.ragged_dot(send[perm], w_in, sizes))
+    out = jnp.zeros_like(send).at[perm].set(jax.lax.ragged_dot(h, w_out, sizes))
+    if shards > 1:
+        out = jax.lax.all_to_all(out.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
+        out = out.reshape(shards * chunk, d)
+    out = jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[idx].reshape(g, s, k, d)
+    return jnp.einsum("gskd,gsk->gsd", out, weight.astype(out.dtype))
+
+
+def ragged_shard_total(capacities, shards: int) -> int:
+    """Rows per group per expert shard that the per-expert ``capacities`` need: the largest
+    shard's summed capacities (with one shard, the layer's total)."""
+    return int(np.asarray(capacities).reshape(shards, -1).sum(axis=1).max())
 
 
 class MoE(nnx.Module):
@@ -183,32 +246,41 @@ class MoE(nnx.Module):
         self,
         x: jax.Array,
         *,
-        capacities: tuple[int, ...],
+        capacities: tuple[int, ...] | jax.Array,
         parallel: ExpertParallel | None = None,
         cached: jax.Array | None = None,
+        shard_total: int | None = None,
     ) -> tuple[jax.Array, MoEStats]:
+        """``shard_total`` None: the static path, ``capacities`` Python ints compiled into the
+        program. An int: the ragged path (``moe.dispatch="ragged"``), ``capacities`` a runtime
+        [E] int array whose sum over each expert shard's experts is <= ``shard_total``; both
+        paths keep the same (token, choice) pairs."""
         num_experts = self.w_in.shape[0]
         if len(capacities) != num_experts:
             raise ValueError(f"{len(capacities)} capacities given for {num_experts} experts")
         logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
         probs, gates, experts, router_experts = route(logits, self.top_k, cached)
         shards = parallel.expert_shards if parallel else 1
-        layout = SlotLayout(tuple(capacities), shards)
-        slot, kept, loads = assign_slots(experts, layout)
-        weight = jnp.where(kept, gates, 0.0)
         w_in, w_out = self.w_in[...].astype(x.dtype), self.w_out[...].astype(x.dtype)
-        fn = lambda *a: _dispatch_experts_combine(
-            *a, layout=layout, expert_axis=parallel.expert_axis if parallel else None
-        )
+        axis = parallel.expert_axis if parallel else None
+        if shard_total is None:
+            layout = SlotLayout(tuple(capacities), shards)
+            slot, kept, loads = assign_slots(experts, layout)
+            fn = lambda *a: _dispatch_experts_combine(*a, layout=layout, expert_axis=axis)
+            args = (x, slot, jnp.where(kept, gates, 0.0), w_in, w_out)
+        else:
+            kept, loads = keep_pairs(experts, jnp.asarray(capacities))
+            fn = lambda *a: _ragged_experts_combine(*a, shard_total=shard_total, expert_axis=axis)
+            args = (x, experts, kept, jnp.where(kept, gates, 0.0), w_in, w_out)
         if parallel is not None:
             tokens, expert = P(parallel.token_axes), P(parallel.expert_axis)
             fn = jax.shard_map(
                 fn,
                 mesh=parallel.mesh,
-                in_specs=(tokens, tokens, tokens, expert, expert),
+                in_specs=(tokens,) * (len(args) - 2) + (expert, expert),
                 out_specs=tokens,
             )
-        y = fn(x, slot, weight, w_in, w_out)
+        y = fn(*args)
         tokens_per_group = experts.shape[1] * self.top_k
         aux = num_experts * jnp.sum(loads / tokens_per_group * jnp.mean(probs, axis=1), axis=-1)
         z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
