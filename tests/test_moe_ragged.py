@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dynjax.model import MoE
-from dynjax.model.moe import ragged_shard_total
+from dynjax.model import MoE, RaggedCapacities
 from dynjax.parallel import expert_parallel, make_mesh
 
 D, H, E, K, S, G = 16, 24, 4, 2, 12, 8
@@ -26,14 +25,18 @@ def x():
     return np.random.default_rng(0).normal(size=(G, S, D)).astype(np.float32)
 
 
+def shard_total(capacities, shards):
+    """The largest expert shard's summed capacities: the least buffer that holds its pairs."""
+    return int(np.asarray(capacities).reshape(shards, -1).sum(axis=1).max())
+
+
 def _loss_and_grads(moe, x, parallel=None, ragged=False, capacities=None, total=None):
     graphdef, params = nnx.split(moe)
     cot = jnp.asarray(np.random.default_rng(1).normal(size=(G, S, D)), jnp.float32)
 
     def loss(p, v, caps):
-        y, stats = nnx.merge(graphdef, p)(
-            v, capacities=caps, parallel=parallel, shard_total=total if ragged else None
-        )
+        caps = RaggedCapacities(caps, total) if ragged else caps
+        y, stats = nnx.merge(graphdef, p)(v, capacities=caps, parallel=parallel)
         return jnp.sum(y * cot) + 0.1 * jnp.mean(stats.aux_loss), (y, stats)
 
     caps = jnp.asarray(capacities, jnp.int32) if ragged else tuple(capacities)
@@ -58,7 +61,7 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("capacities", CAPACITIES)
 def test_ragged_equals_static(moe, x, capacities):
     static = _loss_and_grads(moe, x, capacities=capacities)
-    total = ragged_shard_total(capacities, 1)
+    total = shard_total(capacities, 1)
     ragged = _loss_and_grads(moe, x, ragged=True, capacities=capacities, total=total)
     _assert_same(ragged, static)
     assert (int(np.asarray(static[1].dropped).sum()) > 0) == (capacities[0] < S)
@@ -69,7 +72,7 @@ def test_ragged_equals_static_with_expert_parallelism(moe, x, capacities):
     """4-way expert and 2-way data sharding (8 fake CPU devices)."""
     par = expert_parallel(make_mesh(1, 2, 4))
     static = _loss_and_grads(moe, x, parallel=par, capacities=capacities)
-    total = ragged_shard_total(capacities, 4)
+    total = shard_total(capacities, 4)
     ragged = _loss_and_grads(moe, x, parallel=par, ragged=True, capacities=capacities, total=total)
     _assert_same(ragged, static)
 
@@ -80,10 +83,22 @@ def test_runtime_capacities_change_drops_without_recompile(moe, x):
     total = 12
     graphdef, params = nnx.split(moe)
     fn = jax.jit(
-        lambda p, v, caps: nnx.merge(graphdef, p)(v, capacities=caps, shard_total=total)[1]
+        lambda p, v, caps: nnx.merge(graphdef, p)(v, capacities=RaggedCapacities(caps, total))[1]
     )
     for caps in [(3, 3, 3, 3), (1, 5, 2, 4), (6, 2, 2, 2), (0, 0, 6, 6)]:
         stats = fn(params, jnp.asarray(x), jnp.asarray(caps, jnp.int32))
         _, ref = moe(jnp.asarray(x), capacities=caps)
         np.testing.assert_array_equal(np.asarray(stats.dropped), np.asarray(ref.dropped))
     assert fn._cache_size() == 1
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_dropless_worst_case_buffer_equals_no_drop(moe, x, shards):
+    """Dropless: every capacity = group tokens, and the buffer only the worst case a shard can
+    receive (S * min(k, local experts) rows per group, below the summed capacities)."""
+    par = expert_parallel(make_mesh(1, 8 // shards, shards)) if shards > 1 else None
+    total = S * min(K, E // shards)
+    static = _loss_and_grads(moe, x, parallel=par, capacities=(S,) * E)
+    ragged = _loss_and_grads(moe, x, parallel=par, ragged=True, capacities=(S,) * E, total=total)
+    _assert_same(ragged, static)
+    assert int(np.asarray(ragged[1].dropped).sum()) == 0

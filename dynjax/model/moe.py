@@ -6,12 +6,18 @@ choice before any second choice, earlier tokens first — and pairs beyond C_e a
 nothing, so the token passes through the block's residual. Because groups are whole sequences,
 routing, dropping and outputs do not depend on the batch size or on how the batch is sharded.
 
-Capacities are static Python ints (they are part of the Plan, and changing them recompiles), and
-each expert computes on exactly its own slots, so shrinking a cold expert's capacity removes its
-FLOPs (DynaMoE, seed 001 §4.1). Under expert parallelism (``jax.shard_map`` over the mesh axis
-``'expert'``, dispatch and combine by ``jax.lax.all_to_all``) every device runs the same program,
-so local expert slot j is sized by the largest capacity among the experts that sit in slot j on
-the devices; the per-expert drop rule stays exact.
+On the static path (``moe.dispatch="static"``) capacities are Python ints compiled into the program
+(changing them recompiles), and each expert computes on exactly its own slots, so shrinking a cold
+expert's capacity removes its FLOPs (DynaMoE, seed 001 §4.1). Under expert parallelism
+(``jax.shard_map`` over the mesh axis ``'expert'``, dispatch and combine by ``jax.lax.all_to_all``)
+every device runs the same program, so local expert slot j is sized by the largest capacity among
+the experts that sit in slot j on the devices; the per-expert drop rule stays exact.
+
+The ragged path (``moe.dispatch="ragged"``, issue 12 §1; MaxText's dropless MoE) keeps the same
+pairs with the capacities as a runtime array: the kept pairs are sorted by expert and run through
+``jax.lax.ragged_dot`` with runtime group sizes inside a static buffer of ``shard_total`` rows per
+group and expert shard, so capacities change without a recompile and the program's size does not
+grow with the expert count.
 
 Auxiliary losses follow Switch Transformer (seed 001 eq. 3: E * sum_e f_e * P_e) and ST-MoE's
 router z-loss, computed per group and averaged so they too are independent of the sharding. f_e
@@ -81,6 +87,20 @@ class SlotLayout:
         offsets = np.concatenate([[0], np.cumsum(self.slot_sizes)[:-1]])
         shard = np.arange(len(self.capacities)) // len(self.slot_sizes)
         return shard * self.shard_slots + np.tile(offsets, self.shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedCapacities:
+    """The ragged path's capacities: per-expert ``values`` [E] int are a runtime input (changing
+    them needs no recompile); ``shard_total``, the static rows per group per expert shard of the
+    dispatch buffer, is compiled in and must be >= each shard's kept pairs per group, i.e.
+    min(its summed capacities, group_tokens * min(top_k, local experts))."""
+
+    values: jax.Array
+    shard_total: int
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
 
 
 class MoEStats(NamedTuple):
@@ -179,9 +199,9 @@ def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_tota
     """Kept pairs sorted by expert through ``jax.lax.ragged_dot`` (runtime group sizes).
 
     The send buffer holds ``shards`` chunks of ``g * shard_total`` rows (g = local groups): chunk
-    j takes the kept pairs for the experts of shard j, which fit as long as every shard's summed
-    capacities are <= ``shard_total``. A receiving shard sorts its rows by local expert; padding
-    rows sort last and ``ragged_dot`` leaves them zero.
+    j takes the kept pairs for the experts of shard j (`RaggedCapacities` says when they fit).
+    A receiving shard sorts its rows by local expert; padding rows sort last and ``ragged_dot``
+    leaves them zero.
     """
     g, s, d = x.shape
     k = experts.shape[-1]
@@ -212,12 +232,6 @@ def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_tota
     return jnp.einsum("gskd,gsk->gsd", out, weight.astype(out.dtype))
 
 
-def ragged_shard_total(capacities, shards: int) -> int:
-    """Rows per group per expert shard that the per-expert ``capacities`` need: the largest
-    shard's summed capacities (with one shard, the layer's total)."""
-    return int(np.asarray(capacities).reshape(shards, -1).sum(axis=1).max())
-
-
 class MoE(nnx.Module):
     """E experts held as stacked weights ``w_in`` [E, d, h] and ``w_out`` [E, h, d]."""
 
@@ -246,15 +260,12 @@ class MoE(nnx.Module):
         self,
         x: jax.Array,
         *,
-        capacities: tuple[int, ...] | jax.Array,
+        capacities: tuple[int, ...] | RaggedCapacities,
         parallel: ExpertParallel | None = None,
         cached: jax.Array | None = None,
-        shard_total: int | None = None,
     ) -> tuple[jax.Array, MoEStats]:
-        """``shard_total`` None: the static path, ``capacities`` Python ints compiled into the
-        program. An int: the ragged path (``moe.dispatch="ragged"``), ``capacities`` a runtime
-        [E] int array whose sum over each expert shard's experts is <= ``shard_total``; both
-        paths keep the same (token, choice) pairs."""
+        """Python ints: the static path, capacities compiled into the program. `RaggedCapacities`:
+        the ragged path (``moe.dispatch="ragged"``). Both keep the same (token, choice) pairs."""
         num_experts = self.w_in.shape[0]
         if len(capacities) != num_experts:
             raise ValueError(f"{len(capacities)} capacities given for {num_experts} experts")
@@ -263,14 +274,15 @@ class MoE(nnx.Module):
         shards = parallel.expert_shards if parallel else 1
         w_in, w_out = self.w_in[...].astype(x.dtype), self.w_out[...].astype(x.dtype)
         axis = parallel.expert_axis if parallel else None
-        if shard_total is None:
+        if not isinstance(capacities, RaggedCapacities):
             layout = SlotLayout(tuple(capacities), shards)
             slot, kept, loads = assign_slots(experts, layout)
             fn = lambda *a: _dispatch_experts_combine(*a, layout=layout, expert_axis=axis)
             args = (x, slot, jnp.where(kept, gates, 0.0), w_in, w_out)
         else:
-            kept, loads = keep_pairs(experts, jnp.asarray(capacities))
-            fn = lambda *a: _ragged_experts_combine(*a, shard_total=shard_total, expert_axis=axis)
+            kept, loads = keep_pairs(experts, capacities.values)
+            total = capacities.shard_total
+            fn = lambda *a: _ragged_experts_combine(*a, shard_total=total, expert_axis=axis)
             args = (x, experts, kept, jnp.where(kept, gates, 0.0), w_in, w_out)
         if parallel is not None:
             tokens, expert = P(parallel.token_axes), P(parallel.expert_axis)
