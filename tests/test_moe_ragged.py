@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dynjax.experiment import Experiment
 from dynjax.model import MoE, RaggedCapacities
 from dynjax.parallel import expert_parallel, make_mesh
+from dynjax.recompile import Proposal
+from dynjax.train import train
+from dynjax.writers import read_jsonl
+
+from .tiny import tiny_config
 
 D, H, E, K, S, G = 16, 24, 4, 2, 12, 8
 CAPACITIES = [(S,) * E, (1, 3, 2, 5), (4, 4, 4, 4), (0, 6, 2, 3)]
@@ -102,3 +108,91 @@ def test_dropless_worst_case_buffer_equals_no_drop(moe, x, shards):
     ragged = _loss_and_grads(moe, x, parallel=par, ragged=True, capacities=(S,) * E, total=total)
     _assert_same(ragged, static)
     assert int(np.asarray(ragged[1].dropped).sum()) == 0
+
+
+def _one_step(exp, plan, state, batch):
+    placed = exp.place_state(state)
+    step = exp.lower_train_step(plan).compile()
+    return jax.device_get(
+        step(placed["params"], placed["opt_state"], exp.device_batch(batch, plan=plan))
+    )
+
+
+def test_ragged_train_step_equals_static():
+    """The whole train step (2 MoE layers, tight uneven capacities): same loss, drops, params."""
+    out = []
+    for dispatch in ("static", "ragged"):
+        exp = Experiment.from_config(tiny_config(moe__every=1, moe__dispatch=dispatch))
+        plan = exp.initial_plan()
+        plan = plan.replace(capacities=((3, 9, 5, 12), (8, 8, 2, 6)))
+        out.append(_one_step(exp, plan, jax.device_get(exp.init_state()), exp.order.batch(0)))
+    (p_s, o_s, m_s), (p_r, o_r, m_r) = out
+    assert m_s["moe/dropped"].sum() > 0
+    np.testing.assert_array_equal(m_r["moe/dropped"], m_s["moe/dropped"])
+    np.testing.assert_allclose(m_r["loss"], m_s["loss"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((p_r, o_r)), jax.tree.leaves((p_s, o_s)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+class ShiftCapacity:
+    """Starts from uneven capacities, then moves slots between experts every 3 steps, keeping
+    every layer's total."""
+
+    name = "shift"
+
+    def __init__(self, start):
+        self.start, self.last = start, None
+
+    def propose(self, history, plan):
+        step = history.latest_step
+        if self.last is None:
+            self.last = step
+            return Proposal(self.start, "uneven")
+        if step < self.last + 3:
+            return None
+        self.last = step
+        caps = tuple(caps[1:] + caps[:1] for caps in plan.capacities)
+        return Proposal(plan.replace(capacities=caps), "rotate")
+
+
+def events_of(workdir, kind):
+    return [e for e in read_jsonl(workdir / "events.jsonl") if e["event"] == kind]
+
+
+def test_runtime_capacity_changes_swap_without_compiling(tmp_path):
+    cfg = tiny_config(
+        moe__every=2,
+        moe__dispatch="ragged",
+        train__steps=60,
+        recompile__delta_launch=1,
+        recompile__budget__max_recompiles=1,  # the uneven start; then only free swaps fit
+    )
+    exp = Experiment.from_config(cfg)
+    start = exp.initial_plan().replace(capacities=((2, 6, 10, 14),))
+    assert exp.compile_key(start) == exp.compile_key(
+        start.replace(capacities=((14, 2, 6, 10),))
+    )
+    summary = train(cfg, tmp_path, policies=[ShiftCapacity(start)], progress=False)
+    swaps = events_of(tmp_path, "recompile")
+    assert summary.final_step == 60 and len(swaps) >= 3
+    assert all(e["cache_hit"] for e in swaps[1:])  # after the start Plan: no compile at all
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert len({r["dropped_fraction"] for r in records}) > 1  # the capacities took effect
+
+
+def test_dropless_dynamic_short_run(tmp_path):
+    """Dropless ragged: nothing drops; a dynamic-capacity ragged run trains to the end."""
+    dropless = tiny_config(moe__every=2, moe__dispatch="ragged", moe__capacity__factor=0.0)
+    summary = train(dropless, tmp_path / "dropless", progress=False)
+    records = [r for r in read_jsonl(tmp_path / "dropless" / "metrics.jsonl") if "loss" in r]
+    assert summary.final_step == 12 and all(r["dropped_fraction"] == 0 for r in records)
+    dynamic = tiny_config(
+        moe__every=2,
+        moe__dispatch="ragged",
+        moe__capacity__policy="dynamic",
+        moe__capacity__window=2,
+        moe__capacity__factor=0.5,
+    )
+    summary = train(dynamic, tmp_path / "dynamic", progress=False)
+    records = [r for r in read_jsonl(tmp_path / "dynamic" / "metrics.jsonl") if "loss" in r]
+    assert summary.final_step == 12 and np.isfinite(records[-1]["loss"])
