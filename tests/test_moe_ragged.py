@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dynjax.config import ConfigError, validate_config
 from dynjax.experiment import Experiment
 from dynjax.model import MoE, RaggedCapacities
 from dynjax.parallel import expert_parallel, make_mesh
@@ -196,3 +197,21 @@ def test_dropless_dynamic_short_run(tmp_path):
     summary = train(dynamic, tmp_path / "dynamic", progress=False)
     records = [r for r in read_jsonl(tmp_path / "dynamic" / "metrics.jsonl") if "loss" in r]
     assert summary.final_step == 12 and np.isfinite(records[-1]["loss"])
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"moe__dispatch": "grouped"}, r"moe.dispatch='grouped' is not one of"),
+        ({"moe__capacity__factor": 0.0}, r"needs moe.dispatch='ragged'"),
+        (
+            {"moe__dispatch": "ragged", "moe__capacity__factor": -1.0,
+             "moe__capacity__policy": "dynamic"},
+            r"leaves nothing for moe.capacity.policy='dynamic'",
+        ),
+        ({"moe__dispatch": "ragged", "mesh__stage": 2}, r"pipeline runtime"),
+    ],
+)
+def test_bad_dispatch_config_names_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_config(tiny_config(moe__every=1, **overrides), num_devices=8)
