@@ -11,6 +11,7 @@ from flax import nnx
 from dynjax.config import ConfigError, validate_config
 from dynjax.experiment import Experiment
 from dynjax.model import MoE, RaggedCapacities
+from dynjax.model.moe import grouped_ffn
 from dynjax.parallel import expert_parallel, make_mesh
 from dynjax.recompile import Proposal
 from dynjax.train import train
@@ -170,9 +171,7 @@ def test_runtime_capacity_changes_swap_without_compiling(tmp_path):
     )
     exp = Experiment.from_config(cfg)
     start = exp.initial_plan().replace(capacities=((2, 6, 10, 14),))
-    assert exp.compile_key(start) == exp.compile_key(
-        start.replace(capacities=((14, 2, 6, 10),))
-    )
+    assert exp.compile_key(start) == exp.compile_key(start.replace(capacities=((14, 2, 6, 10),)))
     summary = train(cfg, tmp_path, policies=[ShiftCapacity(start)], progress=False)
     swaps = events_of(tmp_path, "recompile")
     assert summary.final_step == 60 and len(swaps) >= 3
@@ -205,8 +204,11 @@ def test_dropless_dynamic_short_run(tmp_path):
         ({"moe__dispatch": "grouped"}, r"moe.dispatch='grouped' is not one of"),
         ({"moe__capacity__factor": 0.0}, r"needs moe.dispatch='ragged'"),
         (
-            {"moe__dispatch": "ragged", "moe__capacity__factor": -1.0,
-             "moe__capacity__policy": "dynamic"},
+            {
+                "moe__dispatch": "ragged",
+                "moe__capacity__factor": -1.0,
+                "moe__capacity__policy": "dynamic",
+            },
             r"leaves nothing for moe.capacity.policy='dynamic'",
         ),
         ({"moe__dispatch": "ragged", "mesh__stage": 2}, r"pipeline runtime"),
@@ -215,3 +217,32 @@ def test_dropless_dynamic_short_run(tmp_path):
 def test_bad_dispatch_config_names_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         validate_config(tiny_config(moe__every=1, **overrides), num_devices=8)
+
+
+@pytest.mark.parametrize("rows", [40, 700])
+def test_grouped_ffn_tiles_and_ragged_dot_equal_per_row_reference(rows):
+    """Both grouped matmuls against a per-row loop, padding rows (id E) and an empty expert
+    included; gradients of the two agree."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.normal(size=(rows, D)), jnp.float32)
+    ids = rng.choice([0, 1, 3, E], size=rows)  # expert 2 gets nothing
+    w_in = jnp.asarray(rng.normal(size=(E, D, H)) * 0.3, jnp.float32)
+    w_out = jnp.asarray(rng.normal(size=(E, H, D)) * 0.3, jnp.float32)
+    ref = np.zeros((rows, D))
+    for r, e in enumerate(ids):
+        if e < E:
+            h = np.asarray(x[r], np.float64) @ np.asarray(w_in[e], np.float64)
+            ref[r] = (0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))) @ w_out[
+                e
+            ]
+    grads = []
+    for tiles in (True, False):
+        fn = lambda a, b, c, tiles=tiles: grouped_ffn(a, jnp.asarray(ids), b, c, tiles=tiles)
+        np.testing.assert_allclose(
+            np.asarray(jax.jit(fn)(x, w_in, w_out)), ref, rtol=1e-4, atol=1e-4
+        )
+        grads.append(
+            jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))(x, w_in, w_out)
+        )
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

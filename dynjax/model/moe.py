@@ -195,13 +195,44 @@ def _dispatch_experts_combine(x, slot, weight, w_in, w_out, *, layout, expert_ax
     return jnp.einsum("gskd,gsk->gsd", out[rows, slot], weight.astype(out.dtype))
 
 
+def grouped_ffn(
+    rows: jax.Array, ids: jax.Array, w_in: jax.Array, w_out: jax.Array, *, tiles: bool
+) -> jax.Array:
+    """Each row's expert MLP; ``ids`` [R] names the row's expert, ``E`` (= w_in.shape[0]) a
+    padding row (output 0). Group sizes are runtime values.
+
+    ``tiles=False``: rows sorted by expert through ``jax.lax.ragged_dot`` (a grouped GEMM on
+    GPU/TPU). ``tiles=True`` (CPU, where ragged_dot computes every row against every expert
+    under a mask, E times the FLOPs): each expert's rows padded to whole tiles of T rows in a
+    static buffer of R + E * (T - 1) rows, and every tile multiplied by its expert's gathered
+    weights, megablox's tiling done by hand.
+    """
+    num, (r, d) = w_in.shape[0], rows.shape
+    onehot = jax.nn.one_hot(ids, num, dtype=jnp.int32)  # padding rows: a zero row
+    sizes = jnp.sum(onehot, axis=0)
+    if not tiles:
+        perm = jnp.argsort(ids, stable=True)
+        h = jax.nn.gelu(jax.lax.ragged_dot(rows[perm], w_in, sizes))
+        return jnp.zeros_like(rows).at[perm].set(jax.lax.ragged_dot(h, w_out, sizes))
+    t = int(np.clip(2 ** int(np.log2(max(r // (4 * num), 1))), 8, 128))
+    n = -(-(r + num * (t - 1)) // t)  # tiles
+    padded = -(-sizes // t) * t
+    ends = jnp.cumsum(padded)
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    dest = jnp.where(ids < num, (ends - padded)[jnp.minimum(ids, num - 1)] + rank, n * t)
+    buf = jnp.zeros((n * t + 1, d), rows.dtype).at[dest].set(rows)[:-1].reshape(n, t, d)
+    expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n) * t, side="right"), num - 1)
+    h = jax.nn.gelu(jnp.einsum("ntd,ndh->nth", buf, w_in[expert]))
+    out = jnp.einsum("nth,nhd->ntd", h, w_out[expert]).reshape(n * t, d)
+    return jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[dest]
+
+
 def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_total, expert_axis):
     """Kept pairs sorted by expert through ``jax.lax.ragged_dot`` (runtime group sizes).
 
     The send buffer holds ``shards`` chunks of ``g * shard_total`` rows (g = local groups): chunk
     j takes the kept pairs for the experts of shard j (`RaggedCapacities` says when they fit).
-    A receiving shard sorts its rows by local expert; padding rows sort last and ``ragged_dot``
-    leaves them zero.
+    A receiving shard runs each row through its local expert (`grouped_ffn`).
     """
     g, s, d = x.shape
     k = experts.shape[-1]
@@ -221,10 +252,7 @@ def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_tota
         send = jax.lax.all_to_all(send.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
         ids = jax.lax.all_to_all(ids.reshape(shards, chunk), expert_axis, 0, 0, tiled=True)
         send, ids = send.reshape(shards * chunk, d), ids.reshape(shards * chunk)
-    perm = jnp.argsort(ids, stable=True)
-    sizes = jnp.zeros((local,), jnp.int32).at[ids].add(1, mode="drop")
-    h = jax.nn.gelu(jax.lax.ragged_dot(send[perm], w_in, sizes))
-    out = jnp.zeros_like(send).at[perm].set(jax.lax.ragged_dot(h, w_out, sizes))
+    out = grouped_ffn(send, ids, w_in, w_out, tiles=jax.default_backend() == "cpu")
     if shards > 1:
         out = jax.lax.all_to_all(out.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
         out = out.reshape(shards * chunk, d)
