@@ -120,11 +120,16 @@ def _one_step(exp, plan, state, batch):
     )
 
 
-def test_ragged_train_step_equals_static():
+@pytest.mark.parametrize(
+    "setup",
+    [{}, {"mesh__expert": 2, "mesh__data": 2, "train__microbatches": 2}],
+    ids=["one_device", "expert_parallel_microbatches"],
+)
+def test_ragged_train_step_equals_static(setup):
     """The whole train step (2 MoE layers, tight uneven capacities): same loss, drops, params."""
     out = []
     for dispatch in ("static", "ragged"):
-        exp = Experiment.from_config(tiny_config(moe__every=1, moe__dispatch=dispatch))
+        exp = Experiment.from_config(tiny_config(moe__every=1, moe__dispatch=dispatch, **setup))
         plan = exp.initial_plan()
         plan = plan.replace(capacities=((3, 9, 5, 12), (8, 8, 2, 6)))
         out.append(_one_step(exp, plan, jax.device_get(exp.init_state()), exp.order.batch(0)))
