@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -46,7 +47,7 @@ from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
-from dynjax.recompile import Plan, PlanContext, PlanError
+from dynjax.recompile import Plan, PlanContext, PlanError, ragged_totals
 
 
 def optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -196,9 +197,31 @@ class Experiment:
             ) from None
         return plan
 
+    @property
+    def ragged(self) -> bool:
+        """Whether the MoE layers take the ragged path (capacities as a step input)."""
+        return self.ctx.num_moe_layers > 0 and self.cfg.moe.dispatch == "ragged"
+
+    def ragged_totals(self, plan: Plan) -> tuple[int, ...]:
+        """The ragged path's static buffers of ``plan``; () on the static path."""
+        if not self.ragged:
+            return ()
+        return ragged_totals(
+            self.ctx, plan.capacities, self.cfg.mesh.expert, self.cfg.moe.capacity.bucket
+        )
+
+    def compile_key(self, plan: Plan) -> Hashable:
+        """What the train step's program depends on: on the ragged path the capacities only
+        through their bucketed totals, so Plans that differ in per-expert capacities within the
+        same totals share one executable (issue 12 §1)."""
+        if not self.ragged:
+            return plan
+        return plan.replace(capacities=()), self.ragged_totals(plan)
+
     def step_options(self, plan: Plan) -> StepOptions:
         return StepOptions(
-            capacities=plan.capacities,
+            capacities=() if self.ragged else plan.capacities,
+            ragged_totals=self.ragged_totals(plan),
             cached_routing=plan.cached_routing,
             microbatches=plan.microbatches,
             dtype=plan.dtype,
@@ -245,13 +268,23 @@ class Experiment:
         if plan.cached_routing:
             shape = (self.ctx.num_moe_layers, b, s, self.ctx.top_k)
             batch["cached"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.cached_sharding)
+        if self.ragged:
+            shape = (self.ctx.num_moe_layers, self.ctx.num_experts)
+            batch["capacities"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
         return batch
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
 
     @property
     def cached_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(None, TOKEN_AXES))
 
-    def device_batch(self, batch: Batch, cached: np.ndarray | None = None) -> dict[str, jax.Array]:
+    def device_batch(
+        self, batch: Batch, cached: np.ndarray | None = None, plan: Plan | None = None
+    ) -> dict[str, jax.Array]:
+        """A host batch on the mesh; on the ragged MoE path with ``plan``'s capacities."""
         sharding = batch_sharding(self.mesh)
         out = {
             "inputs": jax.device_put(batch.inputs, sharding),
@@ -259,6 +292,11 @@ class Experiment:
         }
         if cached is not None:
             out["cached"] = jax.device_put(cached, self.cached_sharding)
+        if self.ragged:
+            if plan is None:
+                raise ValueError("moe.dispatch='ragged' takes the Plan's capacities: pass plan")
+            caps = np.asarray(plan.capacities, np.int32)
+            out["capacities"] = jax.device_put(caps, self.replicated)
         return out
 
     # -- the pipeline ---------------------------------------------------------------------------
@@ -311,7 +349,7 @@ class Experiment:
             )
             return PipelineRuntime(self, pipeline)
         state = self.init_state() if host_state is None else self.place_state(host_state)
-        return SingleProgramRuntime(self, state)
+        return SingleProgramRuntime(self, state, plan)
 
     def eval_step(self, plan: Plan):
         """Jitted mean validation loss of one batch under ``plan``'s capacities. The last
@@ -330,21 +368,21 @@ class Experiment:
         if not self.val_batches:
             return None
         fn = self.eval_step(plan)
-        losses = [fn(params, self.device_batch(b)) for b in self.val_batches]
+        losses = [fn(params, self.device_batch(b, plan=plan)) for b in self.val_batches]
         return float(np.mean(jax.device_get(losses)))
 
 
 class SingleProgramRuntime:
     """The training state of the single-program step, and the calls the training loop makes."""
 
-    def __init__(self, exp: Experiment, state: dict[str, Any]) -> None:
-        self.exp, self.state = exp, state
+    def __init__(self, exp: Experiment, state: dict[str, Any], plan: Plan) -> None:
+        self.exp, self.state, self.plan = exp, state, plan
 
     def step(self, executable, batch: Batch, cached: np.ndarray | None):
         """Dispatch one step; returns its metrics as device arrays."""
         state = self.state
         state["params"], state["opt_state"], metrics = executable(
-            state["params"], state["opt_state"], self.exp.device_batch(batch, cached)
+            state["params"], state["opt_state"], self.exp.device_batch(batch, cached, self.plan)
         )
         return metrics
 
@@ -352,7 +390,9 @@ class SingleProgramRuntime:
         return metrics
 
     def swap(self, plan: Plan, executable) -> Migration | None:
-        """Every Plan of this runtime shares one state layout: nothing to migrate."""
+        """Every Plan of this runtime shares one state layout: nothing to migrate (the ragged
+        MoE path's next batches carry the new Plan's capacities)."""
+        self.plan = plan
         return None
 
     def plan_context(self, current: Plan) -> PlanContext:

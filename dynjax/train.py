@@ -214,7 +214,7 @@ def train(
     lower = functools.partial(
         exp.lower_train_step, profiling=profile_on_change or bool(profile_every)
     )
-    compiler = Compiler(lower, max_entries=cfg.recompile.cache_size)
+    compiler = Compiler(lower, key_fn=exp.compile_key, max_entries=cfg.recompile.cache_size)
     first = compiler.get(plan)
     events(
         {

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import ml_collections
 
-from dynjax.config import ConfigError, at_least, moe_layer_indices
+from dynjax.config import ConfigError, at_least, moe_layer_indices, num_stages
 from dynjax.dynamism.base import Plugin, register
 from dynjax.recompile import (
     CachingPolicy,
@@ -44,8 +44,14 @@ class MoEPlugin(Plugin):
         c.expert_mlp_dim = 0  # 0: same as model.mlp_dim
         c.aux_loss_weight = 0.01
         c.z_loss_weight = 0.0
+        # "static": a matmul pair per expert, capacities compiled in (a change recompiles);
+        # "ragged": ragged_dot over the kept pairs sorted by expert, capacities a runtime input
+        # (only a new bucketed total recompiles; issue 12 §1)
+        c.dispatch = "static"
         c.capacity = ml_collections.ConfigDict()
-        c.capacity.factor = 1.25  # the static global factor, and the start of a dynamic run
+        # the static global factor, and the start of a dynamic run; <= 0: dropless (needs
+        # moe.dispatch="ragged": every capacity is the group's tokens, the buffer the worst case)
+        c.capacity.factor = 1.25
         c.capacity.policy = "static"  # "static" | "dynamic" (per-expert, seed 001 §4.1)
         c.capacity.target_drop_rate = 0.01
         c.capacity.min_factor = 0.5
@@ -85,8 +91,26 @@ class MoEPlugin(Plugin):
                     f"moe.num_experts={moe.num_experts} must be divisible by "
                     f"mesh.expert={mesh.expert}"
                 )
-            if moe.capacity.factor <= 0:
-                raise ConfigError(f"moe.capacity.factor={moe.capacity.factor} must be > 0")
+            if moe.dispatch not in ("static", "ragged"):
+                raise ConfigError(
+                    f"moe.dispatch={moe.dispatch!r} is not one of ('static', 'ragged')"
+                )
+            if moe.capacity.factor <= 0 and moe.dispatch != "ragged":
+                raise ConfigError(
+                    f"moe.capacity.factor={moe.capacity.factor} (dropless) needs "
+                    "moe.dispatch='ragged': set it, or a factor > 0"
+                )
+            if moe.capacity.factor <= 0 and moe.capacity.policy == "dynamic":
+                raise ConfigError(
+                    f"moe.capacity.factor={moe.capacity.factor} (dropless) leaves nothing for "
+                    "moe.capacity.policy='dynamic' to size: set a factor > 0 or policy='static'"
+                )
+            if moe.dispatch == "ragged" and num_stages(cfg):
+                raise ConfigError(
+                    "moe.dispatch='ragged' does not run on the pipeline runtime yet "
+                    f"(pipeline.stage_layers={cfg.pipeline.stage_layers!r}): set "
+                    "moe.dispatch='static' or pipeline.stage_layers=''"
+                )
             if moe.capacity.policy not in ("static", "dynamic"):
                 raise ConfigError(
                     f"moe.capacity.policy={moe.capacity.policy!r} is not one of "
@@ -109,7 +133,10 @@ class MoEPlugin(Plugin):
                 )
 
     def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
-        return plan.replace(capacities=static_capacities(ctx, cfg.moe.capacity.factor))
+        factor = cfg.moe.capacity.factor
+        if factor <= 0:  # dropless: an expert can take every token of a group
+            factor = ctx.num_experts / ctx.top_k
+        return plan.replace(capacities=static_capacities(ctx, factor))
 
     def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
         """Capacities follow `moe.capacity.*` (back to the static factor when it changed),

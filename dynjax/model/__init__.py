@@ -1,7 +1,15 @@
 """Flax NNX model blocks: attention, MLP, MoE and the GPT that lists them."""
 
 from dynjax.model.gpt import GPT, Block, GPTConfig, ModelParts, fresh_params, lm_loss
-from dynjax.model.moe import ExpertParallel, MoE, MoEStats, SlotLayout, assign_slots, route
+from dynjax.model.moe import (
+    ExpertParallel,
+    MoE,
+    MoEStats,
+    RaggedCapacities,
+    SlotLayout,
+    assign_slots,
+    route,
+)
 
 __all__ = [
     "GPT",
@@ -12,6 +20,7 @@ __all__ = [
     "lm_loss",
     "ExpertParallel",
     "MoE",
+    "RaggedCapacities",
     "MoEStats",
     "SlotLayout",
     "assign_slots",

@@ -6,12 +6,18 @@ choice before any second choice, earlier tokens first — and pairs beyond C_e a
 nothing, so the token passes through the block's residual. Because groups are whole sequences,
 routing, dropping and outputs do not depend on the batch size or on how the batch is sharded.
 
-Capacities are static Python ints (they are part of the Plan, and changing them recompiles), and
-each expert computes on exactly its own slots, so shrinking a cold expert's capacity removes its
-FLOPs (DynaMoE, seed 001 §4.1). Under expert parallelism (``jax.shard_map`` over the mesh axis
-``'expert'``, dispatch and combine by ``jax.lax.all_to_all``) every device runs the same program,
-so local expert slot j is sized by the largest capacity among the experts that sit in slot j on
-the devices; the per-expert drop rule stays exact.
+On the static path (``moe.dispatch="static"``) capacities are Python ints compiled into the program
+(changing them recompiles), and each expert computes on exactly its own slots, so shrinking a cold
+expert's capacity removes its FLOPs (DynaMoE, seed 001 §4.1). Under expert parallelism
+(``jax.shard_map`` over the mesh axis ``'expert'``, dispatch and combine by ``jax.lax.all_to_all``)
+every device runs the same program, so local expert slot j is sized by the largest capacity among
+the experts that sit in slot j on the devices; the per-expert drop rule stays exact.
+
+The ragged path (``moe.dispatch="ragged"``, issue 12 §1; MaxText's dropless MoE) keeps the same
+pairs with the capacities as a runtime array: the kept pairs are sorted by expert and run through
+``jax.lax.ragged_dot`` with runtime group sizes inside a static buffer of ``shard_total`` rows per
+group and expert shard, so capacities change without a recompile and the program's size does not
+grow with the expert count.
 
 Auxiliary losses follow Switch Transformer (seed 001 eq. 3: E * sum_e f_e * P_e) and ST-MoE's
 router z-loss, computed per group and averaged so they too are independent of the sharding. f_e
@@ -83,6 +89,20 @@ class SlotLayout:
         return shard * self.shard_slots + np.tile(offsets, self.shards)
 
 
+@dataclasses.dataclass(frozen=True)
+class RaggedCapacities:
+    """The ragged path's capacities: per-expert ``values`` [E] int are a runtime input (changing
+    them needs no recompile); ``shard_total``, the static rows per group per expert shard of the
+    dispatch buffer, is compiled in and must be >= each shard's kept pairs per group, i.e.
+    min(its summed capacities, group_tokens * min(top_k, local experts))."""
+
+    values: jax.Array
+    shard_total: int
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+
 class MoEStats(NamedTuple):
     """Per-layer routing statistics; G = number of groups (sequences), S = seq len."""
 
@@ -110,22 +130,42 @@ def route(
     return probs, gates, experts, router_experts
 
 
+def _positions(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each (token, choice) pair's rank among its group's pairs for the same expert, in priority
+    order (every token's first choice before any second choice, earlier tokens first).
+
+    Returns (order [G, kS] expert ids choice-major, position [G, kS], group_loads [G, E]).
+    """
+    g, s, k = experts.shape
+    order = jnp.swapaxes(experts, 1, 2).reshape(g, k * s)  # choice-major priority
+    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # [G, kS, E]
+    position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)
+    return order, position, jnp.sum(onehot, axis=1)
+
+
+def _back(a: jax.Array, experts: jax.Array) -> jax.Array:
+    """[G, kS] choice-major -> [G, S, k]."""
+    g, s, k = experts.shape
+    return jnp.swapaxes(a.reshape(g, k, s), 1, 2)
+
+
 def assign_slots(experts: jax.Array, layout: SlotLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Buffer row of every (token, choice) pair; dropped pairs point at row ``layout.total``.
 
     Returns (slot [G,S,k] int32, kept [G,S,k] bool, group_loads [G,E] int32).
     """
-    g, s, k = experts.shape
-    num_experts = len(layout.capacities)
-    order = jnp.swapaxes(experts, 1, 2).reshape(g, k * s)  # choice-major priority
-    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # [G, kS, E]
-    position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)
+    order, position, loads = _positions(experts, len(layout.capacities))
     capacity = jnp.asarray(layout.capacities, jnp.int32)[order]
     kept = position < capacity
     base = jnp.asarray(layout.expert_base(), jnp.int32)[order]
     slot = jnp.where(kept, base + position, layout.total)
-    back = lambda a: jnp.swapaxes(a.reshape(g, k, s), 1, 2)
-    return back(slot), back(kept), jnp.sum(onehot, axis=1)
+    return _back(slot, experts), _back(kept, experts), loads
+
+
+def keep_pairs(experts: jax.Array, capacities: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The static path's drop rule with runtime capacities ([E] int): (kept [G,S,k], loads)."""
+    order, position, loads = _positions(experts, capacities.shape[0])
+    return _back(position < capacities.astype(jnp.int32)[order], experts), loads
 
 
 def _expert_ffn(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, slot_sizes) -> jax.Array:
@@ -153,6 +193,71 @@ def _dispatch_experts_combine(x, slot, weight, w_in, w_out, *, layout, expert_ax
         out = jax.lax.all_to_all(out, expert_axis, 1, 1, tiled=True)
     out = jnp.concatenate([out.reshape(g, layout.total, d), jnp.zeros((g, 1, d), out.dtype)], 1)
     return jnp.einsum("gskd,gsk->gsd", out[rows, slot], weight.astype(out.dtype))
+
+
+def grouped_ffn(
+    rows: jax.Array, ids: jax.Array, w_in: jax.Array, w_out: jax.Array, *, tiles: bool
+) -> jax.Array:
+    """Each row's expert MLP; ``ids`` [R] names the row's expert, ``E`` (= w_in.shape[0]) a
+    padding row (output 0). Group sizes are runtime values.
+
+    ``tiles=False``: rows sorted by expert through ``jax.lax.ragged_dot`` (a grouped GEMM on
+    GPU/TPU). ``tiles=True`` (CPU, where ragged_dot computes every row against every expert
+    under a mask, E times the FLOPs): each expert's rows padded to whole tiles of T rows in a
+    static buffer of R + E * (T - 1) rows, and every tile multiplied by its expert's gathered
+    weights, megablox's tiling done by hand.
+    """
+    num, (r, d) = w_in.shape[0], rows.shape
+    onehot = jax.nn.one_hot(ids, num, dtype=jnp.int32)  # padding rows: a zero row
+    sizes = jnp.sum(onehot, axis=0)
+    if not tiles:
+        perm = jnp.argsort(ids, stable=True)
+        h = jax.nn.gelu(jax.lax.ragged_dot(rows[perm], w_in, sizes))
+        return jnp.zeros_like(rows).at[perm].set(jax.lax.ragged_dot(h, w_out, sizes))
+    t = int(np.clip(2 ** int(np.log2(max(r // (4 * num), 1))), 8, 128))
+    n = -(-(r + num * (t - 1)) // t)  # tiles
+    padded = -(-sizes // t) * t
+    ends = jnp.cumsum(padded)
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    dest = jnp.where(ids < num, (ends - padded)[jnp.minimum(ids, num - 1)] + rank, n * t)
+    buf = jnp.zeros((n * t + 1, d), rows.dtype).at[dest].set(rows)[:-1].reshape(n, t, d)
+    expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n) * t, side="right"), num - 1)
+    h = jax.nn.gelu(jnp.einsum("ntd,ndh->nth", buf, w_in[expert]))
+    out = jnp.einsum("nth,nhd->ntd", h, w_out[expert]).reshape(n * t, d)
+    return jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[dest]
+
+
+def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_total, expert_axis):
+    """Kept pairs sorted by expert through ``jax.lax.ragged_dot`` (runtime group sizes).
+
+    The send buffer holds ``shards`` chunks of ``g * shard_total`` rows (g = local groups): chunk
+    j takes the kept pairs for the experts of shard j (`RaggedCapacities` says when they fit).
+    A receiving shard runs each row through its local expert (`grouped_ffn`).
+    """
+    g, s, d = x.shape
+    k = experts.shape[-1]
+    local = w_in.shape[0]
+    shards = 1 if expert_axis is None else jax.lax.axis_size(expert_axis)
+    chunk = g * shard_total
+    e, keep = experts.reshape(-1), kept.reshape(-1)
+    dest = jnp.where(keep, e // local, shards)
+    onehot = jax.nn.one_hot(dest, shards, dtype=jnp.int32)  # dropped pairs: a zero row
+    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    keep = keep & (pos < chunk)  # only reachable with capacities over the total: never scatter out
+    idx = jnp.where(keep, dest * chunk + pos, shards * chunk)
+    pairs = jnp.repeat(x.reshape(g * s, d), k, axis=0)
+    send = jnp.zeros((shards * chunk + 1, d), x.dtype).at[idx].add(pairs)[:-1]
+    ids = jnp.full((shards * chunk + 1,), local, jnp.int32).at[idx].set(e % local)[:-1]
+    if shards > 1:
+        send = jax.lax.all_to_all(send.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
+        ids = jax.lax.all_to_all(ids.reshape(shards, chunk), expert_axis, 0, 0, tiled=True)
+        send, ids = send.reshape(shards * chunk, d), ids.reshape(shards * chunk)
+    out = grouped_ffn(send, ids, w_in, w_out, tiles=jax.default_backend() == "cpu")
+    if shards > 1:
+        out = jax.lax.all_to_all(out.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
+        out = out.reshape(shards * chunk, d)
+    out = jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[idx].reshape(g, s, k, d)
+    return jnp.einsum("gskd,gsk->gsd", out, weight.astype(out.dtype))
 
 
 class MoE(nnx.Module):
@@ -183,32 +288,39 @@ class MoE(nnx.Module):
         self,
         x: jax.Array,
         *,
-        capacities: tuple[int, ...],
+        capacities: tuple[int, ...] | RaggedCapacities,
         parallel: ExpertParallel | None = None,
         cached: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEStats]:
+        """Python ints: the static path, capacities compiled into the program. `RaggedCapacities`:
+        the ragged path (``moe.dispatch="ragged"``). Both keep the same (token, choice) pairs."""
         num_experts = self.w_in.shape[0]
         if len(capacities) != num_experts:
             raise ValueError(f"{len(capacities)} capacities given for {num_experts} experts")
         logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
         probs, gates, experts, router_experts = route(logits, self.top_k, cached)
         shards = parallel.expert_shards if parallel else 1
-        layout = SlotLayout(tuple(capacities), shards)
-        slot, kept, loads = assign_slots(experts, layout)
-        weight = jnp.where(kept, gates, 0.0)
         w_in, w_out = self.w_in[...].astype(x.dtype), self.w_out[...].astype(x.dtype)
-        fn = lambda *a: _dispatch_experts_combine(
-            *a, layout=layout, expert_axis=parallel.expert_axis if parallel else None
-        )
+        axis = parallel.expert_axis if parallel else None
+        if not isinstance(capacities, RaggedCapacities):
+            layout = SlotLayout(tuple(capacities), shards)
+            slot, kept, loads = assign_slots(experts, layout)
+            fn = lambda *a: _dispatch_experts_combine(*a, layout=layout, expert_axis=axis)
+            args = (x, slot, jnp.where(kept, gates, 0.0), w_in, w_out)
+        else:
+            kept, loads = keep_pairs(experts, capacities.values)
+            total = capacities.shard_total
+            fn = lambda *a: _ragged_experts_combine(*a, shard_total=total, expert_axis=axis)
+            args = (x, experts, kept, jnp.where(kept, gates, 0.0), w_in, w_out)
         if parallel is not None:
             tokens, expert = P(parallel.token_axes), P(parallel.expert_axis)
             fn = jax.shard_map(
                 fn,
                 mesh=parallel.mesh,
-                in_specs=(tokens, tokens, tokens, expert, expert),
+                in_specs=(tokens,) * (len(args) - 2) + (expert, expert),
                 out_specs=tokens,
             )
-        y = fn(x, slot, weight, w_in, w_out)
+        y = fn(*args)
         tokens_per_group = experts.shape[1] * self.top_k
         aux = num_experts * jnp.sum(loads / tokens_per_group * jnp.mean(probs, axis=1), axis=-1)
         z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dynjax.model import ExpertParallel, lm_loss
+from dynjax.model import ExpertParallel, RaggedCapacities, lm_loss
 from dynjax.model.hooks import LayerOptions, hook_loss, reduction
 from dynjax.parallel.layout import by_path, fill, select
 
@@ -29,7 +29,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class StepOptions:
     """The static knobs of a compiled step (filled from a Plan)."""
 
-    capacities: tuple[tuple[int, ...], ...] = ()
+    capacities: tuple[tuple[int, ...], ...] = ()  # the static MoE path's; () on the ragged one
+    # The ragged MoE path's static buffer per MoE layer (`RaggedCapacities.shard_total`); its
+    # per-expert capacities come with the batch, as ``capacities`` [L, E] int32.
+    ragged_totals: tuple[int, ...] = ()
     cached_routing: bool = False
     microbatches: int = 1
     dtype: str = "float32"
@@ -48,13 +51,16 @@ def cast_floats(tree, dtype):
     )
 
 
-def forward_loss(graphdef, params, inputs, targets, cached, opts: StepOptions, parallel):
+def forward_loss(
+    graphdef, params, inputs, targets, cached, opts: StepOptions, parallel, capacities=None
+):
     """Loss to minimise and its parts for one (micro)batch: (total, (ce, aux, z, MoE stats,
-    the layers' hook metrics stacked by name))."""
+    the layers' hook metrics stacked by name)). ``capacities``: the ragged path's runtime
+    per-expert capacities [L, E] (with ``opts.ragged_totals``)."""
     model = nnx.merge(graphdef, cast_floats(params, DTYPES[opts.dtype]))
     logits, stats, layer_metrics = model.forward(
         inputs,
-        capacities=opts.capacities,
+        capacities=moe_capacities(opts, capacities),
         parallel=parallel,
         cached=cached,
         options=opts.layer_options or None,
@@ -64,6 +70,14 @@ def forward_loss(graphdef, params, inputs, targets, cached, opts: StepOptions, p
     z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
     total = ce + opts.aux_loss_weight * aux + opts.z_loss_weight * z + hook_loss(layer_metrics)
     return total, (ce, aux, z, stats, stack_layer_metrics(layer_metrics))
+
+
+def moe_capacities(opts: StepOptions, capacities: jax.Array | None) -> tuple:
+    """What each MoE layer's block takes: the static ints, or the runtime row and the static
+    buffer of the ragged path."""
+    if not opts.ragged_totals:
+        return opts.capacities
+    return tuple(RaggedCapacities(capacities[j], t) for j, t in enumerate(opts.ragged_totals))
 
 
 def stack_layer_metrics(layer_metrics: Sequence[Mapping[str, jax.Array]]) -> dict:
@@ -162,26 +176,29 @@ def make_train_step(
 ):
     """Build ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted).
 
-    ``batch`` holds ``inputs``/``targets`` [B, S] and, with cached routing, ``cached`` [L, B, S, k].
+    ``batch`` holds ``inputs``/``targets`` [B, S], with cached routing ``cached`` [L, B, S, k],
+    on the ragged MoE path ``capacities`` [L, E] int32 (a runtime input: no recompile).
     Only the trainable units are differentiated: the frozen layers are constants of the
     program, so XLA keeps no backward for a frozen prefix at all.
     """
 
-    def loss(trainable, frozen, inputs, targets, cached):
+    def loss(trainable, frozen, inputs, targets, cached, caps):
         return forward_loss(
-            graphdef, overlay(frozen, trainable), inputs, targets, cached, opts, parallel
+            graphdef, overlay(frozen, trainable), inputs, targets, cached, opts, parallel, caps
         )
 
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-    def one(params, inputs, targets, cached):
-        trainable = select(params, trainable_units(params, opts.frozen_layers))
-        (_, parts), grads = grad_fn(trainable, params, inputs, targets, cached)
-        return grads, *parts
-
     def step(params, opt_state, batch: dict[str, Any]):
         inputs, targets = batch["inputs"], batch["targets"]
         cached = batch.get("cached") if opts.cached_routing else None
+        caps = batch["capacities"] if opts.ragged_totals else None
+
+        def one(params, inputs, targets, cached):
+            trainable = select(params, trainable_units(params, opts.frozen_layers))
+            (_, parts), grads = grad_fn(trainable, params, inputs, targets, cached, caps)
+            return grads, *parts
+
         m = opts.microbatches
         if m == 1:
             grads, ce, aux, z, stats, layer_metrics = one(params, inputs, targets, cached)
@@ -232,6 +249,7 @@ def make_eval_step(graphdef, opts: StepOptions, parallel: ExpertParallel | None)
             None,
             dataclasses.replace(opts, cached_routing=False),
             parallel,
+            batch["capacities"] if opts.ragged_totals else None,
         )
         return ce
 

@@ -5,7 +5,13 @@ the `Monitor` reads Δ steps late, and swaps in a new Plan once the `Compiler` h
 """
 
 from dynjax.recompile.caching import STABILITY, AssignmentCache, CachingPolicy
-from dynjax.recompile.capacity import LOADS, DynamicCapacity, drop_fraction, required_capacity
+from dynjax.recompile.capacity import (
+    LOADS,
+    DynamicCapacity,
+    drop_fraction,
+    ragged_totals,
+    required_capacity,
+)
 from dynjax.recompile.compiler import (
     Compiler,
     CompileResult,
@@ -54,6 +60,7 @@ __all__ = [
     "drop_fraction",
     "enable_persistent_cache",
     "moved_layers",
+    "ragged_totals",
     "required_capacity",
     "static_capacities",
 ]

@@ -97,6 +97,11 @@ class Compiler:
                 self._cache.popitem(last=False)
         return future
 
+    def same_program(self, a: Plan, b: Plan) -> bool:
+        """Whether Plans `a` and `b` share one executable (they differ only in runtime inputs,
+        e.g. per-expert capacities on the ragged MoE path)."""
+        return self._key_fn(a) == self._key_fn(b)
+
     def forget(self, drop: Callable[[Hashable], bool]) -> None:
         """Drop the cached executables whose key ``drop`` selects, e.g. those of Plans that run
         on devices given back after a re-pack (their programs hold memory there)."""

@@ -89,8 +89,10 @@ class Controller:
     Per round, policies run in order, each on the Plan as changed by the ones before it, so the
     changes of one round are compiled together. A proposal that `validate` rejects (it raises
     `ValueError`, e.g. `PlanError`) is dropped with a `recompile_rejected` event; the combined
-    Plan must fit the `budget`. Policies do not run while a compile is pending. `emit` is
-    called from both the policy thread and the training thread: it must be thread-safe
+    Plan must fit the `budget`, unless it runs the current executable (a swap that compiles
+    nothing, e.g. new capacities on the ragged MoE path). Policies do not run while a
+    compile is pending. `emit` is called from both the policy thread and the training thread:
+    it must be thread-safe
     (`EventLog` is). Errors of the controller itself (not of a policy) are re-raised on the
     training thread by the next `poll`, `wait_idle` or `stop`.
     """
@@ -312,7 +314,8 @@ class Controller:
         if plan == base:
             return
         reason, policy_names, diff = "; ".join(reasons), "+".join(names), base.diff(plan)
-        if not self._budget.allows(self._accepted_steps, step):
+        free = self._compiler.same_program(base, plan)  # e.g. ragged MoE capacities
+        if not free and not self._budget.allows(self._accepted_steps, step):
             if self._refused.get("budget") == plan:
                 return
             self._refused["budget"] = plan
@@ -333,7 +336,8 @@ class Controller:
         except Exception as e:
             self._emit_failed(step, metrics_step, reason, policy_names, diff, e)
             return
-        self._accepted_steps.append(step)
+        if not free:
+            self._accepted_steps.append(step)
         self._refused.clear()
         with self._cond:
             self._pending = _Pending(plan, future, step, metrics_step, reason, policy_names)
