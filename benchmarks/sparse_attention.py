@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 
 from dynjax.config import load_config
-from dynjax.dynamism.sparse_attention import bucket_budget, smallest_budget
+from dynjax.dynamism.histograms import smallest_budget
+from dynjax.dynamism.sparse_attention import bucket_budget
 from dynjax.model.attention import CausalSelfAttention
 from dynjax.model.hashed_attention import NEEDED_HIST, PAIR_FRACTION, HashedAttention
 from dynjax.train import train

@@ -4,6 +4,7 @@ Importing this package registers the built-in schemes; `register` adds others.
 """
 
 from dynjax.dynamism import (  # noqa: F401 - each registers its scheme
+    early_exit,
     freezing,
     mod,
     moe,

@@ -23,6 +23,7 @@ import numpy as np
 
 from dynjax.config import ConfigError
 from dynjax.dynamism.base import Plugin, register
+from dynjax.dynamism.histograms import overflow_at, smallest_budget
 from dynjax.model.hashed_attention import (
     NAME,
     NEEDED_HIST,
@@ -45,22 +46,6 @@ def num_blocks(cfg: ml_collections.ConfigDict) -> int:
 def bucket_budget(blocks: int, num: int) -> int:
     """A static budget covering ``blocks`` key blocks out of ``num`` (at least one)."""
     return max(1, bucket_blocks(min(max(blocks, 0), num), num))
-
-
-def overflow_at(hist: np.ndarray, budget: int) -> float:
-    """The fraction of needed blocks beyond ``budget`` for a histogram of needed-block counts
-    per query block (``hist[c]``: query blocks needing c key blocks)."""
-    counts = np.arange(len(hist))
-    total = float(np.sum(hist * counts))
-    return float(np.sum(hist * np.maximum(counts - budget, 0))) / total if total else 0.0
-
-
-def smallest_budget(hist: np.ndarray, max_overflow: float) -> int:
-    """The smallest budget whose overflow on ``hist`` is at most ``max_overflow``."""
-    for budget in range(len(hist)):
-        if overflow_at(hist, budget) <= max_overflow:
-            return budget
-    return len(hist) - 1
 
 
 class SparseAttention(Plugin):

@@ -40,25 +40,58 @@ class CausalSelfAttention(nnx.Module):
         sparse: SparseLinears | None = None,
         positions: jax.Array | None = None,
         hashed: HashedAttention | None = None,
+        context: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(output, metrics). ``sparse``: which of ``attn/qkv``, ``attn/out`` multiply
         block-sparsely; ``positions`` [B, S]: the tokens' positions in their sequence, ascending
         (a subset of a sequence, as mixture of depths runs), for RoPE and the causal mask;
-        default 0..S-1; ``hashed``: attend within LSH buckets (`hashed_attention`)."""
+        default 0..S-1; ``hashed``: attend within LSH buckets (`hashed_attention`).
+        ``context`` [B, T, D]: the whole sequence (positions 0..T-1) whose keys and values the
+        tokens ``x`` at ``positions`` attend to, so a subset of queries still sees every
+        earlier token (early exit's state propagation, CALM §3.2); default ``x`` itself."""
         b, s, d = x.shape
-        qkv = linear(self.qkv, x, "attn/qkv", sparse)
-        q, k, v = jnp.split(qkv.reshape(b, s, 3 * self.num_heads, -1), 3, axis=2)
+        if context is None:
+            qkv = linear(self.qkv, x, "attn/qkv", sparse)
+            q, k, v = jnp.split(qkv.reshape(b, s, 3 * self.num_heads, -1), 3, axis=2)
+            key_positions = positions
+        else:
+            q, k, v = self._split_projection(x, context, sparse)
+            key_positions = jnp.arange(context.shape[1])[None, :]
         if self.rope:
-            q, k = rotary(q, positions), rotary(k, positions)
+            q, k = rotary(q, positions), rotary(k, key_positions)
         metrics: dict[str, jax.Array] = {}
         if hashed is not None:
+            if context is not None:
+                raise ValueError("hashed attention attends within its own tokens: no context")
             y, metrics = hashed_attention(q, k, v, hashed)
             return linear(self.out, y.reshape(b, s, d), "attn/out", sparse), metrics
         scale = q.shape[-1] ** -0.5
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
-        # Causal in the original order: positions ascend, so a subset keeps the lower triangle.
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        if context is None:
+            # Causal in the original order: positions ascend, so a subset keeps the triangle.
+            causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+        else:  # queries at ``positions`` of the context's 0..T-1
+            query_positions = jnp.arange(s)[None, :] if positions is None else positions
+            causal = (query_positions[:, None, :, None] >= key_positions[:, None, None, :])
         logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
         return linear(self.out, y, "attn/out", sparse), metrics
+
+    def _split_projection(
+        self, x: jax.Array, context: jax.Array, sparse: SparseLinears | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries of ``x``, keys and values of ``context`` [B, T, H, Dh]: only the query
+        columns of the projection multiply the subset (a block-sparse projection multiplies
+        whole, then splits)."""
+        b, s, d = x.shape
+        t, h = context.shape[1], self.num_heads
+        if sparse is not None and sparse.width("attn/qkv") is not None:
+            q = linear(self.qkv, x, "attn/qkv", sparse)[..., :d]
+            kv = linear(self.qkv, context, "attn/qkv", sparse)[..., d:]
+        else:
+            w, bias = self.qkv.kernel[...], self.qkv.bias[...]
+            q = x @ w[:, :d] + bias[:d]
+            kv = context @ w[:, d:] + bias[d:]
+        k, v = jnp.split(kv.reshape(b, t, 2 * h, -1), 2, axis=2)
+        return q.reshape(b, s, h, -1), k, v

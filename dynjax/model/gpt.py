@@ -21,6 +21,7 @@ from dynjax.model.attention import CausalSelfAttention
 from dynjax.model.hashed_attention import hashed_record
 from dynjax.model.hooks import (
     BlockPart,
+    LayerContext,
     LayerOptions,
     apply_block_hooks,
     apply_weight_hooks,
@@ -90,14 +91,22 @@ class Block(nnx.Module):
                 setattr(self, name, make_block_part(name, cfg, settings, rngs))
 
     def __call__(
-        self, x, *, capacities=None, parallel=None, cached=None, options: LayerOptions = ()
+        self,
+        x,
+        *,
+        capacities=None,
+        parallel=None,
+        cached=None,
+        options: LayerOptions = (),
+        context: LayerContext | None = None,
     ):
         """(output, MoE stats or None, the block hooks' metrics) of one layer."""
         # Records read inside the block: block-sparse matmuls, hashed attention.
         sparse, hashed = sparse_linears(options), hashed_record(options)
 
-        def residual(x, positions):
-            y, metrics = self.attn(self.norm1(x), sparse, positions, hashed)
+        def residual(x, positions, whole=None):
+            keys = None if whole is None else self.norm1(whole)
+            y, metrics = self.attn(self.norm1(x), sparse, positions, hashed, keys)
             x = x + y
             if self.is_moe:
                 y, stats = self.moe(
@@ -111,7 +120,8 @@ class Block(nnx.Module):
             x, stats, inner = residual(x, None)
         else:  # a scheme that picks the tokens the block computes (mixture of depths)
             name, wrapper, record = wrapped
-            x, stats, inner = wrapper(residual, x, record, getattr(self, name, None))
+            part = getattr(self, name, None)
+            x, stats, inner = wrapper(residual, x, record, part, context or LayerContext())
         x, metrics = apply_block_hooks(x, options)
         return x, stats, {**inner, **metrics}
 
@@ -124,13 +134,16 @@ def run_layers(
     options: Sequence[LayerOptions] | None,
     parallel,
     cached: jax.Array | Sequence[jax.Array] | None,
+    context: LayerContext | None = None,
 ) -> tuple[jax.Array, tuple[MoEStats, ...], tuple[dict[str, jax.Array], ...]]:
     """The one layer loop of the model and of every pipeline stage.
 
     ``capacities`` and ``cached`` hold one entry per MoE block of ``blocks`` in order;
-    ``options`` one `LayerOptions` per block (None: none). Returns the output, the MoE blocks'
-    stats in order and each block's hook metrics.
+    ``options`` one `LayerOptions` per block (None: none); ``context`` what the block wrappers
+    share (`LayerContext`; default: none of it). Returns the output, the MoE blocks' stats in
+    order and each block's hook metrics.
     """
+    context = context if context is not None else LayerContext()
     if len(capacities) != sum(b.is_moe for b in blocks):
         raise ValueError(
             f"{len(capacities)} capacity tuples for {sum(b.is_moe for b in blocks)} MoE layers"
@@ -146,6 +159,7 @@ def run_layers(
             parallel=parallel,
             cached=cached[j] if (block.is_moe and cached is not None) else None,
             options=opts,
+            context=context,
         )
         if s is not None:
             stats.append(s)
@@ -191,8 +205,10 @@ class GPT(nnx.Module):
         parallel=None,
         cached: tuple[jax.Array, ...] | None = None,
         options: Sequence[LayerOptions] | None = None,
+        targets: jax.Array | None = None,
     ):
-        """`__call__` with each layer's options: also returns each layer's hook metrics."""
+        """`__call__` with each layer's options: also returns each layer's hook metrics.
+        ``targets`` [B, S]: the next tokens, for wrappers that take a loss inside the stack."""
         x = self.embed(tokens)
         if self.cfg.positions == "learned":
             x = x + self.pos[: tokens.shape[1]].astype(x.dtype)
@@ -203,8 +219,13 @@ class GPT(nnx.Module):
             options=options,
             parallel=parallel,
             cached=cached,
+            context=LayerContext(readout=self.readout, targets=targets),
         )
-        return self.head(self.norm(x)).astype(jnp.float32), stats, metrics
+        return self.readout(x), stats, metrics
+
+    def readout(self, x: jax.Array) -> jax.Array:
+        """Hidden states [..., D] -> float32 logits: the final norm and the LM head."""
+        return self.head(self.norm(x)).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

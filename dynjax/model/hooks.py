@@ -14,10 +14,15 @@ Schemes that change *which tokens* a block computes (mixture of depths) need two
 the layer, so they migrate, checkpoint and restore with it), and a *block wrapper*, which runs the
 block's residual body on tokens it chooses. A metric registered as a *loss* is added to the
 training loss by both steps, so a part's auxiliary objective trains without them knowing it.
+
+Schemes that score tokens in the middle of the stack (early exit) also get the forward's
+`LayerContext`: the model's readout (final norm + LM head), the targets, and a per-token carry
+that flows from layer to layer (which tokens remain).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,12 +40,28 @@ REDUCTIONS = ("mean", "sum", "rows")  # over microbatches: average, add, or rows
 WeightHook = Callable[[dict[str, jax.Array], Any], tuple[dict[str, jax.Array], dict]]
 
 # The block's residual body on any token subset: (x [B, S, D], the tokens' original positions
-# [B, S] or None for all) -> (its output, MoE stats or None, metrics of what ran inside).
-Residual = Callable[[jax.Array, jax.Array | None], tuple[jax.Array, Any, dict[str, jax.Array]]]
-# (the residual body, x, the layer's record, the layer's part of the same name or None)
-# -> (the block's output, MoE stats or None, metrics)
+# [B, S] or None for all, and optionally the whole sequence [B, T, D] whose keys and values
+# they attend to, default x) -> (its output, MoE stats or None, metrics of what ran inside).
+Residual = Callable[..., tuple[jax.Array, Any, dict[str, jax.Array]]]
+
+
+@dataclasses.dataclass
+class LayerContext:
+    """What one forward gives the layers beyond their input: ``readout`` maps hidden states
+    [..., D] to float32 logits (the model's final norm and LM head; None in a pipeline stage
+    that does not hold them), ``targets`` [B, S] the next tokens (None without a loss), and
+    ``carry``, per-token arrays a wrapper leaves for the layers after it (keyed by its name)."""
+
+    readout: Callable[[jax.Array], jax.Array] | None = None
+    targets: jax.Array | None = None
+    carry: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+
+
+# (the residual body, x, the layer's record, the layer's part of the same name or None, the
+# forward's context) -> (the block's output, MoE stats or None, metrics)
 BlockWrapper = Callable[
-    [Residual, jax.Array, Any, nnx.Module | None], tuple[jax.Array, Any, dict[str, jax.Array]]
+    [Residual, jax.Array, Any, nnx.Module | None, LayerContext],
+    tuple[jax.Array, Any, dict[str, jax.Array]],
 ]
 # (the model config, the part's hashable settings, rngs) -> the part's module
 PartFactory = Callable[[Any, Any, nnx.Rngs], nnx.Module]
@@ -85,9 +106,10 @@ def register_block_wrapper(
     name: str, wrapper: BlockWrapper, metrics: Mapping[str, str] | None = None
 ) -> None:
     """Run every block whose options hold a record ``name`` through
-    ``wrapper(residual, x, record, part)`` instead of its residual body on all tokens; ``part``
-    is the block's part registered under the same name (None without one). One wrapper per
-    block: a layer whose options name two is refused when it runs."""
+    ``wrapper(residual, x, record, part, context)`` instead of its residual body on all tokens;
+    ``part`` is the block's part registered under the same name (None without one), ``context``
+    the forward's `LayerContext`. One wrapper per block: a layer whose options name two is
+    refused when it runs."""
     _WRAPPERS[name] = wrapper
     register_metrics(metrics or {})
 

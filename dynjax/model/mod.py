@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from dynjax.model.hooks import (
+    LayerContext,
     Residual,
     register_block_part,
     register_block_wrapper,
@@ -61,7 +62,11 @@ class DepthRouter(nnx.Module):
 
 
 def route_depth(
-    residual: Residual, x: jax.Array, record: RoutedBlock, part: DepthRouter
+    residual: Residual,
+    x: jax.Array,
+    record: RoutedBlock,
+    part: DepthRouter,
+    context: LayerContext,
 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """The routed block: the top ``record.tokens`` tokens of each sequence through
     ``residual``, the others unchanged (see the module docstring)."""

@@ -64,6 +64,7 @@ def forward_loss(
         parallel=parallel,
         cached=cached,
         options=opts.layer_options or None,
+        targets=targets,
     )
     ce = lm_loss(logits, targets)
     aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))

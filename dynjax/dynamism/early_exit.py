@@ -1,0 +1,228 @@
+"""Early exit as a dynamism plugin (CALM, Schuster et al. 2022; seed 000 §2.5, §4.2.5).
+
+Exit points sit after layer ``early_exit.first`` and every ``early_exit.every`` layers after it
+(never after the last layer: that is the model's own output). `dynjax.model.early_exit` runs the
+layers from the first exit point on: confident tokens exit, later layers compute only a bucket
+of each sequence's remaining tokens. The Plan holds each layer's bucket
+(``parts.early_exit.tokens``, bucketed by `bucket_blocks`) and whether tokens exit yet
+(``active``, from ``early_exit.start_step``: before it the exits only learn). `ExitBuckets`
+turns exits on at the start step and sizes every bucket from the remaining-token counts the
+steps report, with headroom and hysteresis, so that at most ``early_exit.max_forced`` of the
+remaining tokens are forced out; a change compiles in the background. A layer's cost for the
+balancer is the share of tokens its bucket computes (seed 000 §2.5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ml_collections
+import numpy as np
+
+from dynjax.config import ConfigError, moe_layer_indices, num_stages
+from dynjax.dynamism.base import Plugin, register
+from dynjax.dynamism.histograms import overflow_at, smallest_budget
+from dynjax.model.early_exit import (
+    CONFIDENCE,
+    CONFIDENCES,
+    EXIT_CE,
+    EXITED,
+    FORCED,
+    NAME,
+    NEEDED_HIST,
+    PROCESSED,
+    ExitLayer,
+)
+from dynjax.model.sparse_linear import bucket_blocks
+from dynjax.recompile import History, Proposal
+
+if TYPE_CHECKING:
+    from dynjax.experiment import Experiment
+    from dynjax.recompile import Plan, PlanContext, Policy
+
+
+def exit_layers(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
+    """Indices of the layers an exit point follows."""
+    e = cfg.early_exit
+    return tuple(range(e.first - 1, cfg.model.num_layers - 1, e.every))
+
+
+def exit_weights(cfg: ml_collections.ConfigDict) -> tuple[float, ...]:
+    """Each exit point's loss weight: ``early_exit.loss_weights``, or by default CALM's weights
+    growing with depth, (layer + 1) / num_layers (the final readout's weight is 1)."""
+    given = tuple(cfg.early_exit.loss_weights)
+    if given:
+        return tuple(float(w) for w in given)
+    return tuple((i + 1) / cfg.model.num_layers for i in exit_layers(cfg))
+
+
+def bucket_tokens(count: int, seq_len: int) -> int:
+    """A static bucket covering ``count`` tokens of a sequence (at least one)."""
+    return max(1, bucket_blocks(min(max(count, 0), seq_len), seq_len))
+
+
+class EarlyExit(Plugin):
+    name = NAME
+    # The exit points decide what the loss trains (and where buckets start).
+    fixed_on_resume = ("early_exit.enabled", "early_exit.first", "early_exit.every")
+    logged_metrics = (PROCESSED, FORCED, EXITED, EXIT_CE, CONFIDENCE)
+
+    def config(self) -> ml_collections.ConfigDict:
+        c = ml_collections.ConfigDict()
+        c.enabled = False
+        c.first = 2  # the first exit point follows this many layers
+        c.every = 2  # then one every n layers (never after the last layer)
+        c.confidence = "softmax_max"  # | "state" (cosine of the state before/after the layer)
+        c.threshold = 0.9  # a token exits when its confidence reaches this
+        c.start_step = 100  # tokens exit from this step on; before, the exits only learn
+        c.loss_weights = ()  # one per exit point; (): (layer + 1) / num_layers (CALM §4)
+        c.max_forced = 0.01  # the policy keeps tokens forced out by buckets at most this share
+        c.window = 10  # steps of remaining-token counts the policy reads
+        c.headroom = 0.25  # bucket = (1 + headroom) x the smallest that meets max_forced
+        c.hysteresis = 0.25  # shrink only below (1 - hysteresis) x the current bucket
+        return c
+
+    def validate(self, cfg: ml_collections.ConfigDict) -> None:
+        e = cfg.early_exit
+        if not e.enabled:
+            return
+        layers = cfg.model.num_layers
+        if e.first < 1 or e.every < 1:
+            raise ConfigError(f"early_exit.first={e.first} and early_exit.every={e.every} "
+                              "must be >= 1")
+        if e.first >= layers:
+            raise ConfigError(
+                f"early_exit.first={e.first} leaves no exit point before the last of "
+                f"model.num_layers={layers} layers: set early_exit.first < {layers}"
+            )
+        if e.confidence not in CONFIDENCES:
+            raise ConfigError(
+                f"early_exit.confidence={e.confidence!r}: use one of {list(CONFIDENCES)}"
+            )
+        if not 0 < e.threshold <= 1:
+            raise ConfigError(f"early_exit.threshold={e.threshold} must be in (0, 1]")
+        if e.start_step < 0:
+            raise ConfigError(f"early_exit.start_step={e.start_step} must be >= 0")
+        n = len(exit_layers(cfg))
+        weights = tuple(e.loss_weights)
+        if weights and (len(weights) != n or min(weights) < 0):
+            raise ConfigError(
+                f"early_exit.loss_weights={weights} needs {n} weights >= 0, one per exit point "
+                f"(after layers {[i + 1 for i in exit_layers(cfg)]}), or () for the default"
+            )
+        if not 0 <= e.max_forced < 1 or e.window < 1:
+            raise ConfigError(f"early_exit.max_forced={e.max_forced} must be in [0, 1) and "
+                              f"early_exit.window={e.window} >= 1")
+        if e.headroom < 0 or not 0 <= e.hysteresis < 1:
+            raise ConfigError(f"early_exit.headroom={e.headroom} must be >= 0 and "
+                              f"early_exit.hysteresis={e.hysteresis} in [0, 1)")
+        if num_stages(cfg) > 1:
+            raise ConfigError(
+                "early_exit.enabled with a pipeline (pipeline.stage_layers / mesh.stage > 1): "
+                "the exit points need the LM head and the targets inside earlier stages, which "
+                "the pipeline runtime does not pass yet; train early exit with mesh.stage=1"
+            )
+        for other in ("mod", "sparse_attention"):
+            if other in cfg and cfg[other].enabled:
+                raise ConfigError(
+                    f"early_exit.enabled with {other}.enabled: both choose what a block computes "
+                    "(one block wrapper per layer); turn one of them off"
+                )
+        if moe_layer_indices(cfg):
+            raise ConfigError(
+                f"early_exit.enabled with MoE layers (moe.every={cfg.moe.every}): expert "
+                "capacities are sized for every token, not a layer's bucket; set moe.every=0"
+            )
+
+    def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
+        return plan.with_part(
+            NAME,
+            tokens=(cfg.data.seq_len,) * cfg.model.num_layers,
+            active=cfg.early_exit.start_step == 0,
+        )
+
+    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
+        cfg, e = exp.cfg, exp.cfg.early_exit
+        part = plan.part(NAME)
+        weights = dict(zip(exit_layers(cfg), exit_weights(cfg), strict=True))
+        first = exit_layers(cfg)[0]
+        return tuple(
+            None if i < first else ExitLayer(
+                tokens=int(tokens),
+                exit_weight=weights.get(i, 0.0),
+                confidence=e.confidence,
+                threshold=float(e.threshold),
+                active=bool(part["active"]),
+            )
+            for i, tokens in enumerate(part["tokens"])
+        )
+
+    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
+        """Seed 000 §2.5: the share of the tokens a layer processes (its bucket)."""
+        seq = exp.cfg.data.seq_len
+        return [t / seq for t in plan.part(NAME)["tokens"]]
+
+    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
+        e = cfg.early_exit
+        return [ExitBuckets(seq_len=cfg.data.seq_len, first=exit_layers(cfg)[0],
+                            start_step=e.start_step, max_forced=e.max_forced, window=e.window,
+                            headroom=e.headroom, hysteresis=e.hysteresis)]
+
+
+class ExitBuckets:
+    """Turns exits on at ``start_step``, then sizes each layer's bucket from the per-sequence
+    remaining-token histograms of the newest ``window`` steps: the smallest bucket forcing out
+    at most ``max_forced`` of the remaining tokens, times ``1 + headroom``, bucketed. Grows at
+    once when the current bucket forces out more; shrinks only below ``(1 - hysteresis)`` x the
+    current one, so noise does not recompile. Pure."""
+
+    name = NAME
+
+    def __init__(self, *, seq_len: int, first: int, start_step: int, max_forced: float,
+                 window: int, headroom: float, hysteresis: float) -> None:
+        self.seq_len, self.first, self.start_step = seq_len, first, start_step
+        self.max_forced, self.window = max_forced, window
+        self.headroom, self.hysteresis = headroom, hysteresis
+
+    def wanted(self, hist: np.ndarray) -> int:
+        need = smallest_budget(hist, self.max_forced)
+        return bucket_tokens(math.ceil(need * (1 + self.headroom)), self.seq_len)
+
+    def propose(self, history: History, plan: Plan) -> Proposal | None:
+        part = plan.part(NAME)
+        latest = history.latest_step
+        if not part["active"]:
+            if latest is None or latest < self.start_step:
+                return None
+            record = {"event": "early_exit_start", "metrics_step": latest}
+            return Proposal(plan.with_part(NAME, active=True),
+                            f"tokens exit from step {latest}", records=(record,))
+        hists = history.values(NEEDED_HIST, self.window)
+        if len(hists) < self.window:
+            return None
+        hist = np.sum([np.asarray(h, dtype=float) for h in hists], axis=0)  # [L - first, S + 1]
+        have = tuple(part["tokens"])
+        want = list(have)
+        for j, layer_hist in enumerate(hist):  # hist[j]: sequences entering layer first + j
+            layer = self.first + j
+            if layer == self.first:  # the first exit point's layer computes every token
+                continue
+            target = self.wanted(layer_hist)
+            over = overflow_at(layer_hist, have[layer]) > self.max_forced
+            shrink = target < (1 - self.hysteresis) * have[layer]
+            want[layer] = target if over or shrink else have[layer]
+        want = tuple(want)
+        if want == have:
+            return None
+        record = {"event": "early_exit_buckets", "old": list(have), "new": list(want),
+                  "window": self.window}
+        return Proposal(
+            plan.with_part(NAME, tokens=want),
+            f"early-exit buckets {list(have)} -> {list(want)} of {self.seq_len} tokens",
+            records=(record,),
+        )
+
+
+register(EarlyExit())
