@@ -21,6 +21,6 @@ def get_config():
     c.early_exit.enabled = True
     c.early_exit.first = 2
     c.early_exit.every = 2
-    c.early_exit.threshold = 0.5
+    c.early_exit.threshold = 0.4
     c.early_exit.start_step = 100
     return c

@@ -4,7 +4,7 @@ Exit points sit after layer ``early_exit.first`` and every ``early_exit.every`` 
 (never after the last layer: that is the model's own output). `dynjax.model.early_exit` runs the
 layers from the first exit point on: confident tokens exit, later layers compute only a bucket
 of each sequence's remaining tokens. The Plan holds each layer's bucket
-(``parts.early_exit.tokens``, bucketed by `bucket_blocks`) and whether tokens exit yet
+(``parts.early_exit.tokens``, bucketed by `bucket_tokens`) and whether tokens exit yet
 (``active``, from ``early_exit.start_step``: before it the exits only learn). `ExitBuckets`
 turns exits on at the start step and sizes every bucket from the remaining-token counts the
 steps report, with headroom and hysteresis, so that at most ``early_exit.max_forced`` of the
@@ -35,7 +35,6 @@ from dynjax.model.early_exit import (
     PROCESSED,
     ExitLayer,
 )
-from dynjax.model.sparse_linear import bucket_blocks
 from dynjax.recompile import History, Proposal
 
 if TYPE_CHECKING:
@@ -59,8 +58,11 @@ def exit_weights(cfg: ml_collections.ConfigDict) -> tuple[float, ...]:
 
 
 def bucket_tokens(count: int, seq_len: int) -> int:
-    """A static bucket covering ``count`` tokens of a sequence (at least one)."""
-    return max(1, bucket_blocks(min(max(count, 0), seq_len), seq_len))
+    """A static bucket covering ``count`` tokens of a sequence: a multiple of 1/16 of it (at
+    least one token). Finer than `bucket_blocks`' eighths: a bucket must hold the sequence with
+    the most remaining tokens, so the saving is already smaller than the share that exits."""
+    step = -(-seq_len // 16)
+    return min(seq_len, max(1, -(-max(count, 0) // step) * step))
 
 
 class EarlyExit(Plugin):
@@ -80,8 +82,8 @@ class EarlyExit(Plugin):
         c.loss_weights = ()  # one per exit point; (): (layer + 1) / num_layers (CALM §4)
         c.max_forced = 0.01  # the policy keeps tokens forced out by buckets at most this share
         c.window = 10  # steps of remaining-token counts the policy reads
-        c.headroom = 0.25  # bucket = (1 + headroom) x the smallest that meets max_forced
-        c.hysteresis = 0.25  # shrink only below (1 - hysteresis) x the current bucket
+        c.headroom = 0.05  # bucket = (1 + headroom) x the smallest that meets max_forced
+        c.hysteresis = 0.1  # shrink only below (1 - hysteresis) x the current bucket
         return c
 
     def validate(self, cfg: ml_collections.ConfigDict) -> None:
