@@ -24,6 +24,7 @@ from dynjax.writers import read_jsonl
 from .tiny import tiny_config
 
 D, H, E, K, S, G = 16, 24, 4, 2, 12, 8
+S_TINY = 32  # tiny_config's data.seq_len
 
 
 def gelu(x):
@@ -244,9 +245,6 @@ def test_static_cost_is_the_busiest_ranks_slots():
     assert MoEPlugin().layer_costs(plan, one) == pytest.approx([1.0, 14 / (4 * base)])
 
 
-S_TINY = 32  # tiny_config's data.seq_len
-
-
 def test_ragged_cost_is_the_busiest_ranks_tokens():
     exp = Experiment.from_config(tiny_config(moe__every=2, mesh__expert=2, moe__dispatch="ragged"))
     tokens = np.array([[100, 40, 90, 30]])  # rank 0: 140, rank 1: 120
@@ -292,3 +290,13 @@ def test_bad_routing_config_names_the_key(overrides, match):
     cfg = tiny_config(**{"moe__every": 2, **overrides})
     with pytest.raises(ConfigError, match=match):
         validate_config(cfg, num_devices=8)
+
+
+def test_the_bias_stays_float32_in_a_bfloat16_step():
+    """Steps of 1e-3 on a bias near 0.1 are below bfloat16's resolution there."""
+    from dynjax.parallel.step import cast_floats
+
+    params = {"layers": {1: {"moe": {BIAS: jnp.full((E,), 0.1001), "router": jnp.ones((D, E))}}}}
+    cast = cast_floats(params, jnp.bfloat16)["layers"][1]["moe"]
+    assert cast[BIAS].dtype == jnp.float32 and cast["router"].dtype == jnp.bfloat16
+    assert float(cast[BIAS][0]) == pytest.approx(0.1001, abs=1e-7)

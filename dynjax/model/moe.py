@@ -26,7 +26,9 @@ C_e its capacity, and weights each by that probability; nothing is dropped by co
 token may be taken by several experts or by none (``unrouted``), and there is no balance loss
 (every expert computes exactly C_e tokens). Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2,
 MaxText's ``routed_bias``) adds a per-expert `RoutedBias` to the probabilities for the top-k
-*selection* only; the gates stay the unbiased probabilities.
+*selection* only; the gates stay the unbiased probabilities. On the ragged path expert choice is
+dispatched as one pair per (token, expert) whose pair is kept where the expert took the token, so
+its dispatch scatters E rows per token where token choice scatters k.
 
 Auxiliary losses follow Switch Transformer (seed 001 eq. 3: E * sum_e f_e * P_e) and ST-MoE's
 router z-loss, computed per group and averaged so they too are independent of the sharding. f_e

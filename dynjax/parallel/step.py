@@ -50,9 +50,15 @@ class StepOptions:
 
 
 def cast_floats(tree, dtype):
-    return jax.tree.map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
-    )
+    """Floating leaves in the compute ``dtype``, but a `RoutedBias`: its steps (e.g. 1e-3) are
+    below bfloat16's resolution at its magnitude, and it only ranks experts (no matmul)."""
+
+    def cast(path, a):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            return a
+        return a if getattr(path[-1], "key", None) == BIAS else a.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 def forward_loss(
