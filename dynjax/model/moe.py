@@ -209,7 +209,7 @@ def choose_tokens(
     tokens' probabilities for the expert).
     """
     g, s, e = probs.shape
-    c = min(max(capacities), s) if isinstance(capacities, tuple) else s
+    c = min(max(*capacities, 1), s) if isinstance(capacities, tuple) else s
     by_expert = jnp.swapaxes(probs, 1, 2)  # [G, E, S]
     _, token = jax.lax.top_k(by_expert, c)
     taken = jnp.arange(c) < jnp.minimum(jnp.asarray(capacities, jnp.int32), s)[:, None]
