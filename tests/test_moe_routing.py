@@ -300,3 +300,14 @@ def test_the_bias_stays_float32_in_a_bfloat16_step():
     cast = cast_floats(params, jnp.bfloat16)["layers"][1]["moe"]
     assert cast[BIAS].dtype == jnp.float32 and cast["router"].dtype == jnp.bfloat16
     assert float(cast[BIAS][0]) == pytest.approx(0.1001, abs=1e-7)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_expert_tokens_are_the_kept_pairs(x, ragged):
+    """What the ragged cost reads: each expert's kept pairs, min(load, C_e) per group."""
+    moe = MoE(D, H, E, K, out_std=0.1, rngs=nnx.Rngs(3))
+    caps = (2, 7, 3, 5)
+    _, stats, _, _ = _run(moe, x, caps, ragged=ragged, total=sum(caps))
+    loads = np.asarray(stats.group_loads)
+    assert (loads > caps).any()
+    np.testing.assert_array_equal(np.asarray(stats.expert_tokens), np.minimum(loads, caps))
