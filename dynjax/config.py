@@ -216,6 +216,8 @@ def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
         num_experts=moe.num_experts,
         top_k=moe.top_k,
         expert_mlp_dim=moe.expert_mlp_dim,
+        routing=moe.routing,
+        routed_bias=bool(moe.every and moe.bias_balancing.enabled),
         block_parts=tuple(
             part
             for plugin in _plugins()

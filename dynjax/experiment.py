@@ -206,8 +206,13 @@ class Experiment:
         """The ragged path's static buffers of ``plan``; () on the static path."""
         if not self.ragged:
             return ()
+        moe = self.cfg.moe
         return ragged_totals(
-            self.ctx, plan.capacities, self.cfg.mesh.expert, self.cfg.moe.capacity.bucket
+            self.ctx,
+            plan.capacities,
+            self.cfg.mesh.expert,
+            moe.capacity.bucket,
+            expert_choice=moe.routing == "expert_choice",
         )
 
     def compile_key(self, plan: Plan) -> Hashable:
@@ -217,6 +222,11 @@ class Experiment:
         if not self.ragged:
             return plan
         return plan.replace(capacities=()), self.ragged_totals(plan)
+
+    @property
+    def bias_rate(self) -> float:
+        """The routed-bias step of auxiliary-loss-free balancing; 0 without it."""
+        return self.cfg.moe.bias_balancing.rate if self.model_cfg.routed_bias else 0.0
 
     def step_options(self, plan: Plan) -> StepOptions:
         return StepOptions(
@@ -230,6 +240,7 @@ class Experiment:
             return_assignments=self.ctx.num_moe_layers > 0 and self.cfg.moe.caching.enabled,
             frozen_layers=plan.frozen_layers,
             layer_options=self.layer_options(plan),
+            bias_rate=self.bias_rate,
         )
 
     def layer_options(self, plan: Plan) -> tuple[LayerOptions, ...]:
@@ -326,6 +337,7 @@ class Experiment:
             aux_loss_weight=moe.aux_loss_weight,
             z_loss_weight=moe.z_loss_weight,
             return_assignments=self.ctx.num_moe_layers > 0 and moe.caching.enabled,
+            bias_rate=self.bias_rate,
         )
         # Up to `cache_size` Plans' worth of stage programs: about four kinds per stage, and
         # a forward and a backward per layer for profiling.

@@ -1,20 +1,35 @@
-"""MoE as a dynamism plugin: per-expert capacities and sample-assignment caching.
+"""MoE as a dynamism plugin: per-expert capacities, sample-assignment caching, routing variants.
 
 Seed 001 §4.1 (dynamic per-expert capacities) and §4.2 (sample-assignment caching); seed 000
 §2.1 (MoE's load: a layer's cost follows the tokens its experts are given). The MoE block
 itself is `dynjax.model.moe`; its Plan part is the Plan's `capacities` and `cached_routing`
 fields (they predate the plugin interface and saved Plans name them).
+
+Routing variants (issue 12 §2): ``moe.routing="expert_choice"`` (Zhou et al. 2022) and
+auxiliary-loss-free balancing (``moe.bias_balancing``, DeepSeek-V3 §2.1.2). The balancing bias
+is a non-trainable variable of each MoE block (`dynjax.model.moe.RoutedBias`), not Plan or
+host state: the Plan is static (a bias that moves every step would recompile every step), and
+host state would need the step's loads on the host before the next step (a sync per step) and
+checkpoint, restore and pipeline-migration code of its own. As a variable of its layer it is
+train state: it moves with the layer between pipeline stages and is checkpointed, restored and
+resharded by path. `MoEPlugin.wrap_optimizer` keeps it out of the optimizer (no moments, no
+weight decay, no update) and the train step (single program and pipeline stages alike) moves it
+after each update from the step's routed loads (`dynjax.model.moe.balance_bias`), on device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+import jax
 import ml_collections
+import numpy as np
+import optax
 
 from dynjax.config import ConfigError, at_least, moe_layer_indices, num_stages
 from dynjax.dynamism.base import Plugin, register
+from dynjax.model.moe import BIAS, ROUTINGS, SlotLayout
 from dynjax.recompile import (
     CachingPolicy,
     DynamicCapacity,
@@ -29,12 +44,22 @@ if TYPE_CHECKING:
     from dynjax.experiment import Experiment
 
 
+EXPERT_TOKENS = "moe/expert_tokens"  # [MoE layers, E] per step: tokens each expert computed
+
+
 class MoEPlugin(Plugin):
     """The `moe` section: model shape (experts, top-k, which layers), loss weights, capacities
     and caching. On when `moe.every > 0`."""
 
     name = "moe"
-    fixed_on_resume = ("moe.every", "moe.num_experts", "moe.top_k", "moe.expert_mlp_dim")
+    fixed_on_resume = (
+        "moe.every",
+        "moe.num_experts",
+        "moe.top_k",
+        "moe.expert_mlp_dim",
+        "moe.bias_balancing.enabled",  # adds or removes each block's `RoutedBias`
+    )
+    logged_metrics = ("moe/unrouted",)  # [MoE layers] tokens no expert computed in the step
 
     def config(self) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict()
@@ -48,6 +73,15 @@ class MoEPlugin(Plugin):
         # "ragged": ragged_dot over the kept pairs sorted by expert, capacities a runtime input
         # (only a new bucketed total recompiles; issue 12 §1)
         c.dispatch = "static"
+        # "token_choice": each token its top-k experts; "expert_choice": each expert its top-C
+        # tokens of a group, C its capacity (Zhou et al. 2022; no drops, no balance loss)
+        c.routing = "token_choice"
+        # Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias on the router's
+        # probabilities for the top-k selection only, moved after each step by
+        # rate * sign(mean load - load); not trained, checkpointed with the model
+        c.bias_balancing = ml_collections.ConfigDict()
+        c.bias_balancing.enabled = False
+        c.bias_balancing.rate = 1e-3
         c.capacity = ml_collections.ConfigDict()
         # the static global factor, and the start of a dynamic run; <= 0: dropless (needs
         # moe.dispatch="ragged": every capacity is the group's tokens, the buffer the worst case)
@@ -111,6 +145,7 @@ class MoEPlugin(Plugin):
                     f"(pipeline.stage_layers={cfg.pipeline.stage_layers!r}): set "
                     "moe.dispatch='static' or pipeline.stage_layers=''"
                 )
+            _check_routing(cfg)
             if moe.capacity.policy not in ("static", "dynamic"):
                 raise ConfigError(
                     f"moe.capacity.policy={moe.capacity.policy!r} is not one of "
@@ -125,6 +160,7 @@ class MoEPlugin(Plugin):
             moe_policies = {
                 "moe.capacity.policy='dynamic'": moe.capacity.policy == "dynamic",
                 "moe.caching.enabled=True": moe.caching.enabled,
+                "moe.bias_balancing.enabled=True": moe.bias_balancing.enabled,
             }
             asked = [key for key, on in moe_policies.items() if on]
             if asked:  # it would be ignored: the run would not be what the config says
@@ -180,15 +216,84 @@ class MoEPlugin(Plugin):
             )
         return out
 
+    def wrap_optimizer(
+        self, cfg: ml_collections.ConfigDict, optimizer: optax.GradientTransformation
+    ) -> optax.GradientTransformation:
+        """With bias balancing, the `RoutedBias` leaves bypass ``optimizer`` (no moments, no
+        weight decay, a zero update): only the step's balancing rule moves them."""
+        if not cfg.moe.bias_balancing.enabled:
+            return optimizer
+        return optax.multi_transform({"trained": optimizer, BIAS: optax.set_to_zero()}, _labels)
+
     def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
-        """An MoE layer computes its experts' slots: its cost is the mean capacity over the
-        average load (factor 1), seed 000 §2.1; other layers count 1."""
-        if not plan.capacities:
+        """Static path: an MoE layer costs what its busiest expert-parallel rank computes (seed
+        000 §2.1: the layer's time is its slowest rank's, the others wait in the all-to-all),
+        over a rank's share at capacity factor 1. Every rank runs the same program, local slot
+        j sized for the largest capacity among the experts in slot j (`SlotLayout`), so the
+        busiest rank computes ``shard_slots`` rows per group; with one rank that is the mean
+        capacity. The ragged path computes the tokens it is given: `metric_costs`."""
+        if not plan.capacities or exp.ragged:
             return None
+        shards = exp.cfg.mesh.expert
+        share = exp.ctx.num_experts // shards * base_capacity(exp.ctx)
         costs = [1.0] * exp.ctx.num_layers
         for layer, caps in zip(exp.model_cfg.moe_layers, plan.capacities, strict=True):
-            costs[layer] = sum(caps) / len(caps) / base_capacity(exp.ctx)
+            costs[layer] = SlotLayout(tuple(caps), shards).shard_slots / share
         return costs
+
+    def metric_costs(
+        self, metrics: Mapping[str, Any], exp: Experiment
+    ) -> Sequence[float] | None:
+        """Ragged path: the tokens the busiest expert-parallel rank's experts computed in the
+        step (``moe/expert_tokens``, kept pairs), over a rank's share of the step's
+        batch * seq * top_k pairs (seed 000 §2.1)."""
+        if not exp.ragged or EXPERT_TOKENS not in metrics:
+            return None
+        tokens = np.asarray(metrics[EXPERT_TOKENS], np.float64)  # [MoE layers, E]
+        shards = exp.cfg.mesh.expert
+        busiest = tokens.reshape(len(tokens), shards, -1).sum(-1).max(-1)
+        ctx = exp.ctx
+        share = ctx.batch_size * ctx.group_tokens * ctx.top_k / shards
+        costs = [1.0] * ctx.num_layers
+        for layer, busy in zip(exp.model_cfg.moe_layers, busiest, strict=True):
+            costs[layer] = float(busy / share)
+        return costs
+
+
+def _labels(params):
+    """`BIAS` for each `RoutedBias` leaf, "trained" for the others."""
+
+    def label(path, _) -> str:
+        return BIAS if getattr(path[-1], "key", None) == BIAS else "trained"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _check_routing(cfg: ml_collections.ConfigDict) -> None:
+    """``moe.routing`` and ``moe.bias_balancing``, and what expert choice cannot combine with."""
+    moe = cfg.moe
+    if moe.routing not in ROUTINGS:
+        raise ConfigError(f"moe.routing={moe.routing!r} is not one of {ROUTINGS}")
+    if moe.bias_balancing.enabled and moe.bias_balancing.rate <= 0:
+        raise ConfigError(
+            f"moe.bias_balancing.rate={moe.bias_balancing.rate} must be > 0 (DeepSeek-V3 uses "
+            "1e-3), or set moe.bias_balancing.enabled=False"
+        )
+    if moe.routing != "expert_choice":
+        return
+    clashes = {
+        "moe.bias_balancing.enabled=True": moe.bias_balancing.enabled,
+        "moe.capacity.policy='dynamic'": moe.capacity.policy == "dynamic",
+        "moe.caching.enabled=True": moe.caching.enabled,
+        f"moe.capacity.factor={moe.capacity.factor} (dropless)": moe.capacity.factor <= 0,
+    }
+    asked = [key for key, on in clashes.items() if on]
+    if asked:  # every expert takes exactly its capacity: nothing to balance, size or cache
+        raise ConfigError(
+            f"moe.routing='expert_choice' balances by construction (each expert takes its "
+            f"capacity's tokens) and does not combine with {', '.join(asked)}: turn it off "
+            "(a factor > 0), or set moe.routing='token_choice'"
+        )
 
 
 def _check_moe(cfg: ml_collections.ConfigDict) -> None:

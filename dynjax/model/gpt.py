@@ -46,6 +46,8 @@ class GPTConfig:
     num_experts: int = 8
     top_k: int = 2
     expert_mlp_dim: int = 0  # 0: mlp_dim
+    routing: str = "token_choice"  # `dynjax.model.moe.ROUTINGS`
+    routed_bias: bool = False  # a `RoutedBias` per MoE block (auxiliary-loss-free balancing)
     # Plugins' extra submodules per layer: (layer, part name, settings), `hooks.BlockPart`.
     block_parts: tuple[BlockPart, ...] = ()
 
@@ -80,7 +82,14 @@ class Block(nnx.Module):
         if self.is_moe:
             hidden = cfg.expert_mlp_dim or cfg.mlp_dim
             self.moe = MoE(
-                d, hidden, cfg.num_experts, cfg.top_k, out_std=cfg.residual_std, rngs=rngs
+                d,
+                hidden,
+                cfg.num_experts,
+                cfg.top_k,
+                out_std=cfg.residual_std,
+                rngs=rngs,
+                routing=cfg.routing,
+                routed_bias=cfg.routed_bias,
             )
         else:
             self.mlp = MLP(d, cfg.mlp_dim, out_std=cfg.residual_std, rngs=rngs)

@@ -19,6 +19,17 @@ pairs with the capacities as a runtime array: the kept pairs are sorted by exper
 group and expert shard, so capacities change without a recompile and the program's size does not
 grow with the expert count.
 
+Routing (``moe.routing``, issue 12 §2). ``"token_choice"``: each token picks its top-k experts as
+above. ``"expert_choice"`` (Zhou et al. 2022, "Mixture-of-Experts with Expert Choice Routing"
+§3.1): each expert takes the C_e tokens of a group with the highest router probability for it,
+C_e its capacity, and weights each by that probability; nothing is dropped by construction, a
+token may be taken by several experts or by none (``unrouted``), and there is no balance loss
+(every expert computes exactly C_e tokens). Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2,
+MaxText's ``routed_bias``) adds a per-expert `RoutedBias` to the probabilities for the top-k
+*selection* only; the gates stay the unbiased probabilities. On the ragged path expert choice is
+dispatched as one pair per (token, expert) whose pair is kept where the expert took the token, so
+its dispatch scatters E rows per token where token choice scatters k.
+
 Auxiliary losses follow Switch Transformer (seed 001 eq. 3: E * sum_e f_e * P_e) and ST-MoE's
 router z-loss, computed per group and averaged so they too are independent of the sharding. f_e
 is the fraction of the group's S * k (token, choice) pairs dispatched to expert e before dropping,
@@ -37,6 +48,24 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+
+ROUTINGS = ("token_choice", "expert_choice")
+BIAS = "routed_bias"  # the `RoutedBias` attribute of an MoE block: its path ends in moe/routed_bias
+
+
+class RoutedBias(nnx.Variable):
+    """Per-expert selection bias [E] (DeepSeek-V3 §2.1.2): model state but not a parameter. No
+    gradient reaches it (it only moves the top-k indices), the optimizer leaves it out
+    (`dynjax.dynamism.moe`), and the train step moves it after each update by `balance_bias`.
+    Being a variable of the layer, it moves with the layer between pipeline stages and is
+    checkpointed, restored and resharded by path like the weights."""
+
+
+def balance_bias(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3 §2.1.2's update: ``bias + rate * sign(mean(loads) - loads)``; ``loads`` [E]
+    the (token, choice) pairs the step routed to each expert (before dropping)."""
+    loads = loads.astype(jnp.float32)
+    return bias + rate * jnp.sign(jnp.mean(loads) - loads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,18 +140,25 @@ class MoEStats(NamedTuple):
     aux_loss: jax.Array  # [G] f32: Switch balance loss per group
     z_loss: jax.Array  # [G] f32: router z-loss per group
     router_experts: jax.Array  # [G, S, k] int32: the router's own top-k (what a cache stores)
+    unrouted: jax.Array  # [G] int32: tokens no expert computes (all pairs dropped / not chosen)
+    expert_tokens: jax.Array  # [G, E] int32: tokens each expert computes (kept pairs)
 
 
 def route(
-    logits: jax.Array, top_k: int, cached: jax.Array | None = None
+    logits: jax.Array,
+    top_k: int,
+    cached: jax.Array | None = None,
+    bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Softmax top-k routing. Returns (probs [G,S,E], gates [G,S,k], experts, router_experts).
 
     With ``cached`` ([G,S,k], -1 where nothing is cached) dispatch uses the cached experts, but the
-    gates are the current router's probabilities for them (DynaMoE §4.2).
+    gates are the current router's probabilities for them (DynaMoE §4.2). ``bias`` [E] is added
+    to the probabilities for the selection only (DeepSeek-V3 §2.1.2): the gates do not see it.
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    _, router_experts = jax.lax.top_k(probs, top_k)
+    scores = probs if bias is None else probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    _, router_experts = jax.lax.top_k(scores, top_k)
     experts = router_experts if cached is None else jnp.where(cached >= 0, cached, router_experts)
     gates = jnp.take_along_axis(probs, experts, axis=-1)
     if top_k > 1:
@@ -162,6 +198,48 @@ def assign_slots(experts: jax.Array, layout: SlotLayout) -> tuple[jax.Array, jax
     return _back(slot, experts), _back(kept, experts), loads
 
 
+def choose_tokens(
+    probs: jax.Array, capacities: tuple[int, ...] | jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Expert choice (Zhou et al. 2022 §3.1): expert e takes the min(C_e, S) tokens of each group
+    with the highest probability for it. Static ``capacities`` (ints) look at the top max(C)
+    tokens only; runtime ones ([E] array) rank all S.
+
+    Returns (token [G,E,c] int32 indices, best first; taken [E,c] bool; gate [G,E,c]: the
+    tokens' probabilities for the expert).
+    """
+    g, s, e = probs.shape
+    c = min(max(*capacities, 1), s) if isinstance(capacities, tuple) else s
+    by_expert = jnp.swapaxes(probs, 1, 2)  # [G, E, S]
+    _, token = jax.lax.top_k(by_expert, c)
+    taken = jnp.arange(c) < jnp.minimum(jnp.asarray(capacities, jnp.int32), s)[:, None]
+    return token.astype(jnp.int32), taken, jnp.take_along_axis(by_expert, token, axis=-1)
+
+
+def chosen_pairs(token: jax.Array, taken: jax.Array, num_tokens: int) -> jax.Array:
+    """[G,S,E] bool: whether expert e took token s (expert choice as one pair per expert)."""
+    g, e, c = token.shape
+    rows = jnp.arange(g)[:, None, None]
+    experts = jnp.broadcast_to(jnp.arange(e)[None, :, None], token.shape)
+    hit = jnp.broadcast_to(taken, token.shape).astype(jnp.int32)
+    return jnp.zeros((g, num_tokens, e), jnp.int32).at[rows, token, experts].add(hit) > 0
+
+
+def expert_choice_rows(
+    token: jax.Array, gate: jax.Array, layout: SlotLayout, num_tokens: int
+) -> tuple[jax.Array, jax.Array]:
+    """Expert choice on the static layout: (row [G, total] the token each buffer row computes,
+    ``num_tokens`` for a padding row; weight [G, total], 0 on padding)."""
+    sizes = np.minimum(layout.capacities, num_tokens)
+    es = np.repeat(np.arange(len(sizes)), sizes)
+    cs = np.concatenate([np.arange(n) for n in sizes]).astype(np.int64)
+    dest = layout.expert_base()[es] + cs
+    g = token.shape[0]
+    row = jnp.full((g, layout.total), num_tokens, jnp.int32).at[:, dest].set(token[:, es, cs])
+    weight = jnp.zeros((g, layout.total), gate.dtype).at[:, dest].set(gate[:, es, cs])
+    return row, weight
+
+
 def keep_pairs(experts: jax.Array, capacities: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The static path's drop rule with runtime capacities ([E] int): (kept [G,S,k], loads)."""
     order, position, loads = _positions(experts, capacities.shape[0])
@@ -193,6 +271,22 @@ def _dispatch_experts_combine(x, slot, weight, w_in, w_out, *, layout, expert_ax
         out = jax.lax.all_to_all(out, expert_axis, 1, 1, tiled=True)
     out = jnp.concatenate([out.reshape(g, layout.total, d), jnp.zeros((g, 1, d), out.dtype)], 1)
     return jnp.einsum("gskd,gsk->gsd", out[rows, slot], weight.astype(out.dtype))
+
+
+def _gather_experts_combine(x, row, weight, w_in, w_out, *, layout, expert_axis):
+    """Expert choice on the static path: gather each buffer row's token (a zero row for
+    padding), run experts (all-to-all when sharded), add each row's weighted output back."""
+    g, s, d = x.shape
+    groups = jnp.arange(g)[:, None]
+    padded = jnp.concatenate([x, jnp.zeros((g, 1, d), x.dtype)], axis=1)
+    send = padded[groups, row].reshape(g, layout.shards, layout.shard_slots, d)
+    if layout.shards > 1:
+        send = jax.lax.all_to_all(send, expert_axis, 1, 1, tiled=True)
+    out = _expert_ffn(send, w_in, w_out, layout.slot_sizes)
+    if layout.shards > 1:
+        out = jax.lax.all_to_all(out, expert_axis, 1, 1, tiled=True)
+    out = out.reshape(g, layout.total, d) * weight[..., None].astype(out.dtype)
+    return jnp.zeros((g, s + 1, d), out.dtype).at[groups, row].add(out)[:, :s]
 
 
 def grouped_ffn(
@@ -261,7 +355,8 @@ def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_tota
 
 
 class MoE(nnx.Module):
-    """E experts held as stacked weights ``w_in`` [E, d, h] and ``w_out`` [E, h, d]."""
+    """E experts held as stacked weights ``w_in`` [E, d, h] and ``w_out`` [E, h, d]; with
+    ``routed_bias`` a `RoutedBias` [E] for auxiliary-loss-free balancing."""
 
     def __init__(
         self,
@@ -272,8 +367,13 @@ class MoE(nnx.Module):
         *,
         out_std: float,
         rngs: nnx.Rngs,
+        routing: str = "token_choice",
+        routed_bias: bool = False,
     ):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing={routing!r} is not one of {ROUTINGS}")
         self.top_k = top_k
+        self.routing = routing
         self.router = nnx.Param(
             nnx.initializers.normal(0.02)(rngs.params(), (d_model, num_experts))
         )
@@ -283,6 +383,8 @@ class MoE(nnx.Module):
         self.w_out = nnx.Param(
             nnx.initializers.normal(out_std)(rngs.params(), (num_experts, hidden, d_model))
         )
+        if routed_bias:
+            setattr(self, BIAS, RoutedBias(jnp.zeros((num_experts,), jnp.float32)))
 
     def __call__(
         self,
@@ -298,20 +400,42 @@ class MoE(nnx.Module):
         if len(capacities) != num_experts:
             raise ValueError(f"{len(capacities)} capacities given for {num_experts} experts")
         logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
-        probs, gates, experts, router_experts = route(logits, self.top_k, cached)
+        bias = getattr(self, BIAS)[...] if hasattr(self, BIAS) else None
+        probs, gates, experts, router_experts = route(logits, self.top_k, cached, bias)
         shards = parallel.expert_shards if parallel else 1
         w_in, w_out = self.w_in[...].astype(x.dtype), self.w_out[...].astype(x.dtype)
         axis = parallel.expert_axis if parallel else None
-        if not isinstance(capacities, RaggedCapacities):
-            layout = SlotLayout(tuple(capacities), shards)
-            slot, kept, loads = assign_slots(experts, layout)
-            fn = lambda *a: _dispatch_experts_combine(*a, layout=layout, expert_axis=axis)
-            args = (x, slot, jnp.where(kept, gates, 0.0), w_in, w_out)
+        ragged = isinstance(capacities, RaggedCapacities)
+        total = capacities.shard_total if ragged else 0
+        ragged_fn = lambda *a: _ragged_experts_combine(*a, shard_total=total, expert_axis=axis)
+        g, s = experts.shape[:2]
+        if self.routing == "expert_choice":
+            token, taken, gate = choose_tokens(
+                probs, capacities.values if ragged else tuple(capacities)
+            )
+            kept = chosen_pairs(token, taken, s)  # [G, S, E]: one pair per (token, expert)
+            loads = expert_tokens = jnp.sum(kept, axis=1, dtype=jnp.int32)
+            if ragged:
+                fn = ragged_fn
+                ids = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32), kept.shape)
+                args = (x, ids, kept, jnp.where(kept, probs, 0.0), w_in, w_out)
+            else:
+                layout = SlotLayout(tuple(capacities), shards)
+                row, weight = expert_choice_rows(token, gate, layout, s)
+                fn = lambda *a: _gather_experts_combine(*a, layout=layout, expert_axis=axis)
+                args = (x, row, weight, w_in, w_out)
         else:
-            kept, loads = keep_pairs(experts, capacities.values)
-            total = capacities.shard_total
-            fn = lambda *a: _ragged_experts_combine(*a, shard_total=total, expert_axis=axis)
-            args = (x, experts, kept, jnp.where(kept, gates, 0.0), w_in, w_out)
+            if ragged:
+                kept, loads = keep_pairs(experts, capacities.values)
+                fn = ragged_fn
+                args = (x, experts, kept, jnp.where(kept, gates, 0.0), w_in, w_out)
+            else:
+                layout = SlotLayout(tuple(capacities), shards)
+                slot, kept, loads = assign_slots(experts, layout)
+                fn = lambda *a: _dispatch_experts_combine(*a, layout=layout, expert_axis=axis)
+                args = (x, slot, jnp.where(kept, gates, 0.0), w_in, w_out)
+            onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)
+            expert_tokens = jnp.sum(onehot * kept[..., None], axis=(1, 2))
         if parallel is not None:
             tokens, expert = P(parallel.token_axes), P(parallel.expert_axis)
             fn = jax.shard_map(
@@ -321,8 +445,13 @@ class MoE(nnx.Module):
                 out_specs=tokens,
             )
         y = fn(*args)
-        tokens_per_group = experts.shape[1] * self.top_k
-        aux = num_experts * jnp.sum(loads / tokens_per_group * jnp.mean(probs, axis=1), axis=-1)
         z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
-        dropped = jnp.sum(~kept, axis=(1, 2)).astype(jnp.int32)
-        return y, MoEStats(loads, dropped, aux, z, router_experts)
+        unrouted = jnp.sum(~jnp.any(kept, axis=-1), axis=1).astype(jnp.int32)
+        if self.routing == "expert_choice":  # balanced by construction: no balance loss
+            aux, dropped = jnp.zeros((g,), jnp.float32), jnp.zeros((g,), jnp.int32)
+        else:
+            tokens_per_group = s * self.top_k
+            aux = num_experts * jnp.sum(loads / tokens_per_group * jnp.mean(probs, axis=1), -1)
+            dropped = jnp.sum(~kept, axis=(1, 2)).astype(jnp.int32)
+        stats = MoEStats(loads, dropped, aux, z, router_experts, unrouted, expert_tokens)
+        return y, stats

@@ -607,6 +607,8 @@ def host_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
         out["moe/group_loads"] = loads
         out["moe/dropped"] = dropped
         out["moe/tokens_per_expert"] = loads.sum(axis=1)
+        out["moe/unrouted"] = np.concatenate([s["unrouted"] for s in moe])
+        out["moe/expert_tokens"] = np.concatenate([s["expert_tokens"] for s in moe])
         out["dropped_fraction"] = f32(dropped.sum()) / f32(loads.sum())
         if "assignments" in moe[0]:
             out["moe/assignments"] = np.concatenate([s["assignments"] for s in moe])

@@ -42,6 +42,7 @@ from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
 from dynjax.parallel.stages import StageSpec
 from dynjax.parallel.step import (
     DTYPES,
+    balance_routing,
     cast_floats,
     fold_layer_metrics,
     layer_grad_norms,
@@ -63,6 +64,7 @@ class StageSetup:
     aux_loss_weight: float
     z_loss_weight: float
     return_assignments: bool  # add the router's top-k per token to the metrics (caching)
+    bias_rate: float = 0.0  # `StepOptions.bias_rate`: the MoE layers' routed-bias step
 
 
 def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, cached):
@@ -105,6 +107,8 @@ def _microbatch_metrics(
     if stats:
         metrics["loads"] = jnp.stack([s.group_loads for s in stats])  # [Ls, b, E]
         metrics["dropped"] = jnp.stack([jnp.sum(s.dropped) for s in stats])  # [Ls]
+        metrics["unrouted"] = jnp.stack([jnp.sum(s.unrouted) for s in stats])  # [Ls]
+        metrics["expert_tokens"] = jnp.stack([jnp.sum(s.expert_tokens, 0) for s in stats])
         if setup.return_assignments:
             metrics["assignments"] = jnp.stack([s.router_experts for s in stats])  # [Ls,b,S,k]
     return local, metrics
@@ -177,6 +181,9 @@ def update_fn(setup: StageSetup, spec: StageSpec):
             grads = jax.tree.map(lambda g: jnp.where(norm < clip, g, (g / norm) * clip), grads)
         trainable = select(params, trainable_units)
         trainable, opt_state = update_trainable(setup.optimizer, grads, opt_state, trainable)
+        if setup.bias_rate and "loads" in metrics[0]:
+            loads = sum(jnp.sum(mb["loads"], axis=1) for mb in metrics)  # [Ls, E]
+            trainable = balance_routing(trainable, params, loads, setup.bias_rate)
         zeros = jax.tree.map(jnp.zeros_like, acc)
         folded = _fold(metrics, norm)
         folded["layer_grad_norm"] = layer_grad_norms(grads, spec.layers)  # before clipping
@@ -205,6 +212,8 @@ def _fold(metrics: Sequence[Metrics], grad_norm: jax.Array) -> Metrics:
     if "loads" in metrics[0]:
         out["loads"] = join("loads")
         out["dropped"] = sum(mb["dropped"] for mb in metrics)
+        out["unrouted"] = sum(mb["unrouted"] for mb in metrics)
+        out["expert_tokens"] = sum(mb["expert_tokens"] for mb in metrics)
     if "assignments" in metrics[0]:
         out["assignments"] = join("assignments")
     return out

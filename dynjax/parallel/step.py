@@ -20,6 +20,7 @@ from flax import nnx
 
 from dynjax.model import ExpertParallel, RaggedCapacities, lm_loss
 from dynjax.model.hooks import LayerOptions, hook_loss, reduction
+from dynjax.model.moe import BIAS, balance_bias
 from dynjax.parallel.layout import by_path, fill, select
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -43,12 +44,21 @@ class StepOptions:
     # frozen prefix of the model runs no backward (seed 000 §4.2.3).
     frozen_layers: tuple[int, ...] = ()
     layer_options: tuple[LayerOptions, ...] = ()  # each layer's plugin records; () = none
+    # Auxiliary-loss-free balancing: each MoE layer's `RoutedBias` moves by this after each
+    # update (`balance_routing`); 0 = the model has none.
+    bias_rate: float = 0.0
 
 
 def cast_floats(tree, dtype):
-    return jax.tree.map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
-    )
+    """Floating leaves in the compute ``dtype``, but a `RoutedBias`: its steps (e.g. 1e-3) are
+    below bfloat16's resolution at its magnitude, and it only ranks experts (no matmul)."""
+
+    def cast(path, a):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            return a
+        return a if getattr(path[-1], "key", None) == BIAS else a.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 def forward_loss(
@@ -112,6 +122,21 @@ def layer_grad_norms(grads: Mapping[str, Any], layers: Sequence[int]) -> jax.Arr
     ) if layers else jnp.zeros((0,), jnp.float32)
 
 
+def balance_routing(
+    units: Mapping[str, Any], params: Mapping[str, Any], loads: jax.Array, rate: float
+) -> dict[str, Any]:
+    """``units`` (trainable parameter units) with the `RoutedBias` of each of their MoE layers
+    moved by `balance_bias` (DeepSeek-V3 §2.1.2). ``loads`` [L, E]: the step's routed pairs per
+    expert of every MoE layer of ``params``, in layer order (frozen layers keep their bias)."""
+    moe = [i for i in sorted(params.get("layers", {})) if "moe" in params["layers"][i]]
+    layers = dict(units.get("layers", {}))
+    for i, load in zip(moe, loads, strict=True):
+        if i in layers and BIAS in layers[i]["moe"]:
+            block = layers[i]["moe"]
+            layers[i] = {**layers[i], "moe": {**block, BIAS: balance_bias(block[BIAS], load, rate)}}
+    return {**units, "layers": layers} if layers else dict(units)
+
+
 def _moe_metrics(stats, opts: StepOptions) -> dict[str, jax.Array]:
     if not stats:
         return {}
@@ -121,6 +146,8 @@ def _moe_metrics(stats, opts: StepOptions) -> dict[str, jax.Array]:
         "moe/group_loads": loads,
         "moe/dropped": dropped,
         "moe/tokens_per_expert": jnp.sum(loads, axis=1),  # [L, E]
+        "moe/unrouted": jnp.stack([jnp.sum(s.unrouted) for s in stats]),  # [L] tokens
+        "moe/expert_tokens": jnp.stack([jnp.sum(s.expert_tokens, 0) for s in stats]),  # [L, E]
         "dropped_fraction": jnp.sum(dropped) / jnp.sum(loads),  # of (token, choice) pairs
     }
     if opts.return_assignments:
@@ -228,6 +255,9 @@ def make_train_step(
             )
         trainable = select(params, trainable_units(params, opts.frozen_layers))
         trainable, opt_state = update_trainable(optimizer, grads, opt_state, trainable)
+        if opts.bias_rate:
+            loads = jnp.stack([jnp.sum(s.group_loads, axis=0) for s in stats])  # [L, E]
+            trainable = balance_routing(trainable, params, loads, opts.bias_rate)
         params = overlay(params, trainable)
         metrics = {"loss": ce, "aux_loss": aux, "z_loss": z, "grad_norm": optax.tree.norm(grads)}
         metrics["layer_grad_norm"] = layer_grad_norms(grads, range(len(params["layers"])))

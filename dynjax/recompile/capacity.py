@@ -16,15 +16,21 @@ LOADS = "moe/group_loads"  # int [num_moe_layers, G, E]: tokens routed per group
 
 
 def ragged_totals(
-    ctx: PlanContext, capacities: tuple[tuple[int, ...], ...], shards: int, bucket: float
+    ctx: PlanContext,
+    capacities: tuple[tuple[int, ...], ...],
+    shards: int,
+    bucket: float,
+    expert_choice: bool = False,
 ) -> tuple[int, ...]:
     """Per MoE layer, the static buffer rows per group and expert shard of the ragged path
     (`dynjax.model.RaggedCapacities`, issue 12 §1): the largest shard's summed capacities,
     rounded up to a multiple of `bucket` capacity factors' worth of slots for the shard's
     experts, and at most the worst case a shard can receive, group_tokens * min(top_k, local
-    experts) (the dropless total, as MaxText sizes it). Only a change of these recompiles."""
+    experts) (the dropless total, as MaxText sizes it); under ``expert_choice`` routing a token
+    can reach every local expert: group_tokens * local experts. Only a change of these
+    recompiles."""
     local = ctx.num_experts // shards
-    worst = ctx.group_tokens * min(ctx.top_k, local)
+    worst = ctx.group_tokens * (local if expert_choice else min(ctx.top_k, local))
     unit = max(1, int(np.ceil(bucket * base_capacity(ctx) * local - 1e-9)))
     need = np.asarray(capacities, np.int64).reshape(len(capacities), shards, local).sum(-1)
     return tuple(min(worst, -(-int(n) // unit) * unit) for n in need.max(axis=1))
