@@ -74,6 +74,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.data = 1
     c.mesh.expert = 1
 
+    c.parallel = ml_collections.ConfigDict()
+    # FSDP (ZeRO-3): parameters, gradients and optimizer state split over the 'data' devices of
+    # the mesh (of each stage), gathered where used; a no-op with mesh.data = 1.
+    c.parallel.fsdp = True
+
     c.pipeline = ml_collections.ConfigDict()
     # Layers per stage, e.g. "(1,3,2,2)"; "" or "uniform" = even over mesh.stage stages
     # (Megatron-LM); "by_param" = balanced parameter counts (DeepSpeed). No pipeline when

@@ -141,7 +141,7 @@ class Experiment:
         params = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             self.abstract_params,
-            param_shardings(self.abstract_params, self.mesh),
+            param_shardings(self.abstract_params, self.mesh, fsdp=self.cfg.parallel.fsdp),
         )
         # Moments mirror the parameters' shardings (their paths end like the parameters');
         # scalars such as Adam's count are replicated over the whole mesh.
@@ -149,7 +149,7 @@ class Experiment:
         opt_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             opt_state,
-            param_shardings(opt_state, self.mesh),
+            param_shardings(opt_state, self.mesh, fsdp=self.cfg.parallel.fsdp),
         )
         return {"params": params, "opt_state": opt_state}
 
@@ -338,6 +338,7 @@ class Experiment:
             z_loss_weight=moe.z_loss_weight,
             return_assignments=self.ctx.num_moe_layers > 0 and moe.caching.enabled,
             bias_rate=self.bias_rate,
+            fsdp=self.cfg.parallel.fsdp,
         )
         # Up to `cache_size` Plans' worth of stage programs: about four kinds per stage, and
         # a forward and a backward per layer for profiling.

@@ -45,8 +45,8 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     for name, value in tree.items():
         if isinstance(value, dict):
             out.update(_flat(value, f"{prefix}{name}."))
-        else:
-            out[f"{prefix}{name}"] = value
+        else:  # as saved in JSON: a tuple comes back as a list
+            out[f"{prefix}{name}"] = list(value) if isinstance(value, tuple) else value
     return out
 
 

@@ -41,11 +41,25 @@ def is_expert_param(path: tuple) -> bool:
     return len(names) >= 2 and names[-2] == "moe" and names[-1] in EXPERT_PARAMS
 
 
-def param_shardings(params, mesh: Mesh):
-    """Experts split over 'expert' (replicated over 'data'); everything else replicated."""
+def param_shardings(params, mesh: Mesh, *, fsdp: bool = False):
+    """Experts split over 'expert'; everything else replicated, or with ``fsdp`` (ZeRO-3) every
+    array also split over 'data' along its largest axis that the data devices divide: each data
+    device keeps 1/data of the parameters and of their optimizer state (which mirrors their
+    shardings), and XLA gathers a parameter where the step uses it (GSPMD). An array with no
+    such axis (a scalar, a bias of odd width) stays replicated over 'data'."""
+    data = mesh.shape["data"] if fsdp else 1
 
     def spec(path, leaf):
-        return NamedSharding(mesh, P("expert") if is_expert_param(path) else P())
+        shape = tuple(getattr(leaf, "shape", ()))
+        axes: list[str | None] = [None] * len(shape)
+        if is_expert_param(path):
+            axes[0] = "expert"
+        free = [i for i, n in enumerate(shape) if axes[i] is None and n % data == 0]
+        if data > 1 and free:
+            axes[max(free, key=lambda i: (shape[i], -i))] = "data"
+        while axes and axes[-1] is None:
+            axes.pop()
+        return NamedSharding(mesh, P(*axes))
 
     return jax.tree_util.tree_map_with_path(spec, params)
 

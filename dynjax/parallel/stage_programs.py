@@ -65,6 +65,7 @@ class StageSetup:
     z_loss_weight: float
     return_assignments: bool  # add the router's top-k per token to the metrics (caching)
     bias_rate: float = 0.0  # `StepOptions.bias_rate`: the MoE layers' routed-bias step
+    fsdp: bool = False  # parameters and optimizer state split over the stage's data devices
 
 
 def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, cached):
@@ -249,7 +250,7 @@ def stage_shapes(
     with_sharding = lambda tree: jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         tree,
-        param_shardings(tree, mesh),
+        param_shardings(tree, mesh, fsdp=setup.fsdp),
     )
     params = with_sharding(select(full_params, spec.units(setup.parts.learned_positions)))
     opt_state = with_sharding(jax.eval_shape(setup.optimizer.init, params))
