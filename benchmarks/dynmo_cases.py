@@ -8,10 +8,12 @@ schemes that have no plugin yet (MoE's row has a plugin but no recorded trace ye
 speedups test the balancers on plausible load shapes; neither kind reproduces the paper's
 measurements, whose headline numbers are printed beside them for reference.
 
-Today: freezing and pruning are recorded (``configs/freezing.py`` and ``configs/pruning.py``,
-the latter with 8 layers at block granularity, each on a 4-stage x 2-data pipeline of 8 fake CPU
-devices); ``main`` uses every ``traces/<case>.jsonl`` it finds (``recorded_case``) and drops that
-case's synthetic row, so the synthetic pruning row (``pruning()``) no longer prints.
+Today: MoE, pruning, freezing and MoD are recorded (``configs/moe.py``, ``configs/pruning.py``
+with 8 layers at block granularity, ``configs/freezing.py`` and ``configs/mod.py``, each on a
+4-stage x 2-data pipeline of 8 fake CPU devices); ``main`` uses every ``traces/<case>.jsonl`` it
+finds (``recorded_case``) and drops that case's synthetic row. Sparse attention and early exit
+stay synthetic: early exit does not run on a pipeline yet, and no sparse-attention trace has
+been recorded.
 
 Recorded rows. Each profiled step of the run (every ``pipeline.profile_every`` steps and the first
 step of every Plan) is one sample: its measured per-microbatch forward and backward seconds of
@@ -198,6 +200,27 @@ stay alike. The run's own balancer, which has no memory cap on CPU, moved layers
 ((1,1,4,2) at step 68, (1,1,3,3) at 96, back to (2,2,2,2) at 205) on single profiles whose stage
 imbalance ranged 0.5-2.1 from timing noise alone (the 8 fake devices share 2 cores); "x dense"
 (0.98x raw, 1.14x Plan medians) compares unpaired periods, like freezing's.
+
+MoD (2026-11-25, the same kind of VM, with the test suite running on the same 2 cores, load
+~3-4, at nice 10; 300 steps, 7.4 min). ``configs/mod.py`` (8 layers, every other block routed at
+capacity 0.125) on 4 stages with the run's own balancer every 20 metrics steps:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python -m dynjax.train \\
+        --config configs/mod.py --workdir /tmp/trace_mod --config.mesh.stage=4 \\
+        --config.mesh.data=2 --config.pipeline.profile_every=10 --config.balance.enabled=True \\
+        --config.balance.every=20 --config.train.steps=300
+    PYTHONPATH=. python3 benchmarks/dynmo_cases.py record /tmp/trace_mod \\
+        benchmarks/traces/MoD.jsonl --case MoD --devices "4x2 fake CPU devices" ...
+
+What the recorded MoD row says. Per-layer forward + backward medians: 69.9 ms for layer 0 (with
+the embedding), 28.6-31.2 ms for the other dense layers, 4.5-15.2 ms for the routed ones (cost
+0.125). The uniform split pairs each routed layer with a dense one, so only stage 0 is heavier;
+relieving it puts three layers, two of them routed (each with its router and predictor), on one
+stage, past the 1.5x memory cap in the raw samples: 1.00x. On the Plan medians partition picks
+(1,3,2,2): 1.02x. The paper's 1.17x is against MoD without balancing where routed layers' loads
+vary; here a routed block computes a static count of tokens, so its time does not change. The
+run's own balancer moved layers twice on single noisy profiles ((1,3,2,2) at step 80, (3,3,1,1)
+at 178); "x dense" compares unpaired periods, like freezing's.
 
 What the recorded freezing row says. The run froze layer 0 at step 122, layers 0-2 at 146 and 0-3
 at 205 (``freezing.max_fraction`` = 0.5; steps as ``metrics.jsonl`` counts them). dynjax's frozen
@@ -501,16 +524,28 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
     import jax  # the recorder builds the model's shapes; the benchmark itself needs no JAX
     import ml_collections
 
-    from dynjax.config import gpt_config
+    from dynjax.config import default_config, gpt_config
     from dynjax.model import fresh_params
 
-    cfg = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    # Keys added since the run count with their defaults (what that run did), as on resume.
+    saved = json.loads((workdir / "config.json").read_text())
+    cfg = default_config()
+    cfg.update(ml_collections.ConfigDict(saved))
     num_layers = cfg.model.num_layers
     shapes = jax.eval_shape(lambda: fresh_params(gpt_config(cfg), 0))
+    # FSDP (absent from runs before it: replicated) splits an array over the data devices when
+    # one of its axes divides (`dynjax.parallel.mesh.param_shardings`); bytes are per device.
+    data = cfg.mesh.data if saved.get("parallel", {}).get("fsdp", False) else 1
+
+    def per_device(shape, itemsize):
+        n = int(np.prod(shape)) * itemsize
+        return n // data if data > 1 and any(d % data == 0 for d in shape) else n
 
     def count(tree, nbytes=False):
         leaves = jax.tree.leaves(tree)
-        return sum(int(np.prod(a.shape)) * (a.dtype.itemsize if nbytes else 1) for a in leaves)
+        if nbytes:
+            return sum(per_device(a.shape, a.dtype.itemsize) for a in leaves)
+        return sum(int(np.prod(a.shape)) for a in leaves)
 
     layer_params = [count(shapes["layers"][i]) for i in range(num_layers)]
     layer_bytes = [count(shapes["layers"][i], True) for i in range(num_layers)]
@@ -521,7 +556,7 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
         from dynjax.dynamism.pruning_math import prunable_leaves
 
         for name, leaf in prunable_leaves(shapes, cfg.pruning.include).items():
-            mask_bytes[int(name.split("/")[1])] += int(np.prod(leaf.shape))
+            mask_bytes[int(name.split("/")[1])] += per_device(leaf.shape, 1)
 
     events = read_jsonl(workdir / "events.jsonl")
     plans = [(0, e["plan"]) for e in events if e["event"] == "compile"]

@@ -2,7 +2,9 @@
 
 Table 1, per schedule (GPipe, 1F1B) and microbatch count M on S stages: host seconds to dispatch
 one step per microbatch against device seconds per microbatch (the step's wall time once
-dispatch overlaps the device; the host keeps up while dispatch < device), the bubble ratio
+dispatch overlaps the device; the host keeps up while dispatch < device), the compiled program
+calls of one step and the host time per call (the step's dispatch time over its calls, transfers
+and input placement included; issue target <= 0.3 ms at 4 stages, M = 8), the bubble ratio
 measured from `Pipeline.timed_step`'s timeline (seed 003 §A: idle / (stages x iteration)), the
 bubble the pipeline simulator predicts from the measured mean task time of each stage, and the
 analytic (S-1)/(M+S-1) of equal stages. On one CPU the fake devices share the cores, so the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 
 import jax
 
@@ -44,8 +47,8 @@ def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
     stages = exp.ctx.pipeline_stages
     print(f"\n{stages} stages x {exp.cfg.mesh.data} data devices, {exp.cfg.model.num_layers} "
           f"layers, batch {exp.cfg.train.batch_size} x {exp.cfg.data.seq_len}")
-    print(f"{'schedule':<9}{'M':>3}{'dispatch/mb ms':>16}{'device/mb ms':>14}"
-          f"{'bubble measured':>17}{'simulated':>11}{'analytic':>10}")
+    print(f"{'schedule':<9}{'M':>3}{'dispatch/mb ms':>16}{'device/mb ms':>14}{'calls':>7}"
+          f"{'ms/call':>9}{'bubble measured':>17}{'simulated':>11}{'analytic':>10}")
     for m in micro:
         plan = exp.initial_plan().replace(microbatches=m)
         runtime = exp.runtime(plan)
@@ -55,6 +58,7 @@ def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
             runtime.swap(plan, exe)
             pipeline, batch = runtime.pipeline, exp.order.batch(0)
             jax.block_until_ready(pipeline.step(exe, batch.inputs, batch.targets))  # warm up
+            calls = program_calls(pipeline, exe, batch)
             dispatch, device, measured, simulated = [], [], [], []
             for t in range(steps):
                 batch = exp.order.batch(t)
@@ -71,9 +75,29 @@ def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
                 simulated.append(simulate(fwd, bwd, m, schedule=schedule).bubble_ratio)
             analytic = (stages - 1) / (m + stages - 1)
             print(f"{schedule:<9}{m:>3}{1e3 * statistics.median(dispatch):>16.2f}"
-                  f"{1e3 * statistics.median(device):>14.2f}"
+                  f"{1e3 * statistics.median(device):>14.2f}{calls:>7}"
+                  f"{1e3 * statistics.median(dispatch) * m / calls:>9.3f}"
                   f"{statistics.median(measured):>17.3f}{statistics.median(simulated):>11.3f}"
                   f"{analytic:>10.3f}")
+
+
+def program_calls(pipeline, exe, batch) -> int:
+    """Compiled program calls one step dispatches, counted on one step through wrappers."""
+    counts: Counter = Counter()
+    original = dict(exe.programs)
+
+    def counted(key, fn):
+        def call(*args):
+            counts[key[0]] += 1
+            return fn(*args)
+        return call
+
+    exe.programs.update({key: counted(key, fn) for key, fn in original.items()})
+    try:
+        jax.block_until_ready(pipeline.step(exe, batch.inputs, batch.targets))
+    finally:
+        exe.programs.update(original)
+    return sum(counts.values())
 
 
 def _mean(row, kind: str) -> float:
