@@ -28,6 +28,7 @@ clock, and other load on the cores changes step times and compile times.
     python benchmarks/recompile.py --quick  # capacity runs of 150 steps (caching still 400)
     python benchmarks/recompile.py --workdir runs/bench [--reuse]  # keep runs / re-read them
     python benchmarks/recompile.py --only pipeline  # Table 4 alone (about 2 min)
+    python benchmarks/recompile.py --only capacity --quick --aux-loss 0  # Table 2, skewed loads
 
 The default took 33 and 50 min on two shared cores under a load average of ~4 (0.3-0.65 s per
 step); at the ~0.15 s per step of two idle cores it would be about 12 min.
@@ -346,7 +347,7 @@ def analyse_plans(
     from dynjax.experiment import Experiment
     from dynjax.recompile import Plan
 
-    cfg = load_config(CONFIG, _common(steps))
+    cfg = load_config(CONFIG, _common(steps, args.aux_loss))
     exp = Experiment.from_config(cfg)
     ctx = exp.ctx
     ones = {"capacities": [[1] * ctx.num_experts for _ in range(ctx.num_moe_layers)]}
@@ -447,18 +448,20 @@ def time_caching(args, common: list[str]) -> dict[str, float]:
     return interleaved(state, execs, args)
 
 
-def _common(steps: int) -> list[str]:
+def _common(steps: int, aux_loss: float | None = None) -> list[str]:
+    balance = [] if aux_loss is None else [f"moe.aux_loss_weight={aux_loss!r}"]
     return [
         f"train.steps={steps}",
         "train.log_every=1",
         f"train.eval_every={steps}",
         f"train.checkpoint_every={steps}",
+        *balance,
     ]
 
 
 def capacity_benchmark(args) -> tuple[str, dict, list[dict]]:
     steps = args.steps
-    common = _common(steps)
+    common = _common(steps, args.aux_loss)
     _say(f"capacity: dynamic and static runs of {steps} steps")
     dyn = run_training(args, "dynamic", [*common, "moe.capacity.policy=dynamic"], True)
     statics = {}
@@ -860,6 +863,10 @@ def main() -> None:
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary directory)")
     parser.add_argument(
         "--only", choices=("capacity", "caching", "pipeline"), help="run one benchmark"
+    )
+    parser.add_argument(
+        "--aux-loss", type=float, help="moe.aux_loss_weight of the capacity runs (default: the "
+        "config's 0.01); 0 leaves the loads skewed, where per-expert capacities gain most"
     )
     parser.add_argument("--pipeline-steps", type=int, default=500, help="steps of Table 4's run")
     parser.add_argument(
