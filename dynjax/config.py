@@ -73,6 +73,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.stage = 1
     c.mesh.data = 1
     c.mesh.expert = 1
+    c.mesh.tensor = 1  # Megatron-style tensor parallelism of attention and MLP per stage
 
     c.parallel = ml_collections.ConfigDict()
     # FSDP (ZeRO-3): parameters, gradients and optimizer state split over the 'data' devices of
@@ -312,6 +313,7 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
         "mesh.stage": mesh.stage,
         "mesh.data": mesh.data,
         "mesh.expert": mesh.expert,
+        "mesh.tensor": mesh.tensor,
         "train.learning_rate": t.learning_rate,
         "train.eval_batches": t.eval_batches,
         "data.max_tokens": d.max_tokens,
@@ -339,13 +341,20 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
         raise ConfigError(f"train.microbatches={t.microbatches} must be >= 0 (0 = auto)")
     _check_optimizer(cfg)
     _check_pipeline(cfg)
-    needed = mesh.stage * mesh.data * mesh.expert
+    needed = mesh.stage * mesh.data * mesh.expert * mesh.tensor
     if needed > num_devices:
         raise ConfigError(
-            f"mesh.stage*mesh.data*mesh.expert = {mesh.stage}*{mesh.data}*{mesh.expert} = "
-            f"{needed} devices, but only {num_devices} are available; shrink the mesh (on CPU, "
+            f"mesh.stage*mesh.data*mesh.expert*mesh.tensor = {mesh.stage}*{mesh.data}*"
+            f"{mesh.expert}*{mesh.tensor} = {needed} devices, but only {num_devices} are "
+            "available; shrink the mesh (on CPU, "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} fakes more devices)"
         )
+    for key, size in (("model.d_model", m.d_model), ("model.mlp_dim", m.mlp_dim)):
+        if size % mesh.tensor:
+            raise ConfigError(
+                f"mesh.tensor={mesh.tensor} must divide {key}={size}: tensor parallelism "
+                "splits attention's and the MLP's matrices evenly over the tensor devices"
+            )
     micro = microbatches(cfg)
     shards = mesh.data * mesh.expert * micro
     if t.batch_size % shards:

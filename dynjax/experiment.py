@@ -107,6 +107,7 @@ class Experiment:
                 cfg.mesh.data,
                 cfg.mesh.expert,
                 sorted(jax.devices(), key=lambda d: (d.process_index, d.id)),
+                tensor=cfg.mesh.tensor,
             ),
             graphdef=graphdef,
             optimizer=optimizer(cfg),

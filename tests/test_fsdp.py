@@ -61,3 +61,53 @@ def test_fsdp_divides_the_state_bytes_per_device_by_the_data_devices():
     replicated = state_bytes_per_device(mesh__data=8, parallel__fsdp=False)
     sharded = state_bytes_per_device(mesh__data=8)
     assert sharded < replicated / 7, (sharded, replicated)  # 1/8, plus unsplit scalars
+
+
+def test_tensor_parallel_splits_attention_and_mlp_megatron_style():
+    mesh = make_mesh(1, 2, 1, tensor=4)
+    tree = {"layers": {0: {
+        "attn": {"qkv": {"kernel": np.zeros((32, 96)), "bias": np.zeros(96)},
+                 "out": {"kernel": np.zeros((32, 32)), "bias": np.zeros(32)}},
+        "mlp": {"up": {"kernel": np.zeros((32, 64))}, "down": {"kernel": np.zeros((64, 32))}},
+    }}}
+    got = jax.tree.map(lambda s: s.spec, param_shardings(tree, mesh, fsdp=True))["layers"][0]
+    assert got["attn"]["qkv"]["kernel"] == P("data", "tensor")  # columns; FSDP on the rest
+    assert got["attn"]["qkv"]["bias"] == P("tensor")
+    assert got["attn"]["out"]["kernel"] == P("tensor", "data")  # rows
+    assert got["attn"]["out"]["bias"] == P("data")
+    assert got["mlp"]["up"]["kernel"] == P("data", "tensor")
+    assert got["mlp"]["down"]["kernel"] == P("tensor", "data")
+
+
+@pytest.mark.parametrize("mesh", [dict(mesh__tensor=4, mesh__data=2),
+                                  dict(mesh__stage=2, mesh__tensor=2, mesh__data=2)])
+def test_training_with_tensor_parallelism_equals_one_device(tmp_path, mesh):
+    base = dict(train__steps=4, train__eval_every=100, train__checkpoint_every=100)
+    one = train(tiny_config(**base), tmp_path / "one", progress=False)
+    split = train(tiny_config(**base, **mesh), tmp_path / "tp", progress=False)
+    np.testing.assert_allclose(losses(tmp_path / "tp"), losses(tmp_path / "one"), rtol=1e-5)
+    assert split.final_loss == pytest.approx(one.final_loss, rel=1e-5)
+
+
+def test_tensor_parallelism_divides_the_matrices_bytes_per_device():
+    """Exactly: every split parameter (and its two Adam moments) at a quarter, the rest whole."""
+    whole = state_bytes_per_device(parallel__fsdp=False)
+    split = state_bytes_per_device(mesh__tensor=4, parallel__fsdp=False)
+    exp = Experiment.from_config(tiny_config(model__d_model=64, model__mlp_dim=256,
+                                             mesh__tensor=4))
+    specs = param_shardings(exp.abstract_params, exp.mesh)
+    saved = sum(
+        3 * a.size * a.dtype.itemsize * 3 // 4  # params + Adam's mu and nu, 3/4 of each
+        for a, s in zip(jax.tree.leaves(exp.abstract_params), jax.tree.leaves(specs),
+                        strict=True)
+        if "tensor" in s.spec
+    )
+    assert saved > 0.5 * whole
+    assert split == whole - saved
+
+
+def test_a_tensor_split_that_does_not_divide_the_model_is_refused():
+    from dynjax.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"mesh\.tensor=3 must divide model\.d_model=32"):
+        validate_config(tiny_config(mesh__tensor=3), 8)

@@ -40,11 +40,11 @@ def setup():
     return graphdef, nnx.to_pure_dict(state), batch
 
 
-def loss_and_grads(setup, mesh_shape, opts):
+def loss_and_grads(setup, mesh_shape, opts, tensor=1, fsdp=False):
     graphdef, params, batch = setup
-    mesh = make_mesh(*mesh_shape)
+    mesh = make_mesh(*mesh_shape, tensor=tensor)
     par = expert_parallel(mesh)
-    params = jax.device_put(params, param_shardings(params, mesh))
+    params = jax.device_put(params, param_shardings(params, mesh, fsdp=fsdp))
     batch = jax.device_put(batch, batch_sharding(mesh))
     fn = jax.jit(
         jax.value_and_grad(
@@ -67,6 +67,16 @@ def test_expert_and_data_parallel_match_one_device(setup):
     opts = StepOptions(capacities=CAPS)
     loss1, grads1 = loss_and_grads(setup, (1, 1, 1), opts)
     loss8, grads8 = loss_and_grads(setup, (1, 2, 4), opts)
+    assert abs(loss8 - loss1) <= 1e-5 * abs(loss1)
+    assert_trees_close(grads1, grads8, 1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape, tensor", [((1, 4, 1), 2), ((1, 2, 2), 2), ((1, 1, 2), 4)])
+def test_fsdp_and_tensor_parallel_gradients_match_one_device(setup, mesh_shape, tensor):
+    """Parameters split over 'data' (FSDP) and Megatron-style over 'tensor', MoE layers too."""
+    opts = StepOptions(capacities=CAPS)
+    loss1, grads1 = loss_and_grads(setup, (1, 1, 1), opts)
+    loss8, grads8 = loss_and_grads(setup, mesh_shape, opts, tensor=tensor, fsdp=True)
     assert abs(loss8 - loss1) <= 1e-5 * abs(loss1)
     assert_trees_close(grads1, grads8, 1e-5)
 

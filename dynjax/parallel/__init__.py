@@ -3,6 +3,7 @@
 
 from dynjax.parallel.mesh import (
     AXES,
+    STAGE_AXES,
     TOKEN_AXES,
     batch_sharding,
     expert_parallel,
@@ -15,6 +16,7 @@ from dynjax.parallel.step import StepOptions, make_eval_step, make_train_step
 
 __all__ = [
     "AXES",
+    "STAGE_AXES",
     "TOKEN_AXES",
     "batch_sharding",
     "expert_parallel",

@@ -1,4 +1,5 @@
-"""The device mesh ('stage', 'data', 'expert') and the shardings of parameters and batches."""
+"""The device mesh ('stage', 'data', 'expert', 'tensor') and the shardings of parameters and
+batches."""
 
 from __future__ import annotations
 
@@ -9,26 +10,35 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.model import ExpertParallel
 
-AXES = ("stage", "data", "expert")
+AXES = ("stage", "data", "expert", "tensor")
+STAGE_AXES = AXES[1:]  # the sub-mesh of one pipeline stage
 TOKEN_AXES = ("data", "expert")  # the batch is split over both; experts over 'expert' only
 EXPERT_PARAMS = ("w_in", "w_out")  # stacked [E, ...] expert weights inside an MoE block
+# Megatron-LM's tensor parallelism (Shoeybi et al. 2019 §3): the first matmul of attention and
+# of the MLP split by output columns, the second by input rows, so each pair needs one
+# reduction; matched against the end of a parameter's path.
+COLUMN_PARALLEL = ("attn/qkv/kernel", "mlp/up/kernel")
+COLUMN_PARALLEL_BIAS = ("attn/qkv/bias", "mlp/up/bias")
+ROW_PARALLEL = ("attn/out/kernel", "mlp/down/kernel")
 
 
-def make_mesh(stage: int, data: int, expert: int, devices=None) -> Mesh:
-    """A mesh over the first stage*data*expert devices, with auto (not explicit) axis types."""
+def make_mesh(stage: int, data: int, expert: int, devices=None, *, tensor: int = 1) -> Mesh:
+    """A mesh over the first stage*data*expert*tensor devices, with auto (not explicit) axis
+    types; 'tensor' varies fastest, so a tensor-parallel group is neighbouring devices."""
     devices = list(devices if devices is not None else jax.devices())
-    need = stage * data * expert
+    need = stage * data * expert * tensor
     if need > len(devices):
         raise ValueError(
-            f"a ({stage}, {data}, {expert}) mesh needs {need} devices, have {len(devices)}"
+            f"a ({stage}, {data}, {expert}, {tensor}) mesh needs {need} devices, "
+            f"have {len(devices)}"
         )
-    grid = np.array(devices[:need], dtype=object).reshape(stage, data, expert)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+    grid = np.array(devices[:need], dtype=object).reshape(stage, data, expert, tensor)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 4)
 
 
 def stage_mesh(mesh: Mesh, stage: int = 0) -> Mesh:
-    """The (data, expert) sub-mesh of one pipeline stage."""
-    return Mesh(mesh.devices[stage], TOKEN_AXES, axis_types=(AxisType.Auto,) * 2)
+    """The (data, expert, tensor) sub-mesh of one pipeline stage."""
+    return Mesh(mesh.devices[stage], STAGE_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def expert_parallel(mesh: Mesh) -> ExpertParallel:
@@ -41,19 +51,32 @@ def is_expert_param(path: tuple) -> bool:
     return len(names) >= 2 and names[-2] == "moe" and names[-1] in EXPERT_PARAMS
 
 
+def _path(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
 def param_shardings(params, mesh: Mesh, *, fsdp: bool = False):
-    """Experts split over 'expert'; everything else replicated, or with ``fsdp`` (ZeRO-3) every
-    array also split over 'data' along its largest axis that the data devices divide: each data
-    device keeps 1/data of the parameters and of their optimizer state (which mirrors their
-    shardings), and XLA gathers a parameter where the step uses it (GSPMD). An array with no
-    such axis (a scalar, a bias of odd width) stays replicated over 'data'."""
+    """Experts split over 'expert'; attention and MLP matrices split Megatron-style over
+    'tensor' (`COLUMN_PARALLEL`, `ROW_PARALLEL`; optimizer state mirrors the parameters'
+    paths, so it follows); everything else replicated. With ``fsdp`` (ZeRO-3) every array is
+    also split over 'data' along its largest remaining axis that the data devices divide: each
+    data device keeps 1/data of the parameters and of their optimizer state, and XLA gathers a
+    parameter where the step uses it (GSPMD). An array with no such axis (a scalar, a bias of
+    odd width) stays replicated over 'data'."""
     data = mesh.shape["data"] if fsdp else 1
+    tensor = mesh.shape.get("tensor", 1)
 
     def spec(path, leaf):
         shape = tuple(getattr(leaf, "shape", ()))
         axes: list[str | None] = [None] * len(shape)
         if is_expert_param(path):
             axes[0] = "expert"
+        name = _path(path)
+        if tensor > 1:
+            if name.endswith(COLUMN_PARALLEL) or name.endswith(COLUMN_PARALLEL_BIAS):
+                axes[-1] = "tensor"
+            elif name.endswith(ROW_PARALLEL):
+                axes[0] = "tensor"
         free = [i for i, n in enumerate(shape) if axes[i] is None and n % data == 0]
         if data > 1 and free:
             axes[max(free, key=lambda i: (shape[i], -i))] = "data"

@@ -26,11 +26,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynjax.parallel.mesh import TOKEN_AXES, stage_mesh
+from dynjax.parallel.mesh import STAGE_AXES, stage_mesh
 
 
 class Transport:
-    """Stage-to-stage transfers for one ('stage', 'data', 'expert') mesh."""
+    """Stage-to-stage transfers for one ('stage', 'data', 'expert', 'tensor') mesh."""
 
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
@@ -45,7 +45,8 @@ class Transport:
             if len(owners) > 1:
                 raise ValueError(
                     f"pipeline stage {s} spans processes {sorted(owners)}: each process must "
-                    "own whole stages (devices per process a multiple of mesh.data*mesh.expert)"
+                    "own whole stages (devices per process a multiple of "
+                    "mesh.data*mesh.expert*mesh.tensor)"
                 )
         self._exchanges: dict[tuple, Any] = {}
         self._lock = threading.Lock()
@@ -99,7 +100,7 @@ class Transport:
             if key in self._exchanges:
                 return self._exchanges[key]
         grid = np.stack([self.mesh.devices[src], self.mesh.devices[dst]])
-        mesh = Mesh(grid, ("pair", *TOKEN_AXES), axis_types=(AxisType.Auto,) * 3)
+        mesh = Mesh(grid, ("pair", *STAGE_AXES), axis_types=(AxisType.Auto,) * 4)
         lead = spec[0] if spec else None
         lead = ("pair",) + (() if lead is None else (lead,) if isinstance(lead, str) else lead)
         pair_spec = P(lead, *spec[1:])
