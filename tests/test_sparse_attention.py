@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynjax.config import ConfigError, validate_config
 from dynjax.dynamism.sparse_attention import (
@@ -82,6 +84,25 @@ def test_an_ample_budget_equals_the_dense_masked_reference(s, block, buckets, he
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
     assert float(metrics[OVERFLOW]) == 0.0
     assert float(metrics[NEEDED_HIST].sum()) == 2 * heads * (s // block)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    blocks=st.integers(2, 8),
+    block=st.sampled_from([4, 8, 16]),
+    buckets=st.sampled_from([2, 4, 6, 8, 16]),
+    heads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_any_ample_budget_equals_the_dense_masked_reference(blocks, block, buckets, heads, seed):
+    """Lengths, block sizes, bucket counts and heads drawn at random (hypothesis)."""
+    s = blocks * block
+    q, k, v = qkv(1, s, heads, 8, seed=seed)
+    rec = HashedAttention(buckets, block, blocks, seed=seed % 7, layer=seed % 5)
+    y, metrics = hashed_attention(q, k, v, rec)
+    want, _, _ = numpy_reference(q, k, v, rec)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert float(metrics[OVERFLOW]) == 0.0
 
 
 def test_gradients_equal_the_dense_masked_reference_in_jax():
