@@ -86,7 +86,7 @@ def test_an_ample_budget_equals_the_dense_masked_reference(s, block, buckets, he
     assert float(metrics[NEEDED_HIST].sum()) == 2 * heads * (s // block)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=10, deadline=None, derandomize=True)  # the same examples in every CI
 @given(
     blocks=st.integers(2, 8),
     block=st.sampled_from([4, 8, 16]),
