@@ -26,9 +26,9 @@ from dynjax.model.early_exit import (
     confidence,
 )
 from dynjax.recompile import History, Plan
-from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from .test_recompile_train import train_with_warm_cache
 from .tiny import tiny_config
 
 S, L = 16, 4
@@ -255,7 +255,7 @@ def test_training_exits_tokens_and_shrinks_the_buckets_in_the_background(tmp_pat
     settings = dict(early_exit__start_step=0, early_exit__threshold=0.2, early_exit__window=4,
                     early_exit__headroom=0.0, train__eval_every=200, train__log_every=5,
                     train__checkpoint_every=100, data__seq_len=64)
-    workdir, summary = train_twice(ee_config(train__steps=200, **settings), tmp_path)
+    workdir, summary = train_with_warm_cache(ee_config(train__steps=200, **settings), tmp_path)
     events = read_jsonl(workdir / "events.jsonl")
     buckets = [e for e in events if e["event"] == "early_exit_buckets"]
     assert buckets and buckets[0]["old"] == [64] * L and min(buckets[0]["new"]) < 64
@@ -264,10 +264,3 @@ def test_training_exits_tokens_and_shrinks_the_buckets_in_the_background(tmp_pat
     assert last[EXITED][0] > 0 and max(last[PROCESSED][1:]) < 1.0
     costs = read_jsonl(workdir / "layer_costs.jsonl")
     assert costs[-1]["layer_cost"][0] == 1.0 and min(costs[-1]["layer_cost"]) < 1.0
-
-
-def train_twice(cfg, tmp_path):
-    """The second of two identical runs: the first fills the compilation cache, so the second
-    swaps in the policy's Plans within a few steps on busy cores."""
-    train(cfg, tmp_path / "warm", progress=False)
-    return tmp_path / "run", train(cfg, tmp_path / "run", progress=False)

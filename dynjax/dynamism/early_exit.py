@@ -14,7 +14,6 @@ balancer is the share of tokens its bucket computes (seed 000 §2.5).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ import numpy as np
 
 from dynjax.config import ConfigError, moe_layer_indices, num_stages
 from dynjax.dynamism.base import Plugin, register
-from dynjax.dynamism.histograms import overflow_at, smallest_budget
+from dynjax.dynamism.histograms import resized_budget
 from dynjax.model.early_exit import (
     CONFIDENCE,
     CONFIDENCES,
@@ -188,10 +187,6 @@ class ExitBuckets:
         self.max_forced, self.window = max_forced, window
         self.headroom, self.hysteresis = headroom, hysteresis
 
-    def wanted(self, hist: np.ndarray) -> int:
-        need = smallest_budget(hist, self.max_forced)
-        return bucket_tokens(math.ceil(need * (1 + self.headroom)), self.seq_len)
-
     def propose(self, history: History, plan: Plan) -> Proposal | None:
         part = plan.part(NAME)
         latest = history.latest_step
@@ -209,12 +204,11 @@ class ExitBuckets:
         want = list(have)
         for j, layer_hist in enumerate(hist):  # hist[j]: sequences entering layer first + j
             layer = self.first + j
-            if layer == self.first:  # the first exit point's layer computes every token
-                continue
-            target = self.wanted(layer_hist)
-            over = overflow_at(layer_hist, have[layer]) > self.max_forced
-            shrink = target < (1 - self.hysteresis) * have[layer]
-            want[layer] = target if over or shrink else have[layer]
+            if layer > self.first:  # the first exit point's layer computes every token
+                want[layer] = resized_budget(
+                    layer_hist, have[layer], max_overflow=self.max_forced,
+                    headroom=self.headroom, hysteresis=self.hysteresis,
+                    bucket=lambda n: bucket_tokens(n, self.seq_len))
         want = tuple(want)
         if want == have:
             return None

@@ -4,6 +4,9 @@ MoE capacities, a budget below the need drops the excess and counts it."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import numpy as np
 
 
@@ -21,3 +24,21 @@ def smallest_budget(hist: np.ndarray, max_overflow: float) -> int:
         if overflow_at(hist, budget) <= max_overflow:
             return budget
     return len(hist) - 1
+
+
+def resized_budget(
+    hist: np.ndarray,
+    budget: int,
+    *,
+    max_overflow: float,
+    headroom: float,
+    hysteresis: float,
+    bucket: Callable[[int], int],
+) -> int:
+    """The budget a policy keeps for ``hist``: the smallest meeting ``max_overflow``, times
+    ``1 + headroom``, bucketed. It grows at once when ``budget`` overflows and shrinks only below
+    ``(1 - hysteresis)`` x ``budget``, so noise does not recompile."""
+    target = bucket(math.ceil(smallest_budget(hist, max_overflow) * (1 + headroom)))
+    over = overflow_at(hist, budget) > max_overflow
+    shrink = target < (1 - hysteresis) * budget
+    return target if over or shrink else budget

@@ -14,7 +14,6 @@ for the balancer is the fraction of (query block, key block) pairs its budget co
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ import numpy as np
 
 from dynjax.config import ConfigError
 from dynjax.dynamism.base import Plugin, register
-from dynjax.dynamism.histograms import overflow_at, smallest_budget
+from dynjax.dynamism.histograms import overflow_at, resized_budget
 from dynjax.model.hashed_attention import (
     NAME,
     NEEDED_HIST,
@@ -132,22 +131,18 @@ class AttentionBudget:
         self.num_blocks, self.max_overflow, self.window = num_blocks, max_overflow, window
         self.headroom, self.hysteresis = headroom, hysteresis
 
-    def wanted(self, hist: np.ndarray) -> int:
-        need = smallest_budget(hist, self.max_overflow)
-        return bucket_budget(math.ceil(need * (1 + self.headroom)), self.num_blocks)
-
     def propose(self, history: History, plan: Plan) -> Proposal | None:
         hists = history.values(NEEDED_HIST, self.window)
         if len(hists) < self.window:
             return None
         hist = np.sum([np.asarray(h, dtype=float) for h in hists], axis=0)  # [L, nb + 1]
         have = tuple(plan.part(NAME)["budgets"])
-        want = []
-        for layer_hist, budget in zip(hist, have, strict=True):
-            target = self.wanted(layer_hist)
-            over = overflow_at(layer_hist, budget) > self.max_overflow
-            shrink = target < (1 - self.hysteresis) * budget
-            want.append(target if over or shrink else budget)
+        want = [
+            resized_budget(layer_hist, budget, max_overflow=self.max_overflow,
+                           headroom=self.headroom, hysteresis=self.hysteresis,
+                           bucket=lambda n: bucket_budget(n, self.num_blocks))
+            for layer_hist, budget in zip(hist, have, strict=True)
+        ]
         want = tuple(want)
         if want == have:
             return None

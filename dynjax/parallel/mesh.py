@@ -45,14 +45,15 @@ def expert_parallel(mesh: Mesh) -> ExpertParallel:
     return ExpertParallel(mesh, TOKEN_AXES, "expert")
 
 
+def _path(path: tuple) -> str:
+    """A tree path as "/"-joined names, e.g. "layers/0/attn/qkv/kernel"."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
 def is_expert_param(path: tuple) -> bool:
     """True for the stacked expert weights of an MoE block (leading axis = expert)."""
-    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    names = _path(path).split("/")
     return len(names) >= 2 and names[-2] == "moe" and names[-1] in EXPERT_PARAMS
-
-
-def _path(path: tuple) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
 def param_shardings(params, mesh: Mesh, *, fsdp: bool = False):
