@@ -3,7 +3,8 @@ computes only the router's top 1/8 of each sequence's tokens; the others skip it
 
 About a minute on two CPU cores. metrics.jsonl shows, per routed layer, the mean router weight
 and how well the causal predictor tells the routed tokens (`mod/predictor_accuracy`; the base
-rate of always saying "skipped" is 0.875); layer_costs.jsonl the routed layers at cost 0.125. On
+rate of always saying "skipped" is 0.875); layer_costs.jsonl the routed layers at cost 0.125.
+The eval loss routes by that predictor (causal, as sampling would; `mod.eval_routing`). On
 a pipeline the balancer sees the routed layers as that much cheaper:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m dynjax.train \\

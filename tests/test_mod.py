@@ -51,7 +51,7 @@ def test_a_routed_block_computes_its_top_tokens_as_the_plain_block_would(tokens)
     attention), blended by the router weight; every other token passes unchanged."""
     block, _ = routed_block()
     x = inputs()
-    record = RoutedBlock(tokens, 0.01)
+    record = RoutedBlock(tokens, 0.01, "predictor")
     out, _, metrics = block(x, options=(("mod", record),))
     scores = np.asarray(block.mod.router(x)[..., 0])
     for b in range(x.shape[0]):
@@ -71,7 +71,7 @@ def test_the_router_learns_through_the_weight_and_the_predictor_through_its_loss
     block, _ = routed_block(positions="rope")
     x = inputs(1)
     graphdef, state = nnx.split(block)
-    record = RoutedBlock(4, 0.5)
+    record = RoutedBlock(4, 0.5, "predictor")
 
     def grads(of):
         def f(state):

@@ -5,6 +5,10 @@ each sequence's tokens, the rest take the residual path. The token count is stat
 layer's record, so the compiled block really is that much smaller. For the balancer a routed
 layer costs its capacity (seed 000 §4.2.6: the skipped share is a "shadow" layer that takes no
 time).
+
+Evaluation routes causally by default (``mod.eval_routing="predictor"``, the paper's §3.5): the
+``eval_loss`` a run logs is the loss sampling would see, not the top-k's, which looks ahead in
+the sequence; ``"topk"`` evaluates with the training's routing instead, for comparison.
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ import ml_collections
 from dynjax.config import ConfigError, moe_layer_indices
 from dynjax.dynamism.base import Plugin, register
 from dynjax.model.hooks import BlockPart
-from dynjax.model.mod import ACCURACY, NAME, PREDICTOR_LOSS, ROUTER_WEIGHT, RoutedBlock
+from dynjax.model.mod import (
+    ACCURACY,
+    EVAL_ROUTINGS,
+    NAME,
+    PREDICTOR_LOSS,
+    ROUTER_WEIGHT,
+    RoutedBlock,
+)
 
 if TYPE_CHECKING:
     from dynjax.experiment import Experiment
@@ -48,6 +59,8 @@ class MixtureOfDepths(Plugin):
         c.capacity = 0.125  # fraction of each sequence's tokens a routed block computes
         c.predictor_hidden = 64  # hidden width of the causal predictor
         c.predictor_weight = 0.01  # weight of its binary cross entropy in the loss
+        # How evaluation routes: "predictor" (causal, as sampling can) or "topk" (as training)
+        c.eval_routing = "predictor"
         return c
 
     def validate(self, cfg: ml_collections.ConfigDict) -> None:
@@ -62,6 +75,11 @@ class MixtureOfDepths(Plugin):
             raise ConfigError(f"mod.predictor_hidden={m.predictor_hidden} must be >= 1")
         if m.predictor_weight < 0:
             raise ConfigError(f"mod.predictor_weight={m.predictor_weight} must be >= 0")
+        if m.eval_routing not in EVAL_ROUTINGS:
+            raise ConfigError(
+                f"mod.eval_routing={m.eval_routing!r} is not one of {EVAL_ROUTINGS}: set "
+                '"predictor" (causal, as sampling routes) or "topk" (the training\'s routing)'
+            )
         if not routed_layers(cfg):
             raise ConfigError(
                 f"mod.every={m.every} routes no layer of model.num_layers="
@@ -79,7 +97,8 @@ class MixtureOfDepths(Plugin):
 
     def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
         cfg = exp.cfg
-        record = RoutedBlock(routed_tokens(cfg), float(cfg.mod.predictor_weight))
+        m = cfg.mod
+        record = RoutedBlock(routed_tokens(cfg), float(m.predictor_weight), m.eval_routing)
         routed = set(routed_layers(cfg))
         return tuple(record if i in routed else None for i in range(cfg.model.num_layers))
 

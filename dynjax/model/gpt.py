@@ -215,9 +215,11 @@ class GPT(nnx.Module):
         cached: tuple[jax.Array, ...] | None = None,
         options: Sequence[LayerOptions] | None = None,
         targets: jax.Array | None = None,
+        inference: bool = False,
     ):
         """`__call__` with each layer's options: also returns each layer's hook metrics.
-        ``targets`` [B, S]: the next tokens, for wrappers that take a loss inside the stack."""
+        ``targets`` [B, S]: the next tokens, for wrappers that take a loss inside the stack;
+        ``inference``: run the wrappers as evaluation or sampling does (`LayerContext`)."""
         x = self.embed(tokens)
         if self.cfg.positions == "learned":
             x = x + self.pos[: tokens.shape[1]].astype(x.dtype)
@@ -228,7 +230,7 @@ class GPT(nnx.Module):
             options=options,
             parallel=parallel,
             cached=cached,
-            context=LayerContext(readout=self.readout, targets=targets),
+            context=LayerContext(readout=self.readout, targets=targets, inference=inference),
         )
         return self.readout(x), stats, metrics
 

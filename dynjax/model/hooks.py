@@ -18,6 +18,13 @@ training loss by both steps, so a part's auxiliary objective trains without them
 Schemes that score tokens in the middle of the stack (early exit) also get the forward's
 `LayerContext`: the model's readout (final norm + LM head), the targets, and a per-token carry
 that flows from layer to layer (which tokens remain).
+
+A forward that evaluates or samples rather than trains sets ``LayerContext.inference``
+(`StepOptions.inference` on the single-program path, `StageSpec.inference` on a pipeline's
+evaluation programs; both are static, so the inference forward is its own compiled program). A
+wrapper whose training forward may look ahead in the sequence reads it to run as a causal sampler
+would: mixture of depths then routes by its causal predictor instead of the sequence's top-k
+(Raposo et al. §3.5; seed 000 §2.6), so the evaluation loss is the one sampling would see.
 """
 
 from __future__ import annotations
@@ -50,11 +57,14 @@ class LayerContext:
     """What one forward gives the layers beyond their input: ``readout`` maps hidden states
     [..., D] to float32 logits (the model's final norm and LM head; None in a pipeline stage
     that does not hold them), ``targets`` [B, S] the next tokens (None without a loss), and
-    ``carry``, per-token arrays a wrapper leaves for the layers after it (keyed by its name)."""
+    ``carry``, per-token arrays a wrapper leaves for the layers after it (keyed by its name);
+    ``inference``: the forward evaluates or samples, so every token's output may depend only on
+    it and earlier tokens (see the module docstring)."""
 
     readout: Callable[[jax.Array], jax.Array] | None = None
     targets: jax.Array | None = None
     carry: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    inference: bool = False
 
 
 # (the residual body, x, the layer's record, the layer's part of the same name or None, the

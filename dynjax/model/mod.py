@@ -8,8 +8,13 @@ the full sequence), and scattered back as ``x + sigmoid(r) * (block(x) - x)``: s
 router weight puts the router on the gradient path. The other tokens skip the block (the
 residual path). Top-k over a sequence is not causal, so a small predictor (an MLP on the
 stop-gradient input, as in the paper's §3.5) learns to tell which tokens the router picks: its
-binary cross entropy is a loss term of the training loss, and its accuracy a metric, so that
-sampling can route causally with it.
+binary cross entropy is a loss term of the training loss, and its accuracy a metric.
+
+At inference (`LayerContext.inference`: evaluation) with ``eval_routing="predictor"`` the block
+routes as causal sampling does (the paper's §3.5): a token goes through it iff its predictor
+logit is positive, the first ``tokens`` such tokens of each sequence in position order fill the
+same static bucket, and later ones take the residual path. A token's route then depends only on
+itself and the tokens before it, so the evaluation loss is the one sampling would see.
 """
 
 from __future__ import annotations
@@ -31,18 +36,23 @@ from dynjax.model.hooks import (
 )
 
 NAME = "mod"
-ACCURACY, PREDICTOR_LOSS, ROUTER_WEIGHT = (f"{NAME}/{m}" for m in (
-    "predictor_accuracy", "predictor_loss", "router_weight"))
+ACCURACY, PREDICTOR_LOSS, ROUTER_WEIGHT, ROUTED = (f"{NAME}/{m}" for m in (
+    "predictor_accuracy", "predictor_loss", "router_weight", "routed_fraction"))
 LOSS = f"{NAME}/loss"  # predictor_weight x the predictor's loss: the term the step minimises
 
 
 @dataclasses.dataclass(frozen=True)
 class RoutedBlock:
-    """A routed layer's static record: how many tokens of each sequence its block computes, and
-    the weight of its predictor's loss."""
+    """A routed layer's static record: how many tokens of each sequence its block computes, the
+    weight of its predictor's loss, and how it routes at inference (`EVAL_ROUTINGS`)."""
 
     tokens: int
     predictor_weight: float
+    eval_routing: str
+
+
+# At inference: by the causal predictor (what sampling can do), or the training's top-k.
+EVAL_ROUTINGS = ("predictor", "topk")
 
 
 class DepthRouter(nnx.Module):
@@ -68,29 +78,56 @@ def route_depth(
     part: DepthRouter,
     context: LayerContext,
 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
-    """The routed block: the top ``record.tokens`` tokens of each sequence through
-    ``residual``, the others unchanged (see the module docstring)."""
+    """The routed block: ``record.tokens`` tokens of each sequence through ``residual``, the
+    others unchanged; the router's top-k in training, the predictor's first members at
+    inference (see the module docstring)."""
     b, s, _ = x.shape
     scores = part.router(x)[..., 0].astype(jnp.float32)  # [B, S]
-    _, top = jax.lax.top_k(scores, record.tokens)
-    chosen = jnp.sort(top, axis=-1)  # [B, k]: original order, so causality holds in the subset
+    logits = part.predict(x)
+    causal = context.inference and record.eval_routing == "predictor"
+    if causal:
+        chosen, valid = predicted_members(logits, record.tokens)
+    else:
+        _, top = jax.lax.top_k(scores, record.tokens)
+        chosen = jnp.sort(top, axis=-1)  # [B, k]: original order, so causality holds in the subset
+        valid = jnp.ones(chosen.shape, bool)
     picked = jnp.take_along_axis(x, chosen[..., None], axis=1)
     computed, stats, inner = residual(picked, chosen)
     weight = jax.nn.sigmoid(jnp.take_along_axis(scores, chosen, axis=1))[..., None]
     routed = picked + weight.astype(x.dtype) * (computed - picked)
     rows = jnp.arange(b)[:, None]
-    out = x.at[rows, chosen].set(routed)
+    out = x.at[rows, chosen].set(jnp.where(valid[..., None], routed, picked))
+    router_weight = jnp.sum(weight[..., 0] * valid) / jnp.maximum(jnp.sum(valid), 1)
+    if causal:
+        return out, stats, {
+            **inner,
+            ROUTED: jnp.mean(jnp.sum(valid, axis=1) / s),
+            ROUTER_WEIGHT: router_weight,
+        }
     member = jnp.zeros((b, s), jnp.float32).at[rows, chosen].set(1.0)
-    logits = part.predict(x)
     predictor_loss = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, member))
     metrics = {
         **inner,
         PREDICTOR_LOSS: predictor_loss,
         LOSS: record.predictor_weight * predictor_loss,
         ACCURACY: jnp.mean(((logits > 0) == (member > 0)).astype(jnp.float32)),
-        ROUTER_WEIGHT: jnp.mean(weight.astype(jnp.float32)),
+        ROUTER_WEIGHT: router_weight,
     }
     return out, stats, metrics
+
+
+def predicted_members(logits: jax.Array, tokens: int) -> tuple[jax.Array, jax.Array]:
+    """The causal route: (chosen [B, k] positions, valid [B, k]) where the first ``valid`` slots
+    hold, in order, the first ``tokens`` positions whose predictor logit is positive. Slots past
+    them (fewer members than the bucket) hold the first non-members, after every member: the
+    subset's causal triangle keeps them out of the members' attention, and their outputs are
+    dropped."""
+    s = logits.shape[1]
+    member = logits > 0
+    position = jnp.arange(s)[None, :]
+    key = jnp.where(member, position, s + position)  # members first, each group in order
+    _, chosen = jax.lax.top_k(-key, tokens)  # the ``tokens`` smallest keys, ascending
+    return chosen, jnp.take_along_axis(member, chosen, axis=1)
 
 
 register_block_part(NAME, lambda cfg, hidden, rngs: DepthRouter(cfg, hidden, rngs))

@@ -533,11 +533,14 @@ class Pipeline:
 
         A batch runs in microbatches of the largest size that divides both it and the training
         microbatch: a full batch in the training microbatches, a smaller one (a short validation
-        set) through stage programs compiled for its size."""
+        set) through stage programs compiled for its size. The programs run as at inference
+        (`StageSpec.inference`), so the loss is the one causal sampling would see."""
         losses = []
         for inputs, targets in batches:
             size = math.gcd(len(inputs), self.spec.stages[0].microbatch_size)
-            stages = [replace(stage, microbatch_size=size) for stage in self.spec.stages]
+            stages = [
+                replace(stage, microbatch_size=size, inference=True) for stage in self.spec.stages
+            ]
             m_count, last = len(inputs) // size, stages[-1]
             for m in range(m_count):
                 x = None

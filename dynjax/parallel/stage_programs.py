@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.model import ModelParts, lm_loss
 from dynjax.model.gpt import run_layers
-from dynjax.model.hooks import hook_loss
+from dynjax.model.hooks import LayerContext, hook_loss
 from dynjax.parallel.layout import select
 from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
 from dynjax.parallel.stages import StageSpec
@@ -87,6 +87,7 @@ def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, cache
         options=spec.layer_options(),
         parallel=expert_parallel(mesh),
         cached=cached,
+        context=LayerContext(inference=spec.inference),
     )
     if spec.last:
         x = nnx.merge(parts.head, p["head"])(nnx.merge(parts.norm, p["norm"])(x))

@@ -36,6 +36,7 @@ class StageSpec:
     cached_routing: bool
     dtype: str
     options: tuple[LayerOptions, ...] = ()  # each layer's plugin records (empty: none)
+    inference: bool = False  # evaluation programs: block wrappers run causally (`LayerContext`)
 
     def layer_options(self) -> tuple[LayerOptions, ...]:
         """One `LayerOptions` per layer of the stage."""

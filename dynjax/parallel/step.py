@@ -47,6 +47,8 @@ class StepOptions:
     # Auxiliary-loss-free balancing: each MoE layer's `RoutedBias` moves by this after each
     # update (`balance_routing`); 0 = the model has none.
     bias_rate: float = 0.0
+    # The forward evaluates rather than trains: block wrappers run causally (`LayerContext`).
+    inference: bool = False
 
 
 def cast_floats(tree, dtype):
@@ -75,6 +77,7 @@ def forward_loss(
         cached=cached,
         options=opts.layer_options or None,
         targets=targets,
+        inference=opts.inference,
     )
     ce = lm_loss(logits, targets)
     aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
@@ -269,7 +272,8 @@ def make_train_step(
 
 
 def make_eval_step(graphdef, opts: StepOptions, parallel: ExpertParallel | None):
-    """``eval(params, batch) -> mean next-token loss`` under the same static options."""
+    """``eval(params, batch) -> mean next-token loss`` under the same static options, the
+    forward run as at inference (`StepOptions.inference`): the loss causal sampling would see."""
 
     def evaluate(params, batch):
         _, (ce, *_rest) = forward_loss(
@@ -278,7 +282,7 @@ def make_eval_step(graphdef, opts: StepOptions, parallel: ExpertParallel | None)
             batch["inputs"],
             batch["targets"],
             None,
-            dataclasses.replace(opts, cached_routing=False),
+            dataclasses.replace(opts, cached_routing=False, inference=True),
             parallel,
             batch["capacities"] if opts.ragged_totals else None,
         )
