@@ -538,8 +538,11 @@ class Pipeline:
         losses = []
         for inputs, targets in batches:
             size = math.gcd(len(inputs), self.spec.stages[0].microbatch_size)
+            # Only a stage with plugin records can run differently at inference: the others
+            # reuse their training forward programs instead of compiling copies.
             stages = [
-                replace(stage, microbatch_size=size, inference=True) for stage in self.spec.stages
+                replace(stage, microbatch_size=size, inference=bool(stage.options))
+                for stage in self.spec.stages
             ]
             m_count, last = len(inputs) // size, stages[-1]
             for m in range(m_count):
