@@ -407,7 +407,8 @@ def hashed_block_sparse_attention(
     """
     _check_qkv(q, k, v)
     ids = _Meta(q_positions, q_buckets, k_positions, k_buckets)
-    for name, x in zip(_Meta._fields, ids, strict=True):
+    names = ("q_positions", "q_buckets", "k_positions", "k_buckets")
+    for name, x in zip(names, ids, strict=True):
         if x.shape != q.shape[:3] or not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(
                 f"{name} must be an int array of shape (batch, heads, seq) = {q.shape[:3]}; "

@@ -110,6 +110,46 @@ def test_rows_without_a_visible_key_give_zeros_and_no_gradient():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_a_jax_without_the_triton_lowering_computes_it_with_xla(without_pallas_triton):
+    """What a GPU gets once jax drops the Pallas Triton backend: the same values and gradients
+    from plain XLA ops (dense cost), and a warning saying so."""
+    rng = np.random.default_rng(5)
+    q, k, v, do = (jnp.asarray(rng.standard_normal((1, 2, 32, 16)), jnp.float32)
+                   for _ in range(4))
+    ids = (*sorted_ids(rng, 1, 2, 32, 4), *sorted_ids(rng, 1, 2, 32, 4))
+    attend = lambda q, k, v: hashed_block_sparse_attention(
+        q, k, v, *map(jnp.asarray, ids), block_size=16, interpret=False
+    )
+    with pytest.warns(RuntimeWarning, match="no usable Pallas Triton lowering"):
+        out, vjp = jax.vjp(attend, q, k, v)
+    want, _ = reference(q, k, v, do, *ids)
+    for g, w in zip((out, *vjp(do)), want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_takes_bfloat16():
+    rng = np.random.default_rng(6)
+    q, k, v, do = (jnp.asarray(rng.standard_normal((1, 2, 32, 16)), jnp.bfloat16)
+                   for _ in range(4))
+    ids = (*sorted_ids(rng, 1, 2, 32, 2), *sorted_ids(rng, 1, 2, 32, 2))
+    got = kernel_vjp(q, k, v, do, tuple(map(jnp.asarray, ids)), 16)
+    want, _ = reference(q, k, v, do, *ids)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert g.dtype == jnp.bfloat16
+        err = np.max(np.abs(np.asarray(g, np.float64) - w)) / np.max(np.abs(w))
+        assert err < 2e-2, f"{name}: relative error {err:.2e}"
+
+
+def test_bad_ids_are_refused():
+    q = jnp.zeros((1, 1, 32, 16))
+    pos = jnp.zeros((1, 1, 32), jnp.int32)
+    with pytest.raises(ValueError, match="k_buckets must be an int array"):
+        hashed_block_sparse_attention(q, q, q, pos, pos, pos, pos[..., :16], block_size=16)
+    with pytest.raises(ValueError, match="q_positions must be an int array"):
+        hashed_block_sparse_attention(q, q, q, pos.astype(jnp.float32), pos, pos, pos,
+                                      block_size=16)
+
+
 def numpy_needed(q_bucket, q_pos, k_bucket, k_pos, block):
     """The needed-block rule, block by block: overlapping bucket ranges and a key block whose
     first position is not after the query block's last."""
