@@ -260,3 +260,22 @@ def test_training_with_the_kernel_matches_the_xla_path_and_costs_the_needed_pair
     plugin = next(p for p in enabled_plugins(cfg) if p.name == "sparse_attention")
     assert plugin.policies(cfg, exp) == []
     assert plugin.layer_costs(exp.initial_plan(), exp) is None
+
+
+def test_the_kernel_on_a_pipeline_and_a_tensor_mesh_equals_one_program(tmp_path):
+    settings = dict(train__steps=2, train__eval_every=100, train__checkpoint_every=100,
+                    train__microbatches=2)
+    layouts = {
+        "one": {},
+        "pipeline": dict(mesh__stage=2, pipeline__stage_layers="(1,1)",
+                         pipeline__profile_on_change=False),
+        "tensor": dict(mesh__tensor=2),
+    }
+    loss = {}
+    for name, layout in layouts.items():
+        train(pallas_config(**settings, **layout), tmp_path / name, progress=False)
+        loss[name] = [r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")
+                      if "loss" in r]
+    assert len(loss["one"]) == 2
+    np.testing.assert_allclose(loss["pipeline"], loss["one"], rtol=1e-5)
+    np.testing.assert_allclose(loss["tensor"], loss["one"], rtol=1e-5)
