@@ -2,7 +2,11 @@
 
 Attention: ``block_sparse_attention`` at block densities 100/50/25/10% (of the causal blocks;
 the diagonal is always kept) against ``jax.nn.dot_product_attention(is_causal=True)`` (cuDNN
-flash attention on GPU) and a dense masked attention that materialises the scores.
+flash attention on GPU) and a dense masked attention that materialises the scores. One more row
+per length, density ``lsh8``: ``hashed_block_sparse_attention`` with 8 random buckets per token
+(sorted by bucket and position, as the model sorts them; 000 §2.4), its block list built on
+device, against the same two baselines (the masked one with the hashed element mask);
+``causal_blocks`` is then its needed blocks over the causal ones.
 SpMM: ``block_sparse_matmul`` at 50/75/90/95% sparsity against ``jnp.dot`` for 4096x4096 and
 MLP-shaped (4096x14336, 14336x4096) weights.
 Ratios are dense time / sparse time (> 1: sparse is faster). Targets on an H100/H200 (000 §4.2.2,
@@ -24,7 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import BlockSparseMatrix, block_sparse_attention, block_sparse_matmul
+from pallas_kernels import (
+    BlockSparseMatrix,
+    block_sparse_attention,
+    block_sparse_matmul,
+    hashed_block_sparse_attention,
+)
+from pallas_kernels.block_index import range_blocks
 from pallas_kernels.selector import random_block_mask
 from pallas_kernels.timing import median_seconds
 
@@ -55,6 +65,18 @@ def dense_masked_attention(q, k, v, mask):
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
 
 
+def hashed_ids(shape: tuple[int, int, int], buckets: int, seed: int) -> tuple[np.ndarray, ...]:
+    """Uniformly random buckets per token, sorted by (bucket, position): each sorted token's
+    (position, bucket) for queries, then for keys, ``shape = (batch, heads, seq)`` each."""
+    rng, seq = np.random.default_rng(seed), shape[-1]
+    ids = []
+    for _ in range(2):
+        bucket = rng.integers(0, buckets, shape)
+        perm = np.argsort(bucket * seq + np.arange(seq), axis=-1, kind="stable")
+        ids += [perm.astype(np.int32), np.take_along_axis(bucket, perm, -1).astype(np.int32)]
+    return tuple(ids)
+
+
 def dpa_attention(q, k, v, implementation: str | None = None):
     """``jax.nn.dot_product_attention`` (causal) on our (batch, heads, seq, dim) layout."""
     to_bthd = lambda x: x.transpose(0, 2, 1, 3)
@@ -78,6 +100,8 @@ def bench_attention(cfg: dict, backward: bool, dpa_impl: str | None) -> list[dic
     masked = _timed(dense_masked_attention, backward, repeats, qkv)
     sparse_fn = functools.partial(block_sparse_attention, block_size=block)
     sparse = _timed(sparse_fn, backward, repeats, qkv)
+    hashed = _timed(functools.partial(hashed_block_sparse_attention, block_size=block), backward,
+                    repeats, qkv)
     rows = []
     for seq in cfg["seqs"]:
         shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
@@ -97,6 +121,18 @@ def bench_attention(cfg: dict, backward: bool, dpa_impl: str | None) -> list[dic
                 sparse_ms=1e3 * t_sparse, dpa_ms=1e3 * t_dpa, masked_ms=1e3 * t_masked,
                 vs_dpa=t_dpa / t_sparse, vs_masked=t_masked / t_sparse,
             ))
+        q_pos, q_bucket, k_pos, k_bucket = hashed_ids(shape[:3], 8, seed=seq)
+        allowed = (q_bucket[..., :, None] == k_bucket[..., None, :]) & (
+            k_pos[..., None, :] <= q_pos[..., :, None]
+        )
+        need = np.asarray(range_blocks(q_bucket, q_pos, k_bucket, k_pos, block))
+        t_masked = masked(q, k, v, jnp.asarray(allowed))
+        t_sparse = hashed(q, k, v, *map(jnp.asarray, (q_pos, q_bucket, k_pos, k_bucket)))
+        rows.append(dict(
+            seq=seq, density="lsh8", causal_blocks=float(need.mean() * 2 * n / (n + 1)),
+            sparse_ms=1e3 * t_sparse, dpa_ms=1e3 * t_dpa, masked_ms=1e3 * t_masked,
+            vs_dpa=t_dpa / t_sparse, vs_masked=t_masked / t_sparse,
+        ))
     return rows
 
 

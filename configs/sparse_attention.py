@@ -10,6 +10,9 @@ blocks of 16) and the background `recompile` that applied it; metrics.jsonl each
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m dynjax.train \\
         --config configs/sparse_attention.py --config.mesh.stage=4 --config.mesh.data=2 \\
         --config.model.num_layers=8 --config.train.microbatches=4 --config.balance.enabled=True
+
+On a GPU, ``--config.sparse_attention.kernel=pallas`` runs the Pallas kernel (every needed block,
+no budget) instead of the budgeted XLA path.
 """
 
 from dynjax.config import default_config

@@ -4,7 +4,7 @@
 first access only, and only on a GPU backend: importing this package never imports jax-triton.
 """
 
-from pallas_kernels.attention import block_sparse_attention
+from pallas_kernels.attention import block_sparse_attention, hashed_block_sparse_attention
 from pallas_kernels.block_sparse_matrix import BlockSparseMatrix
 from pallas_kernels.csr import CsrMatrix
 from pallas_kernels.selector import (
@@ -22,6 +22,7 @@ __all__ = [
     "block_sparse_attention",
     "block_sparse_matmul",
     "csr_matmul",
+    "hashed_block_sparse_attention",
     "measure_crossover",
     "prefer_sparse",
     "sparse_or_dense_matmul",

@@ -12,6 +12,13 @@ Three kernels share one grid layout, ``(blocks along the sequence, batch * heads
 - dQ: per query block, the same key-block list, recomputing probabilities from the log-sum-exp;
 - dK/dV: per key block, the transposed list of query blocks that attend to it.
 
+Inside a present block the element mask is one of: none, causal (key position not after the
+query's), or *hashed* (``hashed_block_sparse_attention``): each query and key carries its bucket id
+and original position, and a query sees a key of its own bucket at a position not after its own.
+That is the mask of hash-based sparse attention on the (bucket, position)-sorted sequence
+(Pagliardini et al. 2023; 000 §2.4): the block lists come from the blocks' bucket and position
+ranges, built on device, and the kernels compare the per-token ids of a loaded block pair.
+
 Rows with no allowed key return zeros (and get zero gradients). See ``backend`` for the GPU target.
 """
 
@@ -20,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +35,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend, xla
-from pallas_kernels.block_index import compact_rows
+from pallas_kernels.block_index import compact_rows, range_blocks
 from pallas_kernels.tiles import NN, NT, TN, block, mm
+
+Mask = Literal["none", "causal", "hashed"]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     block: int
-    causal: bool
+    mask: Mask  # the element mask inside a present block
     scale: float
     interpret: bool
 
@@ -49,31 +58,59 @@ class _Tables(NamedTuple):
     q_count: jax.Array  # [BH, n] int32
 
 
-def _scores(q: jax.Array, k: jax.Array, i: jax.Array, j: jax.Array, cfg: _Config) -> jax.Array:
-    """Scaled logits of query block ``i`` against key block ``j``, causal mask inside the block."""
+class _Meta(NamedTuple):
+    """Per-token ids of the hashed mask, ``[BH, S]`` int32 each, in the sorted order."""
+
+    q_pos: jax.Array
+    q_bucket: jax.Array
+    k_pos: jax.Array
+    k_bucket: jax.Array
+
+
+def _ids(pos_ref, bucket_ref, rows) -> tuple[jax.Array, jax.Array] | None:
+    """The (position, bucket) ids of ``rows`` of a meta ref pair; None without the hashed mask."""
+    return None if pos_ref is None else (pos_ref[rows], bucket_ref[rows])
+
+
+def _scores(q, k, i, j, cfg: _Config, q_ids, k_ids) -> jax.Array:
+    """Scaled logits of query block ``i`` against key block ``j``, masked inside the block:
+    causal by block offsets, or hashed by the tokens' ``(position, bucket)`` ids."""
     s = mm(q, k, NT) * cfg.scale
-    if cfg.causal:
+    if cfg.mask == "causal":
         rows = i * cfg.block + jnp.arange(cfg.block)
         cols = j * cfg.block + jnp.arange(cfg.block)
         s = jnp.where(rows[:, None] >= cols[None, :], s, -jnp.inf)
+    elif cfg.mask == "hashed":
+        (qp, qb), (kp, kb) = q_ids, k_ids
+        allowed = (qb[:, None] == kb[None, :]) & (kp[None, :] <= qp[:, None])
+        s = jnp.where(allowed, s, -jnp.inf)
     return s
 
 
-def _fwd_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
+def _split(refs: tuple, n_out: int) -> tuple[tuple, tuple]:
+    """(the four meta refs, or four Nones without the hashed mask; the ``n_out`` output refs)."""
+    meta, outs = refs[:-n_out], refs[-n_out:]
+    return (meta if meta else (None,) * 4), outs
+
+
+def _fwd_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, *refs, cfg: _Config):
+    (qp_ref, qb_ref, kp_ref, kb_ref), (o_ref, lse_ref) = _split(refs, 2)
     i = pl.program_id(0)
     q = q_ref[...]
+    q_ids = _ids(qp_ref, qb_ref, ...)
 
     def body(t, carry):
         acc, m, denom = carry
         j = idx_ref[t]
         kv = block(j, cfg.block)
         v = v_ref[kv, :]
-        s = _scores(q, k_ref[kv, :], i, j, cfg)
-        # Every row of a listed block has an allowed key (causal keeps the diagonal), so m_new
-        # is finite and exp(-inf - m_new) = 0 starts the running sums cleanly.
+        s = _scores(q, k_ref[kv, :], i, j, cfg, q_ids, _ids(kp_ref, kb_ref, kv))
+        # A row may have no allowed key yet (the hashed mask: another bucket), so m_new may be
+        # -inf: shift by 0 there, which keeps p = exp(-inf) = 0 and alpha = 0 free of NaN.
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.exp(s - m_new[:, None])
-        alpha = jnp.exp(m - m_new)
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - shift[:, None])
+        alpha = jnp.exp(m - shift)
         acc = alpha[:, None] * acc + mm(p.astype(v.dtype), v, NN)
         return acc, m_new, alpha * denom + jnp.sum(p, axis=-1)
 
@@ -84,25 +121,28 @@ def _fwd_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _
         jnp.zeros((rows,), jnp.float32),
     )
     acc, m, denom = lax.fori_loop(0, cnt_ref[0], body, init)
-    # A query block with no key block keeps acc = 0: output zeros. Its -inf log-sum-exp is never
-    # read, as no backward program visits a block that is not listed.
-    denom = jnp.where(denom == 0.0, 1.0, denom)
-    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(denom)
+    # A row with no allowed key keeps acc = 0: output zeros. Its log-sum-exp is +inf, so the
+    # backward's exp(s - lse) is 0 for it in any block it visits.
+    empty = denom == 0.0
+    o_ref[...] = (acc / jnp.where(empty, 1.0, denom)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, denom)))
 
 
 def _dq_kernel(
-    idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Config
+    idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config
 ):
+    (qp_ref, qb_ref, kp_ref, kb_ref), (dq_ref,) = _split(refs, 1)
     i = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
+    q_ids = _ids(qp_ref, qb_ref, ...)
 
     def body(t, dq):
         j = idx_ref[t]
         kv = block(j, cfg.block)
         k = k_ref[kv, :]
-        p = jnp.exp(_scores(q, k, i, j, cfg) - lse[:, None])
+        s = _scores(q, k, i, j, cfg, q_ids, _ids(kp_ref, kb_ref, kv))
+        p = jnp.exp(s - lse[:, None])
         ds = p * (mm(do, v_ref[kv, :], NT) - delta[:, None])
         return dq + mm(ds.astype(k.dtype), k, NN)
 
@@ -111,18 +151,20 @@ def _dq_kernel(
 
 
 def _dkv_kernel(
-    idx_ref, cnt_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-    *, cfg: _Config,
+    idx_ref, cnt_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Config
 ):
+    (qp_ref, qb_ref, kp_ref, kb_ref), (dk_ref, dv_ref) = _split(refs, 2)
     j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
+    k_ids = _ids(kp_ref, kb_ref, ...)
 
     def body(t, carry):
         dk, dv = carry
         i = idx_ref[t]
         rows = block(i, cfg.block)
         q, do = q_ref[rows, :], do_ref[rows, :]
-        p = jnp.exp(_scores(q, k, i, j, cfg) - lse_ref[rows][:, None])
+        s = _scores(q, k, i, j, cfg, _ids(qp_ref, qb_ref, rows), k_ids)
+        p = jnp.exp(s - lse_ref[rows][:, None])
         dv = dv + mm(p.astype(do.dtype), do, TN)
         ds = p * (mm(do, v, NT) - delta_ref[rows][:, None])
         return dk + mm(ds.astype(q.dtype), q, TN), dv
@@ -162,49 +204,66 @@ def _call(kernel, cfg: _Config, shape: tuple[int, int, int], in_specs, out_specs
     )
 
 
-def _forward(cfg: _Config, q, k, v, tables: _Tables) -> tuple[jax.Array, jax.Array]:
+def _meta_specs(s: dict[str, pl.BlockSpec], meta: _Meta | None, q_own: bool) -> list:
+    """Specs of the meta refs: the program's own block's ids as a tile, the other side's whole
+    sequence (sliced per visited block in the kernel)."""
+    if meta is None:
+        return []
+    q_spec, k_spec = (s["row_tile"], s["row_full"]) if q_own else (s["row_full"], s["row_tile"])
+    return [q_spec, q_spec, k_spec, k_spec]
+
+
+def _forward(cfg: _Config, q, k, v, tables: _Tables, meta: _Meta | None):
     s = _specs(cfg, q.shape[1], q.shape[2])
     lse_shape = jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)
     return _call(
         _fwd_kernel, cfg, q.shape,
-        [s["index"], s["count"], s["tile"], s["full"], s["full"]],
+        [s["index"], s["count"], s["tile"], s["full"], s["full"], *_meta_specs(s, meta, True)],
         [s["tile"], s["row_tile"]],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), lse_shape],
-    )(tables.kv_index, tables.kv_count, q, k, v)
+    )(tables.kv_index, tables.kv_count, q, k, v, *(meta or ()))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: _Config, q, k, v, tables: _Tables) -> jax.Array:
-    return _forward(cfg, q, k, v, tables)[0]
+def _attention(cfg: _Config, q, k, v, tables: _Tables, meta: _Meta | None) -> jax.Array:
+    return _forward(cfg, q, k, v, tables, meta)[0]
 
 
-def _attention_fwd(cfg: _Config, q, k, v, tables: _Tables):
-    out, lse = _forward(cfg, q, k, v, tables)
-    return out, (q, k, v, tables, out, lse)
+def _attention_fwd(cfg: _Config, q, k, v, tables: _Tables, meta: _Meta | None):
+    out, lse = _forward(cfg, q, k, v, tables, meta)
+    return out, (q, k, v, tables, meta, out, lse)
 
 
 def _attention_bwd(cfg: _Config, residuals, do):
-    q, k, v, tables, out, lse = residuals
+    q, k, v, tables, meta, out, lse = residuals
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     s = _specs(cfg, q.shape[1], q.shape[2])
+    ids = tuple(meta or ())
     dq = _call(
         _dq_kernel, cfg, q.shape,
         [s["index"], s["count"], s["tile"], s["full"], s["full"], s["tile"], s["row_tile"],
-         s["row_tile"]],
+         s["row_tile"], *_meta_specs(s, meta, True)],
         s["tile"],
         jax.ShapeDtypeStruct(q.shape, q.dtype),
-    )(tables.kv_index, tables.kv_count, q, k, v, do, lse, delta)
+    )(tables.kv_index, tables.kv_count, q, k, v, do, lse, delta, *ids)
     dk, dv = _call(
         _dkv_kernel, cfg, q.shape,
         [s["index"], s["count"], s["tile"], s["tile"], s["full"], s["full"], s["row_full"],
-         s["row_full"]],
+         s["row_full"], *_meta_specs(s, meta, False)],
         [s["tile"], s["tile"]],
         [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-    )(tables.q_index, tables.q_count, k, v, q, do, lse, delta)
-    return dq, dk, dv, None
+    )(tables.q_index, tables.q_count, k, v, q, do, lse, delta, *ids)
+    return dq, dk, dv, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _tables(mask: jax.Array) -> _Tables:
+    """The compacted lists of a ``[BH, n, n]`` block mask, by query block and by key block."""
+    kv_index, kv_count = compact_rows(mask)
+    q_index, q_count = compact_rows(mask.swapaxes(-1, -2))
+    return _Tables(kv_index, kv_count, q_index, q_count)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -212,16 +271,47 @@ def _block_sparse_attention(q, k, v, block_mask, cfg: _Config) -> jax.Array:
     batch, heads, seq, dim = q.shape
     n = seq // cfg.block
     mask = jnp.broadcast_to(block_mask.astype(bool), (batch, heads, n, n))
-    if cfg.causal:  # blocks above the diagonal hold no allowed key: drop them from the lists
+    if cfg.mask == "causal":  # blocks above the diagonal hold no allowed key: drop them
         mask = mask & jnp.tril(jnp.ones((n, n), bool))
-    mask = mask.reshape(batch * heads, n, n)
-    kv_index, kv_count = compact_rows(mask)
-    q_index, q_count = compact_rows(mask.swapaxes(-1, -2))
     flat = lambda x: x.reshape(batch * heads, seq, dim)
     out = _attention(
-        cfg, flat(q), flat(k), flat(v), _Tables(kv_index, kv_count, q_index, q_count)
+        cfg, flat(q), flat(k), flat(v), _tables(mask.reshape(batch * heads, n, n)), None
     )
     return out.reshape(q.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _hashed_attention(q, k, v, ids: _Meta, cfg: _Config) -> jax.Array:
+    batch, heads, seq, dim = q.shape
+    mask = range_blocks(ids.q_bucket, ids.q_pos, ids.k_bucket, ids.k_pos, cfg.block)  # on device
+    flat = lambda x: x.reshape(batch * heads, *x.shape[2:])
+    meta = _Meta(*(flat(x.astype(jnp.int32)) for x in ids))
+    out = _attention(cfg, flat(q), flat(k), flat(v), _tables(flat(mask)), meta)
+    return out.reshape(q.shape)
+
+
+def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            "q, k, v must share one shape (batch, heads, seq, head_dim); got "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must share one float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _route(q: jax.Array, block_size: int, interpret: bool | None) -> backend.Route:
+    """The backend route, after checking the tile sizes it needs and that blocks tile ``seq``."""
+    seq, dim = q.shape[2], q.shape[3]
+    how = backend.route(interpret)
+    backend.check_tile("block_size", block_size, interpret=how != "triton")
+    backend.check_tile("head_dim", dim, interpret=how != "triton")
+    if seq % block_size:
+        raise ValueError(
+            f"sequence length {seq} is not a multiple of block_size {block_size}; "
+            "pad the sequence or pick a block size that divides it"
+        )
+    return how
 
 
 def block_sparse_attention(
@@ -258,22 +348,9 @@ def block_sparse_attention(
       >>> block_sparse_attention(q, k, v, mask, block_size=16).shape
       (1, 1, 32, 8)
     """
-    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(
-            "q, k, v must share one shape (batch, heads, seq, head_dim); got "
-            f"{q.shape}, {k.shape}, {v.shape}"
-        )
-    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q, k, v must share one float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_qkv(q, k, v)
     batch, heads, seq, dim = q.shape
-    how = backend.route(interpret)
-    backend.check_tile("block_size", block_size, interpret=how != "triton")
-    backend.check_tile("head_dim", dim, interpret=how != "triton")
-    if seq % block_size:
-        raise ValueError(
-            f"sequence length {seq} is not a multiple of block_size {block_size}; "
-            "pad the sequence or pick a block size that divides it"
-        )
+    how = _route(q, block_size, interpret)
     n = seq // block_size
     block_mask = jnp.asarray(block_mask)
     try:
@@ -288,5 +365,58 @@ def block_sparse_attention(
         return xla.masked_attention(
             q, k, v, block_mask, block_size=block_size, causal=causal, scale=scale
         )
-    cfg = _Config(block=block_size, causal=causal, scale=scale, interpret=how == "interpret")
+    cfg = _Config(
+        block=block_size, mask="causal" if causal else "none", scale=scale,
+        interpret=how == "interpret",
+    )
     return _block_sparse_attention(q, k, v, block_mask, cfg)
+
+
+def hashed_block_sparse_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    q_buckets: jax.Array,
+    k_positions: jax.Array,
+    k_buckets: jax.Array,
+    *,
+    block_size: int = 128,
+    sm_scale: float | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Hash-based sparse attention on a (bucket, position)-sorted sequence (000 §2.4).
+
+    Query ``t`` sees key ``u`` iff ``q_buckets[t] == k_buckets[u]`` and
+    ``k_positions[u] <= q_positions[t]`` (causal in the original order). The block lists are
+    built on device from each block's bucket and position ranges (``block_index.range_blocks``:
+    a key block is listed iff its bucket range overlaps the query block's and its first position
+    is not after the query block's last); the kernels compute the element mask of a listed block
+    from the per-token ids, forward and backward. Queries and keys may be sorted by different
+    permutations (each by its own buckets); the ranges assume each side is sorted by (bucket,
+    position), else blocks are listed that hold no pair, which costs time but not exactness.
+
+    Args:
+      q, k, v: ``(batch, heads, seq, head_dim)``, float32 or bfloat16, in the sorted order.
+      q_positions, q_buckets, k_positions, k_buckets: int, ``(batch, heads, seq)``: each sorted
+        token's original position and bucket id.
+      block_size, sm_scale, interpret: as in ``block_sparse_attention``.
+
+    Returns:
+      ``(batch, heads, seq, head_dim)`` in the sorted order; rows with no allowed key are zeros.
+    """
+    _check_qkv(q, k, v)
+    ids = _Meta(q_positions, q_buckets, k_positions, k_buckets)
+    names = ("q_positions", "q_buckets", "k_positions", "k_buckets")
+    for name, x in zip(names, ids, strict=True):
+        if x.shape != q.shape[:3] or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(
+                f"{name} must be an int array of shape (batch, heads, seq) = {q.shape[:3]}; "
+                f"got {x.dtype} {x.shape}"
+            )
+    how = _route(q, block_size, interpret)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if how == "xla":
+        return xla.hashed_attention(q, k, v, ids, scale=scale)
+    cfg = _Config(block=block_size, mask="hashed", scale=scale, interpret=how == "interpret")
+    return _hashed_attention(q, k, v, ids, cfg)

@@ -22,6 +22,20 @@ def masked_attention(q, k, v, block_mask, *, block_size: int, causal: bool, scal
     allowed = jnp.repeat(jnp.repeat(mask, block_size, axis=-2), block_size, axis=-1)
     if causal:
         allowed = allowed & jnp.tril(jnp.ones((seq, seq), bool))
+    return _attention(q, k, v, allowed, scale)
+
+
+def hashed_attention(q, k, v, ids, *, scale: float):
+    """Softmax attention over the keys of a query's bucket at positions not after its own
+    (``ids``: per-token positions and buckets, ``[b, h, s]`` each, as the kernels take them)."""
+    q_pos, q_bucket, k_pos, k_bucket = ids
+    allowed = (q_bucket[..., :, None] == k_bucket[..., None, :]) & (
+        k_pos[..., None, :] <= q_pos[..., :, None]
+    )
+    return _attention(q, k, v, allowed, scale)
+
+
+def _attention(q, k, v, allowed, scale: float):
     s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(allowed, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)

@@ -14,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import BlockSparseMatrix, backend, block_sparse_attention, block_sparse_matmul
+from pallas_kernels import (
+    BlockSparseMatrix,
+    backend,
+    block_sparse_attention,
+    block_sparse_matmul,
+    hashed_block_sparse_attention,
+)
 
 pytestmark = pytest.mark.skipif(
     not backend.pallas_triton_usable(),
@@ -46,6 +52,20 @@ def test_attention_lowers_to_triton(dtype):
     loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
     assert _triton_kernels(attend, q, q, q) == ["attention_fwd"]
     grads = _triton_kernels(jax.grad(loss, (0, 1, 2)), q, q, q)
+    assert sorted(grads) == ["attention_dkv", "attention_dq", "attention_fwd"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_hashed_attention_lowers_to_triton(dtype):
+    """The hashed mask: per-token ids loaded per block and compared in-kernel, on-device lists."""
+    q = jnp.zeros((1, 2, 384, 64), dtype)
+    ids = jnp.zeros((1, 2, 384), jnp.int32)
+    attend = lambda q, k, v, pos, bucket: hashed_block_sparse_attention(
+        q, k, v, pos, bucket, pos, bucket, interpret=False
+    )
+    loss = lambda *a: jnp.sum(attend(*a).astype(jnp.float32))
+    assert _triton_kernels(attend, q, q, q, ids, ids) == ["attention_fwd"]
+    grads = _triton_kernels(jax.grad(loss, (0, 1, 2)), q, q, q, ids, ids)
     assert sorted(grads) == ["attention_dkv", "attention_dq", "attention_fwd"]
 
 

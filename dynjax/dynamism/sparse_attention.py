@@ -10,11 +10,15 @@ counts the steps report, with headroom and hysteresis, so that at most
 compiled in the background; only stages whose layers' budgets changed recompile. A layer's cost
 for the balancer is the fraction of (query block, key block) pairs its budget computes (seed 000
 §2.4).
+
+``sparse_attention.kernel="pallas"`` runs the GPU path instead: the Pallas block-sparse flash
+attention kernel computes every needed block (no budget, no policy, no recompiles), and a layer's
+cost is the fraction of pairs the step's blocks needed, read from its metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ml_collections
@@ -32,6 +36,7 @@ from dynjax.model.hashed_attention import (
 )
 from dynjax.model.sparse_linear import bucket_blocks
 from dynjax.recompile import History, Proposal
+from pallas_kernels import backend
 
 if TYPE_CHECKING:
     from dynjax.experiment import Experiment
@@ -61,6 +66,9 @@ class SparseAttention(Plugin):
         c.headroom = 0.25  # budget = (1 + headroom) x the smallest that meets max_overflow
         c.hysteresis = 0.25  # shrink only below (1 - hysteresis) x the current budget
         c.seed = 0  # the layers' fixed LSH rotations
+        # "xla": the budgeted XLA path (any backend); "pallas": the Pallas kernel, every needed
+        # block (compiled on GPU, interpreted, slowly, elsewhere)
+        c.kernel = "xla"
         return c
 
     def validate(self, cfg: ml_collections.ConfigDict) -> None:
@@ -80,6 +88,21 @@ class SparseAttention(Plugin):
                 f"sparse_attention.block={a.block} leaves one block of data.seq_len="
                 f"{cfg.data.seq_len}: nothing to skip; use a block of at most half the sequence"
             )
+        if a.kernel not in ("xla", "pallas"):
+            raise ConfigError(f"sparse_attention.kernel={a.kernel!r} must be 'xla' or 'pallas'")
+        if a.kernel == "pallas":
+            # The same config must lower on a GPU: Triton tiles are powers of two >= 16.
+            head_dim = cfg.model.d_model // cfg.model.num_heads
+            for key, size in (("sparse_attention.block", a.block), ("model.d_model", head_dim)):
+                try:
+                    backend.check_tile(key, size, interpret=False)
+                except ValueError:
+                    raise ConfigError(
+                        f"{key}: sparse_attention.kernel='pallas' needs a block and a head "
+                        f"dimension (model.d_model / model.num_heads) that are powers of two "
+                        f">= 16 (Triton tiles); got block={a.block}, head_dim={head_dim}; "
+                        "change them or use sparse_attention.kernel='xla'"
+                    ) from None
         if not 0 <= a.max_overflow < 1:
             raise ConfigError(f"sparse_attention.max_overflow={a.max_overflow} must be in [0, 1)")
         if a.window < 1:
@@ -101,19 +124,33 @@ class SparseAttention(Plugin):
     def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
         a = exp.cfg.sparse_attention
         return tuple(
-            HashedAttention(a.buckets, a.block, int(budget), a.seed, layer)
+            HashedAttention(a.buckets, a.block, int(budget), a.seed, layer, a.kernel)
             for layer, budget in enumerate(plan.part(NAME)["budgets"])
         )
 
     def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
         """Seed 000 §2.4: the fraction of (query block, key block) pairs computed. The dense
         layer it is relative to computes every pair (XLA's causal attention masks the upper
-        triangle but computes it), so a budget of b of the nb key blocks costs b / nb."""
+        triangle but computes it), so a budget of b of the nb key blocks costs b / nb. The
+        Pallas path has no budget: its cost comes from the metrics (`metric_costs`)."""
+        if exp.cfg.sparse_attention.kernel == "pallas":
+            return None
         nb = num_blocks(exp.cfg)
         return [b / nb for b in plan.part(NAME)["budgets"]]
 
+    def metric_costs(self, metrics: Mapping[str, Any], exp: Experiment) -> Sequence[float] | None:
+        """The Pallas path computes every needed block: a layer costs its needed pairs over all
+        nb x nb pairs (the budget path's unit), i.e. ``pair_fraction`` x (nb + 1) / (2 nb)."""
+        fraction = metrics.get(PAIR_FRACTION)
+        if exp.cfg.sparse_attention.kernel != "pallas" or fraction is None:
+            return None
+        nb = num_blocks(exp.cfg)
+        return [float(f) * (nb + 1) / (2 * nb) for f in np.asarray(fraction)]
+
     def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
         a = cfg.sparse_attention
+        if a.kernel == "pallas":  # no budget to size
+            return []
         return [AttentionBudget(num_blocks=num_blocks(cfg), max_overflow=a.max_overflow,
                                 window=a.window, headroom=a.headroom, hysteresis=a.hysteresis)]
 

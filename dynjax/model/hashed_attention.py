@@ -13,17 +13,25 @@ equals the dense masked reference whenever the budget covers a query block's nee
 otherwise the needed blocks beyond it are dropped and counted as overflow (like dropped MoE
 tokens), and a policy (`dynjax.dynamism.sparse_attention`) sizes the budget from the observed
 counts. A query whose bucket holds no visible key gets a zero output.
+
+With ``kernel="pallas"`` the sorted queries, keys and values go to
+``pallas_kernels.hashed_block_sparse_attention`` instead: it builds the needed-block lists on
+device from the same ranges and computes every needed block, the element mask in-kernel, with no
+budget (overflow is 0). Compiled on a GPU, interpreted elsewhere (``pallas_kernels.backend``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dynjax.model.hooks import LayerOptions, register_metrics
+from pallas_kernels import hashed_block_sparse_attention
+from pallas_kernels.block_index import range_blocks
 
 NAME = "sparse_attention"
 NEEDED_HIST, OVERFLOW, PAIR_FRACTION = (f"{NAME}/{m}" for m in (
@@ -34,13 +42,15 @@ register_metrics({NEEDED_HIST: "sum", OVERFLOW: "mean", PAIR_FRACTION: "mean"})
 @dataclasses.dataclass(frozen=True)
 class HashedAttention:
     """A layer's static record: its hashing (``buckets``, rotations from ``seed`` and
-    ``layer``), its block size and its key-block budget per query block."""
+    ``layer``), its block size, its key-block budget per query block (the XLA path's) and the
+    path: ``"xla"`` (budgeted) or ``"pallas"`` (the kernel, every needed block)."""
 
     buckets: int
     block: int
     budget: int
     seed: int
     layer: int
+    kernel: Literal["xla", "pallas"] = "xla"
 
 
 def hashed_record(options: LayerOptions) -> HashedAttention | None:
@@ -66,26 +76,9 @@ def _sorted(buckets: jax.Array) -> jax.Array:
     return jnp.argsort(keys, axis=-1)
 
 
-def _ranges(values: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """[B, H, S] -> per block of ``block`` consecutive entries its (min, max): [B, H, nb] each."""
-    b, h, s = values.shape
-    blocks = values.reshape(b, h, s // block, block)
-    return blocks.min(-1), blocks.max(-1)
-
-
-def needed_blocks(
-    q_bucket: jax.Array, q_pos: jax.Array, k_bucket: jax.Array, k_pos: jax.Array, block: int
-) -> jax.Array:
-    """[B, H, nb, nb] whether a (sorted) query block and key block can hold a visible pair:
-    overlapping bucket ranges and a key position not after the query block's last."""
-    qb_lo, qb_hi = _ranges(q_bucket, block)
-    kb_lo, kb_hi = _ranges(k_bucket, block)
-    _, qp_hi = _ranges(q_pos, block)
-    kp_lo, _ = _ranges(k_pos, block)
-    overlap = (kb_lo[..., None, :] <= qb_hi[..., :, None]) & (
-        qb_lo[..., :, None] <= kb_hi[..., None, :]
-    )
-    return overlap & (kp_lo[..., None, :] <= qp_hi[..., :, None])
+# [B, H, nb, nb] whether a (sorted) query block and key block can hold a visible pair: overlapping
+# bucket ranges and a key position not after the query block's last. One rule for both paths.
+needed_blocks = range_blocks
 
 
 def hashed_attention(
@@ -103,6 +96,11 @@ def hashed_attention(
     qb = jnp.take_along_axis(jnp.moveaxis(q_bucket, 1, 2), q_perm, axis=2)  # [B, H, S]
     kb = jnp.take_along_axis(jnp.moveaxis(k_bucket, 1, 2), k_perm, axis=2)
     need = needed_blocks(qb, q_perm, kb, k_perm, block)  # [B, H, nb, nb]
+    inverse = jnp.argsort(q_perm, axis=-1)
+    unsort = lambda ys: jnp.moveaxis(jnp.take_along_axis(ys, inverse[..., None], axis=2), 1, 2)
+    if record.kernel == "pallas":
+        ys = hashed_block_sparse_attention(qs, ks, vs, q_perm, qb, k_perm, kb, block_size=block)
+        return unsort(ys), block_metrics(need, nb)
     # The budget's key blocks: needed ones first, each in sorted order (lower index first).
     order = jnp.where(need, 2 * nb, nb) - jnp.arange(nb)
     _, chosen = jax.lax.top_k(order, budget)  # [B, H, nb, budget]
@@ -128,9 +126,7 @@ def hashed_attention(
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probs = (weights / jnp.where(total > 0, total, 1.0)).astype(v.dtype)
     ys = jnp.einsum("bhnqk,bhnkd->bhnqd", probs, vg).reshape(b, h, s, dh)
-    inverse = jnp.argsort(q_perm, axis=-1)
-    y = jnp.moveaxis(jnp.take_along_axis(ys, inverse[..., None], axis=2), 1, 2)
-    return y, block_metrics(need, budget)
+    return unsort(ys), block_metrics(need, budget)
 
 
 def block_metrics(need: jax.Array, budget: int) -> dict[str, jax.Array]:
