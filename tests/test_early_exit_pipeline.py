@@ -12,10 +12,11 @@ import pytest
 from flax import nnx
 
 from dynjax.balance import schedule_tasks
+from dynjax.balance.schedules import Task
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.model.early_exit import EXIT_CE, EXITED, FORCED, LOSS, NAME, PROCESSED, ExitLayer
 from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
-from dynjax.parallel.pipeline import Pipeline, PipelinePrograms, host_metrics
+from dynjax.parallel.pipeline import _READY, Pipeline, PipelinePrograms, _timeline, host_metrics
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.step import make_eval_step
@@ -183,3 +184,15 @@ def test_training_on_a_pipeline_equals_one_program(tmp_path):
         for step in want:
             np.testing.assert_allclose(got[step], want[step], err_msg=f"{key} {step}", **tol)
     assert records(single, EXITED)[4][0] > 0  # tokens exit in the first stage
+
+
+def test_a_timed_step_counts_waiting_for_the_previous_step_as_idle():
+    """A stage whose parameters (and readout) from the previous step arrive late begins its
+    first task then: the wait is a bubble, not the task's time (which the balancer reads)."""
+    seen = [
+        [(_READY, 0.0, 0.0, 5.0), (Task("F", 0), 1.0, 6.0, 6.5), (Task("B", 0), 1.0, 9.5, 9.5)],
+        [(_READY, 0.0, 0.0, 0.0), (Task("F", 0), 1.0, 7.0, 7.0), (Task("B", 0), 1.0, 8.0, 8.2)],
+    ]
+    (f0, b0), (f1, b1) = _timeline(seen, 0.0)
+    assert (f0.start, f0.end) == (5.0, 6.0) and (b0.start, b0.end) == (8.2, 9.5)
+    assert (f1.start, f1.end) == (6.5, 7.0) and (b1.start, b1.end) == (7.0, 8.0)

@@ -402,6 +402,8 @@ class Pipeline:
             t.start()
         start = time.perf_counter()
         try:
+            for s in range(stages):  # what a stage's first task waits for from before the step
+                queues[s].put((_READY, start, (), self._ready_marks(run, s)))
             for s, task in exe.order:
                 dispatched = time.perf_counter()
                 computed, sent = self._run(run, s, task)
@@ -415,6 +417,16 @@ class Pipeline:
         if errors:
             raise errors[0]
         return metrics, _timeline(seen, start)
+
+    def _ready_marks(self, run: _Run, s: int) -> tuple:
+        """Arrays ready when stage ``s`` may start the step: its parameters from the previous
+        update (which waits for the global norm, so for every stage's previous backward) and
+        the readout sent to it. The timeline counts waiting for them as idle, not as the first
+        task's time (a profile of a step dispatched while the previous one still runs). A
+        scalar derived from the parameters, since the step's update donates them."""
+        leaves = jax.tree.leaves(self.state[s]["params"])
+        marks = [leaves[0].reshape(-1)[0] * 0] if leaves else []
+        return _present(marks, run.readout.get(s))
 
     def profile_step(
         self,
@@ -665,6 +677,7 @@ class _CachedRoutes:
 
 
 _ADD_READOUT = jax.jit(add_readout_grads, donate_argnums=0)
+_READY = "ready"  # `Pipeline.timed_step`'s watchers: not a task, the stage's state arriving
 
 
 def host_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -707,14 +720,18 @@ def _timeline(
     seen: list[list[tuple[Any, float, float, float]]], start: float
 ) -> tuple[tuple[TaskTime, ...], ...]:
     """Each stage's `TaskTime`s from what `Pipeline.timed_step`'s watchers saw: (task, its
-    dispatch, its results ready, its output arrived at the neighbour) per task, in order."""
+    dispatch, its results ready, its output arrived at the neighbour) per task, in order; a
+    `_READY` entry first, whose arrival is when the stage's state from before the step is."""
     last = len(seen) - 1
     arrival = {(task.kind, s, task.microbatch): arrived
-               for s, row in enumerate(seen) for task, _, _, arrived in row}
+               for s, row in enumerate(seen) for task, _, _, arrived in row if task != _READY}
     out = []
     for s, row in enumerate(seen):
         times, free = [], start
-        for task, dispatched, end, _ in row:
+        for task, dispatched, end, arrived in row:
+            if task == _READY:  # the stage idles until what it needs from before the step is in
+                free = max(free, arrived)
+                continue
             m = task.microbatch
             needs = (("F", s - 1, m) if s > 0 else None) if task.kind == "F" else (
                 ("B", s + 1, m) if s < last else None
