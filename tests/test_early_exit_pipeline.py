@@ -85,9 +85,10 @@ def reference():
 
 
 @functools.cache
-def programs(stages: int):
+def programs(stages: int, fsdp: bool = False):
     setup = StageSetup(parts=ModelParts.of(CFG), optimizer=optimizer(), grad_clip=CLIP,
-                       aux_loss_weight=0.01, z_loss_weight=0.0, return_assignments=False)
+                       aux_loss_weight=0.01, z_loss_weight=0.0, return_assignments=False,
+                       fsdp=fsdp)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), initial_state())
     transport = Transport(make_mesh(stages, 8 // stages // 2, 1))
     return PipelinePrograms(setup, transport, abstract["params"], seq_len=S), abstract
@@ -100,8 +101,8 @@ def spec_for(assignment, schedule="1f1b"):
     return PipelineSpec(stages, schedule, schedule_tasks(schedule, len(assignment), M))
 
 
-def trained(assignment, schedule="1f1b"):
-    progs, template = programs(len(assignment))
+def trained(assignment, schedule="1f1b", fsdp=False):
+    progs, template = programs(len(assignment), fsdp)
     exe = progs.lower(spec_for(assignment, schedule)).compile()
     pipeline = Pipeline(progs, template)
     pipeline.place(initial_state(), exe.spec)
@@ -109,14 +110,17 @@ def trained(assignment, schedule="1f1b"):
     return pipeline, metrics
 
 
-@pytest.mark.parametrize(("assignment", "schedule"), [((2, 2), "1f1b"), ((1, 1, 1, 1), "gpipe")])
-def test_early_exit_on_a_pipeline_equals_the_single_program(assignment, schedule):
+@pytest.mark.parametrize(
+    ("assignment", "schedule", "fsdp"),
+    [((2, 2), "1f1b", False), ((1, 1, 1, 1), "gpipe", False), ((2, 2), "1f1b", True)],
+)
+def test_early_exit_on_a_pipeline_equals_the_single_program(assignment, schedule, fsdp):
     ref_metrics, ref_state, ref_eval = reference()
     # The premises: tokens exit at the first stage's exit points, buckets force some out,
     # and the gradient norm (with the exits' readout gradient) is clipped.
     assert ref_metrics[0][EXITED][0] > 0.2 and ref_metrics[0][FORCED].sum() > 0
     assert ref_metrics[0]["grad_norm"] > CLIP
-    pipeline, metrics = trained(assignment, schedule)
+    pipeline, metrics = trained(assignment, schedule, fsdp)
     for got, ref in zip(metrics, ref_metrics, strict=True):
         for key in ("loss", "grad_norm", LOSS, EXIT_CE):
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, err_msg=key)
