@@ -6,6 +6,11 @@ then tokens exit. metrics.jsonl shows, per exit point, the share of tokens that 
 (`early_exit/exited`), its loss and mean confidence, and per layer the share of tokens it
 computed (`early_exit/processed`); events.jsonl shows the policy shrinking each later layer's
 token bucket (a background recompile each), and layer_costs.jsonl the layers getting cheaper.
+On a pipeline (exit points in every stage; the balancer moves layers as they get cheaper):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m dynjax.train \\
+        --config configs/early_exit.py --config.mesh.stage=4 --config.mesh.data=2 \\
+        --config.balance.enabled=True --config.pipeline.profile_every=10 --config.balance.every=20
 """
 
 from dynjax.config import default_config

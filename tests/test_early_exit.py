@@ -241,7 +241,6 @@ def test_the_bucket_policy_starts_exits_then_shrinks_grows_and_holds():
         (dict(early_exit__max_forced=1.0), "early_exit.max_forced"),
         (dict(mod__enabled=True), "mod.enabled"),
         (dict(moe__every=2), "moe.every"),
-        (dict(mesh__stage=2), "mesh.stage"),
     ],
 )
 def test_bad_settings_name_the_key(overrides, key):

@@ -9,7 +9,9 @@ of each sequence's remaining tokens. The Plan holds each layer's bucket
 turns exits on at the start step and sizes every bucket from the remaining-token counts the
 steps report, with headroom and hysteresis, so that at most ``early_exit.max_forced`` of the
 remaining tokens are forced out; a change compiles in the background. A layer's cost for the
-balancer is the share of tokens its bucket computes (seed 000 §2.5).
+balancer is the share of tokens its bucket computes (seed 000 §2.5). On a pipeline, stages before
+the last get the readout, the targets and the remaining tokens from the runtime
+(`dynjax.parallel.stage_programs`), so exit points may sit in any stage.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import ml_collections
 import numpy as np
 
-from dynjax.config import ConfigError, moe_layer_indices, num_stages
+from dynjax.config import ConfigError, moe_layer_indices
 from dynjax.dynamism.base import Plugin, register
 from dynjax.dynamism.histograms import resized_budget
 from dynjax.model.early_exit import (
@@ -119,12 +121,6 @@ class EarlyExit(Plugin):
         if e.headroom < 0 or not 0 <= e.hysteresis < 1:
             raise ConfigError(f"early_exit.headroom={e.headroom} must be >= 0 and "
                               f"early_exit.hysteresis={e.hysteresis} in [0, 1)")
-        if num_stages(cfg) > 1:
-            raise ConfigError(
-                "early_exit.enabled with a pipeline (pipeline.stage_layers / mesh.stage > 1): "
-                "the exit points need the LM head and the targets inside earlier stages, which "
-                "the pipeline runtime does not pass yet; train early exit with mesh.stage=1"
-            )
         for other in ("mod", "sparse_attention"):
             if other in cfg and cfg[other].enabled:
                 raise ConfigError(

@@ -88,7 +88,8 @@ def run_exit_layer(
     if context.readout is None or context.targets is None:
         raise ValueError(
             "early exit needs the model's readout and the targets inside the stack: run it "
-            "through GPT.forward(..., targets=...), not a pipeline stage without the LM head"
+            "through GPT.forward(..., targets=...) or a pipeline stage (which gets what the "
+            "wrapper's registered needs name)"
         )
     b, s, _ = x.shape
     remaining = context.carry.get(REMAINING, jnp.ones((b, s), bool))
@@ -130,7 +131,9 @@ def run_exit_layer(
     return x.at[rows, chosen].set(after), stats, {**inner, **metrics}
 
 
-register_block_wrapper(NAME, run_exit_layer)
+register_block_wrapper(
+    NAME, run_exit_layer, needs=("readout", "targets"), carry={REMAINING: (jnp.bool_, True)}
+)
 register_metrics(
     {NEEDED_HIST: "sum", FORCED: "sum", PROCESSED: "mean", EXIT_CE: "mean", LOSS: "mean",
      EXITED: "mean", CONFIDENCE: "mean"},

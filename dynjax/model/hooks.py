@@ -17,7 +17,10 @@ training loss by both steps, so a part's auxiliary objective trains without them
 
 Schemes that score tokens in the middle of the stack (early exit) also get the forward's
 `LayerContext`: the model's readout (final norm + LM head), the targets, and a per-token carry
-that flows from layer to layer (which tokens remain).
+that flows from layer to layer (which tokens remain). A wrapper declares what it needs of the
+context (`register_block_wrapper` ``needs``, ``carry``), so a pipeline stage, which holds only
+some layers, gets exactly that: the readout's parameters sent from the last stage, the
+microbatch's targets, and the carry from the stage before it.
 
 A forward that evaluates or samples rather than trains sets ``LayerContext.inference``
 (`StepOptions.inference` on the single-program path, `StageSpec.inference` on a pipeline's
@@ -55,11 +58,11 @@ Residual = Callable[..., tuple[jax.Array, Any, dict[str, jax.Array]]]
 @dataclasses.dataclass
 class LayerContext:
     """What one forward gives the layers beyond their input: ``readout`` maps hidden states
-    [..., D] to float32 logits (the model's final norm and LM head; None in a pipeline stage
-    that does not hold them), ``targets`` [B, S] the next tokens (None without a loss), and
-    ``carry``, per-token arrays a wrapper leaves for the layers after it (keyed by its name);
-    ``inference``: the forward evaluates or samples, so every token's output may depend only on
-    it and earlier tokens (see the module docstring)."""
+    [..., D] to float32 logits (the model's final norm and LM head; a pipeline stage gets them
+    where its wrappers declare the need), ``targets`` [B, S] the next tokens (None without a
+    loss), ``carry``, per-token arrays a wrapper leaves for the layers after it (keyed by its
+    name), and ``inference``: the forward evaluates or samples, so every token's output may
+    depend only on it and earlier tokens (see the module docstring)."""
 
     readout: Callable[[jax.Array], jax.Array] | None = None
     targets: jax.Array | None = None
@@ -84,6 +87,9 @@ _WRAPPERS: dict[str, BlockWrapper] = {}
 _PARTS: dict[str, PartFactory] = {}
 _REDUCTIONS: dict[str, str] = {}
 _LOSSES: set[str] = set()
+CONTEXT_NEEDS = ("readout", "targets")  # what of a `LayerContext` a wrapper may need
+_NEEDS: dict[str, frozenset[str]] = {}  # wrapper -> the parts of the context it reads
+_CARRY: dict[str, dict[str, tuple[Any, Any]]] = {}  # wrapper -> {carry key: (dtype, fill)}
 
 
 def layer_options(records: Mapping[str, Any]) -> LayerOptions:
@@ -113,14 +119,29 @@ def register_weight_hook(
 
 
 def register_block_wrapper(
-    name: str, wrapper: BlockWrapper, metrics: Mapping[str, str] | None = None
+    name: str,
+    wrapper: BlockWrapper,
+    metrics: Mapping[str, str] | None = None,
+    *,
+    needs: Sequence[str] = (),
+    carry: Mapping[str, tuple[Any, Any]] | None = None,
 ) -> None:
     """Run every block whose options hold a record ``name`` through
     ``wrapper(residual, x, record, part, context)`` instead of its residual body on all tokens;
     ``part`` is the block's part registered under the same name (None without one), ``context``
     the forward's `LayerContext`. One wrapper per block: a layer whose options name two is
-    refused when it runs."""
+    refused when it runs.
+
+    ``needs`` names the parts of the context it reads (`CONTEXT_NEEDS`); ``carry`` declares
+    each per-token [B, S] array it leaves in ``context.carry`` as ``{key: (dtype, fill)}``, the
+    fill being its value before any layer wrote it. A pipeline passes exactly these between
+    stages (the carry is not differentiated)."""
+    bad = set(needs) - set(CONTEXT_NEEDS)
+    if bad:
+        raise ValueError(f"unknown context needs {sorted(bad)}: use some of {CONTEXT_NEEDS}")
     _WRAPPERS[name] = wrapper
+    _NEEDS[name] = frozenset(needs)
+    _CARRY[name] = dict(carry or {})
     register_metrics(metrics or {})
 
 
@@ -143,6 +164,28 @@ def block_wrapper(options: LayerOptions) -> tuple[str, BlockWrapper, Any] | None
         names = [f[0] for f in found]
         raise ValueError(f"a block takes one block wrapper, its options name {names}")
     return found[0] if found else None
+
+
+def context_needs(options: Sequence[LayerOptions]) -> frozenset[str]:
+    """What of the `LayerContext` the wrappers of layers with ``options`` read."""
+    return frozenset(n for opts in options for name, _ in opts for n in _NEEDS.get(name, ()))
+
+
+def carrying_wrappers(options: Sequence[LayerOptions]) -> tuple[str, ...]:
+    """The wrappers named by ``options`` that declare a carry, sorted."""
+    return tuple(sorted({name for opts in options for name, _ in opts if _CARRY.get(name)}))
+
+
+def carry_dtypes(wrappers: Sequence[str]) -> dict[str, Any]:
+    """``{carry key: dtype}`` of the carry ``wrappers`` declare."""
+    return {k: dtype for w in wrappers for k, (dtype, _) in _CARRY[w].items()}
+
+
+def initial_carry(wrappers: Sequence[str], shape: tuple[int, int]) -> dict[str, jax.Array]:
+    """The carry of ``wrappers`` before any layer: each key [B, S] filled with its fill."""
+    return {
+        k: jnp.full(shape, fill, dtype) for w in wrappers for k, (dtype, fill) in _CARRY[w].items()
+    }
 
 
 def register_metrics(metrics: Mapping[str, str], losses: tuple[str, ...] = ()) -> None:

@@ -3,10 +3,13 @@
 DESIGN.md "Parallelism": each stage runs its own programs (`stage_programs`) on its own
 sub-mesh, so stages may hold different numbers of layers of different shapes and layers can
 move. A step walks the global dispatch order of the schedule's task lists (`dispatch`), sends
-activations and their gradients to the neighbour stage (`Transport.send`), accumulates
-gradients over the microbatches, sums the per-stage gradient norms over all stages for
-clipping and updates each stage's parameters. It dispatches everything asynchronously and
-returns the step's metrics as device arrays; it never waits for a result inside a step.
+activations (with the block wrappers' carry) and their gradients to the neighbour stage
+(`Transport.send`), accumulates gradients over the microbatches, sums the per-stage gradient
+norms over all stages for clipping and updates each stage's parameters. Stages whose wrappers
+read the model's readout (early exit) get the last stage's norm and head parameters once per
+step and send their gradient back to it before the norms (`stage_programs`). It dispatches
+everything asynchronously and returns the step's metrics as device arrays; it never waits for
+a result inside a step.
 
 Programs are compiled per kind and the part of the `StageSpec` they depend on (`program_key`):
 a Plan whose stage assignment changes compiles only the stages whose layers changed, and
@@ -47,7 +50,14 @@ from dynjax.parallel.profile import (
     unit_programs,
     unit_times,
 )
-from dynjax.parallel.stage_programs import StageSetup, StageShapes, lower_stage, stage_shapes
+from dynjax.parallel.stage_programs import (
+    READOUT_UNITS,
+    StageSetup,
+    StageShapes,
+    add_readout_grads,
+    lower_stage,
+    stage_shapes,
+)
 from dynjax.parallel.stages import PipelineSpec, StageSpec
 from dynjax.parallel.transport import Transport
 
@@ -256,6 +266,7 @@ class Pipeline:
         self.spec: PipelineSpec | None = None
         self.state: dict[int, dict[str, Any]] = {}
         self.acc: dict[int, Any] = {}
+        self.racc: dict[int, Any] = {}  # readout-gradient accumulators (empty where unused)
         # The newest unit measurement: (the spec it ran on, its times, each stage's busy
         # seconds in the step it profiled), what a periodic profile rescales.
         self._measured_units: tuple[PipelineSpec, UnitTimes, np.ndarray] | None = None
@@ -273,10 +284,12 @@ class Pipeline:
             out[stage.index] = {"params": shapes.params, "opt_state": shapes.opt_state}
         return out
 
-    def _zero_acc(self, spec: PipelineSpec) -> dict[int, Any]:
+    def _zero_acc(self, spec: PipelineSpec, which: str = "acc") -> dict[int, Any]:
+        """Zero accumulators (``which``: "acc" or "racc") of this process's stages."""
         zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
         return {
-            s.index: jax.tree.map(zeros, self.programs.shapes(s).acc) for s in self._local(spec)
+            s.index: jax.tree.map(zeros, getattr(self.programs.shapes(s), which))
+            for s in self._local(spec)
         }
 
     def _single_process(self, what: str) -> None:
@@ -289,7 +302,7 @@ class Pipeline:
         put = lambda array, _src, _dst, sharding: jax.device_put(array, sharding)
         # The host tree is one more "stage" (-1) that holds every leaf.
         self.state, _ = relayout({-1: host_state}, self._templates(spec), put)
-        self.acc, self.spec = self._zero_acc(spec), spec
+        self.acc, self.racc, self.spec = self._zero_acc(spec), self._zero_acc(spec, "racc"), spec
 
     def host_state(self) -> Any:
         """The full ``{"params", "opt_state"}`` tree as host arrays (checkpoints)."""
@@ -315,7 +328,7 @@ class Pipeline:
         self.state, moved = relayout(self.state, self._templates(spec), self.transport.move)
         jax.block_until_ready(self.state)
         seconds = time.perf_counter() - start
-        self.acc, self.spec = self._zero_acc(spec), spec
+        self.acc, self.racc, self.spec = self._zero_acc(spec), self._zero_acc(spec, "racc"), spec
         layers = [i for s in old.stages for i in s.layers if spec.owner(i) != s.index]
         return Migration(
             moves=tuple((i, old.owner(i), spec.owner(i)) for i in layers),
@@ -389,6 +402,8 @@ class Pipeline:
             t.start()
         start = time.perf_counter()
         try:
+            for s in range(stages):  # what a stage's first task waits for from before the step
+                queues[s].put((_READY, start, (), self._ready_marks(run, s)))
             for s, task in exe.order:
                 dispatched = time.perf_counter()
                 computed, sent = self._run(run, s, task)
@@ -402,6 +417,16 @@ class Pipeline:
         if errors:
             raise errors[0]
         return metrics, _timeline(seen, start)
+
+    def _ready_marks(self, run: _Run, s: int) -> tuple:
+        """Arrays ready when stage ``s`` may start the step: its parameters from the previous
+        update (which waits for the global norm, so for every stage's previous backward) and
+        the readout sent to it. The timeline counts waiting for them as idle, not as the first
+        task's time (a profile of a step dispatched while the previous one still runs). A
+        scalar derived from the parameters, since the step's update donates them."""
+        leaves = jax.tree.leaves(self.state[s]["params"])
+        marks = [leaves[0].reshape(-1)[0] * 0] if leaves else []
+        return _present(marks, run.readout.get(s))
 
     def profile_step(
         self,
@@ -464,7 +489,33 @@ class Pipeline:
             stage_in=[{} for _ in stages],
             grad_in=[{} for _ in stages],
             metrics=[[None] * exe.spec.microbatches for _ in stages],
+            readout=self._send_readout(exe.spec),
         )
+
+    def _send_readout(self, spec: PipelineSpec) -> dict[int, Any]:
+        """The last stage's current norm and head parameters on every local stage that reads
+        the readout: sent once per step (`stage_programs` module docstring)."""
+        last, out = spec.stages[-1].index, {}
+        held = None
+        if self.transport.is_local(last):
+            held = {u[0]: self.state[last]["params"][u[0]] for u in READOUT_UNITS}
+        for stage in spec.stages:
+            if stage.needs_readout:
+                like = self.programs.shapes(stage).ctx["readout"]
+                moved = self.transport.send_tree(held, last, stage.index, like)
+                if moved is not None:
+                    out[stage.index] = moved
+        return out
+
+    def _context(
+        self, stage: StageSpec, carry: Any, targets: np.ndarray, m: int, m_count: int
+    ) -> dict[str, Any]:
+        """What the stage's wrappers read for microbatch ``m`` of ``m_count`` besides the
+        readout (carry, targets): stored with the stage input for the backward."""
+        ctx = {} if carry is None else {"carry": carry}
+        if stage.needs_targets:
+            ctx["targets"] = jax.device_put(targets[m::m_count], self._rows(stage.index))
+        return ctx
 
     def _run(self, run: _Run, s: int, task: Any) -> tuple[tuple, tuple]:
         """Dispatch one task (and, across processes, this process's side of its transfer);
@@ -475,20 +526,26 @@ class Pipeline:
         params = self.state[s]["params"] if local else None
         if task.kind == "F":
             if local and stage.first:
-                run.stage_in[s][m] = jax.device_put(run.inputs[m::m_count], self._rows(s))
+                x = jax.device_put(run.inputs[m::m_count], self._rows(s))
+                run.stage_in[s][m] = (x, self._context(stage, None, run.targets, m, m_count))
             if stage.last:
                 return (), ()  # the last stage's forward runs inside its backward
-            y = None
+            y = carry = None
             if local:
-                y, run.metrics[s][m] = programs["fwd", s](
-                    params, run.stage_in[s][m], run.routes(s, m)
+                x, ctx = run.stage_in[s][m]
+                y, carry, run.metrics[s][m] = programs["fwd", s](
+                    params, x, {**ctx, **run.readout_of(s)}, run.routes(s, m)
                 )
-            like = self.programs.shapes(spec.stages[s + 1]).x
-            moved = self.transport.send(y, s, s + 1, like)
+            after = self.programs.shapes(spec.stages[s + 1])
+            moved = self.transport.send(y, s, s + 1, after.x)
+            moved_carry = self.transport.send_tree(carry, s, s + 1, after.ctx.get("carry", {}))
             if moved is not None:
-                run.stage_in[s + 1][m] = moved
-            return _present(y), _present(moved)
-        x = run.stage_in[s].pop(m) if local else None
+                ctx = self._context(
+                    spec.stages[s + 1], moved_carry or None, run.targets, m, m_count
+                )
+                run.stage_in[s + 1][m] = (moved, ctx)
+            return _present(y, carry), _present(moved, moved_carry)
+        x, ctx = run.stage_in[s].pop(m) if local else (None, None)
         if not stage.has_backward:
             return (), ()
         out = None
@@ -497,12 +554,15 @@ class Pipeline:
                 seed = jax.device_put(run.targets[m::m_count], self._rows(s))
             else:
                 seed = run.grad_in[s].pop(m)
-            out = programs["bwd", s](params, self.acc[s], x, seed, run.routes(s, m))
-            self.acc[s] = out[0]
+            out = programs["bwd", s](
+                params, self.acc[s], self.racc[s], x, {**ctx, **run.readout_of(s)}, seed,
+                run.routes(s, m),
+            )
+            self.acc[s], self.racc[s] = out[0], out[2]
             if stage.last:
-                run.metrics[s][m] = out[2]
-        # Not the accumulator: the stage's next backward donates it.
-        done = _present(None if out is None else out[1:])
+                run.metrics[s][m] = out[3]
+        # Not the accumulators: the stage's next backward donates them.
+        done = _present(None if out is None else (out[1], out[3:]))
         if not stage.input_grads:
             return done, ()
         like = self.programs.shapes(spec.stages[s - 1]).y
@@ -515,6 +575,7 @@ class Pipeline:
         """Global gradient norm and the update of every stage of this process."""
         stages, programs = run.exe.spec.stages, run.exe.programs
         local = [s.index for s in stages if self.transport.is_local(s.index)]
+        self._gather_readout_grads(run.exe.spec)
         sq = {s: programs["sqnorm", s](self.acc[s]) for s in local}
         sq_all = self.transport.gather(sq, (1,), jnp.float32, len(stages))
         stage_metrics = {}
@@ -524,6 +585,24 @@ class Pipeline:
                 st["params"], st["opt_state"], self.acc[s], sq_all[s], tuple(run.metrics[s])
             )
         return {"stages": stage_metrics}
+
+    def _gather_readout_grads(self, spec: PipelineSpec) -> None:
+        """Add every earlier stage's readout gradient to the last stage's accumulator (the
+        norm and head entries), then zero those stages' readout accumulators."""
+        last = spec.stages[-1]
+        for stage in spec.stages:
+            if not stage.needs_readout:
+                continue
+            s, like = stage.index, self.programs.shapes(last).acc
+            grads = self.racc.get(s)
+            moved = self.transport.send_tree(
+                grads, s, last.index, {k: like[k] for k in self.programs.shapes(stage).racc}
+            )
+            if moved is not None:
+                self.acc[last.index] = _ADD_READOUT(self.acc[last.index], moved)
+            if self.transport.is_local(s):
+                zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
+                self.racc[s] = jax.tree.map(zeros, self.programs.shapes(stage).racc)
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -545,20 +624,28 @@ class Pipeline:
                 for stage in self.spec.stages
             ]
             m_count, last = len(inputs) // size, stages[-1]
+            readout = self._send_readout(self.spec)
             for m in range(m_count):
-                x = None
+                x, carry = None, None
                 if self.transport.is_local(0):
                     x = jax.device_put(inputs[m::m_count], self._rows(0))
                 for stage in stages[:-1]:
-                    s, y = stage.index, None
+                    s, y, out_carry = stage.index, None, None
                     if self.transport.is_local(s):
+                        ctx = {**self._context(stage, carry, targets, m, m_count), **(
+                            {"readout": readout[s]} if s in readout else {})}
                         fwd = self.programs.get("fwd", replace(stage, cached_routing=False))
-                        y, _ = fwd(self.state[s]["params"], x, None)
-                    x = self.transport.send(y, s, s + 1, self.programs.shapes(stages[s + 1]).x)
+                        y, out_carry, _ = fwd(self.state[s]["params"], x, ctx, None)
+                    after = self.programs.shapes(stages[s + 1])
+                    x = self.transport.send(y, s, s + 1, after.x)
+                    carry = self.transport.send_tree(
+                        out_carry, s, s + 1, after.ctx.get("carry", {})
+                    ) or None
                 if self.transport.is_local(last.index):
                     evaluate = self.programs.get("eval", last)
                     t = jax.device_put(targets[m::m_count], self._rows(last.index))
-                    losses.append(evaluate(self.state[last.index]["params"], x, t))
+                    ctx = {} if carry is None else {"carry": carry}
+                    losses.append(evaluate(self.state[last.index]["params"], x, ctx, t))
         return float(np.mean(jax.device_get(losses))) if losses else None
 
 
@@ -570,9 +657,14 @@ class _Run:
     inputs: np.ndarray
     targets: np.ndarray
     routes: _CachedRoutes
-    stage_in: list[dict[int, Any]]  # [stage][microbatch] -> stage input, kept for the backward
+    # [stage][microbatch] -> (stage input, its context), kept for the backward
+    stage_in: list[dict[int, Any]]
     grad_in: list[dict[int, Any]]  # [stage][microbatch] -> gradient of the stage output
     metrics: list[list[Any]]  # [stage][microbatch] -> metrics of that forward
+    readout: dict[int, Any]  # stage -> the last stage's norm and head parameters, this step
+
+    def readout_of(self, s: int) -> dict[str, Any]:
+        return {"readout": self.readout[s]} if s in self.readout else {}
 
 
 class _CachedRoutes:
@@ -588,6 +680,10 @@ class _CachedRoutes:
             return None
         rows = self.cached[self.first[s] : self.first[s + 1], m :: stage.microbatches]
         return jax.device_put(rows, self.transport.sharding(s, P(None, TOKEN_AXES)))
+
+
+_ADD_READOUT = jax.jit(add_readout_grads, donate_argnums=0)
+_READY = "ready"  # `Pipeline.timed_step`'s watchers: not a task, the stage's state arriving
 
 
 def host_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -630,14 +726,18 @@ def _timeline(
     seen: list[list[tuple[Any, float, float, float]]], start: float
 ) -> tuple[tuple[TaskTime, ...], ...]:
     """Each stage's `TaskTime`s from what `Pipeline.timed_step`'s watchers saw: (task, its
-    dispatch, its results ready, its output arrived at the neighbour) per task, in order."""
+    dispatch, its results ready, its output arrived at the neighbour) per task, in order; a
+    `_READY` entry first, whose arrival is when the stage's state from before the step is."""
     last = len(seen) - 1
     arrival = {(task.kind, s, task.microbatch): arrived
-               for s, row in enumerate(seen) for task, _, _, arrived in row}
+               for s, row in enumerate(seen) for task, _, _, arrived in row if task != _READY}
     out = []
     for s, row in enumerate(seen):
         times, free = [], start
-        for task, dispatched, end, _ in row:
+        for task, dispatched, end, arrived in row:
+            if task == _READY:  # the stage idles until what it needs from before the step is in
+                free = max(free, arrived)
+                continue
             m = task.microbatch
             needs = (("F", s - 1, m) if s > 0 else None) if task.kind == "F" else (
                 ("B", s + 1, m) if s < last else None

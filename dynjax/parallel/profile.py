@@ -158,30 +158,36 @@ def _time_unit(
     s = shapes(one)
     rng = np.random.default_rng(0)
     x = _random(s.x, rng)
+    # What the unit's block wrappers read in the step (carry, targets, the readout's
+    # parameters), so a layer is timed with the work it does there (e.g. an exit's readout).
+    ctx = jax.tree.map(lambda a: _random(a, rng), s.ctx)
     forward_kind, *backward_kind = unit_kinds(one)
     if one.last:
         targets = _random(s.targets, rng)
-        forward = _median(lambda: get(forward_kind, one)(params, x, targets), repeats)
+        forward = _median(lambda: get(forward_kind, one)(params, x, ctx, targets), repeats)
         seed = targets
     else:
-        forward = _median(lambda: get(forward_kind, one)(params, x, None), repeats)
+        forward = _median(lambda: get(forward_kind, one)(params, x, ctx, None), repeats)
         seed = _random(s.y, rng)
     if not backward_kind:  # inside a frozen prefix: the step runs no backward for it
         return forward, 0.0
-    acc = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding), s.acc)
+    zeros = lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding)
+    acc, racc = jax.tree.map(zeros, s.acc), jax.tree.map(zeros, s.racc)
     bwd = get("bwd", one)
 
     def backward():
-        nonlocal acc
-        out = bwd(params, acc, x, seed, None)
-        acc = out[0]
+        nonlocal acc, racc
+        out = bwd(params, acc, racc, x, ctx, seed, None)
+        acc, racc = out[0], out[2]
         return out
 
     return forward, _median(backward, repeats)
 
 
 def _random(shape: jax.ShapeDtypeStruct, rng: np.random.Generator) -> jax.Array:
-    if np.issubdtype(shape.dtype, np.integer):
+    if shape.dtype == np.bool_:
+        host = rng.random(shape.shape) < 0.5
+    elif np.issubdtype(shape.dtype, np.integer):
         host = rng.integers(0, 2, shape.shape).astype(shape.dtype)
     else:
         host = rng.standard_normal(shape.shape).astype(shape.dtype)
@@ -236,9 +242,12 @@ def stage_memory(
     one kept stage input."""
     out = []
     for stage in spec.stages:
-        s = stage.index
-        x = shapes(stage).x
-        x_bytes = int(np.prod(x.shape)) * x.dtype.itemsize // x.sharding.num_devices
+        s, kept = stage.index, shapes(stage)
+        # A stage input is its activations (tokens) with the carry and targets its wrappers read.
+        inputs = [kept.x, *jax.tree.leaves({k: v for k, v in kept.ctx.items() if k != "readout"})]
+        x_bytes = sum(
+            int(np.prod(a.shape)) * a.dtype.itemsize // a.sharding.num_devices for a in inputs
+        )
         record = {
             "params": per_device_bytes(state[s]["params"]),
             "opt_state": per_device_bytes(state[s]["opt_state"]),

@@ -3,22 +3,33 @@
 Each program runs on its stage's own (data, expert) sub-mesh: data parallel over ``'data'`` and
 expert parallel over ``'expert'`` exactly as the single-program step (`dynjax.parallel.step`).
 
-* ``fwd(params, x, cached) -> (y, metrics)``: the stage's layers on one microbatch. The last
-  stage has no forward program: its forward output only feeds its own backward.
-* ``bwd(params, acc, x, g_or_targets, cached) -> (acc, g_x, [metrics])``: recomputes the stage
-  forward from the stored stage input (activation checkpointing at stage boundaries: a stage
-  keeps one input per microbatch in flight, not every intermediate), then adds the weight
-  gradients of the trainable layers to the accumulator ``acc`` and returns the input gradient
-  if an earlier stage needs it (else a scalar to wait on). The last stage seeds it with the
-  loss; the others with the next stage's input gradient. MoE auxiliary losses of the stage
-  enter here, so every stage's aux and z losses count, as in the single-program loss.
+* ``fwd(params, x, ctx, cached) -> (y, carry, metrics)``: the stage's layers on one
+  microbatch. The last stage has no forward program: its forward output only feeds its own
+  backward.
+* ``bwd(params, acc, racc, x, ctx, seed, cached) -> (acc, g_x, racc, [metrics])``: recomputes
+  the stage forward from the stored stage input (activation checkpointing at stage boundaries:
+  a stage keeps one input per microbatch in flight, not every intermediate), then adds the
+  weight gradients of the trainable layers to the accumulator ``acc`` and returns the input
+  gradient if an earlier stage needs it (else a scalar to wait on). The last stage seeds it
+  with the loss; the others with the next stage's input gradient. MoE auxiliary losses of the
+  stage enter here, so every stage's aux and z losses count, as in the single-program loss.
 * ``sqnorm(acc) -> [1]``: this stage's squared gradient norm; `Transport.gather` brings every
   stage's to every stage.
 * ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
   clips with the *global* norm (the sum of all stages' squared norms, in stage order, so every
   stage computes the same factor), applies the optimizer to the trainable units only (frozen
   units keep their parameters and optimizer state), and folds the microbatch metrics.
-* ``evaluate(params, x, targets) -> loss`` (last stage only).
+* ``eval(params, x, ctx, targets) -> loss`` (last stage only).
+
+``ctx`` holds what the stage's block wrappers read of the `LayerContext` beyond activations
+(`hooks.register_block_wrapper` ``needs`` and ``carry``), only what they need: ``carry``, the
+per-token arrays the previous stage's layers left (a stage input and output beside the
+activations, stored with the input for the backward, never differentiated); ``targets``; and
+``readout``, the last stage's norm and head parameters, sent once per step. A stage before
+the last that reads the readout differentiates its loss terms through those parameters too
+and adds that gradient to ``racc`` (empty elsewhere); the pipeline sends it to the last stage
+before the gradient norm (`add_readout_grads`), so the shared head gets the single-program
+gradient with no replica of its parameters or optimizer state.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.model import ModelParts, lm_loss
 from dynjax.model.gpt import run_layers
-from dynjax.model.hooks import LayerContext, hook_loss
+from dynjax.model.hooks import LayerContext, carry_dtypes, hook_loss, initial_carry
 from dynjax.parallel.layout import select
 from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
 from dynjax.parallel.stages import StageSpec
@@ -68,18 +79,31 @@ class StageSetup:
     fsdp: bool = False  # parameters and optimizer state split over the stage's data devices
 
 
-def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, cached):
-    """The stage's slice of ``GPT.forward``: (output, MoE stats of its layers in order, each
-    layer's hook metrics), through the model's own layer loop.
+READOUT_UNITS = (("norm",), ("head",))  # the parameter units of `GPT.readout`
+
+
+def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, ctx, cached):
+    """The stage's slice of ``GPT.forward``: (output, the carry after its layers (empty on the
+    last stage), MoE stats of its layers in order, each layer's hook metrics), through the
+    model's own layer loop with the `LayerContext` built from ``ctx`` (module docstring).
 
     The first stage takes tokens [b, S] and embeds them; the last returns float32 logits.
     """
-    parts = setup.parts
-    p = cast_floats(params, DTYPES[spec.dtype])
+    parts, dtype = setup.parts, DTYPES[spec.dtype]
+    p = cast_floats(params, dtype)
     if spec.first:
         x = nnx.merge(parts.embed, p["embed"])(x)
         if parts.learned_positions:
             x = x + p["pos"][: x.shape[1]].astype(x.dtype)
+    held = p if spec.last else cast_floats(ctx["readout"], dtype) if "readout" in ctx else None
+    readout = None
+    if held is not None:
+        norm, head = nnx.merge(parts.norm, held["norm"]), nnx.merge(parts.head, held["head"])
+        readout = lambda h: head(norm(h)).astype(jnp.float32)
+    carry = initial_carry(spec.carry, x.shape[:2]) if spec.first else dict(ctx.get("carry", {}))
+    context = LayerContext(
+        readout=readout, targets=ctx.get("targets"), carry=carry, inference=spec.inference
+    )
     x, stats, layer_metrics = run_layers(
         [nnx.merge(parts.layers[i], p["layers"][i]) for i in spec.layers],
         x,
@@ -87,12 +111,11 @@ def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, cache
         options=spec.layer_options(),
         parallel=expert_parallel(mesh),
         cached=cached,
-        context=LayerContext(inference=spec.inference),
+        context=context,
     )
     if spec.last:
-        x = nnx.merge(parts.head, p["head"])(nnx.merge(parts.norm, p["norm"])(x))
-        x = x.astype(jnp.float32)
-    return x, stats, layer_metrics
+        return readout(x), {}, stats, layer_metrics
+    return x, {k: context.carry[k] for k in carry_dtypes(spec.carry)}, stats, layer_metrics
 
 
 def _microbatch_metrics(
@@ -117,9 +140,9 @@ def _microbatch_metrics(
 
 
 def forward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
-    def fwd(params, x, cached):
-        y, stats, layer_metrics = apply_stage(setup, spec, mesh, params, x, cached)
-        return y, _microbatch_metrics(setup, stats, None, layer_metrics)[1]
+    def fwd(params, x, ctx, cached):
+        y, carry, stats, layer_metrics = apply_stage(setup, spec, mesh, params, x, ctx, cached)
+        return y, carry, _microbatch_metrics(setup, stats, None, layer_metrics)[1]
 
     return fwd
 
@@ -127,29 +150,41 @@ def forward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
 def backward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
     trainable_units = spec.trainable(setup.parts.learned_positions)
 
-    def bwd(params, acc, x, seed, cached):
-        def f(trainable, x):
-            out, stats, layer_metrics = apply_stage(
-                setup, spec, mesh, overlay(params, trainable), x, cached
+    def bwd(params, acc, racc, x, ctx, seed, cached):
+        if spec.last:
+            ctx = {**ctx, "targets": seed}
+
+        def f(trainable, readout, x):
+            out, _, stats, layer_metrics = apply_stage(
+                setup, spec, mesh, overlay(params, trainable), x, {**ctx, **readout}, cached
             )
             local, metrics = _microbatch_metrics(
                 setup, stats, lm_loss(out, seed) if spec.last else None, layer_metrics
             )
             return (local if spec.last else (out, local)), metrics
 
-        args = (select(params, trainable_units), x)
-        argnums = (0, 1) if spec.input_grads else (0,)
+        readout = {"readout": ctx["readout"]} if spec.needs_readout else {}
+        args = (select(params, trainable_units), readout, x)
+        argnums = (0, 1, 2) if spec.input_grads else (0, 1)
         fixed = lambda *a: f(*a, *args[len(argnums) :])
         _, vjp, metrics = jax.vjp(fixed, *args[: len(argnums)], has_aux=True)
         one = jnp.ones((), jnp.float32)
         grads = vjp(one if spec.last else (seed, one))
-        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads[0])
+        add = lambda a, g: a + g.astype(jnp.float32)
+        acc = jax.tree.map(add, acc, grads[0])
+        racc = jax.tree.map(add, racc, grads[1].get("readout", {}))
         # Without an input gradient, a scalar that is ready with the backward: something to
         # wait on that the stage's next backward does not donate (`Pipeline.timed_step`).
-        g_x = grads[1] if spec.input_grads else _done(acc)
-        return (acc, g_x, metrics) if spec.last else (acc, g_x)
+        g_x = grads[2] if spec.input_grads else _done(acc)
+        return (acc, g_x, racc) + ((metrics,) if spec.last else ())
 
     return bwd
+
+
+def add_readout_grads(acc: Any, racc: Any) -> Any:
+    """The last stage's accumulator with a readout gradient accumulated by an earlier stage
+    added to its norm and head entries (the shared readout's gradient, module docstring)."""
+    return {**acc, **{k: jax.tree.map(jnp.add, acc[k], racc[k]) for k in racc}}
 
 
 def _done(acc: Any) -> jax.Array:
@@ -222,8 +257,9 @@ def _fold(metrics: Sequence[Metrics], grad_norm: jax.Array) -> Metrics:
 
 
 def evaluate_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
-    def evaluate(params, x, targets):
-        logits, _, _ = apply_stage(setup, spec, mesh, params, x, None)
+    def evaluate(params, x, ctx, targets):
+        ctx = {**ctx, "targets": targets}
+        logits, _, _, _ = apply_stage(setup, spec, mesh, params, x, ctx, None)
         return lm_loss(logits, targets)
 
     return evaluate
@@ -238,6 +274,9 @@ class StageShapes:
     acc: Any
     x: jax.ShapeDtypeStruct  # the stage input: tokens on the first stage, activations after
     y: jax.ShapeDtypeStruct | None  # the stage output (None on the last stage)
+    ctx: dict[str, Any]  # what the stage's wrappers read beside x (module docstring)
+    carry: dict[str, jax.ShapeDtypeStruct]  # the carry the stage outputs (empty on the last)
+    racc: dict[str, Any]  # the readout-gradient accumulator (empty unless needs_readout)
     targets: jax.ShapeDtypeStruct
     cached: jax.ShapeDtypeStruct | None
     metrics: Metrics  # of one microbatch
@@ -267,11 +306,22 @@ def stage_shapes(
             shape, jnp.int32, sharding=NamedSharding(mesh, P(None, TOKEN_AXES))
         )
     x = tokens if spec.first else acts
+    carry = {
+        k: jax.ShapeDtypeStruct((b, seq_len), d, sharding=rows)
+        for k, d in carry_dtypes(spec.carry).items()
+    }
+    ctx: dict[str, Any] = {} if spec.first or not carry else {"carry": carry}
+    if spec.needs_targets:
+        ctx["targets"] = tokens
+    racc: dict[str, Any] = {}
+    if spec.needs_readout:
+        ctx["readout"] = with_sharding(select(full_params, READOUT_UNITS))
+        racc = ctx["readout"]
     if spec.last:
         fn = backward_fn(setup, spec, mesh)
-        metrics = jax.eval_shape(fn, params, acc, x, tokens, cached)[2]
+        metrics = jax.eval_shape(fn, params, acc, racc, x, ctx, tokens, cached)[3]
     else:
-        metrics = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, cached)[1]
+        metrics = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, ctx, cached)[2]
     replicated = NamedSharding(mesh, P())
     metrics = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), metrics
@@ -282,6 +332,9 @@ def stage_shapes(
         acc=acc,
         x=x,
         y=None if spec.last else acts,
+        ctx=ctx,
+        carry={} if spec.last else carry,
+        racc=racc,
         targets=tokens,
         cached=cached,
         metrics=metrics,
@@ -296,16 +349,20 @@ def lower_stage(
     replicated = NamedSharding(mesh, P())
     metrics = sharding(shapes.metrics)
     if kind == "fwd":
-        jitted = jax.jit(
-            forward_fn(setup, spec, mesh), out_shardings=(shapes.x.sharding, metrics)
-        )
-        return jitted.lower(shapes.params, shapes.x, shapes.cached)
+        outs = (shapes.y.sharding, sharding(shapes.carry), metrics)
+        jitted = jax.jit(forward_fn(setup, spec, mesh), out_shardings=outs)
+        return jitted.lower(shapes.params, shapes.x, shapes.ctx, shapes.cached)
     if kind == "bwd":
         g_x = shapes.x.sharding if spec.input_grads else replicated
-        outs = (sharding(shapes.acc), g_x) + ((metrics,) if spec.last else ())
-        jitted = jax.jit(backward_fn(setup, spec, mesh), out_shardings=outs, donate_argnums=1)
+        outs = (sharding(shapes.acc), g_x, sharding(shapes.racc))
+        outs += (metrics,) if spec.last else ()
+        jitted = jax.jit(
+            backward_fn(setup, spec, mesh), out_shardings=outs, donate_argnums=(1, 2)
+        )
         seed = shapes.targets if spec.last else shapes.y
-        return jitted.lower(shapes.params, shapes.acc, shapes.x, seed, shapes.cached)
+        return jitted.lower(
+            shapes.params, shapes.acc, shapes.racc, shapes.x, shapes.ctx, seed, shapes.cached
+        )
     if kind == "sqnorm":
         return jax.jit(sqnorm_fn(spec), out_shardings=replicated).lower(shapes.acc)
     if kind == "update":
@@ -320,5 +377,5 @@ def lower_stage(
         return jitted.lower(shapes.params, shapes.opt_state, shapes.acc, sq, per_mb)
     if kind == "eval":
         jitted = jax.jit(evaluate_fn(setup, spec, mesh), out_shardings=replicated)
-        return jitted.lower(shapes.params, shapes.x, shapes.targets)
+        return jitted.lower(shapes.params, shapes.x, shapes.ctx, shapes.targets)
     raise ValueError(f"unknown stage program {kind!r}")

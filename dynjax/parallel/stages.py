@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from dynjax.model.hooks import LayerOptions
+from dynjax.model.hooks import LayerOptions, carrying_wrappers, context_needs
 from dynjax.parallel.layout import Unit
 
 
@@ -37,6 +37,9 @@ class StageSpec:
     dtype: str
     options: tuple[LayerOptions, ...] = ()  # each layer's plugin records (empty: none)
     inference: bool = False  # evaluation programs: block wrappers run causally (`LayerContext`)
+    # The block wrappers (of any stage) whose carry crosses stage boundaries: the input of a
+    # stage after the first and the output of one before the last hold it (`hooks` ``carry``).
+    carry: tuple[str, ...] = ()
 
     def layer_options(self) -> tuple[LayerOptions, ...]:
         """One `LayerOptions` per layer of the stage."""
@@ -56,9 +59,21 @@ class StageSpec:
         return tuple(u for u in self.units(learned_positions) if u not in frozen)
 
     @property
+    def needs_readout(self) -> bool:
+        """A stage before the last whose wrappers read the model's readout: it gets the last
+        stage's norm and head parameters each step and returns their gradient."""
+        return not self.last and "readout" in context_needs(self.layer_options())
+
+    @property
+    def needs_targets(self) -> bool:
+        """A stage before the last whose wrappers read the targets (the last has them)."""
+        return not self.last and "targets" in context_needs(self.layer_options())
+
+    @property
     def has_backward(self) -> bool:
-        """False for a stage inside the model's frozen prefix: it runs no backward at all."""
-        trainable = self.last or (self.first and not self.embed_frozen)
+        """False for a stage inside the model's frozen prefix: it runs no backward at all
+        (unless it reads the readout, whose parameters train)."""
+        trainable = self.last or (self.first and not self.embed_frozen) or self.needs_readout
         return self.input_grads or trainable or len(self.frozen) < len(self.layers)
 
 
@@ -133,6 +148,7 @@ def stage_specs(
                 cached_routing=cached_routing,
                 dtype=dtype,
                 options=tuple(options[start : start + count]) if any(options) else (),
+                carry=carrying_wrappers(options),
             )
         )
         start += count

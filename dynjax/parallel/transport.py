@@ -92,6 +92,15 @@ class Transport:
             like.shape, like.sharding, [mine[d] for d in devices]
         )
 
+    def send_tree(self, tree: Any, src: int, dst: int, like: Any) -> Any:
+        """`send` of every leaf of a pytree shaped as ``like`` (a tree of
+        ``jax.ShapeDtypeStruct``; ``tree`` None where ``src`` is not local); returns the tree
+        where ``dst`` is local, else None."""
+        shapes, treedef = jax.tree.flatten(like)
+        leaves = jax.tree.leaves(tree) if tree is not None else [None] * len(shapes)
+        moved = [self.send(x, src, dst, s) for x, s in zip(leaves, shapes, strict=True)]
+        return jax.tree.unflatten(treedef, moved) if self.is_local(dst) else None
+
     def _exchange(self, src: int, dst: int, like: jax.ShapeDtypeStruct):
         """The compiled ppermute from stage ``src`` to ``dst`` of arrays like ``like``."""
         spec = tuple(like.sharding.spec) + (None,) * (len(like.shape) - len(like.sharding.spec))
