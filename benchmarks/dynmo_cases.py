@@ -294,6 +294,7 @@ CAPACITY_FACTOR = 1.5  # worker memory / dense uniform stage memory
 REPACK_TOLERANCE = 1.05
 PROFILE_WINDOW = 8  # iterations averaged into the profile when rebalancing every iteration
 TRACES = Path(__file__).resolve().parent / "traces"
+OVERHEADS = TRACES / "overhead.jsonl"  # written by benchmarks/balance_overhead.py --record
 ADAM_MOMENTS = 2  # optimizer-state bytes per parameter byte (Adam's mu and nu)
 PAPER = {  # seed 000 abstract / §5: (speedup, its baseline)
     "MoE": (1.23, "static Megatron-LM"),
@@ -303,6 +304,7 @@ PAPER = {  # seed 000 abstract / §5: (speedup, its baseline)
     "early exit": (4.52, "no early exit"),
     "MoD": (1.17, "MoD w/o balancing"),
 }
+DENSE_BASELINE = ("sparse attention", "early exit")  # the paper's speedup is over no dynamism
 
 
 @dataclass(frozen=True)
@@ -338,6 +340,9 @@ class Case:
     dense_steps: tuple[int, ...] = ()  # recorded: samples of the model before any change
     unit_seconds: float = 0.0  # recorded: seconds of one dense layer forward (the time unit)
     timeline_imbalance: float | None = None  # recorded: eq. 2 of the run's measured stage times
+    variant: str = ""  # recorded: how the row treats the trace ("Plan medians", "96x24", ...)
+    dense_samples: tuple[Layers, ...] = ()  # recorded: a run of the model without the dynamism
+    extrapolated: bool = False  # recorded: to more layers or stages than the run had
 
 
 def dense_layers(num_layers: int, fwd: float = 1.0) -> Layers:
@@ -458,54 +463,96 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def measured_layers(sample: dict) -> Layers:
-    """One profiled step of a trace in seconds and bytes: the embedding's times in the first layer
-    and the head's (norm, head, loss) in the last, whose stages run them (as ``Rebalance``)."""
+def measured_layers(sample: dict, meta: dict, repeat: int = 1) -> Layers:
+    """One profiled step of a trace in seconds and bytes: the embedding's times and state in the
+    first layer and the head's (norm, head, loss) in the last, whose stages run them (as
+    ``Rebalance``). ``repeat`` r > 1 stands every measured layer for r consecutive copies of itself
+    (times and state bytes; the embedding stays with the first copy of layer 0 and the head with
+    the last copy of the last layer), a deeper model extrapolated from the measured one."""
     fwd = np.array(sample["layer_forward_seconds"], dtype=float)
     bwd = np.array(sample["layer_backward_seconds"], dtype=float)
-    for key, layer in (("embed_seconds", 0), ("head_seconds", -1)):
+    memory = np.array(sample["layer_state_bytes"], dtype=float)
+    # ``record``'s state model: the embedding's parameters, Adam moments and (when layer 0
+    # trains) gradients; the norm + head's parameters, moments and gradients (always trained).
+    embed, head = meta["embed_param_bytes"], meta["head_param_bytes"]
+    ends = {0: embed * (1 + ADAM_MOMENTS + (0 not in sample["frozen_layers"])),
+            -1: head * (2 + ADAM_MOMENTS)}
+    for layer, extra in ends.items():
+        memory[layer] -= extra
+    fwd, bwd, memory = (np.repeat(x, repeat) for x in (fwd, bwd, memory))
+    for (key, layer), extra in zip((("embed_seconds", 0), ("head_seconds", -1)), ends.values(),
+                                   strict=True):
         fwd[layer] += sample[key][0]
         bwd[layer] += sample[key][1]
-    return Layers(fwd, bwd, np.array(sample["layer_state_bytes"], dtype=float))
+        memory[layer] += extra
+    return Layers(fwd, bwd, memory)
 
 
-def recorded_case(path: Path, *, smooth: bool = False) -> Case:
+def deep_setting(name: str) -> tuple[int, int]:
+    """(layers, stages) of the paper's setting for a case: its synthetic row's (seed 000 Fig. 3:
+    16-way pipelines for MoE and MoD, 24-way for the others)."""
+    return next((c.layers, c.stages) for c in synthetic_cases() if c.name == name)
+
+
+def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0,
+                  stages: int = 0) -> Case:
     """A case from a trace written by ``record``: one sample per profiled step of the run.
 
     ``smooth``: every sample's times become the element-wise median over the samples of its
-    Plan (what the run measured, less the timing noise of a shared CPU)."""
+    Plan (what the run measured, less the timing noise of a shared CPU). ``layers`` and
+    ``stages`` (0: the run's) extrapolate the run to a deeper pipeline: every measured layer
+    stands for ``layers / num_layers`` consecutive copies (`measured_layers`), on M = 4 x
+    ``stages`` microbatches as the synthetic rows; the copies share their layer's measured noise.
+    A ``<case>.dense.jsonl`` beside the trace (a run of the same model without the dynamism)
+    becomes the "x dense" baseline."""
     meta, *samples = read_jsonl(path)
+    num_layers = layers or meta["num_layers"]
+    repeat, rest = divmod(num_layers, meta["num_layers"])
+    if rest or repeat < 1:
+        raise ValueError(f"{path}: {num_layers} layers is no multiple of the run's "
+                         f"{meta['num_layers']}")
+    deep = num_layers != meta["num_layers"] or stages not in (0, len(meta["stage_layers"]))
     steps = tuple(s["step"] for s in samples)
-    layers = {s["step"]: measured_layers(s) for s in samples}
+    measured = {s["step"]: measured_layers(s, meta) for s in samples}
+    layers_at = {s["step"]: measured_layers(s, meta, repeat) for s in samples}
     if smooth:
         for plan in {s["plan"] for s in samples}:
-            group = [layers[s["step"]] for s in samples if s["plan"] == plan]
+            group = [layers_at[s["step"]] for s in samples if s["plan"] == plan]
             fwd = np.median([g.fwd for g in group], axis=0)
             bwd = np.median([g.bwd for g in group], axis=0)
             for s in samples:
                 if s["plan"] == plan:
-                    layers[s["step"]] = Layers(fwd, bwd, layers[s["step"]].memory)
+                    layers_at[s["step"]] = Layers(fwd, bwd, layers_at[s["step"]].memory)
     first = samples[0]["plan"]
     dense_steps = tuple(s["step"] for s in samples if s["plan"] == first)
-    unit = float(np.median([layers[t].fwd[1:-1] for t in dense_steps]))  # no embedding, head
-    scaled = {t: Layers(v.fwd / unit, v.bwd / unit, v.memory) for t, v in layers.items()}
+    # The unit: the median measured layer forward (no embedding, head) before the first change.
+    unit = float(np.median([measured[t].fwd[1:-1] for t in dense_steps]))
+    scaled = {t: Layers(v.fwd / unit, v.bwd / unit, v.memory) for t, v in layers_at.items()}
     changes = tuple(s["step"] for i, s in enumerate(samples)
                     if i == 0 or s["plan"] != samples[i - 1]["plan"])
     ends = steps[1:] + (meta["steps"] + 1,)
-    dense = scaled[dense_steps[0]]
+    dense_path = path.with_name(path.stem + ".dense.jsonl")
+    dense_samples = ()
+    if dense_path.is_file():
+        dense_meta, *dense_runs = read_jsonl(dense_path)
+        dense_samples = tuple(
+            Layers(v.fwd / unit, v.bwd / unit, v.memory)
+            for v in (measured_layers(s, dense_meta, repeat) for s in dense_runs))
     name = meta["case"]
     paper, baseline = PAPER.get(name, (float("nan"), "-"))
-    source = f"(recorded: {meta['source']}, {meta['devices']}"
-    source += ", per-Plan median times)" if smooth else ")"
     timeline = [imbalance(s["stage_seconds"]) for s in samples]
     weights = tuple(float(e - t) for t, e in zip(steps, ends, strict=True))
+    variant = ", ".join(v for v, on in ((f"{num_layers}x{stages}", deep),
+                                        ("Plan medians", smooth)) if on)
     return Case(
-        name, meta["num_layers"], len(meta["stage_layers"]), 0, paper, baseline,
-        scaled.__getitem__, dense, source=source, steps=steps,
-        weights=weights,
-        params=tuple(meta["layer_params"]), micro=meta["microbatches"], changes=changes,
+        name, num_layers, stages if deep else len(meta["stage_layers"]), 0, paper, baseline,
+        scaled.__getitem__, scaled[dense_steps[0]],
+        source=f"(recorded: {meta['source']}, {meta['devices']})", steps=steps,
+        weights=weights, params=tuple(np.repeat(meta["layer_params"], repeat).tolist()),
+        micro=0 if deep else meta["microbatches"], changes=changes,
         dense_steps=dense_steps, unit_seconds=unit,
         timeline_imbalance=float(np.average(timeline, weights=weights)),
+        variant=variant, dense_samples=dense_samples, extrapolated=deep,
     )
 
 
@@ -728,7 +775,10 @@ def run(case: Case) -> dict:
         gpus.append(len(layouts["re-packed"]))
     weights = np.array(case.weights) if case.weights else np.ones(len(case.steps))
     out: dict = {name: float(np.average(v, weights=weights)) for name, v in times.items()}
-    if case.dense_steps:  # recorded: the run's own samples before the first change
+    if case.dense_samples:  # recorded: a run without the dynamism
+        out["dense"] = float(np.mean([iteration_time(d, static, micro)
+                                      for d in case.dense_samples]))
+    elif case.dense_steps:  # recorded: the run's own samples before the first change
         before = np.isin(case.steps, case.dense_steps)
         out["dense"] = float(np.average(np.array(times["static"])[before],
                                         weights=weights[before]))
@@ -744,25 +794,40 @@ def synthetic_cases() -> list[Case]:
     return [moe(), pruning(), freezing(), sparse_attention(), early_exit(), mixture_of_depths()]
 
 
-def cases_with_traces(traces: Path = TRACES) -> list[Case]:
+def cases_with_traces(traces: Path = TRACES, deep: bool = True) -> list[Case]:
     """Every case: from its recorded trace where ``traces`` has ``<case>.jsonl`` (plus a
-    per-Plan-median row), recorded ones first; else synthetic."""
+    per-Plan-median row and, with ``deep``, both extrapolated to the paper's depth and stages,
+    `deep_setting`), recorded ones first; else synthetic."""
     recorded, synthetic = [], []
     for case in synthetic_cases():
         path = traces / f"{case.name.replace(' ', '_')}.jsonl"
-        if path.is_file():
-            recorded += [recorded_case(path), recorded_case(path, smooth=True)]
-        else:
+        if not path.is_file():
             synthetic.append(case)
+            continue
+        recorded += [recorded_case(path), recorded_case(path, smooth=True)]
+        if deep:
+            kw = dict(layers=case.layers, stages=case.stages)
+            recorded += [recorded_case(path, **kw), recorded_case(path, smooth=True, **kw)]
     return recorded + synthetic
 
 
+def read_overheads(path: Path = OVERHEADS) -> dict[str, dict]:
+    """``balance_overhead.py --record``'s measurements by case (the newest line of each)."""
+    return {r["case"]: r for r in read_jsonl(path)} if path.is_file() else {}
+
+
+def overhead(name: str, measured: dict[str, dict]) -> float | None:
+    """Profiling's share of training time at the case's cadence (its synthetic row's rebalance
+    period, seed 000 Fig. 3): one periodic profile's extra seconds per ``every`` plain steps."""
+    if name not in measured:
+        return None
+    r = measured[name]
+    every = next(c.every for c in synthetic_cases() if c.name == name)
+    return r["profile_seconds"] / (every * r["plain_step_seconds"])
+
+
 def label(case: Case) -> str:
-    return f"{case.name}, Plan medians" if "median" in case.source else case.name
-
-
-def source_group(case: Case) -> str:
-    return case.source.replace(", per-Plan median times", "")
+    return f"{case.name}, {case.variant}" if case.variant else case.name
 
 
 def table(cases: list[Case], results: list[dict], header: str,
@@ -771,40 +836,54 @@ def table(cases: list[Case], results: list[dict], header: str,
     print("-" * len(header))
     group = None
     for case, r in zip(cases, results, strict=True):
-        if source_group(case) != group:
-            group = source_group(case)
+        if case.source != group:
+            group = case.source
             print(group)
-        print(f"{label(case):<23}" + row(case, r))
+        print(f"{label(case):<30}" + row(case, r))
 
 
-def main() -> None:
-    cases = cases_with_traces()
+def main(deep: bool = True) -> None:
+    cases = cases_with_traces(deep=deep)
     results = [run(case) for case in cases]
+    overheads = read_overheads()
     print("DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of "
-          "a dynjax run\n(benchmarks/traces/); synthetic rows: seed 000 §2 load models.\n")
+          "a dynjax run\n(benchmarks/traces/); synthetic rows: seed 000 §2 load models. Rows "
+          "named L x S extrapolate a recorded run\nto the paper's depth: each measured layer "
+          "stands for L / 8 consecutive copies, on S stages (copies\nshare their layer's "
+          "measured noise; M = 4 x S and per-hop transfers as the synthetic rows).\n")
     print(f"Time-averaged simulated 1F1B iteration time, unit = one dense layer forward "
           f"(synthetic: {ITERATIONS:,}\niterations sampled every {SAMPLE_EVERY}, M = 4 x S; "
-          "recorded: every profiled step, the run's M):\n")
+          "recorded: every profiled step, the run's M; L x S rows: M = 4 x S):\n")
+    rebal = lambda c: {0: "on Plan", 1: "1 it"}.get(c.every, c.every)  # noqa: E731
     table(cases, results,
-          f"{'':<23}{'L x S':>6}{'rebal.':>8}{'static':>8}{'by-param':>9}{'partition':>10}"
-          f"{'diffusion':>10}{'re-packed':>10}{'GPUs':>5}{'paper':>7}",
+          f"{'':<30}{'L x S':>6}{'rebal.':>8}{'static':>8}{'by-param':>9}{'partition':>10}"
+          f"{'diffusion':>10}{'re-packed':>10}{'GPUs':>5}",
           lambda c, r: (
-              f"{f'{c.layers}x{c.stages}':>6}{({0: 'on Plan', 1: '1 it'}.get(c.every, c.every)):>8}"
+              f"{f'{c.layers}x{c.stages}':>6}{rebal(c):>8}"
               f"{r['static']:>8.1f}{r['by-param']:>9.1f}{r['partition']:>10.1f}"
-              f"{r['diffusion']:>10.1f}{r['re-packed']:>10.1f}{r['gpus']:>5.1f}{c.paper:>6.2f}x"))
-    print("\nSpeedup over static uniform; imbalance (eq. 2) static uniform -> partition:\n")
+              f"{r['diffusion']:>10.1f}{r['re-packed']:>10.1f}{r['gpus']:>5.1f}"))
+    print("\nSpeedup over the best static layout (uniform or by-param); best = best static / best "
+          "of partition and\ndiffusion (the paper's definition, seed 000 Fig. 3); imbalance (eq. "
+          "2) static uniform -> partition;\nbalancing overhead = one periodic profile per the "
+          "case's cadence (benchmarks/balance_overhead.py):\n")
+
+    def speedups(c: Case, r: dict) -> str:
+        best = min(r["static"], r["by-param"])
+        ovh = overhead(c.name, overheads)
+        return (f"{best / r['partition']:>7.2f}x{best / r['diffusion']:>7.2f}x"
+                f"{best / r['re-packed']:>8.2f}x"
+                f"{best / min(r['partition'], r['diffusion']):>7.2f}x{c.paper:>6.2f}x"
+                + (f"{r['dense'] / r['partition']:>7.2f}x{'*' if c.unit_seconds else ' '}"
+                   if c.name in DENSE_BASELINE else f"{'-':>8} ")
+                + f"{r['imbalance static']:>6.2f}->{r['imbalance partition']:<4.2f}"
+                f"{'-' if ovh is None else f'{ovh:.1%}':>7}  {c.paper_baseline}")
+
     table(cases, results,
-          f"{'':<23}{'x param':>8}{'x part':>8}{'x diff':>8}{'x repack':>9}{'x dense':>9}"
-          f"{'imbalance':>12}  paper's baseline",
-          lambda c, r: (
-              f"{r['static'] / r['by-param']:>7.2f}x{r['static'] / r['partition']:>7.2f}x"
-              f"{r['static'] / r['diffusion']:>7.2f}x{r['static'] / r['re-packed']:>8.2f}x"
-              f"{r['dense'] / r['partition']:>7.2f}x{'*' if c.dense_steps else ' '}"
-              f"{r['imbalance static']:>6.2f}->{r['imbalance partition']:<4.2f}"
-              f"  {c.paper_baseline}"))
+          f"{'':<30}{'x part':>8}{'x diff':>8}{'x repack':>9}{'best':>8}{'paper':>7}"
+          f"{'x dense':>9}{'imbalance':>12}{'ovh':>7}  paper's baseline", speedups)
     notes = []
     for case, r in zip(cases, results, strict=True):
-        if not case.unit_seconds:
+        if not case.unit_seconds or case.extrapolated:  # L x S rows: layouts too long to list
             continue
         chosen = []
         for t, d in r["decisions"]:
@@ -814,16 +893,25 @@ def main() -> None:
             chosen.append(f"step {t}: " + ", ".join(
                 f"{layout} {'all' if len(k) == len(d) else '+'.join(k)}"
                 for layout, k in kinds.items()))
-        note = (f"{label(case)}: layouts chosen at " + "; ".join(chosen) + ".")
-        if "median" not in case.source:
+        note = f"{label(case)}: layouts chosen at " + "; ".join(chosen) + "."
+        if not case.variant:
             note = (f"{label(case)}: unit = {1e3 * case.unit_seconds:.2f} ms, "
                     f"{len(case.steps)} profiled steps, M = {case.micro}, by-param "
                     f"{list(r['by-param layout'])}, imbalance of the uniform layout from the "
                     f"run's step timeline {case.timeline_imbalance:.2f}; " + note.split(": ", 1)[1])
         notes.append(note)
     if notes:
-        print("\n* recorded: the samples before the first change ran at another time of a shared "
-              "CPU (unpaired).")
+        print("\n* recorded: the baseline ran at another time of a shared CPU (unpaired): the "
+              "samples before the\nfirst change, or a run without the dynamism where "
+              "traces/<case>.dense.jsonl exists.")
+    for name, r in overheads.items():
+        notes.append(
+            f"{name} overhead ({r['recorded']}, {r['setting']}): plain step "
+            f"{1e3 * r['plain_step_seconds']:.1f} ms; extra per profile rescaled from the "
+            f"timeline {1e3 * r['profile_seconds']:.1f} ms, units run alone "
+            f"{1e3 * r['units_alone_seconds']:.1f} ms; decision "
+            f"{1e3 * r['decision_seconds']:.2f} ms; migration {1e3 * r['migration_seconds']:.0f}"
+            f" ms per move.")
     for note in notes:
         print("\n" + textwrap.fill(note, 100))
 
@@ -838,11 +926,13 @@ def cli() -> None:
     rec.add_argument("--devices", required=True, help='e.g. "4x2 fake CPU devices"')
     rec.add_argument("--run-command", default="", help="the dynjax.train command that ran")
     rec.add_argument("--note", default="", help="about the machine, e.g. shared cores")
+    parser.add_argument("--no-deep", action="store_true",
+                        help="leave out the L x S extrapolations of the recorded runs (faster)")
     args = parser.parse_args()
     if args.command == "record":
         record(args.workdir, args.out, args.case, args.devices, args.run_command, args.note)
     else:
-        main()
+        main(deep=not args.no_deep)
 
 
 if __name__ == "__main__":
