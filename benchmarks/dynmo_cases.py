@@ -4,16 +4,42 @@ Two kinds of rows. RECORDED rows take their per-layer costs from a trace that a 
 wrote (``layer_costs.jsonl`` and the ``profile`` events of ``events.jsonl``, copied into
 ``benchmarks/traces/<case>.jsonl`` by ``record``, below). SYNTHETIC rows, marked "(synthetic)",
 take them from DynMo's per-case load models (seed 000 §2) and the idleness of its Fig. 1, for the
-schemes that have no plugin yet (MoE's row has a plugin but no recorded trace yet). Synthetic
-speedups test the balancers on plausible load shapes; neither kind reproduces the paper's
-measurements, whose headline numbers are printed beside them for reference.
+cases without a trace. Synthetic speedups test the balancers on plausible load shapes; neither
+kind reproduces the paper's measurements, whose headline numbers are printed beside them.
 
-Today: MoE, pruning, freezing and MoD are recorded (``configs/moe.py``, ``configs/pruning.py``
-with 8 layers at block granularity, ``configs/freezing.py`` and ``configs/mod.py``, each on a
-4-stage x 2-data pipeline of 8 fake CPU devices); ``main`` uses every ``traces/<case>.jsonl`` it
-finds (``recorded_case``) and drops that case's synthetic row. Sparse attention and early exit
-stay synthetic: early exit does not run on a pipeline yet, and no sparse-attention trace has
-been recorded.
+Today: MoE, pruning, freezing, sparse attention and MoD are recorded (``configs/moe.py``,
+``configs/pruning.py`` with 8 layers at block granularity, ``configs/freezing.py``,
+``configs/sparse_attention.py`` with 8 layers and ``configs/mod.py``, each on a 4-stage x 2-data
+pipeline of 8 fake CPU devices); ``main`` uses every ``traces/<case>.jsonl`` it finds
+(``recorded_case``: ``early_exit.jsonl`` too, once early exit runs on a pipeline and a trace is
+recorded) and drops that case's synthetic row. Early exit stays synthetic until then.
+
+The six-case table. Every case gets one row per balancer: static uniform (Megatron-LM), static
+by-param (DeepSpeed), partition and diffusion by time, re-packed (and the devices it uses); the
+speedup of each over the best static layout and "best" (best static / best of partition and
+diffusion: the paper's definition, seed 000 Fig. 3), beside the paper's number; "x dense" for
+sparse attention and early exit (the paper's baseline there is the model without the dynamism);
+eq. 2's imbalance under the uniform and the partition layout; and the balancing overhead ("ovh")
+that ``benchmarks/balance_overhead.py --case NAME`` measured on the recorded run's model and
+appended to ``traces/overhead.jsonl``: one periodic profile's extra seconds (unit times rescaled
+from the profiled step's own timeline) per ``every`` plain steps, ``every`` being the case's
+cadence in the paper (its synthetic row's: every step for MoE, sparse attention and MoD, 1,000
+for pruning, 500 for freezing and early exit; seed 000 §3.3.1, Fig. 3). Migration (paid per move)
+and the decision (on the Controller's thread) are printed under the table.
+
+Extrapolation to the paper's setting (the "L x S" rows of a recorded case). The paper trains far
+deeper models on 16 (MoE, MoD) or 24 pipeline stages (seed 000 Fig. 3); our runs have 8 layers on
+4. Each recorded case gets two more rows with the synthetic row's depth and stages (MoE and MoD
+32 x 16, the others 96 x 24): every measured layer stands for L / 8 consecutive copies of itself
+(its forward and backward times and its state bytes; the embedding stays with the first copy of
+layer 0 and the norm + head with the last copy of layer 7, as on 4 stages), M = 4 x S
+microbatches and 0.05 dense-layer forwards per hop as the synthetic rows, the memory cap 1.5x a
+dense uniform stage of the deeper model, and every balancer run exactly as for the 4-stage rows.
+This is an extrapolation, not a measurement: the copies of a layer share its measured noise (a
+slow measurement weighs L / 8 times; on 4 stages a stage averages two layers' noise, on 24 it
+sums four copies of one), layers no deeper model would have (eight distinct layers, repeated) and
+the transfers are modelled. It shows what the measured per-layer shapes do when a stage holds a
+few layers of one kind, as in the paper, where on 4 stages a stage must pair unlike layers.
 
 Recorded rows. Each profiled step of the run (every ``pipeline.profile_every`` steps and the first
 step of every Plan) is one sample: its measured per-microbatch forward and backward seconds of
@@ -57,9 +83,12 @@ and layout; the table shows the time-averaged iteration time in units of one den
   (seed 000 §3.4: re-pack "while maintaining comparable performance"). GPUs = mean stages used.
 
 Per-worker memory capacity is 1.5x a dense uniform stage. "x dense" divides the iteration time of
-the model *without* the dynamism (static uniform; recorded: the samples before the first change) by
-partition's: the baseline the paper uses for sparse attention and early exit. Balancing overhead
-(profiling, migration) is not modelled here: `benchmarks/balance_overhead.py` measures it.
+the model *without* the dynamism under static uniform by partition's: the baseline the paper uses
+for sparse attention and early exit. Synthetic rows take the dense load model; a recorded row
+takes ``traces/<case>.dense.jsonl``, a run of the same command with the plugin off, where one was
+recorded (sparse attention: see below), else the samples before the run's first change. Both are
+unpaired (another period of a shared CPU), marked "*". Balancing overhead is not simulated: it
+is the measured "ovh" column.
 
     PYTHONPATH=. python3 benchmarks/dynmo_cases.py
 
