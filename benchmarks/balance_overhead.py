@@ -44,7 +44,7 @@ from pathlib import Path
 
 import jax
 
-from dynjax.config import load_config
+from dynjax.config import load_config, microbatches
 from dynjax.experiment import Experiment
 from dynjax.recompile import Rebalance
 from dynjax.recompile.policy import History
@@ -143,7 +143,7 @@ def main() -> None:
     light = statistics.median(light_s) - base
     setting = (f"{cfg.mesh.stage} stages x {cfg.mesh.data} data ({jax.device_count()} "
                f"{jax.devices()[0].platform} devices), {cfg.model.num_layers} layers, "
-               f"M={cfg.train.microbatches}, batch {cfg.train.batch_size} x {cfg.data.seq_len}; "
+               f"M={microbatches(cfg)}, batch {cfg.train.batch_size} x {cfg.data.seq_len}; "
                f"medians of {args.rounds} rounds of {args.steps} steps")
     print(f"\n{args.case or config}: {setting}")
     print(f"plain step {1e3 * base:.1f} ms; extra per profile: units run alone "
