@@ -587,9 +587,10 @@ def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0,
 
 def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
            note: str = "") -> None:
-    """Copy a run's trace into ``out``: its profiled ``layer_costs.jsonl`` lines joined with their
-    ``profile`` events (embedding and head times, the measured step timeline as per-stage F + B
-    seconds) and the Plan each ran, plus per-layer parameter counts and state bytes.
+    """Copy a run's trace into ``out``: its profiled ``layer_costs.jsonl`` lines (a run without
+    plugins writes none: its ``profile`` events alone, at cost 1) joined with their ``profile``
+    events (embedding and head times, the measured step timeline as per-stage F + B seconds) and
+    the Plan each ran, plus per-layer parameter counts and state bytes.
 
     The state bytes model (parameters, Adam's two moments, a gradient accumulator for trainable
     layers, pruning's one-byte keep masks in the optimizer state for the matrices
@@ -652,9 +653,14 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
         return out
 
     samples = []
-    for line in read_jsonl(workdir / "layer_costs.jsonl"):
-        if "layer_forward_seconds" not in line:
-            continue
+    costs = workdir / "layer_costs.jsonl"
+    if costs.is_file():
+        lines = [line for line in read_jsonl(costs) if "layer_forward_seconds" in line]
+    else:  # a run without plugins (the dense baseline) writes none: every profile, at cost 1
+        lines = [{"step": p["step"] + 1, "layer_cost": [1.0] * num_layers,
+                  **{k: p[k] for k in ("layer_forward_seconds", "layer_backward_seconds")}}
+                 for p in profiles]
+    for line in lines:
         match = [p for p in profiles if p["layer_forward_seconds"] == line["layer_forward_seconds"]
                  and p["layer_backward_seconds"] == line["layer_backward_seconds"]]
         if len(match) != 1:
@@ -804,9 +810,9 @@ def run(case: Case) -> dict:
         gpus.append(len(layouts["re-packed"]))
     weights = np.array(case.weights) if case.weights else np.ones(len(case.steps))
     out: dict = {name: float(np.average(v, weights=weights)) for name, v in times.items()}
-    if case.dense_samples:  # recorded: a run without the dynamism
-        out["dense"] = float(np.mean([iteration_time(d, static, micro)
-                                      for d in case.dense_samples]))
+    if case.dense_samples:  # recorded: a short run without the dynamism (median: its noise)
+        out["dense"] = float(np.median([iteration_time(d, static, micro)
+                                        for d in case.dense_samples]))
     elif case.dense_steps:  # recorded: the run's own samples before the first change
         before = np.isin(case.steps, case.dense_steps)
         out["dense"] = float(np.average(np.array(times["static"])[before],
@@ -856,7 +862,8 @@ def overhead(name: str, measured: dict[str, dict]) -> float | None:
 
 
 def label(case: Case) -> str:
-    return f"{case.name}, {case.variant}" if case.variant else case.name
+    """A row's name: the case, or indented under it how the row treats the case's trace."""
+    return f"  {case.variant}" if case.variant else case.name
 
 
 def table(cases: list[Case], results: list[dict], header: str,
@@ -868,33 +875,35 @@ def table(cases: list[Case], results: list[dict], header: str,
         if case.source != group:
             group = case.source
             print(group)
-        print(f"{label(case):<30}" + row(case, r))
+        print(f"{label(case):<22}" + row(case, r))
 
 
 def main(deep: bool = True) -> None:
     cases = cases_with_traces(deep=deep)
     results = [run(case) for case in cases]
     overheads = read_overheads()
-    print("DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of "
-          "a dynjax run\n(benchmarks/traces/); synthetic rows: seed 000 §2 load models. Rows "
-          "named L x S extrapolate a recorded run\nto the paper's depth: each measured layer "
-          "stands for L / 8 consecutive copies, on S stages (copies\nshare their layer's "
-          "measured noise; M = 4 x S and per-hop transfers as the synthetic rows).\n")
-    print(f"Time-averaged simulated 1F1B iteration time, unit = one dense layer forward "
-          f"(synthetic: {ITERATIONS:,}\niterations sampled every {SAMPLE_EVERY}, M = 4 x S; "
-          "recorded: every profiled step, the run's M; L x S rows: M = 4 x S):\n")
+    say = lambda text: print(textwrap.fill(text, 100) + "\n")  # noqa: E731
+    say("DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of "
+        "a dynjax run (benchmarks/traces/); synthetic rows: seed 000 §2 load models. Rows "
+        "named L x S EXTRAPOLATE a recorded run to the paper's depth: each measured layer stands "
+        "for L / 8 consecutive copies, on S stages (copies share their layer's measured noise; "
+        "M = 4 x S and per-hop transfers as the synthetic rows).")
+    say(f"Time-averaged simulated 1F1B iteration time, unit = one dense layer forward "
+        f"(synthetic: {ITERATIONS:,} iterations sampled every {SAMPLE_EVERY}, M = 4 x S; "
+        "recorded: every profiled step, the run's M; L x S rows: M = 4 x S):")
     rebal = lambda c: {0: "on Plan", 1: "1 it"}.get(c.every, c.every)  # noqa: E731
     table(cases, results,
-          f"{'':<30}{'L x S':>6}{'rebal.':>8}{'static':>8}{'by-param':>9}{'partition':>10}"
+          f"{'':<22}{'L x S':>6}{'rebal.':>8}{'static':>8}{'by-param':>9}{'partition':>10}"
           f"{'diffusion':>10}{'re-packed':>10}{'GPUs':>5}",
           lambda c, r: (
               f"{f'{c.layers}x{c.stages}':>6}{rebal(c):>8}"
               f"{r['static']:>8.1f}{r['by-param']:>9.1f}{r['partition']:>10.1f}"
               f"{r['diffusion']:>10.1f}{r['re-packed']:>10.1f}{r['gpus']:>5.1f}"))
-    print("\nSpeedup over the best static layout (uniform or by-param); best = best static / best "
-          "of partition and\ndiffusion (the paper's definition, seed 000 Fig. 3); imbalance (eq. "
-          "2) static uniform -> partition;\nbalancing overhead = one periodic profile per the "
-          "case's cadence (benchmarks/balance_overhead.py):\n")
+    print()
+    say("Speedup over the best static layout (uniform or by-param); best = best static / best of "
+        "partition and diffusion (the paper's definition, seed 000 Fig. 3); imbalance (eq. 2) "
+        "static uniform -> partition; ovh = one periodic profile per the case's cadence "
+        "(benchmarks/balance_overhead.py):")
 
     def speedups(c: Case, r: dict) -> str:
         best = min(r["static"], r["by-param"])
@@ -905,11 +914,14 @@ def main(deep: bool = True) -> None:
                 + (f"{r['dense'] / r['partition']:>7.2f}x{'*' if c.unit_seconds else ' '}"
                    if c.name in DENSE_BASELINE else f"{'-':>8} ")
                 + f"{r['imbalance static']:>6.2f}->{r['imbalance partition']:<4.2f}"
-                f"{'-' if ovh is None else f'{ovh:.1%}':>7}  {c.paper_baseline}")
+                f"{'-' if ovh is None else f'{ovh:.1%}':>7}")
 
     table(cases, results,
-          f"{'':<30}{'x part':>8}{'x diff':>8}{'x repack':>9}{'best':>8}{'paper':>7}"
-          f"{'x dense':>9}{'imbalance':>12}{'ovh':>7}  paper's baseline", speedups)
+          f"{'':<22}{'x part':>8}{'x diff':>8}{'x repack':>9}{'best':>8}{'paper':>7}"
+          f"{'x dense':>9}{'imbalance':>12}{'ovh':>7}", speedups)
+    print()
+    say("The paper's baselines: " + "; ".join(f"{name}: {base}" for name, (_, base)
+                                              in PAPER.items()) + ".")
     notes = []
     for case, r in zip(cases, results, strict=True):
         if not case.unit_seconds or case.extrapolated:  # L x S rows: layouts too long to list
@@ -922,17 +934,18 @@ def main(deep: bool = True) -> None:
             chosen.append(f"step {t}: " + ", ".join(
                 f"{layout} {'all' if len(k) == len(d) else '+'.join(k)}"
                 for layout, k in kinds.items()))
-        note = f"{label(case)}: layouts chosen at " + "; ".join(chosen) + "."
+        row = ", ".join(filter(None, (case.name, case.variant)))
+        note = f"{row}: layouts chosen at " + "; ".join(chosen) + "."
         if not case.variant:
-            note = (f"{label(case)}: unit = {1e3 * case.unit_seconds:.2f} ms, "
+            note = (f"{row}: unit = {1e3 * case.unit_seconds:.2f} ms, "
                     f"{len(case.steps)} profiled steps, M = {case.micro}, by-param "
                     f"{list(r['by-param layout'])}, imbalance of the uniform layout from the "
                     f"run's step timeline {case.timeline_imbalance:.2f}; " + note.split(": ", 1)[1])
         notes.append(note)
     if notes:
-        print("\n* recorded: the baseline ran at another time of a shared CPU (unpaired): the "
-              "samples before the\nfirst change, or a run without the dynamism where "
-              "traces/<case>.dense.jsonl exists.")
+        say("* recorded: the baseline ran at another time of a shared CPU (unpaired): the "
+            "samples before the first change, or a run without the dynamism where "
+            "traces/<case>.dense.jsonl exists.")
     for name, r in overheads.items():
         notes.append(
             f"{name} overhead ({r['recorded']}, {r['setting']}): plain step "
@@ -942,7 +955,7 @@ def main(deep: bool = True) -> None:
             f"{1e3 * r['decision_seconds']:.2f} ms; migration {1e3 * r['migration_seconds']:.0f}"
             f" ms per move.")
     for note in notes:
-        print("\n" + textwrap.fill(note, 100))
+        say(note)
 
 
 def cli() -> None:
