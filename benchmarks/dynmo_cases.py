@@ -492,6 +492,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def read_measured(path: Path) -> list[dict]:
+    """A trace's meta line and its samples whose units ran alone: a periodic profile rescales
+    the units measured at the Plan's first step by each stage's busy time in its own step
+    (``units`` = "rescaled", `dynjax.parallel.profile.rescaled_units`), and on 8 fake devices
+    sharing 2 cores that inflates the first stage's layers up to 10x (the sparse-attention
+    runs). Traces recorded before ``units`` was kept (MoE, MoD) keep every sample."""
+    meta, *samples = read_jsonl(path)
+    return [meta, *(s for s in samples if s.get("units", "measured") == "measured")]
+
+
 def measured_layers(sample: dict, meta: dict, repeat: int = 1) -> Layers:
     """One profiled step of a trace in seconds and bytes: the embedding's times and state in the
     first layer and the head's (norm, head, loss) in the last, whose stages run them (as
@@ -534,7 +544,7 @@ def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0,
     ``stages`` microbatches as the synthetic rows; the copies share their layer's measured noise.
     A ``<case>.dense.jsonl`` beside the trace (a run of the same model without the dynamism)
     becomes the "x dense" baseline."""
-    meta, *samples = read_jsonl(path)
+    meta, *samples = read_measured(path)
     num_layers = layers or meta["num_layers"]
     repeat, rest = divmod(num_layers, meta["num_layers"])
     if rest or repeat < 1:
@@ -563,7 +573,7 @@ def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0,
     dense_path = path.with_name(path.stem + ".dense.jsonl")
     dense_samples = ()
     if dense_path.is_file():
-        dense_meta, *dense_runs = read_jsonl(dense_path)
+        dense_meta, *dense_runs = read_measured(dense_path)
         dense_samples = tuple(
             Layers(v.fwd / unit, v.bwd / unit, v.memory)
             for v in (measured_layers(s, dense_meta, repeat) for s in dense_runs))
@@ -696,6 +706,7 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
             "layer_state_bytes": memory,
             "stage_seconds": rounded(stage_seconds),
             "iteration_seconds": round(profile["iteration_seconds"], 5),
+            "units": profile.get("units", "measured"),  # "rescaled": from the step's timeline
         })
     first = plans[0][1]
     cpu = "unknown CPU"
@@ -788,8 +799,15 @@ def run(case: Case) -> dict:
     gpus: list[int] = []
     decisions: list[tuple[int, dict[str, tuple[int, ...]]]] = []
     last = None
-    for t in case.steps:
-        rebalance_at = decision_at(case, t)
+    weights = case.weights or (1.0,) * len(case.steps)
+    entries = []  # (sample, step it starts at, steps it stands for)
+    for t, w in zip(case.steps, weights, strict=True):
+        if case.every == 0 and t in case.changes and w > 1:  # a layout decided on t's profile
+            entries += [(t, t, 1.0), (t, t + 1, w - 1.0)]  # holds from the next step on
+        else:
+            entries.append((t, t, w))
+    for t, start, _ in entries:
+        rebalance_at = decision_at(case, start)
         if rebalance_at is not None and rebalance_at != last:
             last = rebalance_at
             profile = profile_at(case, rebalance_at)
@@ -808,13 +826,13 @@ def run(case: Case) -> dict:
         for name, layout in (("static", static), ("partition", layouts["partition"])):
             imb[name].append(imbalance(stage_costs(now.time, layout)))
         gpus.append(len(layouts["re-packed"]))
-    weights = np.array(case.weights) if case.weights else np.ones(len(case.steps))
+    weights = np.array([w for _, _, w in entries])
     out: dict = {name: float(np.average(v, weights=weights)) for name, v in times.items()}
     if case.dense_samples:  # recorded: a short run without the dynamism (median: its noise)
         out["dense"] = float(np.median([iteration_time(d, static, micro)
                                         for d in case.dense_samples]))
     elif case.dense_steps:  # recorded: the run's own samples before the first change
-        before = np.isin(case.steps, case.dense_steps)
+        before = np.isin([t for t, _, _ in entries], case.dense_steps)
         out["dense"] = float(np.average(np.array(times["static"])[before],
                                         weights=weights[before]))
     out["gpus"] = float(np.average(gpus, weights=weights))
