@@ -47,20 +47,25 @@ every layer (the embedding's counted in the first layer and the norm/head/loss's
 ``Rebalance`` does), and each layer's memory: its parameter, Adam-moment and (trainable layers
 only) gradient-accumulator bytes per device, which ``record`` checks against the stage memory the
 profile measured. Stashed stage inputs and XLA temporaries are left out (they belong to a stage,
-not a layer). A sample stands for the steps until the next one. The balancers decide on the first
-profile of every Plan (the run's own compile and each freeze or block-sparse switch, seed 000
-§3.1), and their layout
-holds from the next sample on (no look-ahead). Times are in units of one dense layer's forward:
-the median measured layer forward before the first change. The runs themselves trained on the
-uniform layout (freezing with balancing off; pruning with it on, but every rebalance it decided
-predicted less gain than the move's cost, so it moved nothing), so a trace is the model's own
-dynamics; every layout is simulated
-from the same measured times (a paired comparison). The "Plan medians" row replaces every
-sample's times by the element-wise median of its Plan's samples: how much of the raw row is CPU
-timing noise. "imbalance" is eq. 2 (``dynjax.balance.imbalance``) of the stage loads (summed
-forward + backward of the measured layer times) under the uniform and the partition layout,
-time-averaged; below the table, the same for the uniform layout from the step timeline the run
-measured (per-stage mean F + B task seconds).
+not a layer). Traces that record how a profile got its unit times (``units``; sparse attention
+on) keep only the profiles that ran every unit alone (`read_measured`): the periodic ones rescale
+those by each stage's busy time in their own step, and on these runs that put the first stage's
+layers at 3-10x their measured time (a guess at why: a profiled step starts while the previous,
+unblocked step's backward still runs on stage 0, which finishes last in 1F1B). The MoE and MoD
+traces predate ``units`` and keep their rescaled samples (MoE's step 11: layer 0 at 3x step 1).
+A sample stands for the steps until the next one. The balancers decide on the first profile of
+every Plan (the run's own compile and each freeze, block-sparse switch or budget change, seed
+000 §3.1), and their layout holds from the step after it (no look-ahead). Times are in units of
+one dense layer's forward: the median measured layer forward before the first change. Every
+layout is simulated from the same measured times (a paired comparison), whatever layout the run
+itself trained on (freezing with balancing off; pruning with it on, but every rebalance it decided
+predicted less gain than the move's cost; MoE, MoD and sparse attention moved layers on noisy
+profiles, see below). The "Plan medians" row replaces every sample's times by the element-wise
+median of its Plan's samples: how much of the raw row is CPU timing noise. "imbalance" is eq. 2
+(``dynjax.balance.imbalance``) of the stage loads (summed forward + backward of the measured
+layer times) under the uniform and the partition layout, time-averaged; below the table, the same
+for the uniform layout from the step timeline the run measured (per-stage mean F + B task
+seconds).
 
 Synthetic rows. A 10,000-iteration training trajectory is sampled every 200 iterations. At each
 sample the layer costs (forward, backward, memory) come from the case's model; every balancer holds
@@ -227,8 +232,7 @@ between layers; here an MoE layer's time follows its capacities (the expert buff
 and dynamic capacity gives every MoE layer about the same total (mean factor 1.93-2.0), so layers
 stay alike. The run's own balancer, which has no memory cap on CPU, moved layers three times
 ((1,1,4,2) at step 68, (1,1,3,3) at 96, back to (2,2,2,2) at 205) on single profiles whose stage
-imbalance ranged 0.5-2.1 from timing noise alone (the 8 fake devices share 2 cores); "x dense"
-(0.98x raw, 1.14x Plan medians) compares unpaired periods, like freezing's.
+imbalance ranged 0.5-2.1 from timing noise alone (the 8 fake devices share 2 cores).
 
 MoD (2026-11-25, the same kind of VM, with the test suite running on the same 2 cores, load
 ~3-4, at nice 10; 300 steps, 7.4 min). ``configs/mod.py`` (8 layers, every other block routed at
@@ -249,25 +253,61 @@ stage, past the 1.5x memory cap in the raw samples: 1.00x. On the Plan medians p
 (1,3,2,2): 1.02x. The paper's 1.17x is against MoD without balancing where routed layers' loads
 vary; here a routed block computes a static count of tokens, so its time does not change. The
 run's own balancer moved layers twice on single noisy profiles ((1,3,2,2) at step 80, (3,3,1,1)
-at 178); "x dense" compares unpaired periods, like freezing's.
+at 178).
 
-What the recorded freezing row says. The run froze layer 0 at step 122, layers 0-2 at 146 and 0-3
-at 205 (``freezing.max_fraction`` = 0.5; steps as ``metrics.jsonl`` counts them). dynjax's frozen
+Sparse attention (2026-11-25, the same kind of VM, load ~5-8 from other jobs, at nice 10; 100
+of the config's 200 steps, 17 min: a step took 7-19 s on the shared cores). The brief's command
+with batch 8 (batch 4 does not split into 2 data x 4 microbatches), and the same command with the
+plugin off, 20 steps, for the dense baseline (``sparse_attention.dense.jsonl``, 4.4 min):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python -m dynjax.train \\
+        --config configs/sparse_attention.py --workdir /tmp/trace_sa --config.mesh.stage=4 \\
+        --config.mesh.data=2 --config.model.num_layers=8 --config.train.microbatches=4 \\
+        --config.train.batch_size=8 --config.balance.enabled=True \\
+        --config.pipeline.profile_every=10 --config.balance.every=20 --config.train.steps=100
+    PYTHONPATH=. python3 benchmarks/dynmo_cases.py record /tmp/trace_sa \\
+        benchmarks/traces/sparse_attention.jsonl --case "sparse attention" \\
+        --devices "4x2 fake CPU devices" ...
+    (the same with --workdir /tmp/trace_sa_dense --config.pipeline.profile_every=5
+     --config.train.steps=20 --config.sparse_attention.enabled=False, recorded into
+     benchmarks/traces/sparse_attention.dense.jsonl)
+
+What the recorded sparse-attention row says. The run starts every layer at the full budget (16 of
+16 key blocks per query block of 64) and the policy cut it to 8 for layer 0 and 10 for layers 1-3
+at step 11, then to 10 for the rest at steps 22, 28 and 29 (needed blocks: 40-45% of the causal
+pairs, overflow 0); five Plans, each profiled with its units alone once (steps 1, 17, 29, 30, 31;
+the nine periodic profiles are dropped, above). The first samples are therefore hashed attention
+at the full budget, not dense: the same S x S logits as dense masked attention plus the hashing,
+two sorts, the block gathers and the top-k, so "x dense" takes the dense run instead (one
+units-alone profile at its step 0; unpaired, "*"). Forward + backward per layer: dense 184-207
+ms; hashed at budget 16 253-297 ms; at budget 10 242-283 ms and at 8 193 ms (step 31). On CPU at
+1,024 tokens the XLA path's overhead costs about what the skipped blocks save, so a budget barely
+changes a layer's time, the layers stay alike (all at 10 but layer 0), and every sparse layer is
+slower than a dense one: 1.00x on 4 stages (imbalance 0.27, only the embedding and head differ),
+1.04x extrapolated to 96 x 24, and 0.69x against dense. Samples 17, 29 and 30 ran while the next
+budget's Plan compiled in the background on the same 2 cores (budget-16 layers at 350-510 ms, up
+to 1.8x step 1). The run's own balancer moved to (4,1,1,2) at step 28 on the step-22 profile
+(measured stage imbalance 2.06 from that noise) and proposed (2,1,3,2) three times after; no
+further move was applied.
+
+What the recorded freezing row says. The run froze layer 0 at step 122, layers 0-2 at 146 and 0-3 at
+205 (``freezing.max_fraction`` = 0.5; steps as ``metrics.jsonl`` counts them). dynjax's frozen
 layers skip their backward but still run their forward (Egeria caches a frozen prefix's output;
 dynjax does not), so a frozen layer costs about a quarter of a trained one (1.9 ms forward against
 ~8 ms forward + backward). With 8 layers on 4 stages, stages 2 and 3 keep two trained layers each
 after the last freeze; the one layout that gives them one each, (5,1,1,1), puts four frozen layers
-and a trained one's state on stage 0, over the 1.5x memory cap, so partition and diffusion settle
-on (4,2,1,1): 1.08x on the samples after step 205 (1.10x for (5,1,1,1) without the cap), 1.03x over
-the run, which is half unfrozen. Re-pack frees no stage: three stages, (4,2,2), cost ~8% (over its
-5%), two do not fit. by-param balances equal layers: the uniform split. Timing noise: the 8 fake
-devices share 2 cores with other jobs, and single measurements in the raw trace are up to 13x their
-Plan's median (a 133 ms layer backward at step 61); whole periods ran ~1.7x slower (the median
-backward of layers 3-6 while trained: 10.1 ms in Plan 2, 5.7-6.7 ms in Plans 0, 1 and 3). The
-layouts are compared on the same samples, so the speedups hold up (1.03x raw and with medians),
-while "x dense" (the samples before the first freeze against the run's average) does not (1.74x
-raw, 1.24x with medians). The "Plan medians" row decides on medians that include its Plan's later
-samples (look-ahead inside a Plan): it measures the noise, not a balancer.
+and a trained one's state on stage 0, over the 1.5x memory cap, so partition and diffusion settle on
+(4,2,1,1): 1.08x on the samples after step 205 (1.10x for (5,1,1,1) without the cap), 1.03x over the
+run, which is half unfrozen (1.05x on the Plan medians). Re-pack frees no stage: three stages,
+(4,2,2), cost ~8% (over its 5%), two do not fit. by-param balances equal layers: the uniform split.
+Timing noise: the 8 fake devices share 2 cores with other jobs, and single measurements in the raw
+trace are up to 13x their Plan's median (a 133 ms layer backward at step 61); whole periods ran
+~1.7x slower (the median backward of layers 3-6 while trained: 10.1 ms in Plan 2, 5.7-6.7 ms in
+Plans 0, 1 and 3). The layouts are compared on the same samples, so the speedups hold up (1.03x raw,
+1.05x with medians), while the samples before the first freeze against the run's average would not
+(1.74x raw, 1.24x with medians; the paper's baseline here is Egeria, not the unfrozen model). The
+"Plan medians" row decides on medians that include its Plan's later samples (look-ahead inside a
+Plan): it measures the noise, not a balancer.
 
 What the recorded pruning row says. Pruning events at steps 50-250 (targets 0, 0.46, 0.70, 0.79,
 0.80 of the 16 x 16 blocks, ranked over the whole model); after each, the plugin's ``SparsePath``
@@ -283,9 +323,8 @@ feeding them. Per-Plan median forward + backward per layer: 6.3-6.6 ms dense; in
 density 0.17 costs more than layer 0 at 0.64; which matrices survive decides the time, not how many
 weights. The uniform layout already puts the three heavy layers on three stages, and no stage can
 cost less than its heaviest layer (layer 7 with the head), so partition and re-pack only move light
-layers off that stage: 1.02x, imbalance 0.75 -> 0.74; re-pack frees no stage within its 5%. "x
-dense" (1.59x) compares the dense samples (steps 1-121, earlier on a shared CPU) with the run's
-average: unpaired, like freezing's. The run's own balancer, deciding on the same profiles, proposed
+layers off that stage: 1.02x, imbalance 0.75 -> 0.73; re-pack frees no stage within its 5%. The
+run's own balancer, deciding on the same profiles, proposed
 (3,2,2,1) or (2,2,3,1) at steps 150, 200 and 250 and rejected each (predicted gain over its
 amortisation window 0.2-1.2 s, against a modelled move cost of 10 s). Before this trace, the
 profiler shared one measurement among a stage's layers with the same graph whatever their options
