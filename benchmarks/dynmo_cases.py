@@ -541,12 +541,19 @@ def read_measured(path: Path) -> list[dict]:
     return [meta, *(s for s in samples if s.get("units", "measured") == "measured")]
 
 
-def measured_layers(sample: dict, meta: dict, repeat: int = 1) -> Layers:
+def copies(x: np.ndarray | list, repeat: int, tiled: bool) -> np.ndarray:
+    """Each entry ``repeat`` times in a row, or (``tiled``) the whole sequence ``repeat`` times."""
+    return np.tile(x, repeat) if tiled else np.repeat(x, repeat)
+
+
+def measured_layers(sample: dict, meta: dict, repeat: int = 1, tiled: bool = False) -> Layers:
     """One profiled step of a trace in seconds and bytes: the embedding's times and state in the
     first layer and the head's (norm, head, loss) in the last, whose stages run them (as
     ``Rebalance``). ``repeat`` r > 1 stands every measured layer for r consecutive copies of itself
     (times and state bytes; the embedding stays with the first copy of layer 0 and the head with
-    the last copy of the last layer), a deeper model extrapolated from the measured one."""
+    the last copy of the last layer), a deeper model extrapolated from the measured one;
+    ``tiled`` stacks the whole measured model r times instead, so layer kinds that alternate
+    (MoE and dense, routed and full blocks) keep alternating."""
     fwd = np.array(sample["layer_forward_seconds"], dtype=float)
     bwd = np.array(sample["layer_backward_seconds"], dtype=float)
     memory = np.array(sample["layer_state_bytes"], dtype=float)
@@ -557,7 +564,7 @@ def measured_layers(sample: dict, meta: dict, repeat: int = 1) -> Layers:
             -1: head * (2 + ADAM_MOMENTS)}
     for layer, extra in ends.items():
         memory[layer] -= extra
-    fwd, bwd, memory = (np.repeat(x, repeat) for x in (fwd, bwd, memory))
+    fwd, bwd, memory = (copies(x, repeat, tiled) for x in (fwd, bwd, memory))
     for (key, layer), extra in zip((("embed_seconds", 0), ("head_seconds", -1)), ends.values(),
                                    strict=True):
         fwd[layer] += sample[key][0]
@@ -572,15 +579,16 @@ def deep_setting(name: str) -> tuple[int, int]:
     return next((c.layers, c.stages) for c in synthetic_cases() if c.name == name)
 
 
-def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0,
-                  stages: int = 0) -> Case:
+def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0, stages: int = 0,
+                  tiled: bool = False) -> Case:
     """A case from a trace written by ``record``: one sample per profiled step of the run.
 
     ``smooth``: every sample's times become the element-wise median over the samples of its
     Plan (what the run measured, less the timing noise of a shared CPU). ``layers`` and
     ``stages`` (0: the run's) extrapolate the run to a deeper pipeline: every measured layer
-    stands for ``layers / num_layers`` consecutive copies (`measured_layers`), on M = 4 x
-    ``stages`` microbatches as the synthetic rows; the copies share their layer's measured noise.
+    stands for ``layers / num_layers`` consecutive copies (``tiled``: the model stacked that many
+    times; `measured_layers`), on M = 4 x ``stages`` microbatches as the synthetic rows; the
+    copies share their layer's measured noise.
     A ``<case>.dense.jsonl`` beside the trace (a run of the same model without the dynamism)
     becomes the "x dense" baseline."""
     meta, *samples = read_measured(path)
@@ -592,7 +600,7 @@ def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0,
     deep = num_layers != meta["num_layers"] or stages not in (0, len(meta["stage_layers"]))
     steps = tuple(s["step"] for s in samples)
     measured = {s["step"]: measured_layers(s, meta) for s in samples}
-    layers_at = {s["step"]: measured_layers(s, meta, repeat) for s in samples}
+    layers_at = {s["step"]: measured_layers(s, meta, repeat, tiled) for s in samples}
     if smooth:
         for plan in {s["plan"] for s in samples}:
             group = [layers_at[s["step"]] for s in samples if s["plan"] == plan]
@@ -615,18 +623,19 @@ def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0,
         dense_meta, *dense_runs = read_measured(dense_path)
         dense_samples = tuple(
             Layers(v.fwd / unit, v.bwd / unit, v.memory)
-            for v in (measured_layers(s, dense_meta, repeat) for s in dense_runs))
+            for v in (measured_layers(s, dense_meta, repeat, tiled) for s in dense_runs))
     name = meta["case"]
     paper, baseline = PAPER.get(name, (float("nan"), "-"))
     timeline = [imbalance(s["stage_seconds"]) for s in samples]
     weights = tuple(float(e - t) for t, e in zip(steps, ends, strict=True))
-    variant = ", ".join(v for v, on in ((f"{num_layers}x{stages}", deep),
+    shape = f"{num_layers}x{stages}" + (" tiled" if tiled else "")
+    variant = ", ".join(v for v, on in ((shape, deep),
                                         ("Plan medians", smooth)) if on)
     return Case(
         name, num_layers, stages if deep else len(meta["stage_layers"]), 0, paper, baseline,
         scaled.__getitem__, scaled[dense_steps[0]],
         source=f"(recorded: {meta['source']}, {meta['devices']})", steps=steps,
-        weights=weights, params=tuple(np.repeat(meta["layer_params"], repeat).tolist()),
+        weights=weights, params=tuple(copies(meta["layer_params"], repeat, tiled).tolist()),
         micro=0 if deep else meta["microbatches"], changes=changes,
         dense_steps=dense_steps, unit_seconds=unit,
         timeline_imbalance=float(np.average(timeline, weights=weights)),
@@ -886,7 +895,8 @@ def synthetic_cases() -> list[Case]:
     return [moe(), pruning(), freezing(), sparse_attention(), early_exit(), mixture_of_depths()]
 
 
-def cases_with_traces(traces: Path = TRACES, deep: bool = True) -> list[Case]:
+def cases_with_traces(traces: Path = TRACES, deep: bool = True,
+                      tiled: bool = False) -> list[Case]:
     """Every case: from its recorded trace where ``traces`` has ``<case>.jsonl`` (plus a
     per-Plan-median row and, with ``deep``, both extrapolated to the paper's depth and stages,
     `deep_setting`), recorded ones first; else synthetic."""
@@ -898,7 +908,7 @@ def cases_with_traces(traces: Path = TRACES, deep: bool = True) -> list[Case]:
             continue
         recorded += [recorded_case(path), recorded_case(path, smooth=True)]
         if deep:
-            kw = dict(layers=case.layers, stages=case.stages)
+            kw = dict(layers=case.layers, stages=case.stages, tiled=tiled)
             recorded += [recorded_case(path, **kw), recorded_case(path, smooth=True, **kw)]
     return recorded + synthetic
 
@@ -935,8 +945,8 @@ def table(cases: list[Case], results: list[dict], header: str,
         print(f"{label(case):<22}" + row(case, r))
 
 
-def main(deep: bool = True) -> None:
-    cases = cases_with_traces(deep=deep)
+def main(deep: bool = True, tiled: bool = False) -> None:
+    cases = cases_with_traces(deep=deep, tiled=tiled)
     results = [run(case) for case in cases]
     overheads = read_overheads()
     say = lambda text: print(textwrap.fill(text, 100) + "\n")  # noqa: E731
@@ -1027,11 +1037,13 @@ def cli() -> None:
     rec.add_argument("--note", default="", help="about the machine, e.g. shared cores")
     parser.add_argument("--no-deep", action="store_true",
                         help="leave out the L x S extrapolations of the recorded runs (faster)")
+    parser.add_argument("--tiled", action="store_true",
+                        help="extrapolate by stacking the measured model, not copying each layer")
     args = parser.parse_args()
     if args.command == "record":
         record(args.workdir, args.out, args.case, args.devices, args.run_command, args.note)
     else:
-        main(deep=not args.no_deep)
+        main(deep=not args.no_deep, tiled=args.tiled)
 
 
 if __name__ == "__main__":

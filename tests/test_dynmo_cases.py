@@ -130,3 +130,16 @@ def test_rows_for_every_case_and_their_extrapolation(tmp_path):
     assert sorted(c.name for c in rows[4:]) == sorted(
         c.name for c in cases.synthetic_cases() if c.name != "early exit")
     assert all(c.source == "(synthetic)" for c in rows[4:])
+
+
+def test_tiled_copies_keep_alternating_layers(tmp_path):
+    """Stacking the measured model keeps MoE-like layers apart: uniform on 32 x 16 pairs a heavy
+    layer with a light one on every stage, as on 8 x 4, so nothing is gained; copying each layer
+    in a row puts two heavy copies on one stage and two light ones on the next."""
+    path = tmp_path / "MoE.jsonl"
+    write_trace(path, [[0.01, 0.03] * 4] * 3)
+    tiled = cases.run(cases.recorded_case(path, layers=32, stages=16, tiled=True))
+    assert tiled["static"] / tiled["partition"] == pytest.approx(1.0)
+    assert tiled["imbalance static"] == pytest.approx(0.0)
+    rows = cases.run(cases.recorded_case(path, layers=32, stages=16))
+    assert rows["imbalance static"] > 0.5
