@@ -14,20 +14,20 @@ pipeline of 8 fake CPU devices); ``main`` uses every ``traces/<case>.jsonl`` it 
 (``recorded_case``: ``early_exit.jsonl`` too, once early exit runs on a pipeline and a trace is
 recorded) and drops that case's synthetic row. Early exit stays synthetic until then.
 
-The six-case table. Every case gets one row per balancer: static uniform (Megatron-LM), static
-by-param (DeepSpeed), partition and diffusion by time, re-packed (and the devices it uses); the
-speedup of each over the best static layout and "best" (best static / best of partition and
-diffusion: the paper's definition, seed 000 Fig. 3), beside the paper's number; "x dense" for
-sparse attention and early exit (the paper's baseline there is the model without the dynamism);
-eq. 2's imbalance under the uniform and the partition layout; and the balancing overhead ("ovh")
-that ``benchmarks/balance_overhead.py --case NAME`` measured on the recorded run's model and
+The six-case table. Every case's row gives each balancer's iteration time: static uniform
+(Megatron-LM), static by-param (DeepSpeed), partition and diffusion by time, re-packed (and the
+devices it uses); the speedup of each over the best static layout and "best" (best static / best of
+partition and diffusion: the paper's definition, seed 000 Fig. 3), beside the paper's number; "x
+dense" for sparse attention and early exit (the paper's baseline there is the model without the
+dynamism); eq. 2's imbalance under the uniform and the partition layout; and the balancing overhead
+("ovh") that ``benchmarks/balance_overhead.py --case NAME`` measured on the recorded run's model and
 appended to ``traces/overhead.jsonl``: one periodic profile's extra seconds (unit times rescaled
-from the profiled step's own timeline) per ``every`` plain steps, ``every`` being the case's
-cadence in the paper (its synthetic row's: every step for MoE, sparse attention and MoD, 1,000
-for pruning, 500 for freezing and early exit; seed 000 §3.3.1, Fig. 3); "alone" is the same for
-a profile that runs every unit alone (what a Plan's first profile does, and the only samples a
-trace with ``units`` keeps). Migration (paid per move) and the decision (on the Controller's
-thread) are printed under the table.
+from the profiled step's own timeline) per ``every`` plain steps, ``every`` being the case's cadence
+in the paper (its synthetic row's: every step for MoE, sparse attention and MoD, 1,000 for pruning,
+500 for freezing and early exit; seed 000 §3.3.1, Fig. 3); "alone" is the same for a profile that
+runs every unit alone (what a Plan's first profile does, and the only samples a trace with ``units``
+keeps). Migration (paid per move) and the decision (on the Controller's thread) are printed under
+the table.
 
 Extrapolation to the paper's setting (the "L x S" rows of a recorded case). The paper trains far
 deeper models on 16 (MoE, MoD) or 24 pipeline stages (seed 000 Fig. 3); our runs have 8 layers on

@@ -143,3 +143,19 @@ def test_tiled_copies_keep_alternating_layers(tmp_path):
     assert tiled["imbalance static"] == pytest.approx(0.0)
     rows = cases.run(cases.recorded_case(path, layers=32, stages=16))
     assert rows["imbalance static"] > 0.5
+
+
+def test_rescaled_samples_are_dropped(tmp_path):
+    """Only profiles whose units ran alone become samples; the one before stands for the steps of
+    a dropped one (a trace without ``units`` keeps every sample)."""
+    path = tmp_path / "MoE.jsonl"
+    write_trace(path, [[0.01] * 8, [0.05] * 8, [0.02] * 8])
+    meta, *samples = cases.read_jsonl(path)
+    samples[1]["units"] = "rescaled"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [meta, *samples]))
+    case = cases.recorded_case(path)
+    assert case.steps == (1, 21) and case.weights == (20.0, 10.0)
+    assert case.trace(21).fwd[3] == pytest.approx(2.0)  # 0.02 s in units of the 0.01 s forward
+    del samples[1]["units"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [meta, *samples]))
+    assert cases.recorded_case(path).steps == (1, 11, 21)
