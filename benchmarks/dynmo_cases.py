@@ -48,30 +48,30 @@ there (up to 1.45x and 1.71x) are mostly that artifact. ``--tiled`` stacks the w
 L / 8 times instead (kinds keep alternating); its numbers are under Results.
 
 Recorded rows. Each profiled step of the run (every ``pipeline.profile_every`` steps and the first
-step of every Plan) is one sample: its measured per-microbatch forward and backward seconds of
-every layer (the embedding's counted in the first layer and the norm/head/loss's in the last, as
-``Rebalance`` does), and each layer's memory: its parameter, Adam-moment and (trainable layers
-only) gradient-accumulator bytes per device, which ``record`` checks against the stage memory the
-profile measured. Stashed stage inputs and XLA temporaries are left out (they belong to a stage,
-not a layer). Traces that record how a profile got its unit times (``units``; sparse attention
-on) keep only the profiles that ran every unit alone (`read_measured`): the periodic ones rescale
-those by each stage's busy time in their own step, and on these runs that put the first stage's
-layers at 3-10x their measured time (a guess at why: a profiled step starts while the previous,
-unblocked step's backward still runs on stage 0, which finishes last in 1F1B). The MoE and MoD
-traces predate ``units`` and keep their rescaled samples (MoE's step 11: layer 0 at 3x step 1).
-A sample stands for the steps until the next one. The balancers decide on the first profile of
-every Plan (the run's own compile and each freeze, block-sparse switch or budget change, seed
-000 §3.1), and their layout holds from the step after it (no look-ahead). Times are in units of
-one dense layer's forward: the median measured layer forward before the first change. Every
-layout is simulated from the same measured times (a paired comparison), whatever layout the run
-itself trained on (freezing with balancing off; pruning with it on, but every rebalance it decided
-predicted less gain than the move's cost; MoE, MoD and sparse attention moved layers on noisy
-profiles, see below). The "Plan medians" row replaces every sample's times by the element-wise
-median of its Plan's samples: how much of the raw row is CPU timing noise. "imbalance" is eq. 2
-(``dynjax.balance.imbalance``) of the stage loads (summed forward + backward of the measured
-layer times) under the uniform and the partition layout, time-averaged; below the table, the same
-for the uniform layout from the step timeline the run measured (per-stage mean F + B task
-seconds).
+step of every Plan) is one sample: its measured per-microbatch forward and backward seconds of every
+layer (the embedding's counted in the first layer and the norm/head/loss's in the last, as
+``Rebalance`` does), and each layer's memory: its parameter, Adam-moment and (trainable layers only)
+gradient-accumulator bytes per device, which ``record`` checks against the stage memory the profile
+measured. Stashed stage inputs and XLA temporaries are left out (they belong to a stage, not a
+layer). Traces that record how a profile got its unit times (``units``; sparse attention on) keep
+only the profiles that ran every unit alone (`read_measured`): the periodic ones rescale those by
+each stage's busy time in their own step, and on these runs that put the first stage's layers at
+3-10x their measured time (the dense run's timelines: stage 0's first forward, F0, takes 18-24 s in
+every periodic profile against 0.12 s in the first; it waits for the steps dispatched before it
+without blocking, so the first stage's busy time holds the previous steps' tail). The MoE and MoD
+traces predate ``units`` and keep their rescaled samples (MoE's step 11: layer 0 at 3x step 1). A
+sample stands for the steps until the next one. The balancers decide on the first profile of every
+Plan (the run's own compile and each freeze, block-sparse switch or budget change, seed 000 §3.1),
+and their layout holds from the step after it (no look-ahead). Times are in units of one dense
+layer's forward: the median measured layer forward before the first change. Every layout is
+simulated from the same measured times (a paired comparison), whatever layout the run itself trained
+on (freezing with balancing off; pruning with it on, but every rebalance it decided predicted less
+gain than the move's cost; MoE, MoD and sparse attention moved layers on noisy profiles, see below).
+The "Plan medians" row replaces every sample's times by the element-wise median of its Plan's
+samples: how much of the raw row is CPU timing noise. "imbalance" is eq. 2
+(``dynjax.balance.imbalance``) of the stage loads (summed forward + backward of the measured layer
+times) under the uniform and the partition layout, time-averaged; below the table, the same for the
+uniform layout from the step timeline the run measured (per-stage mean F + B task seconds).
 
 Synthetic rows. A 10,000-iteration training trajectory is sampled every 200 iterations. At each
 sample the layer costs (forward, backward, memory) come from the case's model; every balancer holds
