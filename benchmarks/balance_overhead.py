@@ -20,22 +20,51 @@ moves layers; its cost per move is printed beside.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
         python3 benchmarks/balance_overhead.py [--config configs/quickstart.py] [--layers 8]
+
+Per DynMo case, ``--case NAME`` measures the model of ``benchmarks/traces/<case>.jsonl``: the
+config and ``--config.*`` overrides of the run that recorded it (its layers, mesh, microbatches,
+capacities, ...), less its step count and profile/balance periods. ``--record PATH`` appends the
+measured seconds as one JSON line; ``benchmarks/dynmo_cases.py`` reads
+``benchmarks/traces/overhead.jsonl`` and prints each case's overhead at its own cadence:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
+        python3 benchmarks/balance_overhead.py --case MoE --record benchmarks/traces/overhead.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import shlex
 import statistics
 import time
+from datetime import date
+from pathlib import Path
 
 import jax
 
-from dynjax.config import load_config
+from dynjax.config import load_config, microbatches
 from dynjax.experiment import Experiment
+from dynjax.recompile import Rebalance
 from dynjax.recompile.policy import History
 from dynjax.train import policies_for
 
 CADENCES = (("MoE, MoD (every step)", 1), ("recorded traces", 20), ("pruning, freezing", 200))
+TRACES = Path(__file__).resolve().parent / "traces"
+# Keys of a recorded run's command that are its length and periods, not its model.
+RUN_ONLY = ("train.steps", "pipeline.profile_every", "balance.every", "balance.enabled")
+
+
+def recorded_run(case: str) -> tuple[str, list[str]]:
+    """The config file and ``--config.key=value`` overrides of the run that recorded ``case``."""
+    path = TRACES / f"{case.replace(' ', '_')}.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"--case {case!r}: no trace {path}; record one first (dynmo_cases.py)")
+    command = shlex.split(json.loads(path.read_text().splitlines()[0])["command"])
+    config = command[command.index("--config") + 1]
+    overrides = [m.group(1) for arg in command if (m := re.fullmatch(r"--config\.(.+)", arg))]
+    return config, [o for o in overrides if o.split("=", 1)[0] not in RUN_ONLY]
 
 
 def main() -> None:
@@ -47,12 +76,21 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10, help="plain steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--case", help="a recorded DynMo case (its run's model and pipeline, "
+                        "instead of --config, --layers, --stages, --data, --microbatches)")
+    parser.add_argument("--record", type=Path, help="append the measurement to this JSON lines "
+                        "file (with --case)")
     args = parser.parse_args()
-    cfg = load_config(args.config, [
-        f"model.num_layers={args.layers}", f"mesh.stage={args.stages}",
-        f"mesh.data={args.data}", f"train.microbatches={args.microbatches}",
-        "balance.enabled=True", "balance.every=1", "pipeline.profile_every=1",
-    ])
+    if args.record and not args.case:
+        parser.error("--record needs --case (the row of benchmarks/dynmo_cases.py it measures)")
+    if args.case:
+        config, overrides = recorded_run(args.case)
+    else:
+        config, overrides = args.config, [
+            f"model.num_layers={args.layers}", f"mesh.stage={args.stages}",
+            f"mesh.data={args.data}", f"train.microbatches={args.microbatches}"]
+    cfg = load_config(config, [*overrides, "balance.enabled=True", "balance.every=1",
+                               "pipeline.profile_every=1"])
     exp = Experiment.from_config(cfg)
     plan = exp.initial_plan()
     runtime = exp.runtime(plan)
@@ -81,7 +119,7 @@ def main() -> None:
     plain(3)
     profiled(True)  # warm up every program, and measure the layout's units once
     step_s, full_s, light_s, decide_s = [], [], [], []
-    (policy,) = policies_for(cfg, exp)
+    (policy,) = [p for p in policies_for(cfg, exp) if isinstance(p, Rebalance)]
     metrics = {}
     for _ in range(args.rounds):
         step_s.append(plain(args.steps))
@@ -103,9 +141,11 @@ def main() -> None:
     base = statistics.median(step_s)
     full = statistics.median(full_s) - base
     light = statistics.median(light_s) - base
-    print(f"\n{args.stages} stages x {args.data} data ({jax.device_count()} "
-          f"{jax.devices()[0].platform} devices), {args.layers} layers, M={args.microbatches}, "
-          f"batch {cfg.train.batch_size} x {cfg.data.seq_len}; medians of {args.rounds} rounds")
+    setting = (f"{cfg.mesh.stage} stages x {cfg.mesh.data} data ({jax.device_count()} "
+               f"{jax.devices()[0].platform} devices), {cfg.model.num_layers} layers, "
+               f"M={microbatches(cfg)}, batch {cfg.train.batch_size} x {cfg.data.seq_len}; "
+               f"medians of {args.rounds} rounds of {args.steps} steps")
+    print(f"\n{args.case or config}: {setting}")
     print(f"plain step {1e3 * base:.1f} ms; extra per profile: units run alone "
           f"{1e3 * full:.1f} ms, rescaled from the timeline {1e3 * light:.1f} ms; "
           f"decision {1e3 * statistics.median(decide_s):.2f} ms (controller thread); "
@@ -113,6 +153,14 @@ def main() -> None:
     print(f"{'case (cadence)':<28}{'every k':>8}{'units alone':>13}{'rescaled':>10}")
     for name, k in CADENCES:
         print(f"{name:<28}{k:>8}{full / (k * base):>13.1%}{light / (k * base):>10.1%}")
+    if args.record:
+        line = {"case": args.case, "recorded": date.today().isoformat(), "setting": setting,
+                "config": config, "overrides": overrides, "plain_step_seconds": base,
+                "profile_seconds": light, "units_alone_seconds": full,
+                "decision_seconds": statistics.median(decide_s),
+                "migration_seconds": statistics.median(migrate_s)}
+        with args.record.open("a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":

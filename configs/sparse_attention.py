@@ -9,7 +9,10 @@ blocks of 16) and the background `recompile` that applied it; metrics.jsonl each
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m dynjax.train \\
         --config configs/sparse_attention.py --config.mesh.stage=4 --config.mesh.data=2 \\
-        --config.model.num_layers=8 --config.train.microbatches=4 --config.balance.enabled=True
+        --config.model.num_layers=8 --config.train.microbatches=4 --config.train.batch_size=8 \\
+        --config.balance.enabled=True
+
+(batch 8 = 2 data replicas x 4 microbatches of one sequence; batch 4 does not divide.)
 
 On a GPU, ``--config.sparse_attention.kernel=pallas`` runs the Pallas kernel (every needed block,
 no budget) instead of the budgeted XLA path.
