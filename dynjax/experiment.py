@@ -42,7 +42,7 @@ from dynjax.parallel import (
     make_train_step,
     param_shardings,
 )
-from dynjax.parallel.layout import layer_sizes
+from dynjax.parallel.layout import join, layer_sizes
 from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host_metrics
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
@@ -158,10 +158,21 @@ class Experiment:
     def param_shardings(self):
         return jax.tree.map(lambda a: a.sharding, self.abstract_state["params"])
 
-    def place_state(self, host_state: dict[str, Any]) -> dict[str, Any]:
-        """Host arrays (e.g. restored from a checkpoint) onto this run's mesh."""
+    def place_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Host arrays, or arrays placed otherwise, onto this run's mesh."""
         shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state)
-        return jax.device_put(host_state, shardings)
+        return jax.device_put(state, shardings)
+
+    def restore_target(self, plan: Plan) -> dict[str, Any]:
+        """The abstract state a checkpoint restores into to run ``plan``: each leaf with the
+        sharding it takes in ``plan``'s runtime (in a pipeline, that of the first stage
+        holding it), so Orbax reads every shard straight onto its device."""
+        if not plan.stage_layers:
+            return self.abstract_state
+        stages = [self.pipeline_programs.shapes(s) for s in self.pipeline_spec(plan).stages]
+        return join(
+            self.abstract_state, [{"params": s.params, "opt_state": s.opt_state} for s in stages]
+        )
 
     # -- plans and steps ---------------------------------------------------------------------
 
@@ -353,16 +364,17 @@ class Experiment:
             max_entries=entries,
         )
 
-    def runtime(self, plan: Plan, host_state: dict[str, Any] | None = None):
-        """The runtime of ``plan``'s kind, holding the initial (or a restored host) state."""
+    def runtime(self, plan: Plan, state: dict[str, Any] | None = None):
+        """The runtime of ``plan``'s kind, holding the initial state or ``state`` (host arrays,
+        or arrays restored into `restore_target`, which stay where they are)."""
         if plan.stage_layers:
             pipeline = Pipeline(self.pipeline_programs, self.abstract_state)
             pipeline.place(
-                host_state if host_state is not None else self.init_host_state(),
+                state if state is not None else self.init_host_state(),
                 self.pipeline_spec(plan),
             )
             return PipelineRuntime(self, pipeline)
-        state = self.init_state() if host_state is None else self.place_state(host_state)
+        state = self.init_state() if state is None else self.place_state(state)
         return SingleProgramRuntime(self, state, plan)
 
     def eval_step(self, plan: Plan):
@@ -500,7 +512,7 @@ class PipelineRuntime:
         return migration if migration is not None and migration.layers else None
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return self.pipeline.host_state()
+        return self.pipeline.full_state()
 
     def stage_states(self) -> list[dict[str, Any]]:
         """The live ``{"params", "opt_state"}`` dict of each stage of this process, in stage

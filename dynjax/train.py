@@ -168,19 +168,24 @@ def train(
     else:
         _check_multi_process(cfg, [*config_policies, *policies])
         checkpointer = _NoCheckpoints()
-    restored = checkpointer.restore_latest(
-        exp.abstract_state,
-        check=lambda meta: check_resumable(config_changes(meta["config"], cfg), workdir),
-    )
+
+    def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
+        """Where a checkpoint's arrays go: the resumed Plan's shardings (refused first if the
+        saved state cannot follow the config)."""
+        changes = config_changes(meta["config"], cfg)
+        check_resumable(changes, workdir)
+        return exp.restore_target(exp.resumed_plan(Plan.from_dict(meta["plan"]), changes))
+
+    restored = checkpointer.restore_latest(restore_target)
     if restored is None:
         plan, start = exp.initial_plan(), 0
         runtime = exp.runtime(plan)
     else:
-        host_state, meta = restored
+        state, meta = restored
         changes = config_changes(meta["config"], cfg)
         saved = Plan.from_dict(meta["plan"])
         plan, start = exp.resumed_plan(saved, changes), meta["step"]
-        runtime = exp.runtime(plan, host_state)
+        runtime = exp.runtime(plan, state)
         events(resume_event(start, changes, saved, plan))
         log.info("resumed from step %d of %s", start, workdir)
     # Written once the config is known to fit the workdir: it always describes the newest run.
@@ -360,7 +365,7 @@ def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:
 class _NoCheckpoints:
     """The checkpointer of a multi-process run: nothing to restore, nothing saved."""
 
-    def restore_latest(self, template, check=None):
+    def restore_latest(self, target):
         return None
 
     def all_steps(self) -> list[int]:

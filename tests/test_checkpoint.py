@@ -1,27 +1,45 @@
-"""Checkpoints: exact round trip, per-expert items, quarantine of a corrupt latest, refused saves,
-resharding."""
+"""Checkpoints: exact round trips (FSDP, pipeline), a fixed item count, resharding, quarantine of
+a corrupt latest, refused saves, subset-of-experts reads, and layout-1 checkpoints."""
+
+import shutil
+import tarfile
+from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 
-from dynjax.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch
+from dynjax.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, layout
 from dynjax.experiment import Experiment
 
 from .tiny import tiny_config
 
+OLD_LAYOUT = Path(__file__).parent / "data" / "old_layout_checkpoint.tar.gz"
 
-@pytest.fixture(scope="module")
-def trained():
-    """A MoE experiment and a state one optimizer step in (so Adam moments are non-zero)."""
-    exp = Experiment.from_config(tiny_config(moe__every=1))
+
+def one_step(exp):
+    """``exp``'s state one optimizer step in (so Adam moments are non-zero), on its mesh."""
     plan = exp.initial_plan()
     step = exp.lower_train_step(plan).compile()
     state = exp.init_state()
     state["params"], state["opt_state"], _ = step(
         state["params"], state["opt_state"], exp.device_batch(exp.order.batch(0))
     )
-    return exp, jax.device_get(state)
+    return state
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A MoE experiment (expert-parallel over 2 devices, FSDP over 2) and its state after a step."""
+    exp = Experiment.from_config(tiny_config(moe__every=1, mesh__data=2, mesh__expert=2))
+    return exp, one_step(exp)
+
+
+def fixed(exp):
+    """The restore target of ``exp``'s single-program state, whatever the checkpoint says."""
+    return lambda meta: exp.abstract_state
 
 
 def assert_bitwise_equal(a, b):
@@ -30,21 +48,106 @@ def assert_bitwise_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_round_trip_is_exact_and_experts_are_items(trained, tmp_path):
+def assert_placed_like(state, target):
+    """Every leaf of ``state`` is a jax.Array with the sharding ``target`` asks for."""
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
+        assert isinstance(got, jax.Array) and got.sharding == want.sharding
+
+
+def test_round_trip_is_exact_and_sharded_as_the_target(trained, tmp_path):
     exp, state = trained
     events = []
     ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
     ckpt.save(5, state, {"plan": exp.initial_plan().to_dict()})
     ckpt.wait()
-    items = sorted(p.name for p in (tmp_path / "5").iterdir() if p.is_dir())
-    assert items == sorted(
-        ["dense", "meta"] + [f"expert_l{layer}_e{e}" for layer in (0, 1) for e in range(4)]
-    )
-    restored, meta = ckpt.restore_latest(exp.abstract_state)
+    assert sorted(p.name for p in (tmp_path / "5").iterdir() if p.is_dir()) == [
+        "dense",
+        "experts",
+        "meta",
+    ]
+    restored, meta = ckpt.restore_latest(fixed(exp))
     assert meta["step"] == 5 and meta["plan"] == exp.initial_plan().to_dict()
+    assert meta["layout"] == 2
     assert_bitwise_equal(state, restored)
+    assert_placed_like(restored, exp.abstract_state)
+    w_in = restored["params"]["layers"][0]["moe"]["w_in"]
+    assert w_in.addressable_shards[0].data.shape[0] == 2  # 4 experts over 2 expert shards
     assert [e["event"] for e in events] == ["checkpoint", "checkpoint_restore"]
+    assert events[0]["items"] == 3
     ckpt.close()
+
+
+@pytest.mark.parametrize("layers, experts", [(2, 2), (6, 8)])
+def test_the_item_count_does_not_grow_with_layers_and_experts(tmp_path, layers, experts):
+    cfg = tiny_config(moe__every=1, model__num_layers=layers, moe__num_experts=experts)
+    exp = Experiment.from_config(cfg)
+    ckpt = Checkpointer(tmp_path, keep=1, async_save=False)
+    ckpt.save(1, exp.init_state(), {})
+    ckpt.close()
+    items = sorted(p.name for p in (tmp_path / "1").iterdir() if p.is_dir())
+    assert items == ["dense", "experts", "meta"]
+    # One array per expert leaf and MoE layer, each with all experts: [E, ...].
+    stored = ocp.StandardCheckpointer().metadata(tmp_path / "1" / "experts").item_metadata
+    shapes = [a.shape for a in jax.tree.leaves(stored)]
+    assert len(shapes) == 3 * 2 * layers  # (params, mu, nu) x (w_in, w_out) x layers
+    assert all(shape[0] == experts for shape in shapes)
+
+
+def test_fsdp_state_round_trips_on_eight_devices(tmp_path):
+    exp = Experiment.from_config(
+        tiny_config(moe__every=1, mesh__data=4, mesh__expert=2, parallel__fsdp=True)
+    )
+    state = one_step(exp)
+    embed = state["params"]["embed"]["embedding"]
+    assert len(embed.sharding.device_set) == 8 and embed.addressable_shards[0].data.shape[0] < 256
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(1, state, {})
+    restored, _ = ckpt.restore_latest(fixed(exp))
+    ckpt.close()
+    assert_bitwise_equal(state, restored)
+    assert_placed_like(restored, exp.abstract_state)
+
+
+def test_a_pipeline_state_restores_onto_its_stages(tmp_path):
+    cfg = tiny_config(moe__every=1, mesh__stage=2, mesh__data=2, mesh__expert=2)
+    exp = Experiment.from_config(cfg)
+    plan = exp.initial_plan()
+    runtime = exp.runtime(plan)
+    exe = exp.lower_train_step(plan).compile()
+    runtime.step(exe, exp.order.batch(0), None)
+    saved = runtime.pipeline.host_state()
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(1, runtime.checkpoint_state(), {"plan": plan.to_dict()})
+    target = exp.restore_target(plan)
+    restored, _ = ckpt.restore_latest(lambda meta: target)
+    ckpt.close()
+    assert_placed_like(restored, target)
+    stage_1 = set(exp.pipeline_programs.transport.stage_meshes[1].devices.flat)
+    assert restored["params"]["head"]["kernel"].sharding.device_set == stage_1
+    assert_bitwise_equal(saved, restored)
+    again = exp.runtime(plan, restored)
+    assert_bitwise_equal(saved, again.pipeline.host_state())
+    # The same checkpoint resumes without a pipeline (another stage count).
+    single = Experiment.from_config(tiny_config(moe__every=1, mesh__data=2, mesh__expert=2))
+    ckpt = Checkpointer(tmp_path, keep=1)
+    restored, _ = ckpt.restore_latest(fixed(single))
+    ckpt.close()
+    assert_bitwise_equal(saved, restored)
+
+
+def test_restore_reshards_onto_a_different_mesh(trained, tmp_path):
+    exp, state = trained  # data 2 x expert 2
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(1, state, {})
+    ckpt.wait()
+    other = Experiment.from_config(tiny_config(moe__every=1, mesh__data=4, mesh__expert=1))
+    restored, _ = ckpt.restore_latest(fixed(other))
+    ckpt.close()
+    assert_placed_like(restored, other.abstract_state)
+    w_in = restored["params"]["layers"][0]["moe"]["w_in"]
+    assert len(w_in.sharding.device_set) == 4
+    assert w_in.addressable_shards[0].data.shape[0] == 4  # all experts on each device
+    assert_bitwise_equal(state, restored)
 
 
 def _corrupt(step_dir):
@@ -52,6 +155,19 @@ def _corrupt(step_dir):
     files = [p for p in (step_dir / "dense").rglob("*") if p.is_file()]
     biggest = max(files, key=lambda p: p.stat().st_size)
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+
+
+def _overwrite_expert(step_dir, key, expert):
+    """Rewrite one expert row of a stored array with other values through tensorstore: a file
+    that reads back fine, with wrong data (what only the checksums can tell)."""
+    rows = layout.read_rows(step_dir / "experts", key, [expert])
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+    info = ocp.type_handlers.ParamInfo(
+        name=key.replace("/", "."), parent_dir=step_dir / "experts", ts_context=context
+    )
+    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True)
+    array = ts.open(spec, open=True, context=context).result()
+    array[expert].write(rows[0] + 1).result()
 
 
 def test_corrupt_latest_is_set_aside_and_its_step_saved_again(trained, tmp_path):
@@ -63,7 +179,7 @@ def test_corrupt_latest_is_set_aside_and_its_step_saved_again(trained, tmp_path)
     ckpt.save(2, later, {})
     ckpt.wait()
     _corrupt(tmp_path / "2")
-    restored, meta = ckpt.restore_latest(exp.abstract_state)
+    restored, meta = ckpt.restore_latest(fixed(exp))
     assert meta["step"] == 1
     assert_bitwise_equal(state, restored)
     failed = [e for e in events if e["event"] == "checkpoint_restore_failed"]
@@ -76,9 +192,59 @@ def test_corrupt_latest_is_set_aside_and_its_step_saved_again(trained, tmp_path)
     ckpt.save(3, later, {})
     ckpt.wait()
     assert ckpt.all_steps() == [2, 3]  # keep=2 dropped step 1, not a good one for a corrupt one
-    restored, meta = ckpt.restore_latest(exp.abstract_state)
+    restored, meta = ckpt.restore_latest(fixed(exp))
     assert meta["step"] == 3
     assert_bitwise_equal(later, restored)
+    ckpt.close()
+
+
+def test_wrong_data_in_an_expert_shard_fails_its_checksum(trained, tmp_path):
+    exp, state = trained
+    events = []
+    ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
+    ckpt.save(1, state, {})
+    ckpt.save(2, state, {})
+    ckpt.wait()
+    key = "opt_state/1/0/nu/layers/1/moe/w_out"
+    _overwrite_expert(tmp_path / "2", key, 3)
+    with pytest.raises(CheckpointError, match=f"{key} expert 3: checksum mismatch"):
+        ckpt.restore_experts(2, key, [3])
+    np.testing.assert_array_equal(  # the other experts of that array are intact
+        ckpt.restore_experts(2, key, [0, 2]),
+        np.asarray(state["opt_state"][1][0].nu["layers"][1]["moe"]["w_out"])[[0, 2]],
+    )
+    restored, meta = ckpt.restore_latest(fixed(exp))
+    assert meta["step"] == 1
+    assert_bitwise_equal(state, restored)
+    [failed] = [e for e in events if e["event"] == "checkpoint_restore_failed"]
+    assert failed["step"] == 2 and f"{key}: checksum mismatch" in failed["error"]
+    ckpt.close()
+
+
+def _file_bytes_read() -> int:
+    [metric] = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return metric["values"][0]["value"]
+
+
+def test_a_subset_of_experts_reads_only_those_experts(tmp_path):
+    exp = Experiment.from_config(
+        tiny_config(moe__every=1, moe__num_experts=8, model__d_model=64, model__mlp_dim=128)
+    )
+    state = one_step(exp)
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(1, state, {})
+    ckpt.wait()
+    key = "params/layers/1/moe/w_in"
+    full = np.asarray(state["params"]["layers"][1]["moe"]["w_in"])
+    read = {}
+    for experts in ([5], [6, 1], list(range(8))):
+        before = _file_bytes_read()
+        rows = ckpt.restore_experts(1, key, experts)
+        read[len(experts)] = _file_bytes_read() - before
+        np.testing.assert_array_equal(rows, full[experts])
+    # Each expert is its own chunk: bytes read grow with the experts asked for.
+    assert read[1] < 0.25 * read[8] and read[2] < 0.4 * read[8]
+    assert read[8] >= full.nbytes * 0.9  # (stored compressed; random floats barely shrink)
     ckpt.close()
 
 
@@ -99,19 +265,23 @@ def test_a_refused_save_is_an_error_event_not_a_checkpoint(trained, tmp_path, ca
     ckpt.close()
 
 
-def test_restore_into_a_different_model_fails_clearly_and_moves_nothing(trained, tmp_path):
+@pytest.mark.parametrize(
+    "change", [{"moe__every": 2}, {"model__d_model": 64}], ids=["moe-layers", "shapes"]
+)
+def test_restore_into_a_different_model_fails_clearly_and_moves_nothing(trained, tmp_path, change):
     exp, state = trained
     ckpt = Checkpointer(tmp_path, keep=1)
     ckpt.save(1, state, {})
     ckpt.wait()
-    other = Experiment.from_config(tiny_config(moe__every=2))  # one MoE layer instead of two
-    with pytest.raises(CheckpointMismatch, match="different model configuration"):
-        ckpt.restore_latest(other.abstract_state)
+    other = Experiment.from_config(tiny_config(**{"moe__every": 1, **change}))
+    with pytest.raises(CheckpointMismatch, match="different model configuration") as err:
+        ckpt.restore_latest(fixed(other))
+    assert "saved " in str(err.value) and ", model " in str(err.value)  # names what differs
     assert ckpt.all_steps() == [1] and not (tmp_path / "corrupt").exists()
     ckpt.close()
 
 
-def test_a_check_of_the_metadata_runs_before_any_array_is_read(trained, tmp_path):
+def test_the_target_sees_the_metadata_before_any_array_is_read(trained, tmp_path):
     exp, state = trained
     ckpt = Checkpointer(tmp_path, keep=1)
     ckpt.save(1, state, {"config": {"seed": 0}})
@@ -121,7 +291,7 @@ def test_a_check_of_the_metadata_runs_before_any_array_is_read(trained, tmp_path
         raise ValueError(f"config {meta['config']} does not match")
 
     with pytest.raises(ValueError, match="does not match"):
-        ckpt.restore_latest(exp.abstract_state, check=refuse)
+        ckpt.restore_latest(refuse)
     assert ckpt.all_steps() == [1] and not (tmp_path / "corrupt").exists()
     ckpt.close()
 
@@ -133,21 +303,35 @@ def test_all_checkpoints_corrupt_is_an_error_that_says_where_they_are(trained, t
     ckpt.wait()
     _corrupt(tmp_path / "1")
     with pytest.raises(CheckpointError, match="could be restored.*corrupt"):
-        ckpt.restore_latest(exp.abstract_state)
+        ckpt.restore_latest(fixed(exp))
     assert len(list((tmp_path / "corrupt").iterdir())) == 1
     ckpt.close()
 
 
-def test_restore_reshards_onto_a_different_mesh(trained, tmp_path):
-    exp, state = trained
-    ckpt = Checkpointer(tmp_path, keep=1)
-    ckpt.save(1, state, {})
-    ckpt.wait()
-    sharded = Experiment.from_config(tiny_config(moe__every=1, mesh__data=2, mesh__expert=4))
-    host, _ = ckpt.restore_latest(sharded.abstract_state)
-    placed = sharded.place_state(host)
-    w_in = placed["params"]["layers"][0]["moe"]["w_in"]
-    assert len(w_in.sharding.device_set) == 8
-    assert w_in.addressable_shards[0].data.shape[0] == 1  # 4 experts over 4 expert shards
-    assert_bitwise_equal(state, jax.device_get(placed))
+def test_a_layout_1_checkpoint_still_restores(tmp_path):
+    """``tests/data/old_layout_checkpoint.tar.gz``: step 1 of a run written by the code before
+    layout 2 (one item per expert; tests/data/README.md), restored onto an expert-parallel mesh
+    and then saved again in layout 2."""
+    with tarfile.open(OLD_LAYOUT) as tar:
+        tar.extractall(tmp_path / "old", filter="data")
+    items = sorted(p.name for p in (tmp_path / "old" / "1").iterdir() if p.is_dir())
+    experts = [f"expert_l{i}_e{e}" for i in (0, 1) for e in range(4)]
+    assert items == sorted(["dense", "meta", *experts])
+    small = {"model__d_model": 8, "model__num_heads": 2, "model__mlp_dim": 16}
+    writer = Experiment.from_config(tiny_config(moe__every=1, data__seq_len=8, **small))
+    want = jax.device_get(one_step(writer))  # what that run had (same seed, same step)
+    exp = Experiment.from_config(
+        tiny_config(moe__every=1, data__seq_len=8, mesh__expert=2, mesh__data=2, **small)
+    )
+    ckpt = Checkpointer(tmp_path / "old", keep=2)
+    restored, meta = ckpt.restore_latest(fixed(exp))
+    assert meta["step"] == 1 and "layout" not in meta
+    assert_placed_like(restored, exp.abstract_state)
+    for got, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-9)
+    ckpt.save(2, restored, meta)
+    again, meta = ckpt.restore_latest(fixed(exp))
     ckpt.close()
+    assert meta["step"] == 2 and meta["layout"] == 2
+    assert_bitwise_equal(restored, again)
+    shutil.rmtree(tmp_path / "old")

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dynjax.checkpoint import Checkpointer
-from dynjax.checkpoint.layout import split_items
+from dynjax.checkpoint.layout import split
 from dynjax.config import ConfigError, validate_config
 from dynjax.dynamism import pruning_math as pm
 from dynjax.dynamism.pruning import PruneState, PruningPlugin, named_masks, prune
@@ -187,9 +187,8 @@ def test_expert_masks_shard_and_checkpoint_like_expert_weights():
     assert masks["layers"][1]["moe"]["w_in"].sharding.spec == P("expert")
     assert masks["layers"][1]["attn"]["qkv"]["kernel"].sharding.spec == P()
     assert masks["layers"][1]["moe"]["router"] is None  # not pruned: no mask
-    items = split_items(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), exp.abstract_state))
-    item = items["expert_l1_e3"]["opt_state/masks/layers/1/moe/w_out"]
-    assert item.dtype == bool and item.shape == (64, 32)  # one expert's [expert_mlp_dim, d]
+    item = split(exp.abstract_state)["experts"]["opt_state/masks/layers/1/moe/w_out"]
+    assert item.dtype == bool and item.shape == (4, 64, 32)  # [E, expert_mlp_dim, d]
 
 
 def test_pruned_entries_stay_zero_through_steps_migration_and_a_checkpoint(tmp_path):

@@ -1,4 +1,5 @@
-"""Orbax checkpoints with every expert of every MoE layer addressable as its own item."""
+"""Orbax checkpoints in a fixed number of items, saved and restored shard by shard, with any
+subset of experts of any MoE layer readable alone (`layout`)."""
 
 from dynjax.checkpoint.manager import Checkpointer, CheckpointError, CheckpointMismatch
 

@@ -1,24 +1,64 @@
-"""How training state is laid out in a checkpoint: one item for dense state, one per expert.
+"""How training state is laid out in a checkpoint: three items, whatever the layers x experts.
 
-Parameters and optimizer state are flattened to ``"/"``-joined path keys. Leaves of stacked expert
-weights (``.../moe/w_in`` [E, ...], including their Adam moments) are cut into one item per
-(layer, expert) so that a later partial checkpoint can save and restore any subset of experts
-(MoC-System, seed 004 §4); everything else is the ``dense`` item.
+Layout 2 (written since issue 15 §2): a step directory holds
+
+- ``dense``: every leaf that is not an expert weight, under its ``"/"``-joined path
+  (``params/layers/1/attn/qkv/kernel``, ``opt_state/1/0/mu/...``);
+- ``experts``: every stacked expert leaf (``.../moe/w_in`` [E, ...], with its Adam moments and
+  pruning masks), one array per MoE layer and leaf as the state holds it. It is stored with one
+  storage chunk per expert (Orbax ``SaveArgs(shard_axes=(0,))`` splits the leading axis down to
+  1), so reading experts i, j of layer l reads those experts' chunks only (`read_rows`:
+  tensorstore reads chunk by chunk); any subset of experts of any layer can be restored;
+- ``meta``: JSON: step, Plan, config, ``layout`` (2) and the checksums.
+
+The item count is fixed (3; 2 without MoE layers, which have no ``experts``) and the array count
+is the state's leaf count (it grows with layers, never with experts): 50 layers x 64 experts is
+3 items where layout 1 had 3,202. The arrays are
+the run's ``jax.Array``s as they are: Orbax writes each device's shards (one replica of each) and
+restores into ``jax.ShapeDtypeStruct`` targets carrying the current run's shardings, so a
+restore onto another ``mesh.data``/``mesh.expert``/``mesh.tensor`` or stage count reshards in
+Orbax and no host holds the whole state.
+
+Partial saves (MoC-System's partial expert checkpoints, seed 004 §3, issue 13) fit the same
+three items: a save of experts i, j of layer l writes in its ``experts`` item arrays of the
+chosen rows only ([K, ...], gathered on device) and lists the rows per layer in ``meta``; the
+restore assembles each expert's newest copy with `read_rows` from older steps.
+
+Integrity (`checksums`): per array, a pair of position-weighted sums of its 32-bit words modulo
+2^32 (``sum(w_i * (2i + 1))`` and ``sum(w_i * (i * 0x9E3779B9 | 1))``), computed by one jitted
+reduction on the devices that hold the shards: each device reduces its own shard and only the
+two words per array (per expert row, for expert arrays) leave the devices. Modular sums are
+exact in any order, so the value does not depend on the sharding: a restore onto another mesh
+verifies against what the save recorded. Every odd weight is invertible mod 2^32, so a change
+of one word always changes both sums; swapped words change them unless both weighted
+differences vanish. Expert arrays have one pair per row, so a subset restore is verified too.
+
+Layout 1 (before issue 15): ``dense`` plus one item per (MoE layer, expert),
+``expert_l<layer>_e<expert>``, with host Adler-32 checksums; `read_layout1` still restores it.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import re
 import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
 
 from dynjax.parallel import is_expert_param
 
-DENSE = "dense"
-_EXPERT_ITEM = re.compile(r"^expert_l(\d+)_e(\d+)$")
+LAYOUT = 2
+DENSE, EXPERTS = "dense", "experts"
+_V1_EXPERT_ITEM = re.compile(r"^expert_l(\d+)_e(\d+)$")
 
 
 def key_of(path: tuple) -> str:
@@ -36,67 +76,29 @@ def flatten(tree: Any) -> dict[str, Any]:
     return {key_of(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def unflatten_like(template: Any, flat: dict[str, Any]) -> Any:
+def unflatten_like(template: Any, flat: Mapping[str, Any]) -> Any:
     paths, treedef = jax.tree_util.tree_flatten_with_path(template)
     return jax.tree_util.tree_unflatten(treedef, [flat[key_of(p)] for p, _ in paths])
 
 
-def expert_item(layer: int, expert: int) -> str:
-    return f"expert_l{layer}_e{expert}"
-
-
-def parse_expert_item(name: str) -> tuple[int, int] | None:
-    match = _EXPERT_ITEM.match(name)
-    return (int(match[1]), int(match[2])) if match else None
-
-
-def _expert_layer(path: tuple) -> int | None:
-    """Model layer index of an expert leaf (the key after ``layers``), else None."""
-    if not is_expert_param(path):
+def expert_layer(key: str) -> int | None:
+    """Model layer of an expert leaf's key (the index after ``layers``), else None."""
+    names = key.split("/")
+    if not (len(names) >= 2 and is_expert_param(tuple(jax.tree_util.DictKey(n) for n in names))):
         return None
-    keys = key_of(path).split("/")
-    return int(keys[keys.index("layers") + 1])
+    return int(names[names.index("layers") + 1])
 
 
-def split_items(tree: Any) -> dict[str, dict[str, np.ndarray]]:
-    """Host arrays of ``tree`` grouped into checkpoint items (``dense`` and one per expert)."""
-    items: dict[str, dict[str, np.ndarray]] = {DENSE: {}}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        layer, arr = _expert_layer(path), np.asarray(leaf)
-        if layer is None:
-            items[DENSE][key_of(path)] = arr
-            continue
-        for e in range(arr.shape[0]):
-            items.setdefault(expert_item(layer, e), {})[key_of(path)] = arr[e]
+def split(tree: Any) -> dict[str, dict[str, Any]]:
+    """The leaves of ``tree`` (arrays or ShapeDtypeStructs) as the ``dense`` and ``experts``
+    items, each ``{key: leaf}``."""
+    items: dict[str, dict[str, Any]] = {DENSE: {}, EXPERTS: {}}
+    for key, leaf in flatten(tree).items():
+        items[EXPERTS if expert_layer(key) is not None else DENSE][key] = leaf
     return items
 
 
-def join_items(template: Any, items: dict[str, dict[str, np.ndarray]]) -> Any:
-    """Inverse of :func:`split_items`: stack expert slices back and rebuild ``template``'s tree."""
-    flat: dict[str, np.ndarray] = dict(items[DENSE])
-    stacks: dict[str, dict[int, np.ndarray]] = {}
-    for name, item in items.items():
-        parsed = parse_expert_item(name)
-        if parsed is None:
-            continue
-        for key, arr in item.items():
-            stacks.setdefault(key, {})[parsed[1]] = arr
-    for key, by_expert in stacks.items():
-        flat[key] = np.stack([by_expert[e] for e in range(len(by_expert))])
-    return unflatten_like(template, flat)
-
-
-def checksum(arr: np.ndarray) -> str:
-    """Adler-32 of the bytes plus shape and dtype: cheap, and catches torn or swapped data."""
-    arr = np.ascontiguousarray(arr)
-    return f"{arr.dtype}{list(arr.shape)}:{zlib.adler32(arr.tobytes()):08x}"
-
-
-def checksums(items: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, str]]:
-    return {name: {k: checksum(v) for k, v in item.items()} for name, item in items.items()}
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     """``{"a/b": x}`` -> ``{"a": {"b": x}}`` (Orbax stores nested dicts of arrays)."""
     out: dict[str, Any] = {}
     for key, value in flat.items():
@@ -108,12 +110,140 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def denest(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def denest(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict):
+        if isinstance(v, Mapping):
             out.update(denest(v, key + "/"))
         else:
             out[key] = v
     return out
+
+
+# -- checksums on device ---------------------------------------------------------------------
+
+_GOLDEN = np.uint32(0x9E3779B9)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bits as uint32 words of its own shape (8-byte dtypes add a trailing 2)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _sums(x: jax.Array, rows: bool) -> jax.Array:
+    """[2] (or [rows, 2]) position-weighted uint32 sums of ``x``'s words (module docstring)."""
+    w = _words(x)
+    inner = w.shape[1:] if rows else w.shape
+    idx = jnp.arange(int(np.prod(inner)), dtype=jnp.uint32).reshape(inner)
+    axes = tuple(range(1 if rows else 0, w.ndim))
+    s1 = jnp.sum(w * (2 * idx + 1), axis=axes, dtype=jnp.uint32)
+    s2 = jnp.sum(w * ((idx * _GOLDEN) | 1), axis=axes, dtype=jnp.uint32)
+    return jnp.stack([s1, s2], axis=-1)
+
+
+@jax.jit
+def _group_sums(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {k: _sums(a, expert_layer(k) is not None) for k, a in arrays.items()}
+
+
+def describe_shape(dtype: Any, shape: tuple[int, ...]) -> str:
+    """``"float32[4, 8]"``: how every checksum begins."""
+    return f"{np.dtype(dtype)}{list(shape)}"
+
+
+def _describe(dtype: Any, shape: tuple[int, ...], words: np.ndarray) -> str:
+    return f"{describe_shape(dtype, shape)}:{int(words[0]):08x}{int(words[1]):08x}"
+
+
+def shapes(flat: Mapping[str, Any]) -> dict[str, str]:
+    """Per key ``"<dtype>[shape]"`` as its checksum begins (an expert leaf: of one row), to tell
+    from the metadata alone whether a checkpoint fits a model."""
+    return {
+        k: describe_shape(a.dtype, a.shape if expert_layer(k) is None else a.shape[1:])
+        for k, a in flat.items()
+    }
+
+
+def checksums(flat: Mapping[str, jax.Array]) -> dict[str, str | list[str]]:
+    """Per key: ``"<dtype>[shape]:<sums>"``; for expert leaves one such string per row.
+
+    One jitted reduction per set of devices (a pipeline stage holds its leaves on its own
+    sub-mesh), each device reducing the shards it holds; only the sums are copied to host.
+    """
+    groups: dict[tuple[int, ...], dict[str, jax.Array]] = collections.defaultdict(dict)
+    for key, a in flat.items():
+        a = a if isinstance(a, jax.Array) else jnp.asarray(a)
+        groups[tuple(sorted(d.id for d in a.sharding.device_set))][key] = a
+    out: dict[str, str | list[str]] = {}
+    for arrays in groups.values():
+        sums = jax.device_get(_group_sums(arrays))
+        for key, a in arrays.items():
+            if expert_layer(key) is None:
+                out[key] = _describe(a.dtype, a.shape, sums[key])
+            else:
+                out[key] = [_describe(a.dtype, a.shape[1:], row) for row in sums[key]]
+    return out
+
+
+def read_rows(item_dir: Path, key: str, rows: Sequence[int]) -> np.ndarray:
+    """Rows ``rows`` of the array ``key`` of an Orbax item, [len(rows), ...], read through
+    tensorstore from Orbax's own spec of that array: only the chunks holding those rows are
+    read (one chunk per expert in ``experts``)."""
+    stored = json.loads((item_dir / "_METADATA").read_text())
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=stored["use_ocdbt"])
+    info = ocp.type_handlers.ParamInfo(
+        name=key.replace("/", "."),
+        parent_dir=epath.Path(item_dir),
+        use_zarr3=stored["use_zarr3"],
+        ts_context=context,
+    )
+    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=stored["use_ocdbt"])
+    array = ts.open(spec, open=True, context=context).result()
+    return np.asarray(array[list(rows)].read().result())
+
+
+# -- layout 1: one item per (MoE layer, expert), host Adler-32 checksums ----------------------
+
+
+def parse_v1_expert_item(name: str) -> tuple[int, int] | None:
+    match = _V1_EXPERT_ITEM.match(name)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def v1_items(template: Any) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+    """The items a layout-1 checkpoint of ``template``'s model holds, with their shapes."""
+    items: dict[str, dict[str, jax.ShapeDtypeStruct]] = {DENSE: {}}
+    for key, leaf in flatten(template).items():
+        layer = expert_layer(key)
+        if layer is None:
+            items[DENSE][key] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            continue
+        for e in range(leaf.shape[0]):
+            row = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+            items.setdefault(f"expert_l{layer}_e{e}", {})[key] = row
+    return items
+
+
+def v1_join(items: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Flat host arrays from layout-1 items: expert slices stacked back in expert order."""
+    flat: dict[str, np.ndarray] = dict(items[DENSE])
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, item in items.items():
+        parsed = parse_v1_expert_item(name)
+        if parsed is None:
+            continue
+        for key, arr in item.items():
+            stacks.setdefault(key, {})[parsed[1]] = arr
+    for key, by_expert in stacks.items():
+        flat[key] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return flat
+
+
+def v1_checksum(arr: np.ndarray) -> str:
+    """Layout 1's checksum: Adler-32 of the bytes plus shape and dtype."""
+    arr = np.ascontiguousarray(arr)
+    return f"{arr.dtype}{list(arr.shape)}:{zlib.adler32(arr.tobytes()):08x}"

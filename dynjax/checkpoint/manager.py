@@ -1,15 +1,20 @@
 """Asynchronous, atomic, verified checkpoints on top of Orbax's CheckpointManager.
 
-A save copies the state to host, computes per-array checksums, and hands the arrays to Orbax,
-which writes them in the background into a temporary directory and renames it when complete, so
-a killed process never leaves a checkpoint that looks finished. A restore checks every item's
-structure, shapes and checksums against what was saved. A checkpoint that cannot be read or
-verified is moved aside to ``corrupt/<step>-<time>`` (kept for a person to inspect, never
-deleted) and the previous one is used; moving it also frees its step for the next save and keeps
-it out of ``keep``. A checkpoint that is intact but does not fit the model is an error, never
-moved. A save that Orbax refuses or that fails is an event and a warning, never a success.
-State is restored to host and then placed with the *current* shardings, so a run may resume on a
-different ``mesh.data``/``mesh.expert``.
+A save hands the run's ``jax.Array``s to Orbax as they are (`layout`: three items whatever the
+model's size): Orbax copies each device's shards to host (one replica of each) before ``save``
+returns, then writes them in the background into a temporary directory and renames it when
+complete, so a killed process never leaves a checkpoint that looks finished. The checksums are
+computed on the devices that hold the shards (`layout.checksums`). A restore reads each shard
+straight onto its device in the shardings of the target it is given (the current run's), so a
+run may resume on another ``mesh.data``/``mesh.expert``/``mesh.tensor`` or stage count, and
+verifies the checksums there: no host holds the whole state on save or restore.
+
+A checkpoint that cannot be read or verified is moved aside to ``corrupt/<step>-<time>`` (kept
+for a person to inspect, never deleted) and the previous one is used; moving it also frees its
+step for the next save and keeps it out of ``keep``. A checkpoint that is intact but does not fit
+the model (other leaves, shapes or dtypes, told by its metadata before any array is read) is an
+error, never moved. A save that Orbax refuses or that fails is an event and a warning, never a
+success. Checkpoints of layout 1 (one item per expert) still restore, through host memory.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -61,7 +67,8 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
-        """Start saving ``state`` (a pytree) at ``step``; returns once it is copied to host.
+        """Start saving ``state`` (a pytree of jax.Arrays) at ``step``; returns once each
+        device's shards are copied to host (the next step may donate the arrays).
 
         Returns whether the save was started. A save Orbax refuses (the step exists, or is not
         newer than the latest) or that raises (including an earlier asynchronous save's error,
@@ -69,9 +76,17 @@ class Checkpointer:
         goes on and later saves are still tried.
         """
         start = time.perf_counter()
-        items = layout.split_items(jax.device_get(state))
-        meta = {**meta, "step": step, "checksums": layout.checksums(items)}
-        args = {name: ocp.args.StandardSave(layout.nest(item)) for name, item in items.items()}
+        items = layout.split(state)
+        flat = {**items[layout.DENSE], **items[layout.EXPERTS]}
+        meta = {**meta, "step": step, "layout": layout.LAYOUT, "checksums": layout.checksums(flat)}
+        # One storage chunk per expert: a later read of a few experts touches only theirs.
+        per_expert = ocp.SaveArgs(shard_axes=(0,))
+        chunks = {layout.EXPERTS: layout.nest({k: per_expert for k in items[layout.EXPERTS]})}
+        args = {
+            name: ocp.args.StandardSave(layout.nest(item), save_args=chunks.get(name))
+            for name, item in items.items()
+            if item  # a model without MoE layers has no ``experts`` item
+        }
         try:
             started = self._manager.save(
                 step, args=ocp.args.Composite(**args, **{META: ocp.args.JsonSave(meta)})
@@ -90,22 +105,23 @@ class Checkpointer:
             {
                 "event": "checkpoint",
                 "step": step,
-                "items": len(items),
-                "bytes": int(sum(a.nbytes for item in items.values() for a in item.values())),
+                "items": len(args) + 1,
+                "bytes": int(sum(a.nbytes for a in flat.values())),
                 "blocking_seconds": round(time.perf_counter() - start, 4),
             }
         )
         return True
 
     def restore_latest(
-        self, template: Any, check: Callable[[dict[str, Any]], None] = lambda meta: None
+        self, target: Callable[[dict[str, Any]], Any]
     ) -> tuple[Any, dict[str, Any]] | None:
-        """Newest checkpoint that restores and verifies, as (host state, meta); None if none exist.
+        """Newest checkpoint that restores and verifies, as (state, meta); None if none exist.
 
-        ``template`` gives the expected tree, shapes and dtypes (arrays or ShapeDtypeStructs).
-        ``check`` sees each candidate's metadata before its arrays are read; what it raises
-        (e.g. a config the checkpoint cannot serve) propagates and moves nothing. A checkpoint
-        that fails to read or verify is quarantined and the previous one is tried.
+        ``target(meta)`` gives, for each candidate's metadata and before any array is read,
+        the tree to restore into: ``jax.ShapeDtypeStruct``s whose shardings say where each
+        shard goes. What it raises (e.g. a config the checkpoint cannot serve) propagates and
+        moves nothing. A checkpoint that fails to read or verify is quarantined and the
+        previous one is tried.
         """
         steps = self.all_steps()
         for step in reversed(steps):
@@ -114,7 +130,7 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 - unreadable metadata: a broken checkpoint
                 self._quarantine(step, err)
                 continue
-            check(meta)
+            template = target(meta)
             try:
                 return self._restore_items(step, template, meta), meta
             except CheckpointMismatch:
@@ -130,9 +146,34 @@ class Checkpointer:
         return None
 
     def restore(self, step: int, template: Any) -> tuple[Any, dict[str, Any]]:
-        """The checkpoint at ``step`` (no fallback, nothing moved), as (host state, meta)."""
+        """The checkpoint at ``step`` (no fallback, nothing moved), as (state, meta), placed
+        with ``template``'s shardings."""
         meta = self._read_meta(step)
         return self._restore_items(step, template, meta), meta
+
+    def restore_experts(
+        self, step: int, key: str, experts: Sequence[int]
+    ) -> np.ndarray:
+        """Rows ``experts`` of the expert leaf ``key`` (e.g. ``params/layers/1/moe/w_in``) of
+        the checkpoint at ``step``, [len(experts), ...], verified: only those experts' chunks
+        are read (the module docstring of `layout`). What a partial restore builds on."""
+        meta = self._read_meta(step)
+        sums = meta.get("checksums", {}).get(key)
+        if meta.get("layout") != layout.LAYOUT or not isinstance(sums, list):
+            raise CheckpointMismatch(
+                f"step {step} holds no expert array {key!r} in layout {layout.LAYOUT}"
+            )
+        rows = layout.read_rows(self._step_dir(step) / layout.EXPERTS, key, experts)
+        got = layout.checksums({key: jnp.asarray(rows)})[key]
+        for e, row_sum in zip(experts, got, strict=True):
+            if row_sum != sums[e]:
+                raise CheckpointError(
+                    f"step {step} {key} expert {e}: checksum mismatch (corrupted data)"
+                )
+        return rows
+
+    def _step_dir(self, step: int) -> Path:
+        return Path(self._manager.directory) / str(step)
 
     def _read_meta(self, step: int) -> dict[str, Any]:
         meta = self._manager.restore(
@@ -144,22 +185,8 @@ class Checkpointer:
 
     def _restore_items(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
         start = time.perf_counter()
-        expected = layout.split_items(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), template))
-        saved_sums = meta.get("checksums", {})
-        if set(saved_sums) != set(expected):
-            raise CheckpointMismatch(
-                f"step {step} holds items {sorted(saved_sums)}, the model expects "
-                f"{sorted(expected)}: the checkpoint is from a different model configuration; "
-                "train it with that configuration or start from a new workdir"
-            )
-        args = {
-            name: ocp.args.StandardRestore(layout.nest(item)) for name, item in expected.items()
-        }
-        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-        items = {name: layout.denest(restored[name]) for name in expected}
-        for name, item in items.items():
-            _verify(step, name, item, expected[name], saved_sums[name])
-        state = layout.join_items(template, items)
+        read = self._read_layout2 if meta.get("layout") == layout.LAYOUT else self._read_layout1
+        state = read(step, template, meta)
         self.emit(
             {
                 "event": "checkpoint_restore",
@@ -168,6 +195,54 @@ class Checkpointer:
             }
         )
         return state
+
+    def _read_layout2(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
+        """Each shard read straight onto its device in ``template``'s sharding; the checksums
+        computed there and compared with the saved ones."""
+        expected = layout.split(template)
+        saved_sums = meta.get("checksums", {})
+        want = {**expected[layout.DENSE], **expected[layout.EXPERTS]}
+        _check_fits(step, saved_sums, layout.shapes(want))
+        args = {
+            name: ocp.args.StandardRestore(layout.nest(item))
+            for name, item in expected.items()
+            if item
+        }
+        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        flat = {k: v for name in args for k, v in layout.denest(restored[name]).items()}
+        _check_shapes(step, flat, want)
+        for key, got in layout.checksums(flat).items():
+            if got != saved_sums[key]:
+                raise CheckpointError(f"step {step} {key}: checksum mismatch (corrupted data)")
+        return layout.unflatten_like(template, flat)
+
+    def _read_layout1(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
+        """A checkpoint written before layout 2 (one item per expert): read to host, verified
+        there, and placed with ``template``'s shardings."""
+        expected = layout.v1_items(template)
+        saved_sums = meta.get("checksums", {})
+        # Layout 1 recorded a scalar's shape as [1]: its shapes are checked once read.
+        _check_fits(
+            step,
+            {f"{name}/{k}": v for name, sums in saved_sums.items() for k, v in sums.items()},
+            {f"{name}/{k}": None for name, item in expected.items() for k in item},
+        )
+        args = {
+            name: ocp.args.StandardRestore(layout.nest(item)) for name, item in expected.items()
+        }
+        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        items = {name: layout.denest(restored[name]) for name in expected}
+        for name, item in items.items():
+            _check_shapes(step, item, expected[name])
+            for key, arr in item.items():
+                if layout.v1_checksum(arr) != saved_sums[name].get(key):
+                    raise CheckpointError(
+                        f"step {step} {name}/{key}: checksum mismatch (corrupted data)"
+                    )
+        flat = layout.v1_join(items)
+        shardings = layout.flatten(jax.tree.map(lambda a: a.sharding, template))
+        placed = {k: jax.device_put(a, shardings[k]) for k, a in flat.items()}
+        return layout.unflatten_like(template, placed)
 
     def _quarantine(self, step: int, err: Exception) -> None:
         """Move the unusable checkpoint at ``step`` aside (never delete what a run trained)."""
@@ -203,15 +278,36 @@ class Checkpointer:
         self._manager.close()
 
 
-def _verify(step: int, name: str, got: dict, want: dict, sums: dict[str, str]) -> None:
+def _check_fits(step: int, saved: dict[str, Any], expected: dict[str, str | None]) -> None:
+    """Raise CheckpointMismatch unless the saved leaves (key -> checksums) are the expected
+    ones (key -> ``"<dtype>[shape]"`` as the checksums begin, or None: any)."""
+    shapes = {k: (v[0] if isinstance(v, list) and v else v) for k, v in saved.items()}
+    differ = sorted(
+        k
+        for k in set(shapes) | set(expected)
+        if k not in shapes
+        or k not in expected
+        or expected[k] not in (None, str(shapes[k]).split(":")[0])
+    )
+    if differ:
+        listed = ", ".join(
+            f"{k}: saved {str(shapes.get(k, '-')).split(':')[0]}, model {expected.get(k, '-')}"
+            for k in differ[:4]
+        )
+        raise CheckpointMismatch(
+            f"step {step} does not fit the model ({listed}{' ...' if len(differ) > 4 else ''}): "
+            "the checkpoint is from a different model configuration; train it with that "
+            "configuration or start from a new workdir"
+        )
+
+
+def _check_shapes(step: int, got: dict[str, Any], want: dict[str, Any]) -> None:
     if set(got) != set(want):
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        raise CheckpointError(f"step {step} item {name!r}: missing {missing}, unexpected {extra}")
+        raise CheckpointError(f"step {step}: missing {missing}, unexpected {extra}")
     for key, arr in got.items():
         if arr.shape != want[key].shape or arr.dtype != want[key].dtype:
             raise CheckpointError(
-                f"step {step} {name}/{key}: saved {arr.dtype}{list(arr.shape)}, model expects "
+                f"step {step} {key}: saved {arr.dtype}{list(arr.shape)}, model expects "
                 f"{want[key].dtype}{list(want[key].shape)}"
             )
-        if layout.checksum(arr) != sums.get(key):
-            raise CheckpointError(f"step {step} {name}/{key}: checksum mismatch (corrupted data)")

@@ -296,19 +296,24 @@ class Pipeline:
         if len(self.transport.local_stages) != self.transport.num_stages:
             raise ValueError(f"{what} needs every pipeline stage in this process")
 
-    def place(self, host_state: Any, spec: PipelineSpec) -> None:
-        """Split the full ``{"params", "opt_state"}`` tree (host arrays) onto this process's
-        stages."""
+    def place(self, state: Any, spec: PipelineSpec) -> None:
+        """Split the full ``{"params", "opt_state"}`` tree (host arrays, or device arrays: a
+        leaf already in its stage's sharding stays where it is) onto this process's stages."""
         put = lambda array, _src, _dst, sharding: jax.device_put(array, sharding)
-        # The host tree is one more "stage" (-1) that holds every leaf.
-        self.state, _ = relayout({-1: host_state}, self._templates(spec), put)
+        # The full tree is one more "stage" (-1) that holds every leaf.
+        self.state, _ = relayout({-1: state}, self._templates(spec), put)
         self.acc, self.racc, self.spec = self._zero_acc(spec), self._zero_acc(spec, "racc"), spec
 
+    def full_state(self) -> Any:
+        """The full ``{"params", "opt_state"}`` tree of the stages' own arrays, each shared
+        leaf from the first stage holding it: nothing is copied (checkpoints save it shard by
+        shard)."""
+        self._single_process("saving the full state")
+        return join(self.full_template, [self.state[s] for s in sorted(self.state)])
+
     def host_state(self) -> Any:
-        """The full ``{"params", "opt_state"}`` tree as host arrays (checkpoints)."""
-        self._single_process("gathering the full state")
-        stages = [jax.device_get(self.state[s]) for s in sorted(self.state)]
-        return join(self.full_template, stages)
+        """The full ``{"params", "opt_state"}`` tree as host arrays."""
+        return jax.device_get(self.full_state())
 
     def swap(self, exe: PipelineExecutable) -> Migration | None:
         """Run ``exe`` from the next step. A spec with the same `state_layout` only switches
