@@ -328,7 +328,11 @@ def test_a_layout_1_checkpoint_still_restores(tmp_path):
     assert meta["step"] == 1 and "layout" not in meta
     assert_placed_like(restored, exp.abstract_state)
     for got, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-9)
+        # The restored bytes are the saved ones (the restore verified the layout-1 checksums);
+        # this checks they are the state this seed's run reaches, recomputed here on whatever
+        # jax is installed: the fixture was written on jax 0.10, and a newer XLA rounds the
+        # step's float32 arithmetic differently (relative 2e-5 seen on jax 0.12).
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-7)
     ckpt.save(2, restored, meta)
     again, meta = ckpt.restore_latest(fixed(exp))
     ckpt.close()
