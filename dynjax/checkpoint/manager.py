@@ -386,21 +386,24 @@ class Checkpointer:
         and expert group the step each expert's row comes from.
 
         The experts item of ``step`` is read through Orbax straight into the target shardings
-        (its partial arrays replicated), verified per row on the devices; a leaf whose rows
+        (its partial arrays replicated) and verified per row on the devices; a leaf whose rows
         all come from there is used as read (a full save restores exactly as it was written).
         The other rows are read from older steps with `layout.read_rows` (only those rows'
         chunks) one slot (layer, group) at a time, verified, and each assembled leaf placed
         with its target sharding: the host holds one slot's leaves at most."""
         metas = {step: meta}
-        older = [s for s in reversed(self.all_steps()) if s < step]
-        for s in older:
+        for s in (s for s in reversed(self.all_steps()) if s < step):
             try:
                 metas[s] = self._read_meta(s)
             except Exception as err:  # noqa: BLE001 - a source less; never moved from here
-                log.warning("checkpoint at step %d: unreadable metadata (%s); its experts "
-                            "are not used", s, err)
+                log.warning(
+                    "checkpoint at step %d: unreadable metadata (%s); its experts are not used",
+                    s,
+                    err,
+                )
         copies = {s: layout.held_rows(m) for s, m in metas.items()}
-        here = self._read_experts_item(step, meta, want, copies[step])
+        here = self._read_experts_item(step, want, copies[step])
+        here_sums = layout.checksums(here) if here else {}
         slots: dict[Slot, list[str]] = {}
         for key in want:
             slots.setdefault((layout.expert_layer(key), layout.expert_group(key)), []).append(key)
@@ -408,27 +411,24 @@ class Checkpointer:
         sources: dict[int, dict[str, list[int]]] = {}
         for (moe_layer, group), keys in sorted(slots.items()):
             n = want[keys[0]].shape[0]
-            chosen: list[int] = []
-            rows: dict[str, list[np.ndarray | None]] = {k: [None] * n for k in keys}
-            for e in range(n):
-                chosen.append(
-                    self._newest_copy(moe_layer, group, keys, e, metas, copies, here, rows)
-                )
+            rows: dict[str, list[Any]] = {k: [None] * n for k in keys}
+            chosen = self._resolve_slot(
+                (moe_layer, group), keys, n, metas, copies, here_sums, rows
+            )
             sources.setdefault(moe_layer, {})[group] = chosen
             for key in keys:
-                if key in here and all(s == step for s in chosen) and (
-                    len(copies[step][key]) == n
-                ):
+                if key in here and chosen == [step] * n and len(copies[step][key]) == n:
                     out[key] = here[key]
                     continue
-                host = np.stack(rows[key])
+                local = np.asarray(here[key]) if key in here else None
+                host = np.stack([local[r] if isinstance(r, int) else r for r in rows[key]])
                 out[key] = jax.make_array_from_callback(
                     host.shape, want[key].sharding, lambda index, h=host: h[index]
                 )
         return out, sources
 
     def _read_experts_item(
-        self, step: int, meta: dict[str, Any], want: dict[str, Any], held: Copies
+        self, step: int, want: dict[str, Any], held: Copies
     ) -> dict[str, jax.Array]:
         """The experts item of ``step`` on the devices (full arrays in the target's shardings,
         partial ones replicated over the target's mesh), or {} if it does not read: its rows
@@ -448,65 +448,108 @@ class Checkpointer:
             return {}
         return arrays
 
-    def _newest_copy(
+    def _resolve_slot(
         self,
-        moe_layer: int,
-        group: str,
+        slot: Slot,
         keys: list[str],
-        expert: int,
+        n: int,
         metas: dict[int, dict[str, Any]],
         copies: dict[int, Copies],
-        here: dict[str, jax.Array],
-        rows: dict[str, list[np.ndarray | None]],
-    ) -> int:
-        """The newest step (of ``metas``, newest first) whose copy of ``expert``'s rows of
-        ``keys`` reads and verifies; fills ``rows`` with them. Falls back on a bad copy with a
-        warning and an event; raises `ExpertsMissing` when none is left."""
+        here_sums: dict[str, Any],
+        rows: dict[str, list[Any]],
+    ) -> list[int]:
+        """For each expert of ``slot``, the newest step of ``metas`` whose copy of its rows of
+        all ``keys`` reads and verifies; fills ``rows[key][expert]`` with the row (a host
+        array, or its position in the newest step's device array). A bad copy is a warning
+        and a ``checkpoint_expert_fallback`` event, and the copy before it is tried; none
+        left is `ExpertsMissing`."""
         newest = max(metas)
-        holders = [s for s in sorted(metas, reverse=True)
-                   if all(expert in copies[s].get(k, ()) for k in keys)]
-        for i, s in enumerate(holders):
-            try:
-                got = {}
-                for key in keys:
-                    pos = copies[s][key].index(expert)
-                    if s == newest and key in here:
-                        row = here[key][pos : pos + 1]
-                    else:
-                        row = jnp.asarray(
-                            layout.read_rows(self._step_dir(s) / layout.EXPERTS, key, [pos])
+        holders = [
+            [s for s in sorted(metas, reverse=True) if all(e in copies[s].get(k, ()) for k in keys)]
+            for e in range(n)
+        ]
+        tried, chosen = [0] * n, [-1] * n
+        pending = set(range(n))
+        while pending:
+            by_step: dict[int, list[int]] = {}
+            for e in sorted(pending):
+                if tried[e] == len(holders[e]):
+                    raise ExpertsMissing(
+                        f"expert {e} of layer {slot[0]} ({slot[1]}) has no usable copy in the "
+                        f"checkpoints up to step {newest} (held by steps {holders[e]}): restore "
+                        "an older workdir, or train from scratch"
+                    )
+                by_step.setdefault(holders[e][tried[e]], []).append(e)
+            for s, experts in by_step.items():
+                verified = here_sums if s == newest else {}
+                got, bad = self._read_copies(s, keys, experts, metas[s], copies[s], verified)
+                for e in experts:
+                    if e in bad:
+                        tried[e] += 1
+                        fallback = holders[e][tried[e]] if tried[e] < len(holders[e]) else None
+                        log.warning(
+                            "checkpoint at step %d: %s of expert %d of layer %d unusable (%s); "
+                            "using the copy at step %s",
+                            s, slot[1], e, slot[0], bad[e], fallback,
                         )
-                    [row_sum] = layout.checksums({key: row})[key]
-                    if row_sum != metas[s]["checksums"][key][pos]:
-                        raise CheckpointError(f"{key}: checksum mismatch (corrupted data)")
-                    got[key] = np.asarray(row[0])
-            except Exception as err:  # noqa: BLE001 - any failure: use the copy before it
-                fallback = holders[i + 1] if i + 1 < len(holders) else None
-                log.warning(
-                    "checkpoint at step %d: %s of expert %d of layer %d unusable (%s); using "
-                    "the copy at step %s",
-                    s, group, expert, moe_layer, err, fallback,
-                )
-                self.emit(
-                    {
-                        "event": "checkpoint_expert_fallback",
-                        "step": s,
-                        "layer": moe_layer,
-                        "expert": expert,
-                        "group": group,
-                        "error": str(err),
-                        "fallback_step": fallback,
-                    }
-                )
+                        self.emit(
+                            {
+                                "event": "checkpoint_expert_fallback",
+                                "step": s,
+                                "layer": slot[0],
+                                "expert": e,
+                                "group": slot[1],
+                                "error": bad[e],
+                                "fallback_step": fallback,
+                            }
+                        )
+                        continue
+                    for key in keys:
+                        rows[key][e] = got[key][e]
+                    chosen[e] = s
+                    pending.discard(e)
+        return chosen
+
+    def _read_copies(
+        self,
+        step: int,
+        keys: list[str],
+        experts: list[int],
+        meta: dict[str, Any],
+        held: Copies,
+        here_sums: dict[str, Any],
+    ) -> tuple[dict[str, dict[int, Any]], dict[int, str]]:
+        """Rows ``experts`` of ``keys`` at ``step`` (``{key: {expert: row}}``; a row already
+        on the devices, verified by ``here_sums``, is its position there) and the experts whose
+        copy failed, with why. One read per key; a read that raises is retried row by row."""
+        item = self._step_dir(step) / layout.EXPERTS
+        got: dict[str, dict[int, Any]] = {k: {} for k in keys}
+        bad: dict[int, str] = {}
+        for key in keys:
+            positions = [held[key].index(e) for e in experts]
+            saved = meta["checksums"][key]
+            if key in here_sums:
+                for e, pos in zip(experts, positions, strict=True):
+                    got[key][e] = pos
+                    if here_sums[key][pos] != saved[pos]:
+                        bad.setdefault(e, f"{key}: checksum mismatch (corrupted data)")
                 continue
-            for key, row in got.items():
-                rows[key][expert] = row
-            return s
-        raise ExpertsMissing(
-            f"expert {expert} of layer {moe_layer} ({group}) has no usable copy in the "
-            f"checkpoints up to step {newest} (held by steps {holders}): restore an older "
-            "workdir, or train from scratch"
-        )
+            try:
+                parts = [(experts, positions, layout.read_rows(item, key, positions))]
+            except Exception:  # noqa: BLE001 - find which rows do not read
+                parts = []
+                for e, pos in zip(experts, positions, strict=True):
+                    try:
+                        parts.append(([e], [pos], layout.read_rows(item, key, [pos])))
+                    except Exception as err:  # noqa: BLE001 - this row falls back
+                        bad.setdefault(e, f"{key}: {type(err).__name__}: {err}")
+            for es, ps, data in parts:
+                sums = layout.checksums({key: jnp.asarray(data)})[key]
+                for i, (e, pos) in enumerate(zip(es, ps, strict=True)):
+                    got[key][e] = data[i]
+                    if sums[i] != saved[pos]:
+                        bad.setdefault(e, f"{key}: checksum mismatch (corrupted data)")
+        return got, bad
 
     def _read_layout1(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
         """A checkpoint written before layout 2 (one item per expert): read to host, verified
