@@ -17,7 +17,9 @@ Blocking: seconds ``Checkpointer.save`` takes before training may go on, for a f
 ``async_save`` off (it returns once written), a full asynchronous save and a PEC asynchronous
 save of K=1 (sequential experts); each save of fresh arrays, the previous save finished first
 (so no save waits on another); medians of ``--repeats``. On CPU the device-to-host copy Orbax
-makes before returning is a host memcpy, so the asynchronous numbers are a floor.
+makes before returning is a host memcpy, so the asynchronous numbers are a floor. Then the
+seconds of ``restore_latest`` from each directory: the PEC one assembles the experts from the
+last saves (up to ``--repeats`` + 2 steps), the full ones read one step.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
         python3 benchmarks/checkpoint_pec.py [--layers 8 --repeats 5]
@@ -103,6 +105,7 @@ def main() -> None:
                          disk / full_disk, disk))
 
         blocking: dict[str, list[float]] = {}
+        restoring: dict[str, list[float]] = {}
         for name, async_save, k in (
             ("full, sync", False, None),
             ("full, async", True, None),
@@ -120,6 +123,10 @@ def main() -> None:
                 ckpt.save(i, arrays, {}, experts=None if k is None else sequential(i, k))
                 blocking.setdefault(name, []).append(time.perf_counter() - start)
                 ckpt.wait()
+            for _ in range(args.repeats + 1):  # the first compiles
+                start = time.perf_counter()
+                jax.block_until_ready(ckpt.restore_latest(lambda meta: exp.abstract_state)[0])
+                restoring.setdefault(name, []).append(time.perf_counter() - start)
             ckpt.close()
 
     mb = sum(a.nbytes for a in jax.tree.leaves(state)) / 1e6
@@ -131,12 +138,13 @@ def main() -> None:
     print(f"{'content':>8}{'K':>4}{'predicted':>11}{'event bytes':>13}{'on disk':>9}{'MB':>8}")
     for content, k, pred, event, disk, size in rows:
         print(f"{content:>8}{k:>4}{pred:>11.3f}{event:>13.3f}{disk:>9.3f}{size / 1e6:>8.2f}")
-    print(f"\nblocking seconds per save, medians of {args.repeats}")
+    print(f"\nseconds per save (blocking) and per restore_latest, medians of {args.repeats}")
     base = statistics.median(blocking["full, sync"])
-    print(f"{'':>16}{'seconds':>10}{'/ full sync':>13}")
+    base_restore = statistics.median(restoring["full, sync"][1:])
+    print(f"{'':>16}{'save s':>10}{'/ full sync':>13}{'restore s':>11}{'/ full':>8}")
     for name, values in blocking.items():
-        med = statistics.median(values)
-        print(f"{name:>16}{med:>10.4f}{med / base:>13.3f}")
+        med, rest = statistics.median(values), statistics.median(restoring[name][1:])
+        print(f"{name:>16}{med:>10.4f}{med / base:>13.3f}{rest:>11.4f}{rest / base_restore:>8.3f}")
 
 
 if __name__ == "__main__":

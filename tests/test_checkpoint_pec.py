@@ -240,3 +240,27 @@ def test_a_first_partial_save_saves_every_expert_without_a_copy(trained, tmp_pat
     with pytest.raises(ValueError, match=r"experts\[1\] = \[4\]"):
         ckpt.save(3, state, {}, experts={0: [1], 1: [4]})
     ckpt.close()
+
+
+def test_pruning_masks_are_saved_with_their_experts_weights(tmp_path):
+    exp = Experiment.from_config(tiny_config(moe__every=1, pruning__enabled=True))
+    state = exp.init_state()
+    later = jax.tree.map(
+        lambda a: a + 1 if a.dtype.kind == "f" else ~a if a.dtype == bool else a, state
+    )
+    ckpt = Checkpointer(tmp_path, keep=2)
+    ckpt.save(1, state, {})
+    ckpt.save(2, later, {}, experts={0: [2], 1: [0]}, content="W")
+    ckpt.wait()
+    rows = stored_rows(tmp_path / "2")
+    masks = [k for k in rows if "/masks/" in k]
+    assert len(masks) == 4 and all(rows[k] == 1 for k in masks)
+    assert all(n == E for k, n in rows.items() if "/inner/" in k)  # the Adam moments: whole
+    restored, meta = ckpt.restore_latest(lambda meta: exp.abstract_state)
+    ckpt.close()
+    sources = {
+        layer: {"weights": [2 if e == chosen else 1 for e in range(E)], "optimizer": [2] * E}
+        for layer, chosen in ((0, 2), (1, 0))
+    }
+    assert meta["expert_sources"] == sources
+    assert_restored(restored, expected_state({1: state, 2: later}, sources, 2))
