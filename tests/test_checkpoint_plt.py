@@ -1,0 +1,231 @@
+"""Partial expert checkpoints' policy (seed 004 §3.2, eq. 7, §5.3): selection, the token
+ledger, the proportion of lost tokens and dynamic K, against hand NumPy computations."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dynjax.checkpoint.pec import ExpertLedger
+from dynjax.config import ConfigError, validate_config
+
+from .tiny import tiny_config
+
+
+def _sequential_saves(ledger: ExpertLedger, saves: int) -> list[dict[int, list[int]]]:
+    """Run ``saves`` partial saves after the first (full) one, one step apart."""
+    ledger.count(1, np.ones(ledger.tokens.shape))
+    ledger.saved(1, ledger.select())
+    out = []
+    for step in range(2, saves + 2):
+        ledger.count(step, np.ones(ledger.tokens.shape))
+        chosen = ledger.select()
+        ledger.saved(step, chosen)
+        out.append(chosen)
+    return out
+
+
+def test_the_first_save_is_full_and_fig5_is_reproduced():
+    """Fig. 5: E = R = 3, K = 1, MoE layers 1, 3, 5, 7: the first partial save writes experts
+    1-0, 3-1, 5-2, 7-0 and the next 1-1, 3-2, 5-0, 7-1."""
+    ledger = ExpertLedger([1, 3, 5, 7], 3, 3, 1)
+    assert ledger.select() is None  # no copy of anything yet: all
+    first, second = _sequential_saves(ledger, 2)
+    assert first == {1: [0], 3: [1], 5: [2], 7: [0]}
+    assert second == {1: [1], 3: [2], 5: [0], 7: [1]}
+
+
+@pytest.mark.parametrize(
+    ("layers", "experts", "ranks", "k"),
+    [(4, 8, 4, 1), (3, 8, 2, 3), (6, 16, 4, 2), (5, 12, 3, 5), (2, 4, 1, 3)],
+)
+def test_sequential_covers_every_expert_each_cycle_and_balances_ranks(layers, experts, ranks, k):
+    ledger = ExpertLedger(list(range(layers)), experts, ranks, k)
+    cycle = math.ceil(experts / k)
+    saves = _sequential_saves(ledger, 3 * cycle)
+    per_rank_bytes = []
+    for chosen in saves:
+        assert all(len(v) == k for v in chosen.values())
+        ranks_of = np.concatenate([ledger.rank_of(v) for v in chosen.values()])
+        per_rank_bytes.append(np.bincount(ranks_of, minlength=ranks))
+    for start in range(len(saves) - cycle + 1):  # any ceil(E/K) consecutive saves: all experts
+        for layer in range(layers):
+            seen = {e for chosen in saves[start : start + cycle] for e in chosen[layer]}
+            assert seen == set(range(experts)), (start, layer)
+    per_rank_bytes = np.array(per_rank_bytes)  # [saves, ranks] experts (equal sizes) per rank
+    assert (per_rank_bytes.max(1) - per_rank_bytes.min(1) <= 1).all()
+    assert (per_rank_bytes.sum(1) == layers * k).all()
+
+
+def test_sequential_is_unbalanced_without_the_interleave():
+    """What the interleave buys: the same windows over experts in index order put a save's
+    experts on one rank (Fig. 5's worst case), so the balance test above can fail."""
+    ledger = ExpertLedger([0, 1, 2, 3], 8, 4, 1)
+    contiguous = [[(i + s) % 8 for i in range(4)] for s in range(8)]
+    spread = [np.bincount(ledger.rank_of(c), minlength=4) for c in contiguous]
+    assert max(int(s.max() - s.min()) for s in spread) == 2
+
+
+def test_load_aware_picks_the_experts_with_most_unsaved_tokens():
+    ledger = ExpertLedger([0, 2], 4, 2, 2, selection="load_aware")
+    rng = np.random.default_rng(0)
+    loads = rng.integers(0, 100, size=(6, 2, 4))
+    ledger.count(1, loads[0])
+    ledger.saved(1, ledger.select())  # full
+    since = np.zeros((2, 4), np.int64)
+    for step in range(2, 7):
+        ledger.count(step, loads[step - 1])
+        since += loads[step - 1]
+        chosen = ledger.select()
+        for i, layer in enumerate((0, 2)):
+            assert chosen[layer] == sorted(np.argsort(-since[i], kind="stable")[:2].tolist())
+            since[i, chosen[layer]] = 0
+        ledger.saved(step, chosen)
+
+
+def _synthetic(seed: int, k: int = 1, **kw):
+    """A ledger over 8 steps of random loads [3 layers, 4 experts], saved every 2 steps."""
+    rng = np.random.default_rng(seed)
+    loads = rng.integers(0, 50, size=(8, 3, 4))
+    ledger = ExpertLedger([1, 3, 5], 4, 2, k, **kw)
+    saves = {}
+    for step in range(1, 9):
+        ledger.count(step, loads[step - 1])
+        if step % 2 == 0:
+            saves[step] = ledger.select()
+            ledger.saved(step, saves[step])
+    return ledger, loads, saves
+
+
+def _newest_sources(saves, step):
+    """Per layer and expert, the newest save <= ``step`` that holds it (what restore reads)."""
+    holds = lambda s, layer, e: s <= step and (saves[s] is None or e in saves[s][layer])
+    return {
+        layer: [max(s for s in saves if holds(s, layer, e)) for e in range(4)]
+        for layer in (1, 3, 5)
+    }
+
+
+def test_plt_equals_a_hand_computation():
+    ledger, loads, saves = _synthetic(1)
+    sources = _newest_sources(saves, 8)
+    restored = ExpertLedger.from_meta(
+        json.loads(json.dumps(ledger.to_meta())),
+        selection="sequential",
+        plt_limit=0.0375,
+        dynamic_k=False,
+        history=3,
+    )
+    recovery = restored.recover(sources)
+    lost = np.zeros((3, 4), np.int64)
+    for i, layer in enumerate((1, 3, 5)):
+        for e in range(4):
+            lost[i, e] = loads[sources[layer][e] : 8, i, e].sum()  # steps src+1 .. 8
+    assert recovery.lost_tokens == {layer: lost[i].tolist() for i, layer in enumerate((1, 3, 5))}
+    assert recovery.lost_steps == {
+        layer: [8 - s for s in sources[layer]] for layer in (1, 3, 5)
+    }
+    assert recovery.plt == pytest.approx(lost.sum() / loads.sum())
+    assert lost.sum() > 0
+    event = recovery.event()
+    assert event["event"] == "checkpoint_recovery" and event["lost_tokens"] == lost.sum()
+
+
+def test_a_second_fault_counts_only_the_tokens_after_the_first_recovery():
+    """Two faults on one trajectory: recover at 8, train 4 more steps with no save of some
+    experts, recover at 10 (a later save): the experts still restored from the old copy lose
+    only steps 9..10, and eq. 7 sums the two faults over all tokens processed."""
+    ledger, loads, saves = _synthetic(2)
+    first = ledger.recover(_newest_sources(saves, 8))
+    more = np.random.default_rng(3).integers(0, 50, size=(2, 3, 4))
+    ledger.count(9, more[0])
+    ledger.count(10, more[1])
+    chosen = ledger.select()
+    ledger.saved(10, chosen)
+    saves[10] = chosen
+    # A restore of step 10: the experts saved at 10 lose nothing; the others come from the
+    # copies of the first recovery, which since hold their state at step 8.
+    second = ledger.recover(_newest_sources(saves, 10))
+    for i, layer in enumerate((1, 3, 5)):
+        for e in range(4):
+            want = 0 if e in chosen[layer] else int(more[:, i, e].sum())
+            assert second.lost_tokens[layer][e] == want
+            assert second.lost_steps[layer][e] == (0 if e in chosen[layer] else 2)
+    lost = sum(sum(map(sum, r.lost_tokens.values())) for r in (first, second))
+    assert second.total_plt == pytest.approx(lost / (loads.sum() + more.sum()))
+
+
+def test_a_fault_restoring_the_same_step_again_counts_its_losses_once():
+    ledger, _, saves = _synthetic(4)
+    meta = json.loads(json.dumps(ledger.to_meta()))
+    settings = {"selection": "sequential", "plt_limit": 0.0375, "dynamic_k": False, "history": 3}
+    first = ExpertLedger.from_meta(meta, **settings).recover(_newest_sources(saves, 8))
+    again = ExpertLedger.from_meta(meta, **settings).recover(_newest_sources(saves, 8))
+    assert again.total_plt == first.total_plt == first.plt
+
+
+def test_dynamic_k_doubles_exactly_when_the_limit_is_crossed_and_caps_at_e():
+    ledger, _, saves = _synthetic(5, k=1, dynamic_k=True, plt_limit=0.5)
+    sources = _newest_sources(saves, 8)
+    below = ExpertLedger.from_meta(
+        ledger.to_meta(), selection="sequential", plt_limit=0.5, dynamic_k=True, history=3
+    ).recover(sources)
+    assert below.total_plt < 0.5 and below.experts_per_save == 1
+    limit = below.total_plt * 0.999  # just under this fault's PLT: crossed
+    ks = []
+    for _ in range(4):
+        restored = ExpertLedger.from_meta(
+            ledger.to_meta(), selection="sequential", plt_limit=limit, dynamic_k=True, history=3
+        )
+        ks.append(restored.recover(sources).experts_per_save)
+        ledger.set_k(restored.k)
+    assert ks == [2, 4, 4, 4]  # doubles once per recovery above the limit, never above E
+    exact = ExpertLedger.from_meta(
+        ledger.to_meta() | {"k": 1},
+        selection="sequential",
+        plt_limit=below.total_plt,  # equal is not above
+        dynamic_k=True,
+        history=3,
+    )
+    assert exact.recover(sources).experts_per_save == 1
+    off = ExpertLedger.from_meta(
+        ledger.to_meta() | {"k": 1},
+        selection="sequential",
+        plt_limit=limit,
+        dynamic_k=False,
+        history=3,
+    )
+    assert off.recover(sources).experts_per_save == 1
+
+
+def test_the_ledger_survives_its_metadata_round_trip():
+    ledger, _, _ = _synthetic(6, k=2, selection="load_aware")
+    meta = json.loads(json.dumps(ledger.to_meta()))
+    again = ExpertLedger.from_meta(
+        meta, selection="load_aware", plt_limit=0.0375, dynamic_k=False, history=3
+    )
+    assert again.to_meta() == ledger.to_meta()
+    assert again.select() == ledger.select()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"checkpoint__experts_per_save": 5, "moe__every": 2}, "checkpoint.experts_per_save=5"),
+        ({"checkpoint__experts_per_save": 1}, "checkpoint.experts_per_save=1 needs MoE"),
+        ({"checkpoint__experts_per_save": -1, "moe__every": 2}, "checkpoint.experts_per_save"),
+        ({"checkpoint__pec_content": "X"}, "checkpoint.pec_content"),
+        ({"checkpoint__pec_selection": "random"}, "checkpoint.pec_selection"),
+        ({"checkpoint__plt_limit": 0.0}, "checkpoint.plt_limit"),
+        ({"checkpoint__plt_limit": 1.5}, "checkpoint.plt_limit"),
+    ],
+)
+def test_bad_settings_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate_config(tiny_config(**overrides), 1)
+
+
+def test_good_settings_pass():
+    validate_config(tiny_config(checkpoint__experts_per_save=4, moe__every=2), 1)
+    validate_config(tiny_config(checkpoint__experts_per_save=0), 1)
