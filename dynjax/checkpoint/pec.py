@@ -40,6 +40,7 @@ saves, up to E.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
@@ -172,6 +173,13 @@ class ExpertLedger:
             chosen = order[:, : self.k]
         pairs = zip(self.layers, chosen, strict=True)
         return {layer: sorted(int(e) for e in row) for layer, row in pairs}
+
+    def meta_after(self, step: int, experts: Mapping[int, Sequence[int]] | None) -> dict[str, Any]:
+        """`to_meta` as it will be once the save at ``step`` of ``experts`` is recorded: what
+        that save's metadata holds (its own copies included). Changes nothing."""
+        after = copy.deepcopy(self)
+        after.saved(step, experts)
+        return after.to_meta()
 
     def saved(self, step: int, experts: Mapping[int, Sequence[int]] | None) -> None:
         """Record that the save at ``step`` (== the steps counted) holds ``experts`` (None =
