@@ -406,12 +406,14 @@ def expert_ledger(
 
 
 def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list[int]]:
-    """Per MoE layer, the step each expert's restored state comes from (the storage's
-    ``expert_sources``); the restored step for every expert of a full checkpoint."""
-    sources = meta.get("expert_sources")
-    if not sources:
-        return {layer: [meta["step"]] * ledger.num_experts for layer in ledger.layers}
-    return {int(layer): [int(s) for s in row] for layer, row in sources.items()}
+    """Per MoE layer, the step each expert's restored state comes from: the older of its
+    weights' and its optimizer state's (the storage's ``expert_sources``), so that with
+    ``checkpoint.pec_content="O"`` the tokens whose moment updates were lost count."""
+    sources = meta.get("expert_sources") or {}
+    out = {layer: [meta["step"]] * ledger.num_experts for layer in ledger.layers}
+    for layer, parts in sources.items():
+        out[int(layer)] = np.min([list(p) for p in parts.values()], axis=0).tolist()
+    return out
 
 
 def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:

@@ -132,6 +132,18 @@ def test_plt_equals_a_hand_computation():
     assert event["event"] == "checkpoint_recovery" and event["lost_tokens"] == lost.sum()
 
 
+def test_a_row_the_storage_saved_unasked_counts_from_its_step():
+    """The storage saves a row no step holds even if not asked (after a quarantine): the
+    restore then reads that expert from a step the ledger did not choose it at."""
+    ledger, loads, saves = _synthetic(7)
+    sources = _newest_sources(saves, 8)
+    unasked = next(e for e in range(4) if sources[3][e] < 6)
+    sources[3][unasked] = 6
+    recovery = ledger.recover(sources)
+    assert recovery.lost_tokens[3][unasked] == loads[6:8, 1, unasked].sum()
+    assert recovery.lost_steps[3][unasked] == 2
+
+
 def test_a_second_fault_counts_only_the_tokens_after_the_first_recovery():
     """Two faults on one trajectory: recover at 8, train 4 more steps with no save of some
     experts, recover at 10 (a later save): the experts still restored from the old copy lose
@@ -229,3 +241,4 @@ def test_bad_settings_name_the_key(overrides, key):
 def test_good_settings_pass():
     validate_config(tiny_config(checkpoint__experts_per_save=4, moe__every=2), 1)
     validate_config(tiny_config(checkpoint__experts_per_save=0), 1)
+

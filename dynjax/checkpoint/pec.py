@@ -59,6 +59,7 @@ class Recovery:
     """What one fault cost, per MoE layer (model index) and expert, and the PLT after it."""
 
     step: int  # the restored step
+    sources: dict[int, list[int]]  # layer -> [E] the step each expert's copy was saved at
     lost_steps: dict[int, list[int]]  # layer -> [E] steps of updates lost
     lost_tokens: dict[int, list[int]]  # layer -> [E] routed pairs whose updates were lost
     tokens: int  # routed pairs over all MoE layers through ``step``: eq. 7's L * I * k
@@ -73,6 +74,7 @@ class Recovery:
             "step": self.step,
             "layers": {
                 str(layer): {
+                    "sources": self.sources[layer],
                     "lost_steps": self.lost_steps[layer],
                     "lost_tokens": self.lost_tokens[layer],
                 }
@@ -122,8 +124,9 @@ class ExpertLedger:
         self.tokens = np.zeros(shape, np.int64)  # routed pairs per expert through `step`
         self.cursor = np.arange(len(self.layers), dtype=np.int64) * k  # next position per layer
         self.saved_at = np.full(shape, _NONE, np.int64)  # step of each expert's newest copy
-        # Per save step: [2, L, E] the tokens and the step each saved expert's copy reflects
-        # (_NONE where that save did not hold it). A recovery shifts them (`recover`).
+        # Per save step: [2, L, E] the tokens and the step the state of each expert at that
+        # save reflects (the storage may save more rows than asked: every entry is kept).
+        # A recovery shifts them (`recover`); _NONE: a state the trajectory no longer has.
         self.rows: dict[int, np.ndarray] = {}
         self.lost_tokens = 0  # over every fault on this trajectory
 
@@ -194,9 +197,7 @@ class ExpertLedger:
                 held[i, list(experts.get(layer, ()))] = True
             if self.selection == "sequential":
                 self.cursor += self.k
-        row = np.full((2, *self.tokens.shape), _NONE, np.int64)
-        row[0][held], row[1][held] = self.tokens[held], step
-        self.rows[step] = row
+        self.rows[step] = np.stack([self.tokens, np.full_like(self.tokens, step)])
         self.saved_at[held] = step
         self._prune()
 
@@ -241,8 +242,9 @@ class ExpertLedger:
                 # oldest copy it knows (a lower bound), and say so.
                 log.warning("expert copies of step %d are not in the ledger: PLT is a lower "
                             "bound", s)
-                row = self.rows[min(self.rows)] if self.rows else np.zeros_like(reflected)
-                row = np.where(row == _NONE, 0, row)
+                now = np.stack([self.tokens, np.full_like(self.tokens, step)])
+                row = self.rows[min(self.rows)] if self.rows else now
+                row = np.where(row == _NONE, now, row)
             reflected[:, mask] = row[:, mask]
         lost_tokens = self.tokens - reflected[0]
         lost_steps = step - reflected[1]
@@ -261,6 +263,7 @@ class ExpertLedger:
             self.set_k(min(2 * self.k, self.num_experts))
         return Recovery(
             step=step,
+            sources={layer: src[i].tolist() for i, layer in enumerate(self.layers)},
             lost_steps={layer: lost_steps[i].tolist() for i, layer in enumerate(self.layers)},
             lost_tokens={layer: lost_tokens[i].tolist() for i, layer in enumerate(self.layers)},
             tokens=total,
