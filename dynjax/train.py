@@ -385,7 +385,7 @@ def expert_ledger(
         "history": cfg.train.keep_checkpoints,
     }
     if meta is not None and "pec" in meta:
-        ledger = ExpertLedger.from_meta(meta["pec"], **settings)
+        ledger = ExpertLedger.from_meta(meta["pec"], ranks=cfg.mesh.expert, **settings)
         recovery = ledger.recover(expert_sources(meta, ledger))
         emit(recovery.event())
         log.info(

@@ -306,12 +306,14 @@ class ExpertLedger:
         plt_limit: float,
         dynamic_k: bool,
         history: int,
+        ranks: int | None = None,
     ) -> ExpertLedger:
-        """The ledger saved by `to_meta`; the settings come from the current config."""
+        """The ledger saved by `to_meta`; the settings (and ``ranks``, if the run resumes on
+        another ``mesh.expert``) come from the current config."""
         ledger = cls(
             meta["layers"],
             meta["num_experts"],
-            meta["ranks"],
+            ranks or meta["ranks"],
             meta["k"],
             selection=selection,
             plt_limit=plt_limit,
