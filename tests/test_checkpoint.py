@@ -198,7 +198,7 @@ def test_corrupt_latest_is_set_aside_and_its_step_saved_again(trained, tmp_path)
     ckpt.close()
 
 
-def test_wrong_data_in_an_expert_shard_fails_its_checksum(trained, tmp_path):
+def test_wrong_data_in_an_expert_shard_falls_back_to_its_previous_copy(trained, tmp_path):
     exp, state = trained
     events = []
     ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
@@ -213,11 +213,17 @@ def test_wrong_data_in_an_expert_shard_fails_its_checksum(trained, tmp_path):
         ckpt.restore_experts(2, key, [0, 2]),
         np.asarray(state["opt_state"][1][0].nu["layers"][1]["moe"]["w_out"])[[0, 2]],
     )
+    # Only that expert's optimizer state falls back to step 1; step 2 stays (its dense part
+    # and other experts are the newest state).
     restored, meta = ckpt.restore_latest(fixed(exp))
-    assert meta["step"] == 1
+    assert meta["step"] == 2 and ckpt.all_steps() == [1, 2]
     assert_bitwise_equal(state, restored)
-    [failed] = [e for e in events if e["event"] == "checkpoint_restore_failed"]
-    assert failed["step"] == 2 and f"{key}: checksum mismatch" in failed["error"]
+    assert meta["expert_sources"][1]["optimizer"] == [2, 2, 2, 1]
+    assert meta["expert_sources"][1]["weights"] == [2, 2, 2, 2]
+    assert not [e for e in events if e["event"] == "checkpoint_restore_failed"]
+    [fallback] = [e for e in events if e["event"] == "checkpoint_expert_fallback"]
+    assert (fallback["step"], fallback["layer"], fallback["expert"]) == (2, 1, 3)
+    assert f"{key}: checksum mismatch" in fallback["error"] and fallback["fallback_step"] == 1
     ckpt.close()
 
 

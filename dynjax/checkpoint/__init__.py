@@ -1,6 +1,11 @@
 """Orbax checkpoints in a fixed number of items, saved and restored shard by shard, with any
 subset of experts of any MoE layer readable alone (`layout`)."""
 
-from dynjax.checkpoint.manager import Checkpointer, CheckpointError, CheckpointMismatch
+from dynjax.checkpoint.manager import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatch,
+    ExpertsMissing,
+)
 
-__all__ = ["CheckpointError", "CheckpointMismatch", "Checkpointer"]
+__all__ = ["CheckpointError", "CheckpointMismatch", "Checkpointer", "ExpertsMissing"]

@@ -21,8 +21,11 @@ Orbax and no host holds the whole state.
 
 Partial saves (MoC-System's partial expert checkpoints, seed 004 §3, issue 13) fit the same
 three items: a save of experts i, j of layer l writes in its ``experts`` item arrays of the
-chosen rows only ([K, ...], gathered on device) and lists the rows per layer in ``meta``; the
-restore assembles each expert's newest copy with `read_rows` from older steps.
+chosen rows only ([K, ...], gathered on device by `take_rows`) and records in ``meta``
+``expert_rows`` which rows each array holds (`held_rows`); the restore assembles each expert's
+newest copy with `read_rows` from older steps. An expert leaf is part of its expert's weights
+(``params/...`` and the pruning keep masks, which say which of those weights exist) or of its
+optimizer state (the Adam moments): `expert_group`, what seed 004 §3's PEC_W / PEC_O select.
 
 Integrity (`checksums`): per array, a pair of position-weighted sums of its 32-bit words modulo
 2^32 (``sum(w_i * (2i + 1))`` and ``sum(w_i * (i * 0x9E3779B9 | 1))``), computed by one jitted
@@ -40,6 +43,7 @@ Layout 1 (before issue 15): ``dense`` plus one item per (MoE layer, expert),
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 import zlib
@@ -58,6 +62,7 @@ from dynjax.parallel import is_expert_param
 
 LAYOUT = 2
 DENSE, EXPERTS = "dense", "experts"
+WEIGHTS, OPTIMIZER = "weights", "optimizer"
 _V1_EXPERT_ITEM = re.compile(r"^expert_l(\d+)_e(\d+)$")
 
 
@@ -87,6 +92,13 @@ def expert_layer(key: str) -> int | None:
     if not (len(names) >= 2 and is_expert_param(tuple(jax.tree_util.DictKey(n) for n in names))):
         return None
     return int(names[names.index("layers") + 1])
+
+
+def expert_group(key: str) -> str:
+    """`WEIGHTS` for an expert leaf of the parameters or of the pruning keep masks (a mask
+    says which weights exist, so it is saved with them), else `OPTIMIZER` (Adam moments)."""
+    names = key.split("/")
+    return WEIGHTS if names[0] == "params" or "masks" in names else OPTIMIZER
 
 
 def split(tree: Any) -> dict[str, dict[str, Any]]:
@@ -187,6 +199,52 @@ def checksums(flat: Mapping[str, jax.Array]) -> dict[str, str | list[str]]:
             else:
                 out[key] = [_describe(a.dtype, a.shape[1:], row) for row in sums[key]]
     return out
+
+
+def _row_sharding(sharding: jax.sharding.Sharding, rows: int) -> jax.sharding.Sharding:
+    """Where ``rows`` rows cut from an array in ``sharding`` go: the same spec when the
+    expert axis still divides them (each device keeps its own experts' rows), else that axis
+    replicated; the other axes (data, tensor) stay split."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = list(sharding.spec) or [None]
+    lead = spec[0]
+    names = lead if isinstance(lead, tuple) else (lead,) if lead is not None else ()
+    if rows % int(np.prod([sharding.mesh.shape[n] for n in names])):
+        spec[0] = None
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take(a: jax.Array, idx: jax.Array, out: jax.sharding.Sharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(a[idx], out)
+
+
+def take_rows(a: jax.Array, rows: Sequence[int]) -> jax.Array:
+    """Rows ``rows`` of a stacked expert array, [len(rows), ...], gathered on the devices that
+    hold them (no host copy of the whole array)."""
+    return _take(a, jnp.asarray(rows, jnp.int32), _row_sharding(a.sharding, len(rows)))
+
+
+def held_rows(meta: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Per expert leaf, the rows (experts, ascending) a layout-2 checkpoint holds, in the order
+    its stored array holds them; a checkpoint written before partial saves holds all rows.
+    Empty for other layouts."""
+    if meta.get("layout") != LAYOUT:
+        return {}
+    recorded = meta.get("expert_rows")
+    if recorded is not None:
+        return {k: tuple(v["rows"]) for k, v in recorded.items()}
+    sums = meta.get("checksums", {})
+    return {k: tuple(range(len(v))) for k, v in sums.items() if isinstance(v, list)}
+
+
+def expert_count(meta: Mapping[str, Any], key: str) -> int:
+    """E of the expert leaf ``key`` in a layout-2 checkpoint (its stored array may hold fewer)."""
+    recorded = meta.get("expert_rows")
+    if recorded is not None:
+        return int(recorded[key]["of"])
+    return len(meta["checksums"][key])
 
 
 def read_rows(item_dir: Path, key: str, rows: Sequence[int]) -> np.ndarray:

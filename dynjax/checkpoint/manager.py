@@ -15,6 +15,12 @@ step for the next save and keeps it out of ``keep``. A checkpoint that is intact
 the model (other leaves, shapes or dtypes, told by its metadata before any array is read) is an
 error, never moved. A save that Orbax refuses or that fails is an event and a warning, never a
 success. Checkpoints of layout 1 (one item per expert) still restore, through host memory.
+
+Partial expert checkpoints (PEC, seed 004 §3): a save may hold only K of the E experts of each
+MoE layer, for the weights, the optimizer state or both (``content`` W / O / WO). A restore then
+assembles each expert from the newest step that saved it (`restore_latest`), a step is kept on
+disk while it holds the newest copy of any expert (`_NewestCopies`), and a save never leaves an
+expert without any copy (`Checkpointer.save` adds it).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,42 @@ class CheckpointMismatch(CheckpointError):
     """An intact checkpoint that does not fit the model: an error of the run, not of the data."""
 
 
+class ExpertsMissing(CheckpointError):
+    """Some expert has no usable copy in any checkpoint up to the one restored: older steps
+    cannot serve it either, so no step is moved aside."""
+
+
+# Seed 004 §3's PEC_W, PEC_O and PEC_WO: the expert groups a partial save cuts to K experts.
+CONTENTS = {
+    "W": {layout.WEIGHTS},
+    "O": {layout.OPTIMIZER},
+    "WO": {layout.WEIGHTS, layout.OPTIMIZER},
+}
+Slot = tuple[int, str]  # (MoE layer, expert group): leaves an expert's row is saved across
+Copies = dict[str, tuple[int, ...]]  # expert leaf -> rows a step holds (`layout.held_rows`)
+
+
+class _NewestCopies:
+    """Orbax preservation policy: keep the ``keep`` newest steps and every step holding the
+    newest saved copy of some (expert leaf, row), so that `Checkpointer.restore_latest` finds
+    every expert's newest copy (seed 004 §3: a PEC step alone does not hold the model).
+
+    Orbax asks it inside ``CheckpointManager.save``, after listing the new step, and deletes
+    what it refuses once the new step is committed (a failed save deletes nothing)."""
+
+    def __init__(self, keep: int, copies: Callable[[int], Copies]):
+        self.keep, self.copies = keep, copies
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        order = sorted(range(len(checkpoints)), key=lambda i: -checkpoints[i].step)
+        keep, seen = [False] * len(checkpoints), set()
+        for rank, i in enumerate(order):
+            held = {(k, r) for k, rows in self.copies(checkpoints[i].step).items() for r in rows}
+            keep[i] = rank < self.keep or not held <= seen
+            seen |= held
+        return keep
+
+
 class Checkpointer:
     """Save and restore ``{"params": ..., "opt_state": ...}`` plus JSON metadata per step."""
 
@@ -58,17 +100,39 @@ class Checkpointer:
         emit: Callable[[dict[str, Any]], None] = lambda event: None,
     ):
         self.emit = emit
+        self._copies: dict[int, Copies] = {}
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+            enable_async_checkpointing=async_save,
+            create=True,
+            preservation_policy=_NewestCopies(keep, lambda step: self._copies.get(step, {})),
         )
         self._manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+        for step in self.all_steps():
+            try:
+                self._copies[step] = layout.held_rows(self._read_meta(step))
+            except Exception:  # noqa: BLE001 - unreadable: holds nothing a restore can use
+                self._copies[step] = {}
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        meta: dict[str, Any],
+        experts: Mapping[int, Sequence[int]] | None = None,
+        content: str = "WO",
+    ) -> bool:
         """Start saving ``state`` (a pytree of jax.Arrays) at ``step``; returns once each
         device's shards are copied to host (the next step may donate the arrays).
+
+        ``experts`` (MoE layer -> expert rows; None: all) saves only those experts of each
+        MoE layer (PEC, seed 004 §3) for the leaves ``content`` names: ``"W"`` the experts'
+        weights, ``"O"`` their optimizer state, ``"WO"`` both; the other leaves and the dense
+        item are whole. The chosen rows are gathered on the devices that hold them, and a row
+        of which no step on disk holds a copy (a first save, or after a quarantine) is saved
+        too, so that every checkpoint restores; the ``checkpoint`` event lists the rows saved.
 
         Returns whether the save was started. A save Orbax refuses (the step exists, or is not
         newer than the latest) or that raises (including an earlier asynchronous save's error,
@@ -77,8 +141,23 @@ class Checkpointer:
         """
         start = time.perf_counter()
         items = layout.split(state)
+        rows = self._rows_to_save(items[layout.EXPERTS], experts, content)
+        expert_rows = {
+            k: {"of": int(a.shape[0]), "rows": list(rows[k])}
+            for k, a in items[layout.EXPERTS].items()
+        }
+        items[layout.EXPERTS] = {
+            k: a if rows[k] == tuple(range(a.shape[0])) else layout.take_rows(a, rows[k])
+            for k, a in items[layout.EXPERTS].items()
+        }
         flat = {**items[layout.DENSE], **items[layout.EXPERTS]}
-        meta = {**meta, "step": step, "layout": layout.LAYOUT, "checksums": layout.checksums(flat)}
+        meta = {
+            **meta,
+            "step": step,
+            "layout": layout.LAYOUT,
+            "checksums": layout.checksums(flat),
+            "expert_rows": expert_rows,
+        }
         # One storage chunk per expert: a later read of a few experts touches only theirs.
         per_expert = ocp.SaveArgs(shard_axes=(0,))
         chunks = {layout.EXPERTS: layout.nest({k: per_expert for k in items[layout.EXPERTS]})}
@@ -87,6 +166,8 @@ class Checkpointer:
             for name, item in items.items()
             if item  # a model without MoE layers has no ``experts`` item
         }
+        previous = self._copies.get(step)
+        self._copies[step] = rows  # what the preservation policy weighs during the save
         try:
             started = self._manager.save(
                 step, args=ocp.args.Composite(**args, **{META: ocp.args.JsonSave(meta)})
@@ -98,19 +179,69 @@ class Checkpointer:
         except Exception as err:  # noqa: BLE001 - a failed save must not end the run
             started, error = False, f"{type(err).__name__}: {err}"
         if not started:
+            if previous is None:
+                del self._copies[step]
+            else:
+                self._copies[step] = previous
             log.warning("checkpoint at step %d was not saved: %s", step, error)
             self.emit({"event": "checkpoint_failed", "step": step, "error": error})
             return False
+        saved: dict[str, list[int]] = {}
+        for key, held in rows.items():
+            if layout.expert_group(key) in CONTENTS[content]:
+                saved.setdefault(str(layout.expert_layer(key)), list(held))
         self.emit(
             {
                 "event": "checkpoint",
                 "step": step,
                 "items": len(args) + 1,
                 "bytes": int(sum(a.nbytes for a in flat.values())),
+                "experts_saved": saved,
+                "pec_content": content,
                 "blocking_seconds": round(time.perf_counter() - start, 4),
             }
         )
         return True
+
+    def _rows_to_save(
+        self,
+        leaves: Mapping[str, Any],
+        experts: Mapping[int, Sequence[int]] | None,
+        content: str,
+    ) -> Copies:
+        """Per expert leaf, the rows this save writes (see `save`)."""
+        if content not in CONTENTS:
+            raise ValueError(f"content={content!r}: use one of {sorted(CONTENTS)} (seed 004 §3)")
+        counts = {layout.expert_layer(k): int(a.shape[0]) for k, a in leaves.items()}
+        if experts is not None:
+            if set(experts) != set(counts):
+                raise ValueError(
+                    f"experts names MoE layers {sorted(experts)}, the state has {sorted(counts)}: "
+                    "give the rows to save for each MoE layer (or experts=None for all)"
+                )
+            for moe_layer, chosen in experts.items():
+                bad = [e for e in chosen if not 0 <= e < counts[moe_layer]]
+                if bad or not chosen or len(set(chosen)) != len(chosen):
+                    raise ValueError(
+                        f"experts[{moe_layer}] = {list(chosen)}: give distinct experts in "
+                        f"[0, {counts[moe_layer]}), at least one"
+                    )
+        have = {(k, r) for copies in self._copies.values() for k, rs in copies.items() for r in rs}
+        chosen_rows: dict[int, set[int]] = {}
+        for key in leaves:
+            moe_layer = layout.expert_layer(key)
+            if experts is None:
+                chosen_rows[moe_layer] = set(range(counts[moe_layer]))
+                continue
+            picked = chosen_rows.setdefault(moe_layer, set(experts[moe_layer]))
+            if layout.expert_group(key) in CONTENTS[content]:
+                picked |= {r for r in range(counts[moe_layer]) if (key, r) not in have}
+        return {
+            k: tuple(sorted(chosen_rows[layout.expert_layer(k)]))
+            if layout.expert_group(k) in CONTENTS[content]
+            else tuple(range(int(a.shape[0])))
+            for k, a in leaves.items()
+        }
 
     def restore_latest(
         self, target: Callable[[dict[str, Any]], Any]
@@ -120,8 +251,11 @@ class Checkpointer:
         ``target(meta)`` gives, for each candidate's metadata and before any array is read,
         the tree to restore into: ``jax.ShapeDtypeStruct``s whose shardings say where each
         shard goes. What it raises (e.g. a config the checkpoint cannot serve) propagates and
-        moves nothing. A checkpoint that fails to read or verify is quarantined and the
-        previous one is tried.
+        moves nothing. A checkpoint whose metadata or dense part fails to read or verify is
+        quarantined and the previous one is tried.
+
+        Each expert comes from the newest step up to that one that saved it (`restore`);
+        ``meta["expert_sources"]`` says which.
         """
         steps = self.all_steps()
         for step in reversed(steps):
@@ -135,6 +269,8 @@ class Checkpointer:
                 return self._restore_items(step, template, meta), meta
             except CheckpointMismatch:
                 raise
+            except ExpertsMissing:
+                raise
             except Exception as err:  # noqa: BLE001 - any failure means: fall back to an older one
                 self._quarantine(step, err)
         if steps:
@@ -146,8 +282,19 @@ class Checkpointer:
         return None
 
     def restore(self, step: int, template: Any) -> tuple[Any, dict[str, Any]]:
-        """The checkpoint at ``step`` (no fallback, nothing moved), as (state, meta), placed
-        with ``template``'s shardings."""
+        """The state as of ``step`` (nothing moved), as (state, meta), placed with
+        ``template``'s shardings: its dense part from ``step``, each expert (weights and
+        optimizer state separately) from the newest step up to ``step`` that holds a copy
+        that reads and verifies.
+
+        ``meta["expert_sources"]`` is ``{layer: {"weights": [step per expert], "optimizer":
+        [...]}}``. A copy of an expert that fails to read or verify is a warning and a
+        ``checkpoint_expert_fallback`` event, and the copy before it is used. The step that
+        held it is not moved aside: its dense part and its other experts are the newest state
+        there is, and the one lost expert costs only its updates since its previous copy (the
+        loss PEC accepts by design, seed 004 §3.1.2), where moving the step aside would roll
+        every expert back. An expert with no usable copy is `ExpertsMissing`.
+        """
         meta = self._read_meta(step)
         return self._restore_items(step, template, meta), meta
 
@@ -158,15 +305,21 @@ class Checkpointer:
         the checkpoint at ``step``, [len(experts), ...], verified: only those experts' chunks
         are read (the module docstring of `layout`). What a partial restore builds on."""
         meta = self._read_meta(step)
-        sums = meta.get("checksums", {}).get(key)
-        if meta.get("layout") != layout.LAYOUT or not isinstance(sums, list):
+        held = layout.held_rows(meta).get(key)
+        if held is None:
             raise CheckpointMismatch(
                 f"step {step} holds no expert array {key!r} in layout {layout.LAYOUT}"
             )
-        rows = layout.read_rows(self._step_dir(step) / layout.EXPERTS, key, experts)
+        missing = sorted(set(experts) - set(held))
+        if missing:
+            raise CheckpointMismatch(f"step {step} {key} holds experts {list(held)}, not {missing}")
+        rows = layout.read_rows(
+            self._step_dir(step) / layout.EXPERTS, key, [held.index(e) for e in experts]
+        )
         got = layout.checksums({key: jnp.asarray(rows)})[key]
+        sums = meta["checksums"][key]
         for e, row_sum in zip(experts, got, strict=True):
-            if row_sum != sums[e]:
+            if row_sum != sums[held.index(e)]:
                 raise CheckpointError(
                     f"step {step} {key} expert {e}: checksum mismatch (corrupted data)"
                 )
@@ -197,24 +350,206 @@ class Checkpointer:
         return state
 
     def _read_layout2(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
-        """Each shard read straight onto its device in ``template``'s sharding; the checksums
-        computed there and compared with the saved ones."""
+        """The dense item read straight onto its devices in ``template``'s sharding and
+        verified there (a failure raises: the step is unusable); then each expert assembled
+        from its newest usable copy (`_assemble_experts`). Adds ``meta["expert_sources"]``."""
         expected = layout.split(template)
         saved_sums = meta.get("checksums", {})
         want = {**expected[layout.DENSE], **expected[layout.EXPERTS]}
         _check_fits(step, saved_sums, layout.shapes(want))
-        args = {
-            name: ocp.args.StandardRestore(layout.nest(item))
-            for name, item in expected.items()
-            if item
-        }
+        for key, leaf in expected[layout.EXPERTS].items():
+            if layout.expert_count(meta, key) != leaf.shape[0]:
+                raise CheckpointMismatch(
+                    f"step {step} does not fit the model ({key}: saved "
+                    f"{layout.expert_count(meta, key)} experts, model {leaf.shape[0]}): the "
+                    "checkpoint is from a different model configuration; train it with that "
+                    "configuration or start from a new workdir"
+                )
+        args = {layout.DENSE: ocp.args.StandardRestore(layout.nest(expected[layout.DENSE]))}
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-        flat = {k: v for name in args for k, v in layout.denest(restored[name]).items()}
-        _check_shapes(step, flat, want)
+        flat = layout.denest(restored[layout.DENSE])
+        _check_shapes(step, flat, expected[layout.DENSE])
         for key, got in layout.checksums(flat).items():
             if got != saved_sums[key]:
                 raise CheckpointError(f"step {step} {key}: checksum mismatch (corrupted data)")
+        if expected[layout.EXPERTS]:
+            experts, meta["expert_sources"] = self._assemble_experts(
+                step, meta, expected[layout.EXPERTS]
+            )
+            flat.update(experts)
         return layout.unflatten_like(template, flat)
+
+    def _assemble_experts(
+        self, step: int, meta: dict[str, Any], want: dict[str, Any]
+    ) -> tuple[dict[str, jax.Array], dict[int, dict[str, list[int]]]]:
+        """Each expert leaf of ``want`` (ShapeDtypeStructs) as of ``step``, and per MoE layer
+        and expert group the step each expert's row comes from.
+
+        The experts item of ``step`` is read through Orbax straight into the target shardings
+        (its partial arrays replicated) and verified per row on the devices; a leaf whose rows
+        all come from there is used as read (a full save restores exactly as it was written).
+        The other rows are read from older steps with `layout.read_rows` (only those rows'
+        chunks) one slot (layer, group) at a time, verified, and each assembled leaf placed
+        with its target sharding: the host holds one slot's leaves at most."""
+        metas = {step: meta}
+        for s in (s for s in reversed(self.all_steps()) if s < step):
+            try:
+                metas[s] = self._read_meta(s)
+            except Exception as err:  # noqa: BLE001 - a source less; never moved from here
+                log.warning(
+                    "checkpoint at step %d: unreadable metadata (%s); its experts are not used",
+                    s,
+                    err,
+                )
+        copies = {s: layout.held_rows(m) for s, m in metas.items()}
+        here = self._read_experts_item(step, want, copies[step])
+        here_sums = layout.checksums(here) if here else {}
+        slots: dict[Slot, list[str]] = {}
+        for key in want:
+            slots.setdefault((layout.expert_layer(key), layout.expert_group(key)), []).append(key)
+        out: dict[str, jax.Array] = {}
+        sources: dict[int, dict[str, list[int]]] = {}
+        for (moe_layer, group), keys in sorted(slots.items()):
+            n = want[keys[0]].shape[0]
+            rows: dict[str, list[Any]] = {k: [None] * n for k in keys}
+            chosen = self._resolve_slot(
+                (moe_layer, group), keys, n, metas, copies, here_sums, rows
+            )
+            sources.setdefault(moe_layer, {})[group] = chosen
+            for key in keys:
+                if key in here and chosen == [step] * n and len(copies[step][key]) == n:
+                    out[key] = here[key]
+                    continue
+                local = np.asarray(here[key]) if key in here else None
+                host = np.stack([local[r] if isinstance(r, int) else r for r in rows[key]])
+                out[key] = jax.make_array_from_callback(
+                    host.shape, want[key].sharding, lambda index, h=host: h[index]
+                )
+        return out, sources
+
+    def _read_experts_item(
+        self, step: int, want: dict[str, Any], held: Copies
+    ) -> dict[str, jax.Array]:
+        """The experts item of ``step`` on the devices (full arrays in the target's shardings,
+        partial ones replicated over the target's mesh), or {} if it does not read: its rows
+        are then tried one by one from storage."""
+        target = {}
+        for key, leaf in want.items():
+            k = len(held[key])
+            sharding = leaf.sharding if k == leaf.shape[0] else _replicated(leaf.sharding)
+            target[key] = jax.ShapeDtypeStruct((k, *leaf.shape[1:]), leaf.dtype, sharding=sharding)
+        try:
+            args = {layout.EXPERTS: ocp.args.StandardRestore(layout.nest(target))}
+            restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+            arrays = layout.denest(restored[layout.EXPERTS])
+            _check_shapes(step, arrays, target)
+        except Exception as err:  # noqa: BLE001 - read its rows one by one instead
+            log.warning("checkpoint at step %d: experts item unreadable as a whole (%s)", step, err)
+            return {}
+        return arrays
+
+    def _resolve_slot(
+        self,
+        slot: Slot,
+        keys: list[str],
+        n: int,
+        metas: dict[int, dict[str, Any]],
+        copies: dict[int, Copies],
+        here_sums: dict[str, Any],
+        rows: dict[str, list[Any]],
+    ) -> list[int]:
+        """For each expert of ``slot``, the newest step of ``metas`` whose copy of its rows of
+        all ``keys`` reads and verifies; fills ``rows[key][expert]`` with the row (a host
+        array, or its position in the newest step's device array). A bad copy is a warning
+        and a ``checkpoint_expert_fallback`` event, and the copy before it is tried; none
+        left is `ExpertsMissing`."""
+        newest = max(metas)
+        holders = [
+            [s for s in sorted(metas, reverse=True) if all(e in copies[s].get(k, ()) for k in keys)]
+            for e in range(n)
+        ]
+        tried, chosen = [0] * n, [-1] * n
+        pending = set(range(n))
+        while pending:
+            by_step: dict[int, list[int]] = {}
+            for e in sorted(pending):
+                if tried[e] == len(holders[e]):
+                    raise ExpertsMissing(
+                        f"expert {e} of layer {slot[0]} ({slot[1]}) has no usable copy in the "
+                        f"checkpoints up to step {newest} (held by steps {holders[e]}): restore "
+                        "an older workdir, or train from scratch"
+                    )
+                by_step.setdefault(holders[e][tried[e]], []).append(e)
+            for s, experts in by_step.items():
+                verified = here_sums if s == newest else {}
+                got, bad = self._read_copies(s, keys, experts, metas[s], copies[s], verified)
+                for e in experts:
+                    if e in bad:
+                        tried[e] += 1
+                        fallback = holders[e][tried[e]] if tried[e] < len(holders[e]) else None
+                        log.warning(
+                            "checkpoint at step %d: %s of expert %d of layer %d unusable (%s); "
+                            "using the copy at step %s",
+                            s, slot[1], e, slot[0], bad[e], fallback,
+                        )
+                        self.emit(
+                            {
+                                "event": "checkpoint_expert_fallback",
+                                "step": s,
+                                "layer": slot[0],
+                                "expert": e,
+                                "group": slot[1],
+                                "error": bad[e],
+                                "fallback_step": fallback,
+                            }
+                        )
+                        continue
+                    for key in keys:
+                        rows[key][e] = got[key][e]
+                    chosen[e] = s
+                    pending.discard(e)
+        return chosen
+
+    def _read_copies(
+        self,
+        step: int,
+        keys: list[str],
+        experts: list[int],
+        meta: dict[str, Any],
+        held: Copies,
+        here_sums: dict[str, Any],
+    ) -> tuple[dict[str, dict[int, Any]], dict[int, str]]:
+        """Rows ``experts`` of ``keys`` at ``step`` (``{key: {expert: row}}``; a row already
+        on the devices, verified by ``here_sums``, is its position there) and the experts whose
+        copy failed, with why. One read per key; a read that raises is retried row by row."""
+        item = self._step_dir(step) / layout.EXPERTS
+        got: dict[str, dict[int, Any]] = {k: {} for k in keys}
+        bad: dict[int, str] = {}
+        for key in keys:
+            positions = [held[key].index(e) for e in experts]
+            saved = meta["checksums"][key]
+            if key in here_sums:
+                for e, pos in zip(experts, positions, strict=True):
+                    got[key][e] = pos
+                    if here_sums[key][pos] != saved[pos]:
+                        bad.setdefault(e, f"{key}: checksum mismatch (corrupted data)")
+                continue
+            try:
+                parts = [(experts, positions, layout.read_rows(item, key, positions))]
+            except Exception:  # noqa: BLE001 - find which rows do not read
+                parts = []
+                for e, pos in zip(experts, positions, strict=True):
+                    try:
+                        parts.append(([e], [pos], layout.read_rows(item, key, [pos])))
+                    except Exception as err:  # noqa: BLE001 - this row falls back
+                        bad.setdefault(e, f"{key}: {type(err).__name__}: {err}")
+            for es, ps, data in parts:
+                sums = layout.checksums({key: jnp.asarray(data)})[key]
+                for i, (e, pos) in enumerate(zip(es, ps, strict=True)):
+                    got[key][e] = data[i]
+                    if sums[i] != saved[pos]:
+                        bad.setdefault(e, f"{key}: checksum mismatch (corrupted data)")
+        return got, bad
 
     def _read_layout1(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
         """A checkpoint written before layout 2 (one item per expert): read to host, verified
@@ -255,6 +590,7 @@ class Checkpointer:
         target.parent.mkdir(exist_ok=True)
         shutil.move(str(root / str(step)), str(target))
         self._manager.reload()
+        self._copies.pop(step, None)
         log.warning(
             "checkpoint at step %d is unusable (%s); moved it to %s and trying the previous one",
             step,
@@ -276,6 +612,12 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
 
 
 def _check_fits(step: int, saved: dict[str, Any], expected: dict[str, str | None]) -> None:
