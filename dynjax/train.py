@@ -335,9 +335,12 @@ def train(
                     observe(monitor.drain())
                     experts = ledger.select()
                     meta["pec"] = ledger.meta_after(done, experts)
-                partial = {"experts": experts, "content": cfg.checkpoint.pec_content}
                 started = checkpointer.save(
-                    done, runtime.checkpoint_state(), meta, **(partial if experts else {})
+                    done,
+                    runtime.checkpoint_state(),
+                    meta,
+                    experts=experts,
+                    content=cfg.checkpoint.pec_content,
                 )
                 if started and ledger is not None:
                     ledger.saved(done, experts)
