@@ -17,6 +17,7 @@ from pathlib import Path
 import ml_collections
 
 from dynjax.balance import SCHEDULES, by_param, uniform
+from dynjax.checkpoint.pec import CONTENTS, SELECTIONS
 from dynjax.model.gpt import GPTConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -113,6 +114,13 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.async_save = True
+    # Partial expert checkpoints (MoC-System, seed 004 §3; README "Partial expert checkpoints"):
+    # K experts of each MoE layer per save; 0 = all (a full checkpoint)
+    c.checkpoint.experts_per_save = 0
+    c.checkpoint.pec_content = "WO"  # partial: "W" expert weights, "O" their Adam moments, both
+    c.checkpoint.pec_selection = "sequential"  # "sequential" (interleaved) | "load_aware"
+    c.checkpoint.plt_limit = 0.0375  # proportion of lost tokens that dynamic K keeps below
+    c.checkpoint.dynamic_k = False  # double K after a recovery above plt_limit (§5.3)
 
     c.recompile = ml_collections.ConfigDict()
     c.recompile.delta_launch = 2  # policies read the metrics of step t - delta (seed 001 app. B)
@@ -366,6 +374,7 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
         if plugin.name in cfg:  # a config made before the plugin was registered: no section
             plugin.validate(cfg)
     _check_recompile(cfg)
+    _check_checkpoint(cfg)
 
 
 def at_least(values: dict[str, float], least: float, note: str = "") -> None:
@@ -395,6 +404,36 @@ def _check_recompile(cfg: ml_collections.ConfigDict) -> None:
     at_least({"recompile.budget.max_recompiles": budget.max_recompiles}, 0)
     at_least({"recompile.budget.window_steps": budget.window_steps}, 1)
     at_least({"recompile.cache_size": r.cache_size}, 1, " (executables kept in memory)")
+
+
+def _check_checkpoint(cfg: ml_collections.ConfigDict) -> None:
+    """Partial expert checkpoint keys (seed 004 §3, §5.3)."""
+    c, k = cfg.checkpoint, cfg.checkpoint.experts_per_save
+    choices = {
+        "checkpoint.pec_content": (c.pec_content, CONTENTS),
+        "checkpoint.pec_selection": (c.pec_selection, SELECTIONS),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
+    if not 0 < c.plt_limit <= 1:
+        raise ConfigError(
+            f"checkpoint.plt_limit={c.plt_limit} must be in (0, 1]: a proportion of tokens "
+            "(MoC-System keeps it at 0.0375)"
+        )
+    at_least({"checkpoint.experts_per_save": k}, 0, " (0 = every expert: a full checkpoint)")
+    if not k:
+        return
+    if not moe_layer_indices(cfg):
+        raise ConfigError(
+            f"checkpoint.experts_per_save={k} needs MoE layers (moe.every > 0): set "
+            "checkpoint.experts_per_save=0 for a dense model"
+        )
+    if k > cfg.moe.num_experts:
+        raise ConfigError(
+            f"checkpoint.experts_per_save={k} exceeds moe.num_experts={cfg.moe.num_experts}: "
+            "set it to at most the experts of a layer (or 0 for all)"
+        )
 
 
 def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:

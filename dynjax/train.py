@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer
+from dynjax.checkpoint.pec import ExpertLedger
 from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
@@ -53,7 +54,8 @@ from dynjax.resume import check_resumable, config_changes, resume_event
 from dynjax.writers import LayerCostsWriter, MetricsWriter
 
 log = logging.getLogger("dynjax")
-SCALARS = ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction")
+PLT = "checkpoint/plt"  # eq. 7 of seed 004 so far: lost over processed routed tokens
+SCALARS = ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction", PLT)
 
 
 @dataclasses.dataclass
@@ -180,6 +182,7 @@ def train(
     if restored is None:
         plan, start = exp.initial_plan(), 0
         runtime = exp.runtime(plan)
+        ledger = expert_ledger(cfg, exp, None, {}, events)
     else:
         state, meta = restored
         changes = config_changes(meta["config"], cfg)
@@ -188,6 +191,7 @@ def train(
         runtime = exp.runtime(plan, state)
         events(resume_event(start, changes, saved, plan))
         log.info("resumed from step %d of %s", start, workdir)
+        ledger = expert_ledger(cfg, exp, meta, changes, events)
     # Written once the config is known to fit the workdir: it always describes the newest run.
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     steps = cfg.train.steps
@@ -276,6 +280,14 @@ def train(
             compiler.forget(lambda p: len(p.stage_layers) > runtime.available_stages)
             events(release(devices, stages, release_hook, step=step, reason=reason))
 
+    def observe(ready: list[tuple[int, dict[str, Any]]]) -> None:
+        for s, m in ready:
+            m = runtime.host_metrics(s, m)
+            if ledger is not None:  # every step's routed tokens, for PLT and load-aware saves
+                ledger.count(s + 1, m["moe/tokens_per_expert"])
+                m[PLT] = ledger.plt
+            logger.observe(s, m, cache, controller, bar)
+
     release_unused(start, "resumed re-packed")
     controller.start()
     try:
@@ -310,8 +322,7 @@ def train(
                 metrics = runtime.step(executable, batch, cached)
             monitor.push(step, metrics)
             logger.dispatched(step, batch.sample_ids, plan, measured)
-            for s, m in monitor.pop_ready(step):
-                logger.observe(s, runtime.host_metrics(s, m), cache, controller, bar)
+            observe(monitor.pop_ready(step))
             bar.update(1)
             done = step + 1
             if done % cfg.train.eval_every == 0 or done == steps:
@@ -319,13 +330,21 @@ def train(
                 if eval_loss is not None:
                     writer.write(done, {"eval_loss": eval_loss})
             if single and (done % cfg.train.checkpoint_every == 0 or done == steps):
-                checkpointer.save(
+                meta, experts = {"plan": plan.to_dict(), "config": cfg.to_dict()}, None
+                if ledger is not None:  # its metadata counts every step up to this one
+                    observe(monitor.drain())
+                    experts = ledger.select()
+                    meta["pec"] = ledger.meta_after(done, experts)
+                started = checkpointer.save(
                     done,
                     runtime.checkpoint_state(),
-                    {"plan": plan.to_dict(), "config": cfg.to_dict()},
+                    meta,
+                    experts=experts,
+                    content=cfg.checkpoint.pec_content,
                 )
-        for s, m in monitor.drain():
-            logger.observe(s, runtime.host_metrics(s, m), cache, controller, bar)
+                if started and ledger is not None:
+                    ledger.saved(done, experts)
+        observe(monitor.drain())
     finally:
         bar.close()
         controller.stop()
@@ -345,6 +364,59 @@ def train(
         checkpointer.all_steps(),
         time.perf_counter() - began,
     )
+
+
+def expert_ledger(
+    cfg: ml_collections.ConfigDict,
+    exp: Experiment,
+    meta: dict[str, Any] | None,
+    changes: dict[str, tuple[Any, Any]],
+    emit: EventLog,
+) -> ExpertLedger | None:
+    """The partial expert checkpoints' ledger (`dynjax.checkpoint.pec`); None without them.
+
+    Resuming from a checkpoint that carries one accounts the fault first: the
+    ``checkpoint_recovery`` event with each expert's lost steps and tokens and the PLT (even if
+    this run saves full checkpoints: the restored experts lost their updates all the same). A
+    changed ``checkpoint.experts_per_save`` replaces the K the ledger carried (dynamic K's).
+    """
+    c, k = cfg.checkpoint, cfg.checkpoint.experts_per_save
+    settings = {
+        "selection": c.pec_selection,
+        "plt_limit": c.plt_limit,
+        "dynamic_k": c.dynamic_k,
+        "history": cfg.train.keep_checkpoints,
+    }
+    if meta is not None and "pec" in meta:
+        ledger = ExpertLedger.from_meta(meta["pec"], ranks=cfg.mesh.expert, **settings)
+        recovery = ledger.recover(expert_sources(meta, ledger))
+        emit(recovery.event())
+        log.info(
+            "partial expert checkpoint: step %d lost %d of %d routed tokens (PLT %.4f, total "
+            "%.4f)", recovery.step, recovery.event()["lost_tokens"], recovery.tokens,
+            recovery.plt, recovery.total_plt,
+        )
+        if "checkpoint.experts_per_save" in changes and k:
+            ledger.set_k(k)
+        return ledger if k else None
+    if not k:
+        return None
+    ledger = ExpertLedger(
+        exp.model_cfg.moe_layers, cfg.moe.num_experts, cfg.mesh.expert, k, **settings
+    )
+    ledger.step = 0 if meta is None else meta["step"]  # a full checkpoint's run: counts from it
+    return ledger
+
+
+def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list[int]]:
+    """Per MoE layer, the step each expert's restored state comes from: the older of its
+    weights' and its optimizer state's (the storage's ``expert_sources``), so that with
+    ``checkpoint.pec_content="O"`` the tokens whose moment updates were lost count."""
+    sources = meta.get("expert_sources") or {}
+    out = {layer: [meta["step"]] * ledger.num_experts for layer in ledger.layers}
+    for layer, parts in sources.items():
+        out[int(layer)] = np.min([list(p) for p in parts.values()], axis=0).tolist()
+    return out
 
 
 def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:

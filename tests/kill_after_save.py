@@ -12,8 +12,8 @@ STEP = int(sys.argv[1])
 _save = Checkpointer.save
 
 
-def save_then_die(self, step, state, meta):
-    saved = _save(self, step, state, meta)
+def save_then_die(self, step, state, meta, **partial):
+    saved = _save(self, step, state, meta, **partial)
     if step == STEP:
         self.wait()
         os.kill(os.getpid(), signal.SIGKILL)
