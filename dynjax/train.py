@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer
+from dynjax.data import Prefetcher
 from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
@@ -69,6 +70,10 @@ class RunSummary:
     recompiles: int
     checkpoints: list[int]
     seconds: float
+    # Host seconds per step this process spent reading its rows of the batches (on the prefetch
+    # thread, or the loop's with data.prefetch=0) and the loop spent waiting for them.
+    batch_build_seconds: float | None = None
+    batch_wait_seconds: float | None = None
 
 
 def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
@@ -277,6 +282,20 @@ def train(
             events(release(devices, stages, release_hook, step=step, reason=reason))
 
     release_unused(start, "resumed re-packed")
+
+    def reader(step: int, rows: np.ndarray) -> Prefetcher:
+        """Batches from ``step`` on, only their ``rows``: those this process's devices consume
+        (issue 15 §5)."""
+        log.info(
+            "process %d reads %d of the %d rows of each batch (data.prefetch=%d)",
+            jax.process_index(), len(rows), cfg.train.batch_size, cfg.data.prefetch,
+        )
+        read = functools.partial(exp.order.batch, rows=rows)
+        return Prefetcher(read, step, steps, cfg.data.prefetch)
+
+    rows = runtime.batch_rows()
+    batches = reader(start, rows)
+    built = waited = 0.0  # of the readers before `batches`
     controller.start()
     try:
         for step in range(start, steps):
@@ -288,6 +307,11 @@ def train(
                 executable, plan, recompiles = swap.executable, swap.plan, recompiles + 1
                 controller.swap_done(swap)
                 release_unused(step, swap.reason)
+                if not np.array_equal(runtime.batch_rows(), rows):  # stages moved process
+                    batches.close()
+                    built, waited = built + batches.build_seconds, waited + batches.wait_seconds
+                    rows = runtime.batch_rows()
+                    batches = reader(step, rows)
                 profile_next = profile_next or profile_on_change
             states = runtime.stage_states() if plugins else []  # live dicts, changed in place
             for plugin in plugins:  # e.g. a pruning event, on the state this step will use
@@ -297,7 +321,7 @@ def train(
             measured = {}  # e.g. layer outputs on a probe batch: they join this step's metrics
             for plugin in plugins:
                 measured.update(plugin.measure(step, states, plan, exp))
-            batch = exp.order.batch(step)
+            batch = batches.get(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
             if profile_next or (profile_every and step % profile_every == 0):
                 # Units run alone only after a change; periodic profiles rescale them.
@@ -327,6 +351,7 @@ def train(
         for s, m in monitor.drain():
             logger.observe(s, runtime.host_metrics(s, m), cache, controller, bar)
     finally:
+        batches.close()
         bar.close()
         controller.stop()
         compiler.shutdown()
@@ -344,6 +369,8 @@ def train(
         recompiles,
         checkpointer.all_steps(),
         time.perf_counter() - began,
+        (built + batches.build_seconds) / (steps - start),
+        (waited + batches.wait_seconds) / (steps - start),
     )
 
 
@@ -479,6 +506,9 @@ def format_summary(s: RunSummary) -> str:
          else f"{100 * s.mfu:.1f} %"),
         ("recompiles", str(s.recompiles)),
         ("checkpoints", ", ".join(map(str, s.checkpoints)) or "none"),
+        ("batches (host)", "n/a" if s.batch_build_seconds is None else
+         f"{1e3 * s.batch_build_seconds:.2f} ms/step read, {1e3 * s.batch_wait_seconds:.2f} "
+         "ms/step waited for"),
         ("wall time", f"{s.seconds:.1f} s"),
         ("workdir", f"{s.workdir} (metrics.jsonl, events.jsonl, tensorboard/, checkpoints/)"),
     ]
