@@ -70,8 +70,10 @@ class RunSummary:
     recompiles: int
     checkpoints: list[int]
     seconds: float
-    # Host seconds per step this process spent reading its rows of the batches (on the prefetch
-    # thread, or the loop's with data.prefetch=0) and the loop spent waiting for them.
+    # The rows of each batch this process read (at the end: a swap may move stages between
+    # processes), the host seconds per step it spent reading them (on the prefetch thread, or
+    # the loop's with data.prefetch=0) and the loop spent waiting for them.
+    batch_rows: int | None = None
     batch_build_seconds: float | None = None
     batch_wait_seconds: float | None = None
 
@@ -147,10 +149,11 @@ def train(
     (README "Writing a policy"). ``release_hook`` is called with the devices a re-pack frees
     (default: ``balance.release_hook``; either way a ``release`` event is logged).
 
-    In a multi-process run (`dynjax.launch`) every process runs this loop over its own pipeline
-    stages; process i > 0 writes its files to ``workdir/process_<i>``. Such a run keeps its
-    first Plan (no policies: every process would have to swap at the same step) and writes no
-    checkpoints (no process holds the whole state).
+    In a multi-process run (`dynjax.launch`) every process runs this loop over its own devices
+    (the single program's share of the mesh, or its pipeline stages) and reads only the batch
+    rows they consume; process i > 0 writes its files to ``workdir/process_<i>``. Such a run
+    keeps its first Plan (no policies: every process would have to swap at the same step) and
+    writes no checkpoints (no process holds the whole state).
     """
     began = time.perf_counter()
     single = jax.process_count() == 1
@@ -369,17 +372,13 @@ def train(
         recompiles,
         checkpointer.all_steps(),
         time.perf_counter() - began,
+        len(rows),
         (built + batches.build_seconds) / (steps - start),
         (waited + batches.wait_seconds) / (steps - start),
     )
 
 
 def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:
-    if not config_lib.num_stages(cfg):
-        raise config_lib.ConfigError(
-            f"{jax.process_count()} processes need pipeline stages (mesh.stage > 1): each "
-            "process runs the stages on its own devices"
-        )
     if policies:
         raise config_lib.ConfigError(
             "multi-process runs keep their first Plan: remove the policies (and set "
@@ -507,8 +506,8 @@ def format_summary(s: RunSummary) -> str:
         ("recompiles", str(s.recompiles)),
         ("checkpoints", ", ".join(map(str, s.checkpoints)) or "none"),
         ("batches (host)", "n/a" if s.batch_build_seconds is None else
-         f"{1e3 * s.batch_build_seconds:.2f} ms/step read, {1e3 * s.batch_wait_seconds:.2f} "
-         "ms/step waited for"),
+         f"{s.batch_rows} rows of each read here, {1e3 * s.batch_build_seconds:.2f} ms/step "
+         f"reading, {1e3 * s.batch_wait_seconds:.2f} ms/step waited for"),
         ("wall time", f"{s.seconds:.1f} s"),
         ("workdir", f"{s.workdir} (metrics.jsonl, events.jsonl, tensorboard/, checkpoints/)"),
     ]
