@@ -234,9 +234,9 @@ class Prefetcher:
     """
 
     def __init__(self, build: Callable[[int], Batch], start: int, stop: int, depth: int):
-        self.build, self.depth, self.next_step, self.stop = build, depth, start, stop
+        self.build, self.next_step, self.stop = build, start, stop
         self.build_seconds = 0.0  # spent building batches, on whichever thread
-        self.wait_seconds = 0.0  # the caller spent blocked in `get`
+        self.wait_seconds = 0.0  # the caller spent in `get` (building, with depth 0)
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._closed = threading.Event()
         self._thread = None
@@ -254,23 +254,15 @@ class Prefetcher:
 
     def _work(self, start: int) -> None:
         for step in range(start, self.stop):
+            if self._closed.is_set():
+                return
             try:
                 item = self._timed_build(step)
             except BaseException as err:  # raised on the training thread by `get`
-                self._put(err)
+                item = err
+            self._queue.put(item)  # blocks while the queue is full; `close` empties it
+            if isinstance(item, BaseException):
                 return
-            if not self._put(item):
-                return
-
-    def _put(self, item) -> bool:
-        """Queue ``item`` unless closed first (a full queue must not keep the thread alive)."""
-        while not self._closed.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def get(self, step: int) -> Batch:
         """Batch ``step``: the steps must be asked for in order."""
@@ -280,10 +272,8 @@ class Prefetcher:
                 f"[.., {self.stop}){' (closed)' if self._closed.is_set() else ''}"
             )
         self.next_step += 1
-        if self._thread is None:
-            return self._timed_build(step)
         began = time.perf_counter()
-        item = self._queue.get()
+        item = self._timed_build(step) if self._thread is None else self._queue.get()
         self.wait_seconds += time.perf_counter() - began
         if isinstance(item, BaseException):
             self.close()
@@ -291,10 +281,14 @@ class Prefetcher:
         return item
 
     def close(self) -> None:
-        """Stop the thread and wait for it (it wakes within 50 ms)."""
+        """Stop the thread and wait for it: at most the batch it is reading."""
         self._closed.set()
-        if self._thread is not None:
-            self._thread.join()
+        while self._thread is not None and self._thread.is_alive():
+            try:  # unblock a put on a full queue
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.01)
 
     def __enter__(self) -> Prefetcher:
         return self

@@ -310,11 +310,11 @@ def train(
                 executable, plan, recompiles = swap.executable, swap.plan, recompiles + 1
                 controller.swap_done(swap)
                 release_unused(step, swap.reason)
-                if not np.array_equal(runtime.batch_rows(), rows):  # stages moved process
+                moved = runtime.batch_rows()
+                if not np.array_equal(moved, rows):  # stages moved to or from this process
                     batches.close()
                     built, waited = built + batches.build_seconds, waited + batches.wait_seconds
-                    rows = runtime.batch_rows()
-                    batches = reader(step, rows)
+                    rows, batches = moved, reader(step, moved)
                 profile_next = profile_next or profile_on_change
             states = runtime.stage_states() if plugins else []  # live dicts, changed in place
             for plugin in plugins:  # e.g. a pruning event, on the state this step will use

@@ -205,7 +205,7 @@ def test_resume_mid_run_and_prefetch_depth_see_the_same_batches(tmp_path):
     base = {"train__checkpoint_every": 3, "train__eval_every": 1000}
     reference = train(tiny_config(train__steps=6, data__prefetch=0, **base), tmp_path / "ref",
                       progress=False)
-    assert reference.batch_build_seconds > 0 and reference.batch_wait_seconds == 0
+    assert 0 < reference.batch_build_seconds <= reference.batch_wait_seconds  # on the loop
     run = tmp_path / "run"
     train(tiny_config(train__steps=3, data__prefetch=3, **base), run, progress=False)
     resumed = train(tiny_config(train__steps=6, data__prefetch=1, **base), run, progress=False)
