@@ -70,9 +70,8 @@ class RunSummary:
     recompiles: int
     checkpoints: list[int]
     seconds: float
-    # The rows of each batch this process read (at the end: a swap may move stages between
-    # processes), the host seconds per step it spent reading them (on the prefetch thread, or
-    # the loop's with data.prefetch=0) and the loop spent waiting for them.
+    # The rows of each batch this process read, the host seconds per step it spent reading them
+    # (on the prefetch thread, or the loop's with data.prefetch=0) and the loop spent waiting.
     batch_rows: int | None = None
     batch_build_seconds: float | None = None
     batch_wait_seconds: float | None = None
@@ -286,20 +285,14 @@ def train(
 
     release_unused(start, "resumed re-packed")
 
-    def reader(step: int, rows: np.ndarray) -> Prefetcher:
-        """Batches from ``step`` on, only their ``rows``: those this process's devices consume
-        (issue 15 §5)."""
-        log.info(
-            "process %d reads %d of the %d rows of each batch (data.prefetch=%d)",
-            jax.process_index(), len(rows), cfg.train.batch_size, cfg.data.prefetch,
-        )
-        read = functools.partial(exp.order.batch, rows=rows)
-        return Prefetcher(read, step, steps, cfg.data.prefetch)
-
+    # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
+    # They stay the same: a multi-process run keeps its first Plan, and in one process every
+    # Plan's devices are this process's.
     rows = runtime.batch_rows()
-    batches = reader(start, rows)
-    built = waited = 0.0  # of the readers before `batches`
     controller.start()
+    batches = Prefetcher(
+        functools.partial(exp.order.batch, rows=rows), start, steps, cfg.data.prefetch
+    )
     try:
         for step in range(start, steps):
             swap = controller.poll(step)
@@ -310,11 +303,6 @@ def train(
                 executable, plan, recompiles = swap.executable, swap.plan, recompiles + 1
                 controller.swap_done(swap)
                 release_unused(step, swap.reason)
-                moved = runtime.batch_rows()
-                if not np.array_equal(moved, rows):  # stages moved to or from this process
-                    batches.close()
-                    built, waited = built + batches.build_seconds, waited + batches.wait_seconds
-                    rows, batches = moved, reader(step, moved)
                 profile_next = profile_next or profile_on_change
             states = runtime.stage_states() if plugins else []  # live dicts, changed in place
             for plugin in plugins:  # e.g. a pruning event, on the state this step will use
@@ -373,8 +361,8 @@ def train(
         checkpointer.all_steps(),
         time.perf_counter() - began,
         len(rows),
-        (built + batches.build_seconds) / (steps - start),
-        (waited + batches.wait_seconds) / (steps - start),
+        batches.build_seconds / (steps - start),
+        batches.wait_seconds / (steps - start),
     )
 
 
