@@ -60,6 +60,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.seq_len = 128
     c.data.val_fraction = 0.05
     c.data.max_tokens = 4_000_000  # cap on tokens read from a text corpus
+    c.data.prefetch = 2  # batches read ahead on a background thread; 0: read on the loop's
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 256
@@ -345,6 +346,11 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {allowed}")
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if d.prefetch < 0:
+        raise ConfigError(
+            f"data.prefetch={d.prefetch} must be >= 0 (batches read ahead on a background "
+            "thread; 0 reads each on the training thread)"
+        )
     if t.microbatches < 0:
         raise ConfigError(f"train.microbatches={t.microbatches} must be >= 0 (0 = auto)")
     _check_optimizer(cfg)

@@ -5,13 +5,21 @@ A *sample* is window ``i`` of the token stream: tokens ``[i*L, i*L + L + 1)`` fo
 assignments, DynaMoE seed 001 §4.2) can be keyed by it. Training order is a fresh permutation per
 epoch drawn from the seed, and the batch at step t is a pure function of (seed, t): the iterator's
 whole state is the number of batches consumed, which checkpoints save.
+
+Each process reads only the rows of a batch its own devices consume (`TrainOrder.batch` with
+``rows``, `dynjax.parallel.feed` says which), and a `Prefetcher` builds them ahead on a
+background thread, so the step does not wait on data (issue 15 §5).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import sysconfig
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -130,11 +138,14 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, path: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One global batch. Shapes: inputs/targets [B, L] int32, sample_ids [B] int64."""
+    """Rows of one global batch of B rows: ``rows`` [R] ascending (all B unless a process reads
+    only its devices' share), inputs/targets [R, L] int32 of those rows, sample_ids [B] int64 of
+    the whole batch (every process knows the order; reading the windows is the cost)."""
 
     inputs: np.ndarray
     targets: np.ndarray
     sample_ids: np.ndarray
+    rows: np.ndarray
 
 
 class TokenWindows:
@@ -160,15 +171,20 @@ class TokenWindows:
         self.num_train = num_windows - num_val
         self.num_val = num_val
 
-    def window(self, ids: np.ndarray) -> Batch:
-        starts = ids * self.seq_len
-        rows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1]) for s in starts])
-        rows = rows.astype(np.int32)
-        return Batch(rows[:, :-1], rows[:, 1:], ids.astype(np.int64))
+    def window(self, ids: np.ndarray, rows: np.ndarray | None = None) -> Batch:
+        """The batch of samples ``ids``, reading only its ``rows`` (default: all)."""
+        rows = np.arange(len(ids)) if rows is None else np.asarray(rows, np.int64)
+        offsets = np.arange(self.seq_len + 1)
+        # One gather: a memory-mapped stream reads only these windows.
+        tokens = np.asarray(self.tokens[ids[rows, None] * self.seq_len + offsets])
+        tokens = tokens.astype(np.int32).reshape(len(rows), self.seq_len + 1)
+        return Batch(tokens[:, :-1], tokens[:, 1:], ids.astype(np.int64), rows)
 
 
 class TrainOrder:
-    """Deterministic, resumable batch order: batch t is a pure function of (seed, t)."""
+    """Deterministic, resumable batch order: batch t is a pure function of (seed, t), the same
+    whichever rows of it a process reads, so resumes and process-count changes see the same
+    global batches."""
 
     def __init__(self, windows: TokenWindows, batch_size: int, seed: int):
         if batch_size > windows.num_train:
@@ -177,22 +193,108 @@ class TrainOrder:
                 "lower it, or use more data (data.max_tokens) or a shorter data.seq_len"
             )
         self.windows, self.batch_size, self.seed = windows, batch_size, seed
-        self._epoch, self._perm = -1, np.empty(0, np.int64)
+        # (epoch, its permutation), one tuple: a prefetch thread and the loop may both read it.
+        self._cached: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
 
-    def batch(self, step: int) -> Batch:
+    def sample_ids(self, step: int) -> np.ndarray:
+        """[B] window indices of batch ``step``."""
         n = self.windows.num_train
-        first = step * self.batch_size
+        epochs, pos = np.divmod(step * self.batch_size + np.arange(self.batch_size), n)
         ids = np.empty(self.batch_size, np.int64)
-        for j in range(self.batch_size):
-            epoch, pos = divmod(first + j, n)
-            ids[j] = self._permutation(epoch)[pos]
-        return self.windows.window(ids)
+        for epoch in np.unique(epochs):  # a batch spans at most two epochs unless B > n
+            ids[epochs == epoch] = self._permutation(int(epoch))[pos[epochs == epoch]]
+        return ids
+
+    def batch(self, step: int, rows: np.ndarray | None = None) -> Batch:
+        """Batch ``step``, reading only its ``rows`` (default: all)."""
+        return self.windows.window(self.sample_ids(step), rows)
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._epoch, self._perm = epoch, rng.permutation(self.windows.num_train)
-        return self._perm
+        cached_epoch, perm = self._cached
+        if epoch != cached_epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows.num_train)
+            self._cached = (epoch, perm)
+        return perm
+
+
+class Prefetcher:
+    """Batches ``start, start + 1, ... stop - 1`` built ``depth`` ahead on a background thread.
+
+    Reading windows (page faults on a memory-mapped corpus) then overlaps the dispatched steps,
+    so the training thread only waits when the reader falls behind; ``depth=0`` builds each
+    batch on the calling thread. A build error (`DataError`) is raised by the `get` of its step;
+    `close` stops the thread without waiting for the queue to drain (end of run, exception).
+
+    Grain (issue 15 §5) did not fit: its ``IndexSampler`` splits the records into one contiguous
+    range per process (``ShardOptions``, ``even_split``) and shuffles within each, so the global
+    batch at a step changes with the process count, and every process gets an equal share,
+    where a pipeline's first-stage process needs whole batches and the others none. The order
+    here is already a pure function of (seed, step) over memory-mapped windows: what is left is
+    a bounded queue and one thread, not worth Grain's dependencies (array-record, etils, ...).
+    """
+
+    def __init__(self, build: Callable[[int], Batch], start: int, stop: int, depth: int):
+        self.build, self.next_step, self.stop = build, start, stop
+        self.build_seconds = 0.0  # spent building batches, on whichever thread
+        self.wait_seconds = 0.0  # the caller spent in `get` (building, with depth 0)
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._closed = threading.Event()
+        self._thread = None
+        if depth > 0:
+            self._thread = threading.Thread(
+                target=self._work, args=(start,), name="dynjax-prefetch", daemon=True
+            )
+            self._thread.start()
+
+    def _timed_build(self, step: int) -> Batch:
+        began = time.perf_counter()
+        batch = self.build(step)
+        self.build_seconds += time.perf_counter() - began
+        return batch
+
+    def _work(self, start: int) -> None:
+        for step in range(start, self.stop):
+            if self._closed.is_set():
+                return
+            try:
+                item = self._timed_build(step)
+            except BaseException as err:  # raised on the training thread by `get`
+                item = err
+            self._queue.put(item)  # blocks while the queue is full; `close` empties it
+            if isinstance(item, BaseException):
+                return
+
+    def get(self, step: int) -> Batch:
+        """Batch ``step``: the steps must be asked for in order."""
+        if step != self.next_step or step >= self.stop or self._closed.is_set():
+            raise ValueError(
+                f"prefetcher asked for step {step}, expected {self.next_step} of "
+                f"[.., {self.stop}){' (closed)' if self._closed.is_set() else ''}"
+            )
+        self.next_step += 1
+        began = time.perf_counter()
+        item = self._timed_build(step) if self._thread is None else self._queue.get()
+        self.wait_seconds += time.perf_counter() - began
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread and wait for it: at most the batch it is reading."""
+        self._closed.set()
+        while self._thread is not None and self._thread.is_alive():
+            try:  # unblock a put on a full queue
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.01)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def validation_batches(

@@ -42,6 +42,7 @@ from dynjax.parallel import (
     make_train_step,
     param_shardings,
 )
+from dynjax.parallel.feed import local_devices, place_rows, process_rows
 from dynjax.parallel.layout import join, layer_sizes
 from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host_metrics
 from dynjax.parallel.stage_programs import StageSetup
@@ -307,11 +308,12 @@ class Experiment:
     def device_batch(
         self, batch: Batch, cached: np.ndarray | None = None, plan: Plan | None = None
     ) -> dict[str, jax.Array]:
-        """A host batch on the mesh; on the ragged MoE path with ``plan``'s capacities."""
-        sharding = batch_sharding(self.mesh)
+        """A host batch (or this process's rows of it, `batch_rows`) on the mesh; on the ragged
+        MoE path with ``plan``'s capacities."""
+        sharding, rows = batch_sharding(self.mesh), np.arange(len(batch.sample_ids))
         out = {
-            "inputs": jax.device_put(batch.inputs, sharding),
-            "targets": jax.device_put(batch.targets, sharding),
+            "inputs": place_rows(batch.inputs, batch.rows, rows, sharding),
+            "targets": place_rows(batch.targets, batch.rows, rows, sharding),
         }
         if cached is not None:
             out["cached"] = jax.device_put(cached, self.cached_sharding)
@@ -412,6 +414,12 @@ class SingleProgramRuntime:
         )
         return metrics
 
+    def batch_rows(self, devices: frozenset[jax.Device] | None = None) -> np.ndarray:
+        """The rows of each batch that ``devices`` (default: this process's) consume."""
+        exp = self.exp
+        placement = (batch_sharding(exp.mesh), np.arange(exp.cfg.train.batch_size))
+        return process_rows([placement], exp.cfg.data.seq_len, devices or local_devices())
+
     def host_metrics(self, step: int, metrics: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return metrics
 
@@ -474,8 +482,15 @@ class PipelineRuntime:
         meshes = self.pipeline.transport.stage_meshes
         return stages, [d for s in stages for d in meshes[s].devices.flat]
 
+    def batch_rows(self, devices: frozenset[jax.Device] | None = None) -> np.ndarray:
+        """The rows of each batch that ``devices`` (default: this process's) consume: every row
+        of every microbatch their first stage's inputs or their targets-reading stages hold (a
+        process with only middle stages reads none)."""
+        placements = self.pipeline.batch_placements(self.exp.cfg.train.batch_size)
+        return process_rows(placements, self.exp.cfg.data.seq_len, devices or local_devices())
+
     def step(self, executable, batch: Batch, cached: np.ndarray | None):
-        return self.pipeline.step(executable, batch.inputs, batch.targets, cached)
+        return self.pipeline.step(executable, batch.inputs, batch.targets, cached, batch.rows)
 
     def profile_step(
         self,
@@ -492,7 +507,12 @@ class PipelineRuntime:
         The metrics also name the layout that ran (`profile/stage_layers`, layers per stage),
         so a policy can tell a profile of the current Plan from an older one."""
         metrics, profile = self.pipeline.profile_step(
-            executable, batch.inputs, batch.targets, cached, measure_units=measure_units
+            executable,
+            batch.inputs,
+            batch.targets,
+            cached,
+            batch.rows,
+            measure_units=measure_units,
         )
         layout = np.array([len(stage.layers) for stage in self.pipeline.spec.stages])
         return {**metrics, **profile.metrics(), "profile/stage_layers": layout}, profile

@@ -24,6 +24,8 @@ from dynjax.recompile import Plan
 # step t sees (the batch at step t is a pure function of seed, data and batch size); each
 # dynamism plugin adds its own (`Plugin.fixed_on_resume`).
 FIXED_ON_RESUME = ("seed", "data.", "model.", "train.batch_size")
+# Keys under those that decide only how the same batches are read, not which.
+READING_ONLY = ("data.prefetch",)
 
 # The config keys each core Plan field comes from. A resumed run keeps the saved value (what
 # the policies made of it) unless one of its keys changed; then the new config's value applies.
@@ -63,7 +65,7 @@ def config_changes(
 def check_resumable(changes: dict[str, tuple[Any, Any]], workdir: object) -> None:
     """Raise ConfigError naming every changed key the saved state cannot follow."""
     keys = FIXED_ON_RESUME + tuple(k for p in registered() for k in p.fixed_on_resume)
-    fixed = {k: v for k, v in changes.items() if _matches(k, keys)}
+    fixed = {k: v for k, v in changes.items() if _matches(k, keys) and k not in READING_ONLY}
     if fixed:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in fixed.items())
         raise ConfigError(

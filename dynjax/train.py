@@ -28,6 +28,7 @@ from tqdm import tqdm
 from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer
 from dynjax.checkpoint.pec import ExpertLedger
+from dynjax.data import Prefetcher
 from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
@@ -71,6 +72,11 @@ class RunSummary:
     recompiles: int
     checkpoints: list[int]
     seconds: float
+    # The rows of each batch this process read, the host seconds per step it spent reading them
+    # (on the prefetch thread, or the loop's with data.prefetch=0) and the loop spent waiting.
+    batch_rows: int | None = None
+    batch_build_seconds: float | None = None
+    batch_wait_seconds: float | None = None
 
 
 def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
@@ -144,10 +150,11 @@ def train(
     (README "Writing a policy"). ``release_hook`` is called with the devices a re-pack frees
     (default: ``balance.release_hook``; either way a ``release`` event is logged).
 
-    In a multi-process run (`dynjax.launch`) every process runs this loop over its own pipeline
-    stages; process i > 0 writes its files to ``workdir/process_<i>``. Such a run keeps its
-    first Plan (no policies: every process would have to swap at the same step) and writes no
-    checkpoints (no process holds the whole state).
+    In a multi-process run (`dynjax.launch`) every process runs this loop over its own devices
+    (the single program's share of the mesh, or its pipeline stages) and reads only the batch
+    rows they consume; process i > 0 writes its files to ``workdir/process_<i>``. Such a run
+    keeps its first Plan (no policies: every process would have to swap at the same step) and
+    writes no checkpoints (no process holds the whole state).
     """
     began = time.perf_counter()
     single = jax.process_count() == 1
@@ -289,7 +296,15 @@ def train(
             logger.observe(s, m, cache, controller, bar)
 
     release_unused(start, "resumed re-packed")
+
+    # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
+    # They stay the same: a multi-process run keeps its first Plan, and in one process every
+    # Plan's devices are this process's.
+    rows = runtime.batch_rows()
     controller.start()
+    batches = Prefetcher(
+        functools.partial(exp.order.batch, rows=rows), start, steps, cfg.data.prefetch
+    )
     try:
         for step in range(start, steps):
             swap = controller.poll(step)
@@ -309,7 +324,7 @@ def train(
             measured = {}  # e.g. layer outputs on a probe batch: they join this step's metrics
             for plugin in plugins:
                 measured.update(plugin.measure(step, states, plan, exp))
-            batch = exp.order.batch(step)
+            batch = batches.get(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
             if profile_next or (profile_every and step % profile_every == 0):
                 # Units run alone only after a change; periodic profiles rescale them.
@@ -346,6 +361,7 @@ def train(
                     ledger.saved(done, experts)
         observe(monitor.drain())
     finally:
+        batches.close()
         bar.close()
         controller.stop()
         compiler.shutdown()
@@ -363,6 +379,9 @@ def train(
         recompiles,
         checkpointer.all_steps(),
         time.perf_counter() - began,
+        len(rows),
+        batches.build_seconds / (steps - start),
+        batches.wait_seconds / (steps - start),
     )
 
 
@@ -420,11 +439,6 @@ def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list
 
 
 def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:
-    if not config_lib.num_stages(cfg):
-        raise config_lib.ConfigError(
-            f"{jax.process_count()} processes need pipeline stages (mesh.stage > 1): each "
-            "process runs the stages on its own devices"
-        )
     if policies:
         raise config_lib.ConfigError(
             "multi-process runs keep their first Plan: remove the policies (and set "
@@ -551,6 +565,9 @@ def format_summary(s: RunSummary) -> str:
          else f"{100 * s.mfu:.1f} %"),
         ("recompiles", str(s.recompiles)),
         ("checkpoints", ", ".join(map(str, s.checkpoints)) or "none"),
+        ("batches (host)", "n/a" if s.batch_build_seconds is None else
+         f"{s.batch_rows} rows of each read here, {1e3 * s.batch_build_seconds:.2f} ms/step "
+         f"reading, {1e3 * s.batch_wait_seconds:.2f} ms/step waited for"),
         ("wall time", f"{s.seconds:.1f} s"),
         ("workdir", f"{s.workdir} (metrics.jsonl, events.jsonl, tensorboard/, checkpoints/)"),
     ]

@@ -175,10 +175,13 @@ def test_cli_reports_bad_values_with_the_key_and_exits_2(capsys, overrides, mess
 def test_cli_reports_config_errors_found_once_devices_are_known(capsys, monkeypatch):
     """Multi-process checks run inside `train` (they need the processes): exit 2 as well."""
     monkeypatch.setattr(
-        "dynjax.train.train", lambda cfg, *a, **k: train_module._check_multi_process(cfg, [])
+        "dynjax.train.train",
+        lambda cfg, *a, **k: train_module._check_multi_process(cfg, ["a policy"]),
     )
     assert main(["--config", "tests/tiny.py"]) == 2
-    assert "need pipeline stages (mesh.stage > 1)" in capsys.readouterr().err
+    assert "multi-process runs keep their first Plan: remove the policies" in (
+        capsys.readouterr().err
+    )
 
 
 def test_cli_override_forms():

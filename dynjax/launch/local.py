@@ -4,8 +4,9 @@ Starts N local ``python -m dynjax.train`` processes that form one `jax.distribut
 0 hosts the coordinator on a free local port, each process gets K CPU devices (so the run has
 N*K devices and each process owns the devices, hence the pipeline stages, that follow its
 predecessor's). Each pipeline stage must lie in one process: K must be a multiple of
-mesh.data * mesh.expert. Output is prefixed ``[i]``; when one process fails the launcher stops
-the others (they would wait for it forever) and exits with the first non-zero exit status.
+mesh.data * mesh.expert (a run without stages spans every process's devices). Output is
+prefixed ``[i]``; when one process fails the launcher stops the others (they would wait for it
+forever) and exits with the first non-zero exit status.
 
     python -m dynjax.launch.local --processes 2 --devices-per-process 4 -- \\
         --config configs/quickstart.py --config.mesh.stage=4 --config.mesh.data=2

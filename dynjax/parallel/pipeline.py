@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax.parallel.dispatch import dispatch_order
+from dynjax.parallel.feed import Placement, place_rows
 from dynjax.parallel.layout import join, relayout
 from dynjax.parallel.mesh import TOKEN_AXES
 from dynjax.parallel.profile import (
@@ -347,19 +348,29 @@ class Pipeline:
     def _rows(self, stage: int) -> NamedSharding:
         return self.transport.sharding(stage, P(TOKEN_AXES))
 
+    def batch_placements(self, batch_size: int) -> list[Placement]:
+        """Where a step puts batch rows: microbatch m (rows ``m::M``) of the inputs on the first
+        stage and of the targets on every stage that reads them (`feed.process_rows`)."""
+        spec, rows = self.spec, np.arange(batch_size)
+        fed = [st.index for st in spec.stages if st.first or st.last or st.needs_targets]
+        m_count = spec.microbatches
+        return [(self._rows(s), rows[m::m_count]) for s in fed for m in range(m_count)]
+
     def step(
         self,
         exe: PipelineExecutable,
         inputs: np.ndarray,
         targets: np.ndarray,
         cached: np.ndarray | None = None,
+        rows: np.ndarray | None = None,
     ) -> dict[str, Any]:
-        """One training step on a host batch ([B, S] tokens; cached: [L_moe, B, S, k]).
+        """One training step on a host batch ([B, S] tokens; cached: [L_moe, B, S, k]), or on the
+        ``rows`` of it this process read (`batch_placements`; default all B).
 
         Returns ``{"stages": {stage: metrics}}`` (this process's stages) as device arrays;
         `host_metrics` turns the host copies of all stages into the single-program metrics.
         """
-        run = self._start(exe, inputs, targets, cached)
+        run = self._start(exe, inputs, targets, cached, rows)
         for s, task in exe.order:
             self._run(run, s, task)
         return self._finish(run)
@@ -370,6 +381,7 @@ class Pipeline:
         inputs: np.ndarray,
         targets: np.ndarray,
         cached: np.ndarray | None = None,
+        rows: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], tuple[tuple[TaskTime, ...], ...]]:
         """`step`, with each stage's timeline of tasks in seconds from the start of the step
         (what the pipeline simulator of `dynjax.balance` predicts).
@@ -381,7 +393,7 @@ class Pipeline:
         dispatch, the end of the stage's previous task and the arrival of its input.
         """
         self._single_process("a timed step")
-        run = self._start(exe, inputs, targets, cached)
+        run = self._start(exe, inputs, targets, cached, rows)
         stages = exe.spec.num_stages
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(stages)]
         seen: list[list[tuple[Any, float, float, float]]] = [[] for _ in range(stages)]
@@ -439,6 +451,7 @@ class Pipeline:
         inputs: np.ndarray,
         targets: np.ndarray,
         cached: np.ndarray | None = None,
+        rows: np.ndarray | None = None,
         *,
         repeats: int = 3,
         measure_units: bool = True,
@@ -456,7 +469,7 @@ class Pipeline:
                 "profiling a step needs its one-unit programs: lower the spec with "
                 "PipelinePrograms.lower(spec, profiling=True)"
             )
-        metrics, timeline = self.timed_step(exe, inputs, targets, cached)
+        metrics, timeline = self.timed_step(exe, inputs, targets, cached, rows)
         start = time.perf_counter()
         busy = stage_busy_seconds(timeline)
         measured = self._measured_units
@@ -482,14 +495,17 @@ class Pipeline:
         seconds = time.perf_counter() - start
         return metrics, Profile(times, memory, timeline, units_measured=fresh, seconds=seconds)
 
-    def _start(self, exe: PipelineExecutable, inputs, targets, cached) -> _Run:
+    def _start(self, exe: PipelineExecutable, inputs, targets, cached, rows) -> _Run:
         if exe.spec != self.spec:
             raise ValueError("the state is laid out for another stage assignment: migrate first")
         stages = exe.spec.stages
+        size = stages[0].microbatch_size * exe.spec.microbatches
         return _Run(
             exe=exe,
             inputs=inputs,
             targets=targets,
+            held=np.arange(size) if rows is None else rows,
+            size=size,
             routes=_CachedRoutes(exe.spec, cached, self.transport),
             stage_in=[{} for _ in stages],
             grad_in=[{} for _ in stages],
@@ -513,13 +529,13 @@ class Pipeline:
         return out
 
     def _context(
-        self, stage: StageSpec, carry: Any, targets: np.ndarray, m: int, m_count: int
+        self, stage: StageSpec, carry: Any, run: _Run | _EvalBatch, m: int, m_count: int
     ) -> dict[str, Any]:
         """What the stage's wrappers read for microbatch ``m`` of ``m_count`` besides the
         readout (carry, targets): stored with the stage input for the backward."""
         ctx = {} if carry is None else {"carry": carry}
         if stage.needs_targets:
-            ctx["targets"] = jax.device_put(targets[m::m_count], self._rows(stage.index))
+            ctx["targets"] = run.place("targets", m, m_count, self._rows(stage.index))
         return ctx
 
     def _run(self, run: _Run, s: int, task: Any) -> tuple[tuple, tuple]:
@@ -531,8 +547,8 @@ class Pipeline:
         params = self.state[s]["params"] if local else None
         if task.kind == "F":
             if local and stage.first:
-                x = jax.device_put(run.inputs[m::m_count], self._rows(s))
-                run.stage_in[s][m] = (x, self._context(stage, None, run.targets, m, m_count))
+                x = run.place("inputs", m, m_count, self._rows(s))
+                run.stage_in[s][m] = (x, self._context(stage, None, run, m, m_count))
             if stage.last:
                 return (), ()  # the last stage's forward runs inside its backward
             y = carry = None
@@ -545,9 +561,7 @@ class Pipeline:
             moved = self.transport.send(y, s, s + 1, after.x)
             moved_carry = self.transport.send_tree(carry, s, s + 1, after.ctx.get("carry", {}))
             if moved is not None:
-                ctx = self._context(
-                    spec.stages[s + 1], moved_carry or None, run.targets, m, m_count
-                )
+                ctx = self._context(spec.stages[s + 1], moved_carry or None, run, m, m_count)
                 run.stage_in[s + 1][m] = (moved, ctx)
             return _present(y, carry), _present(moved, moved_carry)
         x, ctx = run.stage_in[s].pop(m) if local else (None, None)
@@ -556,7 +570,7 @@ class Pipeline:
         out = None
         if local:
             if stage.last:
-                seed = jax.device_put(run.targets[m::m_count], self._rows(s))
+                seed = run.place("targets", m, m_count, self._rows(s))
             else:
                 seed = run.grad_in[s].pop(m)
             out = programs["bwd", s](
@@ -630,14 +644,15 @@ class Pipeline:
             ]
             m_count, last = len(inputs) // size, stages[-1]
             readout = self._send_readout(self.spec)
+            batch = _EvalBatch(inputs, targets)
             for m in range(m_count):
                 x, carry = None, None
                 if self.transport.is_local(0):
-                    x = jax.device_put(inputs[m::m_count], self._rows(0))
+                    x = batch.place("inputs", m, m_count, self._rows(0))
                 for stage in stages[:-1]:
                     s, y, out_carry = stage.index, None, None
                     if self.transport.is_local(s):
-                        ctx = {**self._context(stage, carry, targets, m, m_count), **(
+                        ctx = {**self._context(stage, carry, batch, m, m_count), **(
                             {"readout": readout[s]} if s in readout else {})}
                         fwd = self.programs.get("fwd", replace(stage, cached_routing=False))
                         y, out_carry, _ = fwd(self.state[s]["params"], x, ctx, None)
@@ -648,7 +663,7 @@ class Pipeline:
                     ) or None
                 if self.transport.is_local(last.index):
                     evaluate = self.programs.get("eval", last)
-                    t = jax.device_put(targets[m::m_count], self._rows(last.index))
+                    t = batch.place("targets", m, m_count, self._rows(last.index))
                     ctx = {} if carry is None else {"carry": carry}
                     losses.append(evaluate(self.state[last.index]["params"], x, ctx, t))
         return float(np.mean(jax.device_get(losses))) if losses else None
@@ -659,8 +674,10 @@ class _Run:
     """The arrays in flight during one step."""
 
     exe: PipelineExecutable
-    inputs: np.ndarray
+    inputs: np.ndarray  # the rows ``held`` of the batch's ``size``, on this process
     targets: np.ndarray
+    held: np.ndarray
+    size: int
     routes: _CachedRoutes
     # [stage][microbatch] -> (stage input, its context), kept for the backward
     stage_in: list[dict[int, Any]]
@@ -670,6 +687,22 @@ class _Run:
 
     def readout_of(self, s: int) -> dict[str, Any]:
         return {"readout": self.readout[s]} if s in self.readout else {}
+
+    def place(self, field: str, m: int, m_count: int, sharding: NamedSharding) -> jax.Array:
+        """Microbatch ``m`` (rows ``m::m_count``) of ``field`` on ``sharding``."""
+        rows = np.arange(self.size)[m::m_count]
+        return place_rows(getattr(self, field), self.held, rows, sharding)
+
+
+@dataclasses.dataclass
+class _EvalBatch:
+    """A validation batch, which every process holds whole (read once, at the start)."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+
+    def place(self, field: str, m: int, m_count: int, sharding: NamedSharding) -> jax.Array:
+        return jax.device_put(getattr(self, field)[m::m_count], sharding)
 
 
 class _CachedRoutes:
