@@ -45,7 +45,11 @@ exactly, since routing and slots are per group. ``reuse`` (Table II) restores th
 T_DI and the experts' hidden activation T_M in the backward instead of keeping every partition's
 copy: S1 offloads both to pinned host memory, S2 re-communicates T_DI and offloads T_M, S3
 offloads T_DI and recomputes T_M, S4 re-communicates T_DI and recomputes T_M (`jax.checkpoint`
-with named residuals).
+with named residuals). With a strategy the partitions run as a `jax.lax.scan`, so one set of
+buffers serves them in turn (§III-D's memory reuse; an unrolled loop let XLA's CPU scheduler
+keep every partition's buffers live at once, measured in benchmarks/moe_chunks.py); overlap
+across the scan's iterations is then up to XLA's loop pipelining. Without one (``"none"``) they
+are unrolled, the overlap path.
 """
 
 from __future__ import annotations
@@ -126,9 +130,10 @@ def reuse_policy(reuse: str) -> Callable:
 def chunked(fn: Callable, chunking: Chunking | None, tokens: int) -> Callable:
     """``fn(*token_args, w_in, w_out)`` (the first ``tokens`` arguments [g, ...] per dispatch
     group) run on ``chunking.chunks`` partitions of the g groups, each under the strategy's
-    `jax.checkpoint` policy, outputs concatenated (seed 002 §III-B, Fig. 5b). An unrolled loop
-    of independent partitions: nothing orders partition i's experts before partition i+1's
-    dispatch, so the latency-hiding scheduler may overlap them."""
+    `jax.checkpoint` policy, outputs concatenated (seed 002 §III-B, Fig. 5b). Without memory
+    reuse an unrolled loop of independent partitions: nothing orders partition i's experts
+    before partition i+1's dispatch, so the latency-hiding scheduler may overlap them. With it
+    a `jax.lax.scan`: the partitions take turns in one set of buffers (§III-D, Fig. 6)."""
     if chunking is None:
         return fn
     reuse = chunking.reuse
@@ -145,12 +150,13 @@ def chunked(fn: Callable, chunking: Chunking | None, tokens: int) -> Callable:
                 "expert-parallel shard: choose a divisor of train.batch_size / (mesh.data * "
                 "mesh.expert * microbatches)"
             )
-        size = g // n
-        outs = [
-            part(*(a[i * size : (i + 1) * size] for a in args[:tokens]), *args[tokens:])
-            for i in range(n)
-        ]
-        return jnp.concatenate(outs, axis=0)
+        size, rest = g // n, args[tokens:]
+        if reuse == "none":
+            parts = [[a[i * size : (i + 1) * size] for a in args[:tokens]] for i in range(n)]
+            return jnp.concatenate([part(*p, *rest) for p in parts], axis=0)
+        split = [a.reshape(n, size, *a.shape[1:]) for a in args[:tokens]]
+        _, outs = jax.lax.scan(lambda carry, xs: (carry, part(*xs, *rest)), None, split)
+        return outs.reshape(g, *outs.shape[2:])
 
     return run
 
