@@ -34,6 +34,8 @@ from dynjax.recompile.granularity import (
     saved_bytes,
     workload,
 )
+from dynjax.train import train
+from dynjax.writers import read_jsonl
 
 from .tiny import tiny_config
 
@@ -296,3 +298,30 @@ def test_policy_searches_then_follows_ranges():
     # back to a B inside n=2's range: proposed at once, without trials
     proposal = policy.propose(_history([*steps, (100, 4, 0.9)]), plan)
     assert chunks_of(proposal.plan) == (2,) and proposal.records[0]["from_range"]
+
+
+def test_granularity_policy_runs_in_training(tmp_path):
+    """Alg. 1 in a real run: it times n = 1, tries n = 2 by RECOMPILE (S4 partitions), records
+    its choice and the run goes on to the end with a finite loss. A first run with n = 2 puts
+    that program in the persistent cache: the steps of the tiny model are too quick to outlast
+    its compile, so the search run would end before the swap."""
+    keys = dict(
+        moe__every=2, moe__memory_reuse="S4", train__steps=24,
+        recompile__cache_dir=str(tmp_path / "jax_cache"),
+    )
+    train(tiny_config(moe__chunks=2, **keys), tmp_path / "warm", progress=False)
+    cfg = tiny_config(
+        moe__granularity__enabled=True,
+        moe__granularity__max_chunks=2,
+        moe__granularity__trials=2,
+        moe__granularity__warmup=1,
+        **keys,
+    )
+    summary = train(cfg, tmp_path, progress=False)
+    events = read_jsonl(tmp_path / "events.jsonl")
+    swaps = [e for e in events if e["event"] == "recompile"]
+    decisions = [e for e in events if e["event"] == "moe_granularity"]
+    assert summary.final_step == 24 and np.isfinite(summary.final_loss)
+    assert any(e["plan_diff"].get("parts.moe.chunks") == [[1], [2]] for e in swaps), events
+    assert decisions and decisions[0]["timed_seconds"].keys() == {"1", "2"}
+    assert decisions[0]["memory_reuse"] == "S4" and decisions[0]["rows"] == 8 * 4 * 20  # 8 groups x 4 experts x 20 slots
