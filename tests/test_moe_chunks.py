@@ -326,3 +326,18 @@ def test_granularity_policy_runs_in_training(tmp_path):
     assert decisions and decisions[0]["timed_seconds"].keys() == {"1", "2"}
     # B: 8 groups x 4 experts x 20 slots (factor 1.25) on the one device
     assert decisions[0]["memory_reuse"] == "S4" and decisions[0]["rows"] == 8 * 4 * 20
+
+
+def test_auto_memory_reuse_measures_and_reports(tmp_path):
+    """``moe.memory_reuse="auto"``: the Plan holds the strategy eq. 10 chose on speeds measured
+    here (CPU has pinned host memory: a copy speed > 0), and the first step reports it."""
+    cfg = tiny_config(moe__every=2, moe__memory_reuse="auto", moe__chunks=2, train__steps=2)
+    summary = train(cfg, tmp_path, progress=False)
+    events = read_jsonl(tmp_path / "events.jsonl")
+    (event,) = [e for e in events if e["event"] == "moe_memory_reuse"]
+    assert summary.final_step == 2 and event["step"] == 0
+    assert event["strategy"] in STRATEGIES and min(event["speeds"].values()) > 0
+    costs = event["predicted_seconds"]
+    assert costs[event["strategy"]] == min(costs[s] for s in STRATEGIES)
+    speeds = Speeds(**event["speeds"])
+    assert choose_reuse(speeds, event["rows_per_chunk"], 32, 64) == event["strategy"]

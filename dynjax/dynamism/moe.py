@@ -26,6 +26,7 @@ RECOMPILE, timed by the step seconds this plugin measures between steps.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,7 @@ from dynjax.recompile.granularity import (
     Speeds,
     choose_reuse,
     chunks_of,
+    reuse_costs,
 )
 
 if TYPE_CHECKING:
@@ -210,11 +212,18 @@ class MoEPlugin(Plugin):
             factor = ctx.num_experts / ctx.top_k
         plan = plan.replace(capacities=static_capacities(ctx, factor))
         reuse = cfg.moe.memory_reuse
-        if reuse == "auto":
-            hidden = cfg.moe.expert_mlp_dim or cfg.model.mlp_dim
+        if reuse == "auto":  # eq. 10 on this machine's speeds, reported at the first step
+            d, hidden = cfg.model.d_model, cfg.moe.expert_mlp_dim or cfg.model.mlp_dim
             rows = dispatch_rows(plan, ctx, cfg.mesh.expert) // cfg.moe.chunks
-            reuse = choose_reuse(measure_speeds(rows, cfg.model.d_model, hidden), rows,
-                                 cfg.model.d_model, hidden)
+            speeds = measure_speeds(rows, d, hidden)
+            reuse = choose_reuse(speeds, rows, d, hidden)
+            self._reuse_event = {
+                "event": "moe_memory_reuse",
+                "strategy": reuse,
+                "rows_per_chunk": rows,
+                "speeds": dataclasses.asdict(speeds),
+                "predicted_seconds": reuse_costs(speeds, rows, d, hidden),
+            }
         return plan.with_part(
             "moe", chunks=(cfg.moe.chunks,) * ctx.num_moe_layers, memory_reuse=reuse
         )
@@ -268,7 +277,16 @@ class MoEPlugin(Plugin):
             STEP_ROWS: np.int64(dispatch_rows(last[3], exp.ctx, exp.cfg.mesh.expert)),
         }
 
+    def before_step(
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+    ) -> list[dict[str, Any]]:
+        """The strategy ``moe.memory_reuse="auto"`` chose, with the speeds and eq. 10 costs it
+        chose by, as an event of the first step."""
+        event, self._reuse_event = self._reuse_event, None
+        return [] if event is None else [{**event, "step": step}]
+
     _last_step: tuple | None = None  # (experiment, step, perf_counter, plan) of `measure`
+    _reuse_event: dict[str, Any] | None = None  # `initial_plan`'s auto choice, not yet emitted
 
     def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
         moe, out = cfg.moe, []
