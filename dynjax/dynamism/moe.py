@@ -15,21 +15,32 @@ train state: it moves with the layer between pipeline stages and is checkpointed
 resharded by path. `MoEPlugin.wrap_optimizer` keeps it out of the optimizer (no moments, no
 weight decay, no update) and the train step (single program and pipeline stages alike) moves it
 after each update from the step's routed loads (`dynjax.model.moe.balance_bias`), on device.
+
+MPipeMoE (seed 002 §III, issue 12 §3): ``moe.chunks`` partitions each MoE layer's dispatch
+groups (`dynjax.model.moe.Chunking`) and ``moe.memory_reuse`` picks Table II's strategy
+(``"auto"``: eq. 10 on speeds measured when the run starts, `choose_reuse`). Both are the
+plugin's Plan part (``chunks`` per MoE layer, ``memory_reuse``), handed to the MoE blocks as
+layer options; ``moe.granularity`` runs Alg. 1 (`AdaptiveGranularity`), which changes n by
+RECOMPILE, timed by the step seconds this plugin measures between steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
-from dynjax.config import ConfigError, at_least, moe_layer_indices, num_stages
+from dynjax.config import ConfigError, at_least, microbatches, moe_layer_indices, num_stages
 from dynjax.dynamism.base import Plugin, register
-from dynjax.model.moe import BIAS, ROUTINGS, SlotLayout
+from dynjax.model.moe import BIAS, REUSE, ROUTINGS, Chunking, SlotLayout, host_offload_supported
 from dynjax.recompile import (
     CachingPolicy,
     DynamicCapacity,
@@ -38,6 +49,16 @@ from dynjax.recompile import (
     Policy,
     base_capacity,
     static_capacities,
+)
+from dynjax.recompile.granularity import (
+    STEP_CHUNKS,
+    STEP_ROWS,
+    STEP_SECONDS,
+    AdaptiveGranularity,
+    Speeds,
+    choose_reuse,
+    chunks_of,
+    reuse_costs,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +122,19 @@ class MoEPlugin(Plugin):
         c.caching.warmup_steps = 100
         c.caching.window = 10
         c.caching.max_entries = 65536  # samples whose assignments are kept on the host
+        # MPipeMoE (seed 002 §III-B): partitions of each MoE layer's dispatch groups per shard,
+        # each its own all-to-all -> experts -> all-to-all, overlapped on GPU; must divide
+        # train.batch_size / (mesh.data * mesh.expert * microbatches)
+        c.chunks = 1
+        # Table II: "none" | "S1" | "S2" | "S3" | "S4" (restore T_DI by offload (S1, S3) or
+        # re-communication (S2, S4), T_M by offload (S1, S2) or recomputation (S3, S4)) | "auto"
+        # (eq. 10 on speeds measured at the start)
+        c.memory_reuse = "none"
+        c.granularity = ml_collections.ConfigDict()  # Alg. 1: adaptive n per token count B
+        c.granularity.enabled = False
+        c.granularity.max_chunks = 8  # candidates: the powers of two up to this dividing groups
+        c.granularity.trials = 3  # timed steps per candidate n
+        c.granularity.warmup = 1  # steps after a change of n or B not timed
         return c
 
     def enabled(self, cfg: ml_collections.ConfigDict) -> bool:
@@ -146,6 +180,7 @@ class MoEPlugin(Plugin):
                     "moe.dispatch='static' or pipeline.stage_layers=''"
                 )
             _check_routing(cfg)
+            _check_chunks(cfg)
             if moe.capacity.policy not in ("static", "dynamic"):
                 raise ConfigError(
                     f"moe.capacity.policy={moe.capacity.policy!r} is not one of "
@@ -161,6 +196,9 @@ class MoEPlugin(Plugin):
                 "moe.capacity.policy='dynamic'": moe.capacity.policy == "dynamic",
                 "moe.caching.enabled=True": moe.caching.enabled,
                 "moe.bias_balancing.enabled=True": moe.bias_balancing.enabled,
+                "moe.granularity.enabled=True": moe.granularity.enabled,
+                f"moe.chunks={moe.chunks}": moe.chunks != 1,
+                f"moe.memory_reuse={moe.memory_reuse!r}": moe.memory_reuse != "none",
             }
             asked = [key for key, on in moe_policies.items() if on]
             if asked:  # it would be ignored: the run would not be what the config says
@@ -172,19 +210,83 @@ class MoEPlugin(Plugin):
         factor = cfg.moe.capacity.factor
         if factor <= 0:  # dropless: an expert can take every token of a group
             factor = ctx.num_experts / ctx.top_k
-        return plan.replace(capacities=static_capacities(ctx, factor))
+        plan = plan.replace(capacities=static_capacities(ctx, factor))
+        reuse = cfg.moe.memory_reuse
+        if reuse == "auto":  # eq. 10 on this machine's speeds, reported at the first step
+            d, hidden = cfg.model.d_model, cfg.moe.expert_mlp_dim or cfg.model.mlp_dim
+            rows = dispatch_rows(plan, ctx, cfg.mesh.expert) // cfg.moe.chunks
+            speeds = measure_speeds(rows, d, hidden)
+            reuse = choose_reuse(speeds, rows, d, hidden)
+            self._reuse_event = {
+                "event": "moe_memory_reuse",
+                "strategy": reuse,
+                "rows_per_chunk": rows,
+                "speeds": dataclasses.asdict(speeds),
+                "predicted_seconds": reuse_costs(speeds, rows, d, hidden),
+            }
+        return plan.with_part(
+            "moe", chunks=(cfg.moe.chunks,) * ctx.num_moe_layers, memory_reuse=reuse
+        )
 
     def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
         """Capacities follow `moe.capacity.*` (back to the static factor when it changed),
-        cached routing follows `moe.caching.*` (off until the policy decides again)."""
+        cached routing follows `moe.caching.*` (off until the policy decides again), the
+        partitions and memory reuse `moe.chunks`, `moe.memory_reuse` and `moe.granularity.*`."""
         fields = {"capacities": "moe.capacity.", "cached_routing": "moe.caching."}
-        return saved.replace(
+        plan = saved.replace(
             **{
                 field: getattr(implied, field)
                 for field, prefix in fields.items()
                 if any(key.startswith(prefix) for key in changed)
             }
         )
+        mpipe = ("moe.chunks", "moe.memory_reuse", "moe.granularity.")
+        if not plan.part("moe") or any(k.startswith(mpipe) for k in changed):
+            plan = plan.with_part("moe", **implied.part("moe"))
+        return plan
+
+    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
+        """Each MoE layer's `Chunking` (None for the others); None for the plain layer (one
+        partition, no memory reuse), so its program is exactly the layer without them."""
+        chunks, reuse = chunks_of(plan), plan.part("moe").get("memory_reuse", "none")
+        if set(chunks) <= {1} and reuse == "none":
+            return None
+        records: list[Chunking | None] = [None] * exp.ctx.num_layers
+        for layer, n in zip(exp.model_cfg.moe_layers, chunks, strict=True):
+            records[layer] = Chunking(n, reuse)
+        return records
+
+    def measure(
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+    ) -> dict[str, Any]:
+        """With ``moe.granularity``: the wall seconds, partitions and dispatch rows of the step
+        before this one (`STEP_SECONDS`, `STEP_CHUNKS`, `STEP_ROWS`), what Alg. 1 times. The
+        loop dispatches asynchronously but waits for step t - Δ's metrics, so in steady state
+        an iteration lasts one device step. The seconds are NaN when the Plan changed after
+        that step (the swap's stall is in them)."""
+        if not self.enabled(exp.cfg) or not exp.cfg.moe.granularity.enabled:
+            return {}
+        now, last = time.perf_counter(), self._last_step
+        self._last_step = (exp, step, now, plan)
+        if last is None or last[0] is not exp or last[1] != step - 1:
+            return {}
+        seconds = now - last[2] if last[3] == plan else float("nan")
+        return {
+            STEP_SECONDS: np.float64(seconds),
+            STEP_CHUNKS: np.int64(max(chunks_of(last[3]), default=1)),
+            STEP_ROWS: np.int64(dispatch_rows(last[3], exp.ctx, exp.cfg.mesh.expert)),
+        }
+
+    def before_step(
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+    ) -> list[dict[str, Any]]:
+        """The strategy ``moe.memory_reuse="auto"`` chose, with the speeds and eq. 10 costs it
+        chose by, as an event of the first step."""
+        event, self._reuse_event = self._reuse_event, None
+        return [] if event is None else [{**event, "step": step}]
+
+    _last_step: tuple | None = None  # (experiment, step, perf_counter, plan) of `measure`
+    _reuse_event: dict[str, Any] | None = None  # `initial_plan`'s auto choice, not yet emitted
 
     def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
         moe, out = cfg.moe, []
@@ -202,6 +304,17 @@ class MoEPlugin(Plugin):
                     headroom=c.headroom,
                     bucket=c.bucket,
                     hysteresis=c.hysteresis,
+                )
+            )
+        if moe.granularity.enabled:
+            g = moe.granularity
+            out.append(
+                AdaptiveGranularity(
+                    chunk_candidates(exp.cfg),
+                    trials=g.trials,
+                    warmup=g.warmup,
+                    d_model=cfg.model.d_model,
+                    hidden=cfg.moe.expert_mlp_dim or cfg.model.mlp_dim,
                 )
             )
         if moe.caching.enabled:
@@ -260,6 +373,75 @@ class MoEPlugin(Plugin):
         return costs
 
 
+def local_groups(cfg: ml_collections.ConfigDict) -> int:
+    """Dispatch groups (sequences) per expert-parallel shard in one microbatch: what
+    ``moe.chunks`` partitions."""
+    mesh = cfg.mesh
+    return cfg.train.batch_size // (mesh.data * mesh.expert * microbatches(cfg))
+
+
+def chunk_candidates(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
+    """Alg. 1's candidates: the powers of two up to ``moe.granularity.max_chunks`` that divide
+    the groups per shard, and ``moe.chunks``."""
+    groups = local_groups(cfg)
+    powers = [2**i for i in range(cfg.moe.granularity.max_chunks.bit_length())]
+    ok = [n for n in powers if n <= cfg.moe.granularity.max_chunks and groups % n == 0]
+    return tuple(sorted({*ok, cfg.moe.chunks}))
+
+
+def dispatch_rows(plan: Plan, ctx: PlanContext, shards: int) -> int:
+    """Alg. 1's B: rows one expert-parallel shard dispatches per MoE layer in a microbatch
+    (static path: its groups times the layer's slot buffer; mean over the MoE layers). The
+    ragged path's buffers are bucketed totals of the same capacities, so B moves with them too."""
+    groups = ctx.batch_size // (plan.microbatches * ctx.batch_shards)
+    if not plan.capacities:
+        return 0
+    totals = [SlotLayout(tuple(c), shards).total for c in plan.capacities]
+    return int(round(groups * float(np.mean(totals))))
+
+
+def measure_speeds(rows: int, d_model: int, hidden: int, repeats: int = 5) -> Speeds:
+    """Seed 002 §II-C's W_comp, W_comm, W_mem on this machine, medians of ``repeats``: an expert
+    GEMM of one partition, an all-to-all of T_DI over the local devices (none with one device:
+    infinitely fast) and a copy of T_DI to pinned host memory (0 where the backend has none).
+    The slowdown factors of running them together (μ, η) are left at 1: measuring them needs
+    concurrent streams (GPU)."""
+    rows = max(rows, 1)
+    a = jnp.ones((rows, d_model), jnp.float32)
+    w = jnp.ones((d_model, hidden), jnp.float32)
+
+    def seconds(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - began)
+        return max(float(np.median(times)), 1e-9)
+
+    comp = 2 * rows * d_model * hidden / seconds(jax.jit(jnp.matmul), a, w)
+    devices = jax.local_devices()
+    comm = float("inf")
+    if len(devices) > 1:
+        n = len(devices)
+        mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
+        x = jnp.ones((n * n, max(rows // n, 1), d_model), jnp.float32)
+        a2a = jax.jit(
+            jax.shard_map(
+                lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True),
+                mesh=mesh,
+                in_specs=P("x"),
+                out_specs=P("x"),
+            )
+        )
+        comm = x.nbytes / n / seconds(a2a, jax.device_put(x, jax.NamedSharding(mesh, P("x"))))
+    mem = 0.0
+    if host_offload_supported():
+        host = jax.sharding.SingleDeviceSharding(devices[0], memory_kind="pinned_host")
+        mem = a.nbytes / seconds(lambda v: jax.device_put(v, host), a)
+    return Speeds(comp=comp, comm=comm, mem=mem)
+
+
 def _labels(params):
     """`BIAS` for each `RoutedBias` leaf, "trained" for the others."""
 
@@ -294,6 +476,28 @@ def _check_routing(cfg: ml_collections.ConfigDict) -> None:
             f"capacity's tokens) and does not combine with {', '.join(asked)}: turn it off "
             "(a factor > 0), or set moe.routing='token_choice'"
         )
+
+
+def _check_chunks(cfg: ml_collections.ConfigDict) -> None:
+    """``moe.chunks``, ``moe.memory_reuse`` and ``moe.granularity`` (seed 002 §III)."""
+    moe = cfg.moe
+    groups = local_groups(cfg)
+    if moe.chunks < 1 or groups % moe.chunks:
+        raise ConfigError(
+            f"moe.chunks={moe.chunks} must be >= 1 and divide the {groups} dispatch groups "
+            "(sequences) per expert-parallel shard, train.batch_size / (mesh.data * mesh.expert "
+            "* microbatches): choose a divisor of it"
+        )
+    if moe.memory_reuse not in (*REUSE, "auto"):
+        raise ConfigError(
+            f"moe.memory_reuse={moe.memory_reuse!r} is not one of {(*REUSE, 'auto')}"
+        )
+    g = moe.granularity
+    if g.enabled:
+        at_least(
+            {"moe.granularity.max_chunks": g.max_chunks, "moe.granularity.trials": g.trials}, 1
+        )
+        at_least({"moe.granularity.warmup": g.warmup}, 0)
 
 
 def _check_moe(cfg: ml_collections.ConfigDict) -> None:

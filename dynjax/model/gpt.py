@@ -119,7 +119,11 @@ class Block(nnx.Module):
             x = x + y
             if self.is_moe:
                 y, stats = self.moe(
-                    self.norm2(x), capacities=capacities, parallel=parallel, cached=cached
+                    self.norm2(x),
+                    capacities=capacities,
+                    parallel=parallel,
+                    cached=cached,
+                    chunking=dict(options).get("moe"),  # MPipeMoE's partitions, memory reuse
                 )
                 return x + y, stats, metrics
             return x + self.mlp(self.norm2(x), sparse), None, metrics

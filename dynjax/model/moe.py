@@ -35,22 +35,130 @@ router z-loss, computed per group and averaged so they too are independent of th
 is the fraction of the group's S * k (token, choice) pairs dispatched to expert e before dropping,
 so it sums to 1 over the experts; HF Mixtral and MaxText let it sum to k, so their balance loss is
 k times this one and their weight w is k * w here (README "Mixture of experts").
+
+MPipeMoE (seed 002 §III-B..D, issue 12 §3): a `Chunking` record splits the layer's dispatch
+groups on each expert-parallel shard into ``chunks`` partitions along the token dimension (Fig.
+5b: each partition its own, smaller all-to-all), each running dispatch -> experts -> combine on its
+own. The partitions share no operation, so XLA's latency-hiding scheduler (GPU) may overlap
+partition i+1's dispatch with partition i's experts; their outputs are the unchunked layer's
+exactly, since routing and slots are per group. ``reuse`` (Table II) restores the dispatched input
+T_DI and the experts' hidden activation T_M in the backward instead of keeping every partition's
+copy: S1 offloads both to pinned host memory, S2 re-communicates T_DI and offloads T_M, S3
+offloads T_DI and recomputes T_M, S4 re-communicates T_DI and recomputes T_M (`jax.checkpoint`
+with named residuals). With a strategy the partitions run as a `jax.lax.scan`, so one set of
+buffers serves them in turn (§III-D's memory reuse; an unrolled loop let XLA's CPU scheduler
+keep every partition's buffers live at once, measured in benchmarks/moe_chunks.py); overlap
+across the scan's iterations is then up to XLA's loop pipelining. Without one (``"none"``) they
+are unrolled, the overlap path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 ROUTINGS = ("token_choice", "expert_choice")
 BIAS = "routed_bias"  # the `RoutedBias` attribute of an MoE block: its path ends in moe/routed_bias
+# MPipeMoE's memory reuse strategies (seed 002 Table II); "none" keeps every residual.
+REUSE = ("none", "S1", "S2", "S3", "S4")
+# Checkpoint names of a partition's residuals: T_DI (the dispatched rows after the all-to-all),
+# T_M (the experts' hidden pre-activation) and the expert outputs after the combine all-to-all.
+DISPATCHED, HIDDEN, RETURNED = "moe_dispatched", "moe_hidden", "moe_returned"
+# What each strategy offloads to host memory; what it neither offloads nor keeps is restored in
+# the backward: T_DI by dispatching again (re-communication), T_M by recomputing the matmul.
+OFFLOADED = {"S1": (DISPATCHED, HIDDEN), "S2": (HIDDEN,), "S3": (DISPATCHED,), "S4": ()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunking:
+    """An MoE layer's MPipeMoE options (seed 002 §III-B, §III-D): ``chunks`` partitions of its
+    local dispatch groups, each its own dispatch all-to-all -> experts -> combine all-to-all,
+    and ``reuse``, the memory reuse strategy of Table II (one of `REUSE`)."""
+
+    chunks: int = 1
+    reuse: str = "none"
+
+    def __post_init__(self):
+        if self.chunks < 1:
+            raise ValueError(f"moe.chunks={self.chunks} must be >= 1")
+        if self.reuse not in REUSE:
+            raise ValueError(f"moe.memory_reuse={self.reuse!r} is not one of {REUSE}")
+
+
+@functools.cache
+def host_offload_supported() -> bool:
+    """Whether the default device has a ``pinned_host`` memory space to offload residuals to."""
+    return "pinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}
+
+
+def reuse_policy(reuse: str) -> Callable:
+    """The `jax.checkpoint` policy of strategy ``reuse`` (seed 002 Table II): the combined
+    expert outputs stay on device (the gates' gradient reads them; recomputing them would re-run
+    the experts), the strategy's offloaded tensors go to pinned host memory, everything else is
+    recomputed. Without a pinned host memory space the offloaded tensors stay on device instead
+    (a warning says so): the layer is then correct but saves only what S4's recomputation does
+    not need to keep."""
+    offloaded = list(OFFLOADED[reuse])
+    if not offloaded:
+        return jax.checkpoint_policies.save_only_these_names(RETURNED)
+    if host_offload_supported():
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[RETURNED],
+            names_which_can_be_offloaded=offloaded,
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    warnings.warn(
+        f"moe.memory_reuse={reuse!r}: the {jax.default_backend()} backend has no pinned_host "
+        f"memory, so {offloaded} stay in device memory instead of being offloaded",
+        stacklevel=2,
+    )
+    return jax.checkpoint_policies.save_only_these_names(RETURNED, *offloaded)
+
+
+def chunked(fn: Callable, chunking: Chunking | None, tokens: int) -> Callable:
+    """``fn(*token_args, w_in, w_out)`` (the first ``tokens`` arguments [g, ...] per dispatch
+    group) run on ``chunking.chunks`` partitions of the g groups, each under the strategy's
+    `jax.checkpoint` policy, outputs concatenated (seed 002 §III-B, Fig. 5b). Without memory
+    reuse an unrolled loop of independent partitions: nothing orders partition i's experts
+    before partition i+1's dispatch, so the latency-hiding scheduler may overlap them. With it
+    a `jax.lax.scan`: the partitions take turns in one set of buffers (§III-D, Fig. 6)."""
+    if chunking is None:
+        return fn
+    reuse = chunking.reuse
+    part = fn if reuse == "none" else jax.checkpoint(fn, policy=reuse_policy(reuse))
+    n = chunking.chunks
+    if n == 1:
+        return part
+
+    def run(*args):
+        g = args[0].shape[0]
+        if g % n:
+            raise ValueError(
+                f"moe.chunks={n} does not divide the {g} dispatch groups (sequences) per "
+                "expert-parallel shard: choose a divisor of train.batch_size / (mesh.data * "
+                "mesh.expert * microbatches)"
+            )
+        size, rest = g // n, args[tokens:]
+        if reuse == "none":
+            parts = [[a[i * size : (i + 1) * size] for a in args[:tokens]] for i in range(n)]
+            return jnp.concatenate([part(*p, *rest) for p in parts], axis=0)
+        split = [a.reshape(n, size, *a.shape[1:]) for a in args[:tokens]]
+        _, outs = jax.lax.scan(lambda carry, xs: (carry, part(*xs, *rest)), None, split)
+        return outs.reshape(g, *outs.shape[2:])
+
+    return run
 
 
 class RoutedBias(nnx.Variable):
@@ -250,7 +358,8 @@ def _expert_ffn(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, slot_sizes) 
     """Each local expert's MLP on exactly its own slots. rows: [g, X, K, d]."""
     outs, start = [], 0
     for i, size in enumerate(slot_sizes):
-        h = jax.nn.gelu(jnp.einsum("gxcd,dh->gxch", rows[:, :, start : start + size], w_in[i]))
+        h = jnp.einsum("gxcd,dh->gxch", rows[:, :, start : start + size], w_in[i])
+        h = jax.nn.gelu(checkpoint_name(h, HIDDEN))
         outs.append(jnp.einsum("gxch,hd->gxcd", h, w_out[i]))
         start += size
     return jnp.concatenate(outs, axis=2)
@@ -266,9 +375,10 @@ def _dispatch_experts_combine(x, slot, weight, w_in, w_out, *, layout, expert_ax
     send = buf[:, : layout.total].reshape(g, layout.shards, layout.shard_slots, d)
     if layout.shards > 1:
         send = jax.lax.all_to_all(send, expert_axis, 1, 1, tiled=True)
-    out = _expert_ffn(send, w_in, w_out, layout.slot_sizes)
+    out = _expert_ffn(checkpoint_name(send, DISPATCHED), w_in, w_out, layout.slot_sizes)
     if layout.shards > 1:
         out = jax.lax.all_to_all(out, expert_axis, 1, 1, tiled=True)
+    out = checkpoint_name(out, RETURNED)
     out = jnp.concatenate([out.reshape(g, layout.total, d), jnp.zeros((g, 1, d), out.dtype)], 1)
     return jnp.einsum("gskd,gsk->gsd", out[rows, slot], weight.astype(out.dtype))
 
@@ -282,9 +392,10 @@ def _gather_experts_combine(x, row, weight, w_in, w_out, *, layout, expert_axis)
     send = padded[groups, row].reshape(g, layout.shards, layout.shard_slots, d)
     if layout.shards > 1:
         send = jax.lax.all_to_all(send, expert_axis, 1, 1, tiled=True)
-    out = _expert_ffn(send, w_in, w_out, layout.slot_sizes)
+    out = _expert_ffn(checkpoint_name(send, DISPATCHED), w_in, w_out, layout.slot_sizes)
     if layout.shards > 1:
         out = jax.lax.all_to_all(out, expert_axis, 1, 1, tiled=True)
+    out = checkpoint_name(out, RETURNED)
     out = out.reshape(g, layout.total, d) * weight[..., None].astype(out.dtype)
     return jnp.zeros((g, s + 1, d), out.dtype).at[groups, row].add(out)[:, :s]
 
@@ -306,7 +417,7 @@ def grouped_ffn(
     sizes = jnp.sum(onehot, axis=0)
     if not tiles:
         perm = jnp.argsort(ids, stable=True)
-        h = jax.nn.gelu(jax.lax.ragged_dot(rows[perm], w_in, sizes))
+        h = jax.nn.gelu(checkpoint_name(jax.lax.ragged_dot(rows[perm], w_in, sizes), HIDDEN))
         return jnp.zeros_like(rows).at[perm].set(jax.lax.ragged_dot(h, w_out, sizes))
     t = int(np.clip(2 ** int(np.log2(max(r // (4 * num), 1))), 8, 128))
     n = -(-(r + num * (t - 1)) // t)  # tiles
@@ -316,7 +427,7 @@ def grouped_ffn(
     dest = jnp.where(ids < num, (ends - padded)[jnp.minimum(ids, num - 1)] + rank, n * t)
     buf = jnp.zeros((n * t + 1, d), rows.dtype).at[dest].set(rows)[:-1].reshape(n, t, d)
     expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n) * t, side="right"), num - 1)
-    h = jax.nn.gelu(jnp.einsum("ntd,ndh->nth", buf, w_in[expert]))
+    h = jax.nn.gelu(checkpoint_name(jnp.einsum("ntd,ndh->nth", buf, w_in[expert]), HIDDEN))
     out = jnp.einsum("nth,nhd->ntd", h, w_out[expert]).reshape(n * t, d)
     return jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[dest]
 
@@ -346,10 +457,12 @@ def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_tota
         send = jax.lax.all_to_all(send.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
         ids = jax.lax.all_to_all(ids.reshape(shards, chunk), expert_axis, 0, 0, tiled=True)
         send, ids = send.reshape(shards * chunk, d), ids.reshape(shards * chunk)
+    send = checkpoint_name(send, DISPATCHED)
     out = grouped_ffn(send, ids, w_in, w_out, tiles=jax.default_backend() == "cpu")
     if shards > 1:
         out = jax.lax.all_to_all(out.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
         out = out.reshape(shards * chunk, d)
+    out = checkpoint_name(out, RETURNED)
     out = jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[idx].reshape(g, s, k, d)
     return jnp.einsum("gskd,gsk->gsd", out, weight.astype(out.dtype))
 
@@ -393,9 +506,11 @@ class MoE(nnx.Module):
         capacities: tuple[int, ...] | RaggedCapacities,
         parallel: ExpertParallel | None = None,
         cached: jax.Array | None = None,
+        chunking: Chunking | None = None,
     ) -> tuple[jax.Array, MoEStats]:
         """Python ints: the static path, capacities compiled into the program. `RaggedCapacities`:
-        the ragged path (``moe.dispatch="ragged"``). Both keep the same (token, choice) pairs."""
+        the ragged path (``moe.dispatch="ragged"``). Both keep the same (token, choice) pairs.
+        ``chunking``: MPipeMoE's partitions and memory reuse (None: one partition, no reuse)."""
         num_experts = self.w_in.shape[0]
         if len(capacities) != num_experts:
             raise ValueError(f"{len(capacities)} capacities given for {num_experts} experts")
@@ -436,6 +551,7 @@ class MoE(nnx.Module):
                 args = (x, slot, jnp.where(kept, gates, 0.0), w_in, w_out)
             onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)
             expert_tokens = jnp.sum(onehot * kept[..., None], axis=(1, 2))
+        fn = chunked(fn, chunking, len(args) - 2)
         if parallel is not None:
             tokens, expert = P(parallel.token_axes), P(parallel.expert_axis)
             fn = jax.shard_map(
