@@ -276,6 +276,17 @@ def train(
             compiler.forget(lambda p: len(p.stage_layers) > runtime.available_stages)
             events(release(devices, stages, release_hook, step=step, reason=reason))
 
+    profiles = {}  # step -> its pending profile, until the Monitor hands the step over
+
+    def observe(step: int, metrics: dict[str, Any]) -> None:
+        """A step's host metrics to the logger and the Controller, with its profile's."""
+        pending = profiles.pop(step, None)
+        if pending is not None:
+            profile = pending.result()
+            events(profile.event(step))
+            metrics = {**metrics, **profile.metrics()}
+        logger.observe(step, runtime.host_metrics(step, metrics), cache, controller, bar)
+
     release_unused(start, "resumed re-packed")
     controller.start()
     try:
@@ -300,18 +311,18 @@ def train(
             batch = exp.order.batch(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
             if profile_next or (profile_every and step % profile_every == 0):
-                # Units run alone only after a change; periodic profiles rescale them.
-                metrics, profile = runtime.profile_step(
+                # Units run alone only after a change; periodic profiles rescale them from
+                # their step's timeline, taken while the loop goes on (`observe` waits for it).
+                metrics, profiles[step] = runtime.start_profile_step(
                     executable, batch, cached, measure_units=profile_next
                 )
-                events(profile.event(step))
                 profile_next = False
             else:
                 metrics = runtime.step(executable, batch, cached)
             monitor.push(step, metrics)
             logger.dispatched(step, batch.sample_ids, plan, measured)
             for s, m in monitor.pop_ready(step):
-                logger.observe(s, runtime.host_metrics(s, m), cache, controller, bar)
+                observe(s, m)
             bar.update(1)
             done = step + 1
             if done % cfg.train.eval_every == 0 or done == steps:
@@ -325,7 +336,7 @@ def train(
                     {"plan": plan.to_dict(), "config": cfg.to_dict()},
                 )
         for s, m in monitor.drain():
-            logger.observe(s, runtime.host_metrics(s, m), cache, controller, bar)
+            observe(s, m)
     finally:
         bar.close()
         controller.stop()
