@@ -13,7 +13,7 @@ pipeline of ``--stages`` x ``--data`` fake CPU devices, in one process and inter
   seconds per step are those of one periodic profile. Each round runs both windows back to
   back (alternating which first) and the overhead is the median of the rounds' differences, in
   wall time, in process CPU time (all threads: the watchers' work shows, idle waits do not) and
-  in the training thread's own seconds (dispatching the step, building the Profile);
+  in the training thread's CPU time (dispatching, reading metrics, building the Profile);
 * a profiled step that runs every unit alone (`measure_units=True`: what a step after a change
   of the model does, waiting for the step and the units): its extra seconds over a plain step;
 * one decision: `RebalancePolicy.propose` on a history holding the profile (on the Controller's
@@ -114,40 +114,35 @@ def main() -> None:
         return exp.order.batch(step)
 
     def steps(count: int, profiled: bool) -> tuple[float, float, float, dict]:
-        """Wall, process CPU and training-thread seconds per step of ``count`` steps as the
+        """Wall, process CPU and training-thread CPU seconds per step of ``count`` steps as the
         training loop runs them: dispatched back to back, their metrics read
         ``recompile.delta_launch`` steps late (the Monitor); with ``profiled``, every step a
-        periodic profile whose Profile joins its metrics then. The training thread's seconds
-        are those of dispatching the steps and of building the Profiles."""
-        monitor, pending, metrics, thread = Monitor(cfg.recompile.delta_launch), {}, {}, 0.0
+        periodic profile whose Profile joins its metrics then."""
+        monitor, pending, metrics = Monitor(cfg.recompile.delta_launch), {}, {}
 
         def observe(ready: list[tuple[int, dict]]) -> None:
-            nonlocal metrics, thread
+            nonlocal metrics
             for s, m in ready:
                 if s in pending:
-                    t = time.perf_counter()
                     profile = pending.pop(s).result()
                     m = {**m, **profile.metrics()}
                     busy.append(stage_busy_seconds(profile.timeline))
-                    thread += time.perf_counter() - t
                 metrics = runtime.host_metrics(s, m)
 
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
         for _ in range(count):
             host = batch()
-            t = time.perf_counter()
             if profiled:
                 raw, pending[step] = runtime.start_profile_step(
                     exe, host, None, measure_units=False
                 )
             else:
                 raw = runtime.step(exe, host, None)
-            thread += time.perf_counter() - t
             monitor.push(step, raw)
             observe(monitor.pop_ready(step))
         observe(monitor.drain())
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return wall / count, cpu / count, thread / count, metrics
+        seconds = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - h0
+        return *(t / count for t in seconds), metrics
 
     def units_alone() -> float:
         t0 = time.perf_counter()
@@ -204,8 +199,9 @@ def main() -> None:
           f"{1e3 * full:.1f} ms, rescaled from the timeline {1e3 * light:.1f} ms; "
           f"decision {1e3 * statistics.median(decide_s):.2f} ms (controller thread); "
           f"process CPU per plain step {1e3 * cpu_base:.1f} ms, extra per periodic profile "
-          f"{1e3 * cpu:.1f} ms; training thread extra per periodic profile {1e3 * thread:.2f} "
-          f"ms (dispatch {1e3 * statistics.median(step_thread):.1f} ms per plain step); "
+          f"{1e3 * cpu:.1f} ms; training thread CPU per plain step "
+          f"{1e3 * statistics.median(step_thread):.1f} ms, extra per periodic profile "
+          f"{1e3 * thread:.2f} ms; "
           f"migration {1e3 * statistics.median(migrate_s):.1f} ms per move")
     # The periodic profiles' timelines are taken while the loop dispatches the next steps; the
     # balancer's costs come from them, so they must agree with a timeline the loop waited for.
