@@ -5,10 +5,17 @@ DynMo rebalances MoE and MoD every iteration because the overhead is single-digi
 pipeline of ``--stages`` x ``--data`` fake CPU devices, in one process and interleaved rounds
 (the machine is shared), it times:
 
-* a plain step: the training loop's steady state, steps dispatched back to back;
+* a plain step: the training loop's steady state, steps dispatched back to back, their metrics
+  read ``recompile.delta_launch`` steps late as the Monitor reads them;
+* the same steps each with a periodic profile (`start_profile_step(measure_units=False)`: unit
+  times rescaled from the step's own timeline, taken by watcher threads while the loop goes on,
+  the Profile built when the Monitor hands the step over, as `dynjax.train` does): the extra
+  seconds per step are those of one periodic profile. Each round runs both windows back to
+  back (alternating which first) and the overhead is the median of the rounds' differences, in
+  wall time, in process CPU time (all threads: the watchers' work shows, idle waits do not) and
+  in the training thread's CPU time (dispatching, reading metrics, building the Profile);
 * a profiled step that runs every unit alone (`measure_units=True`: what a step after a change
-  of the model does) and a periodic one whose unit times come from its own timeline
-  (`measure_units=False`); each one's extra seconds over a plain step;
+  of the model does, waiting for the step and the units): its extra seconds over a plain step;
 * one decision: `RebalancePolicy.propose` on a history holding the profile (on the Controller's
   thread in a run, so it delays no step; shown for completeness);
 * one migration of a layer to the neighbouring stage and back (per move).
@@ -43,10 +50,13 @@ from datetime import date
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from dynjax.config import load_config, microbatches
 from dynjax.experiment import Experiment
+from dynjax.parallel.profile import stage_busy_seconds
 from dynjax.recompile import Rebalance
+from dynjax.recompile.monitor import Monitor
 from dynjax.recompile.policy import History
 from dynjax.train import policies_for
 
@@ -103,30 +113,64 @@ def main() -> None:
         step += 1
         return exp.order.batch(step)
 
-    def plain(count: int) -> float:
-        t0 = time.perf_counter()
+    def steps(count: int, profiled: bool) -> tuple[float, float, float, dict]:
+        """Wall, process CPU and training-thread CPU seconds per step of ``count`` steps as the
+        training loop runs them: dispatched back to back, their metrics read
+        ``recompile.delta_launch`` steps late (the Monitor); with ``profiled``, every step a
+        periodic profile whose Profile joins its metrics then."""
+        monitor, pending, metrics = Monitor(cfg.recompile.delta_launch), {}, {}
+
+        def observe(ready: list[tuple[int, dict]]) -> None:
+            nonlocal metrics
+            for s, m in ready:
+                if s in pending:
+                    profile = pending.pop(s).result()
+                    m = {**m, **profile.metrics()}
+                    busy.append(stage_busy_seconds(profile.timeline))
+                metrics = runtime.host_metrics(s, m)
+
+        t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
         for _ in range(count):
-            metrics = runtime.step(exe, batch(), None)
-        jax.block_until_ready(metrics)
-        return (time.perf_counter() - t0) / count
+            host = batch()
+            if profiled:
+                raw, pending[step] = runtime.start_profile_step(
+                    exe, host, None, measure_units=False
+                )
+            else:
+                raw = runtime.step(exe, host, None)
+            monitor.push(step, raw)
+            observe(monitor.pop_ready(step))
+        observe(monitor.drain())
+        seconds = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - h0
+        return *(t / count for t in seconds), metrics
 
-    def profiled(measure_units: bool) -> tuple[float, dict]:
+    def units_alone() -> float:
         t0 = time.perf_counter()
-        metrics, _ = runtime.profile_step(exe, batch(), None, measure_units=measure_units)
+        metrics, profile = runtime.profile_step(exe, batch(), None, measure_units=True)
         jax.block_until_ready(metrics)
-        return time.perf_counter() - t0, metrics
+        seconds = time.perf_counter() - t0
+        waited.append(stage_busy_seconds(profile.timeline))
+        return seconds
 
-    plain(3)
-    profiled(True)  # warm up every program, and measure the layout's units once
-    step_s, full_s, light_s, decide_s = [], [], [], []
+    busy, waited = [], []  # stage busy seconds of the periodic and the waited-for timelines
+    steps(3, False)
+    units_alone()  # warm up every program, and measure the layout's units once
+    steps(3, True)
+    busy.clear()
+    waited.clear()
+    step_s, step_cpu, step_thread, full_s, light_s, light_cpu, light_thread, decide_s = (
+        [], [], [], [], [], [], [], [])
     (policy,) = [p for p in policies_for(cfg, exp) if isinstance(p, Rebalance)]
-    metrics = {}
-    for _ in range(args.rounds):
-        step_s.append(plain(args.steps))
-        full_s.append(profiled(True)[0])
-        light, metrics = profiled(False)
-        light_s.append(light)
-        history = History.of([(step, runtime.host_metrics(step, metrics))])
+    for r in range(args.rounds):
+        # Plain and profiled windows back to back, in alternating order: the machine's load
+        # drifts, so each round's difference is taken within the round.
+        for profiled in (r % 2 == 1, r % 2 == 0):
+            wall, cpu, thread, metrics = steps(args.steps, profiled)
+            (light_s if profiled else step_s).append(wall)
+            (light_cpu if profiled else step_cpu).append(cpu)
+            (light_thread if profiled else step_thread).append(thread)
+        full_s.append(units_alone())
+        history = History.of([(step, metrics)])
         t0 = time.perf_counter()
         policy.propose(history, plan)
         decide_s.append(time.perf_counter() - t0)
@@ -140,25 +184,43 @@ def main() -> None:
         migrate_s.append(migration.seconds)
     base = statistics.median(step_s)
     full = statistics.median(full_s) - base
-    light = statistics.median(light_s) - base
+    # Medians of the rounds' paired differences.
+    light = statistics.median(a - b for a, b in zip(light_s, step_s, strict=True))
+    cpu_base = statistics.median(step_cpu)
+    cpu = statistics.median(a - b for a, b in zip(light_cpu, step_cpu, strict=True))
+    thread = statistics.median(a - b for a, b in zip(light_thread, step_thread, strict=True))
     setting = (f"{cfg.mesh.stage} stages x {cfg.mesh.data} data ({jax.device_count()} "
                f"{jax.devices()[0].platform} devices), {cfg.model.num_layers} layers, "
                f"M={microbatches(cfg)}, batch {cfg.train.batch_size} x {cfg.data.seq_len}; "
-               f"medians of {args.rounds} rounds of {args.steps} steps")
+               f"medians of {args.rounds} rounds of {args.steps} steps, the periodic "
+               "profile's paired with the round's plain steps")
     print(f"\n{args.case or config}: {setting}")
     print(f"plain step {1e3 * base:.1f} ms; extra per profile: units run alone "
           f"{1e3 * full:.1f} ms, rescaled from the timeline {1e3 * light:.1f} ms; "
           f"decision {1e3 * statistics.median(decide_s):.2f} ms (controller thread); "
+          f"process CPU per plain step {1e3 * cpu_base:.1f} ms, extra per periodic profile "
+          f"{1e3 * cpu:.1f} ms; training thread CPU per plain step "
+          f"{1e3 * statistics.median(step_thread):.1f} ms, extra per periodic profile "
+          f"{1e3 * thread:.2f} ms; "
           f"migration {1e3 * statistics.median(migrate_s):.1f} ms per move")
-    print(f"{'case (cadence)':<28}{'every k':>8}{'units alone':>13}{'rescaled':>10}")
+    # The periodic profiles' timelines are taken while the loop dispatches the next steps; the
+    # balancer's costs come from them, so they must agree with a timeline the loop waited for.
+    ratio = np.median(busy, axis=0) / np.median(waited, axis=0)
+    print(f"stage busy seconds, periodic profiles / waited-for ones (medians of {len(busy)} and "
+          f"{len(waited)}): " + " ".join(f"{r:.3f}" for r in ratio))
+    print(f"{'case (cadence)':<28}{'every k':>8}{'units alone':>13}{'rescaled':>10}"
+          f"{'CPU':>7}")
     for name, k in CADENCES:
-        print(f"{name:<28}{k:>8}{full / (k * base):>13.1%}{light / (k * base):>10.1%}")
+        print(f"{name:<28}{k:>8}{full / (k * base):>13.1%}{light / (k * base):>10.1%}"
+              f"{cpu / (k * cpu_base):>7.1%}")
     if args.record:
         line = {"case": args.case, "recorded": date.today().isoformat(), "setting": setting,
                 "config": config, "overrides": overrides, "plain_step_seconds": base,
                 "profile_seconds": light, "units_alone_seconds": full,
                 "decision_seconds": statistics.median(decide_s),
-                "migration_seconds": statistics.median(migrate_s)}
+                "migration_seconds": statistics.median(migrate_s),
+                "plain_step_cpu_seconds": cpu_base, "profile_cpu_seconds": cpu,
+                "profile_thread_seconds": thread, "busy_ratio": ratio.tolist()}
         with args.record.open("a") as f:
             f.write(json.dumps(line) + "\n")
 

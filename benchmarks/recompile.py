@@ -729,7 +729,7 @@ class CapacityChanges:
 
 class TrainingThreadClock:
     """What the training (main) thread spends tracing, lowering and compiling, from JAX's
-    monitoring events, and when each `PipelineRuntime.swap` and `profile_step` ran.
+    monitoring events, and when each `PipelineRuntime.swap` and `start_profile_step` ran.
 
     Nested traces (a jit inside a traced function) are counted on their own too, so the
     seconds are an upper bound; the count of backend compiles is exact.
@@ -771,10 +771,10 @@ def pipeline_worker(cfg, spec: dict[str, Any]) -> None:
     clock = TrainingThreadClock()
     jax.monitoring.register_event_duration_secs_listener(clock.listen)
     clock.wrap(PipelineRuntime, "swap")
-    clock.wrap(PipelineRuntime, "profile_step")
+    clock.wrap(PipelineRuntime, "start_profile_step")
     summary = train(cfg, spec["workdir"], policies=[CapacityChanges(spec["every"])], progress=False)
     swaps = [(t0, t1) for m, t0, t1 in clock.calls if m == "swap"]
-    profiles = [(t0, t1) for m, t0, t1 in clock.calls if m == "profile_step"]
+    profiles = [(t0, t1) for m, t0, t1 in clock.calls if m == "start_profile_step"]
     rows = []
     for start, end in swaps:
         profiled = next(((a, b) for a, b in profiles if a >= end), None)

@@ -44,7 +44,13 @@ from dynjax.parallel import (
 )
 from dynjax.parallel.feed import local_devices, place_rows, process_rows
 from dynjax.parallel.layout import join, layer_sizes
-from dynjax.parallel.pipeline import Migration, Pipeline, PipelinePrograms, host_metrics
+from dynjax.parallel.pipeline import (
+    Migration,
+    PendingProfile,
+    Pipeline,
+    PipelinePrograms,
+    host_metrics,
+)
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
@@ -506,7 +512,24 @@ class PipelineRuntime:
 
         The metrics also name the layout that ran (`profile/stage_layers`, layers per stage),
         so a policy can tell a profile of the current Plan from an older one."""
-        metrics, profile = self.pipeline.profile_step(
+        metrics, pending = self.start_profile_step(
+            executable, batch, cached, measure_units=measure_units
+        )
+        profile = pending.result()
+        return {**metrics, **profile.metrics()}, profile
+
+    def start_profile_step(
+        self,
+        executable,
+        batch: Batch,
+        cached: np.ndarray | None,
+        *,
+        measure_units: bool = True,
+    ) -> tuple[dict[str, Any], PendingProfile]:
+        """`profile_step` without waiting for a periodic profile (`Pipeline.start_profile_step`):
+        returns the step's metrics and the pending `Profile`, whose metrics the training loop
+        adds to the step's when the Monitor hands them over (Δ steps later: the step is done)."""
+        return self.pipeline.start_profile_step(
             executable,
             batch.inputs,
             batch.targets,
@@ -514,8 +537,6 @@ class PipelineRuntime:
             batch.rows,
             measure_units=measure_units,
         )
-        layout = np.array([len(stage.layers) for stage in self.pipeline.spec.stages])
-        return {**metrics, **profile.metrics(), "profile/stage_layers": layout}, profile
 
     def host_metrics(self, step: int, metrics: dict[str, Any]) -> dict[str, np.ndarray]:
         """The host metrics of ``step``: every process contributes its stages' (in order)."""

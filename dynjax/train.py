@@ -287,8 +287,16 @@ def train(
             compiler.forget(lambda p: len(p.stage_layers) > runtime.available_stages)
             events(release(devices, stages, release_hook, step=step, reason=reason))
 
+    profiles = {}  # step -> its pending profile, until the Monitor hands the step over
+
     def observe(ready: list[tuple[int, dict[str, Any]]]) -> None:
+        """Steps' host metrics (with their profiles') to the ledger, logger and Controller."""
         for s, m in ready:
+            pending = profiles.pop(s, None)
+            if pending is not None:
+                profile = pending.result()
+                events(profile.event(s))
+                m = {**m, **profile.metrics()}
             m = runtime.host_metrics(s, m)
             if ledger is not None:  # every step's routed tokens, for PLT and load-aware saves
                 ledger.count(s + 1, m["moe/tokens_per_expert"])
@@ -327,11 +335,11 @@ def train(
             batch = batches.get(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
             if profile_next or (profile_every and step % profile_every == 0):
-                # Units run alone only after a change; periodic profiles rescale them.
-                metrics, profile = runtime.profile_step(
+                # Units run alone only after a change; periodic profiles rescale them from
+                # their step's timeline, taken while the loop goes on (`observe` waits for it).
+                metrics, profiles[step] = runtime.start_profile_step(
                     executable, batch, cached, measure_units=profile_next
                 )
-                events(profile.event(step))
                 profile_next = False
             else:
                 metrics = runtime.step(executable, batch, cached)

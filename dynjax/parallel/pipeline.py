@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -271,7 +271,8 @@ class Pipeline:
         # The newest unit measurement: (the spec it ran on, its times, each stage's busy
         # seconds in the step it profiled), what a periodic profile rescales.
         self._measured_units: tuple[PipelineSpec, UnitTimes, np.ndarray] | None = None
-        self._temps: tuple[PipelineExecutable, dict[int, int]] | None = None  # per executable
+        # The newest executable's `stage_memory` (`_memory`).
+        self._memory_of: tuple[PipelineExecutable, tuple[dict[str, int], ...]] | None = None
 
     # -- state -------------------------------------------------------------------------------
 
@@ -384,13 +385,29 @@ class Pipeline:
         rows: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], tuple[tuple[TaskTime, ...], ...]]:
         """`step`, with each stage's timeline of tasks in seconds from the start of the step
-        (what the pipeline simulator of `dynjax.balance` predicts).
+        (what the pipeline simulator of `dynjax.balance` predicts). Blocks until the timeline is
+        complete; `start_timed_step` does not."""
+        metrics, timeline = self.start_timed_step(exe, inputs, targets, cached, rows)
+        return metrics, timeline.result()
+
+    def start_timed_step(
+        self,
+        exe: PipelineExecutable,
+        inputs: np.ndarray,
+        targets: np.ndarray,
+        cached: np.ndarray | None = None,
+        rows: np.ndarray | None = None,
+    ) -> tuple[dict[str, Any], PendingTimeline]:
+        """`step`, timed: returns once the step is dispatched, as `step` does, with the step's
+        timeline still being taken (`PendingTimeline.result`).
 
         The tasks are dispatched exactly as `step` dispatches them, so timing costs the step
-        none of its overlap (a profile every step stays cheap; seed 000 §3.3.1); one watcher
-        thread per stage waits for that stage's results in order. A stage runs its programs in
-        order, so a task ends when its results are ready and starts at the latest of its
-        dispatch, the end of the stage's previous task and the arrival of its input.
+        none of its overlap, nor the next steps theirs (a profile every step stays cheap; seed
+        000 §3.3.1); one watcher thread per stage waits for that stage's results in order. A
+        stage runs its programs in order, so a task ends when its results are ready and starts
+        at the latest of its dispatch, the end of the stage's previous task and the arrival of
+        its input. The watched arrays are none that a later program donates, so later steps may
+        be dispatched before the watchers are done.
         """
         self._single_process("a timed step")
         run = self._start(exe, inputs, targets, cached, rows)
@@ -398,23 +415,10 @@ class Pipeline:
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(stages)]
         seen: list[list[tuple[Any, float, float, float]]] = [[] for _ in range(stages)]
         errors: list[BaseException] = []
-
-        def watch(s: int) -> None:
-            while (item := queues[s].get()) is not None:
-                task, dispatched, computed, sent = item
-                if errors:
-                    continue  # drain: the step failed
-                try:
-                    jax.block_until_ready(computed)
-                    end = time.perf_counter() if computed else dispatched
-                    jax.block_until_ready(sent)
-                    arrived = time.perf_counter() if sent else end
-                except BaseException as e:  # re-raised on the calling thread
-                    errors.append(e)
-                    continue
-                seen[s].append((task, dispatched, end, arrived))
-
-        threads = [threading.Thread(target=watch, args=(s,)) for s in range(stages)]
+        threads = [
+            threading.Thread(target=_watch, args=(queues[s], seen[s], errors), daemon=True)
+            for s in range(stages)
+        ]
         for t in threads:
             t.start()
         start = time.perf_counter()
@@ -428,12 +432,8 @@ class Pipeline:
             metrics = self._finish(run)
         finally:
             for q in queues:
-                q.put(None)
-            for t in threads:
-                t.join()
-        if errors:
-            raise errors[0]
-        return metrics, _timeline(seen, start)
+                q.put(None)  # the watchers end after the step's last task
+        return metrics, PendingTimeline(threads, seen, errors, start)
 
     def _ready_marks(self, run: _Run, s: int) -> tuple:
         """Arrays ready when stage ``s`` may start the step: its parameters from the previous
@@ -442,7 +442,7 @@ class Pipeline:
         task's time (a profile of a step dispatched while the previous one still runs). A
         scalar derived from the parameters, since the step's update donates them."""
         leaves = jax.tree.leaves(self.state[s]["params"])
-        marks = [leaves[0].reshape(-1)[0] * 0] if leaves else []
+        marks = [_MARK(leaves[0])] if leaves else []
         return _present(marks, run.readout.get(s))
 
     def profile_step(
@@ -456,44 +456,82 @@ class Pipeline:
         repeats: int = 3,
         measure_units: bool = True,
     ) -> tuple[dict[str, Any], Profile]:
-        """`timed_step`, then each unit's forward and backward time and each stage's memory
-        (seed 000 §3.1: the step after a change is profiled). Blocks until all are measured.
+        """`start_profile_step`, waiting for its `Profile`."""
+        metrics, pending = self.start_profile_step(
+            exe, inputs, targets, cached, rows, repeats=repeats, measure_units=measure_units
+        )
+        return metrics, pending.result()
 
-        Without ``measure_units``, a layout whose units were measured before gets their times
-        rescaled by this step's own timeline instead (`rescaled_units`): a periodic profile
-        then costs one timed step, not a run of every unit alone. The one-unit programs come
-        with ``exe`` (lowered with ``profiling``): nothing compiles here, on the training thread.
+    def start_profile_step(
+        self,
+        exe: PipelineExecutable,
+        inputs: np.ndarray,
+        targets: np.ndarray,
+        cached: np.ndarray | None = None,
+        rows: np.ndarray | None = None,
+        *,
+        repeats: int = 3,
+        measure_units: bool = True,
+    ) -> tuple[dict[str, Any], PendingProfile]:
+        """A timed step, then each unit's forward and backward time and each stage's memory
+        (seed 000 §3.1: the step after a change is profiled).
+
+        With ``measure_units``, or on a layout not measured yet, every unit then runs alone
+        (the step is waited for). Otherwise the layout's measured unit times are rescaled by this
+        step's own timeline (`rescaled_units`) and this returns as soon as the step is
+        dispatched: the `Profile` is built when asked for, once the watchers are done, so a
+        periodic profile costs the training loop no wait (seed 000 §3.3.1). Memory is computed
+        once per executable. The one-unit programs come with ``exe`` (lowered with
+        ``profiling``): nothing compiles here, on the training thread.
         """
         if not exe.profiling:
             raise ValueError(
                 "profiling a step needs its one-unit programs: lower the spec with "
                 "PipelinePrograms.lower(spec, profiling=True)"
             )
+        memory = self._memory(exe)
+        layout = tuple(len(stage.layers) for stage in exe.spec.stages)
+        measured = self._measured_units
+        if not measure_units and measured is not None and measured[0] == exe.spec:
+            metrics, pending = self.start_timed_step(exe, inputs, targets, cached, rows)
+            _, units, then = measured
+
+            def rescaled() -> Profile:
+                timeline = pending.result()
+                start = time.perf_counter()
+                busy = stage_busy_seconds(timeline)
+                factors = np.where(then > 0, busy / np.where(then > 0, then, 1.0), 1.0)
+                times = rescaled_units(units, exe.spec, factors)
+                seconds = time.perf_counter() - start
+                return Profile(times, memory, timeline, layout, units_measured=False,
+                               seconds=seconds)
+
+            return metrics, PendingProfile(rescaled)
         metrics, timeline = self.timed_step(exe, inputs, targets, cached, rows)
         start = time.perf_counter()
-        busy = stage_busy_seconds(timeline)
-        measured = self._measured_units
-        if measure_units or measured is None or measured[0] != exe.spec:
-            params = {s: st["params"] for s, st in self.state.items()}
-            times = unit_times(
-                exe.spec,
-                params,
-                lambda kind, one: exe.profiling[kind, one],
-                self.programs.shapes,
-                self.programs.setup.parts,
-                repeats=repeats,
-            )
-            self._measured_units = (exe.spec, times, busy)
-            fresh = True
-        else:
-            _, units, then = measured
-            factors = np.where(then > 0, busy / np.where(then > 0, then, 1.0), 1.0)
-            times, fresh = rescaled_units(units, exe.spec, factors), False
-        if self._temps is None or self._temps[0] is not exe:
-            self._temps = (exe, program_temp_bytes(exe.programs))
-        memory = stage_memory(exe.spec, self.state, self.acc, self._temps[1], self.programs.shapes)
+        params = {s: st["params"] for s, st in self.state.items()}
+        times = unit_times(
+            exe.spec,
+            params,
+            lambda kind, one: exe.profiling[kind, one],
+            self.programs.shapes,
+            self.programs.setup.parts,
+            repeats=repeats,
+        )
+        self._measured_units = (exe.spec, times, stage_busy_seconds(timeline))
         seconds = time.perf_counter() - start
-        return metrics, Profile(times, memory, timeline, units_measured=fresh, seconds=seconds)
+        profile = Profile(times, memory, timeline, layout, seconds=seconds)
+        return metrics, PendingProfile(lambda: profile)
+
+    def _memory(self, exe: PipelineExecutable) -> tuple[dict[str, int], ...]:
+        """`stage_memory` under ``exe``. The state's shapes and shardings are those of
+        ``exe``'s program inputs, so it is computed once per executable (walking every shard
+        takes milliseconds: a share of the step at a per-step cadence)."""
+        if self._memory_of is None or self._memory_of[0] is not exe:
+            temps = program_temp_bytes(exe.programs)
+            memory = stage_memory(exe.spec, self.state, self.acc, temps, self.programs.shapes)
+            self._memory_of = (exe, memory)
+        return self._memory_of[1]
 
     def _start(self, exe: PipelineExecutable, inputs, targets, cached, rows) -> _Run:
         if exe.spec != self.spec:
@@ -721,7 +759,59 @@ class _CachedRoutes:
 
 
 _ADD_READOUT = jax.jit(add_readout_grads, donate_argnums=0)
+_MARK = jax.jit(lambda leaf: leaf.reshape(-1)[0] * 0)  # `Pipeline._ready_marks`: one program
 _READY = "ready"  # `Pipeline.timed_step`'s watchers: not a task, the stage's state arriving
+
+
+def _watch(
+    tasks: queue.SimpleQueue, seen: list[tuple[Any, float, float, float]],
+    errors: list[BaseException],
+) -> None:
+    """One stage's watcher (`Pipeline.start_timed_step`): for each (task, its dispatch, what it
+    computed, what it sent) in order, notes when the results are ready and have arrived."""
+    while (item := tasks.get()) is not None:
+        task, dispatched, computed, sent = item
+        if errors:
+            continue  # drain: the step failed
+        try:
+            jax.block_until_ready(computed)
+            end = time.perf_counter() if computed else dispatched
+            jax.block_until_ready(sent)
+            arrived = time.perf_counter() if sent else end
+        except BaseException as e:  # re-raised by `PendingTimeline.result`
+            errors.append(e)
+            continue
+        seen.append((task, dispatched, end, arrived))
+
+
+class PendingTimeline:
+    """The timeline of a dispatched step, which its stages' watcher threads are still taking."""
+
+    def __init__(
+        self, threads: list[threading.Thread], seen: list[list[tuple[Any, float, float, float]]],
+        errors: list[BaseException], start: float,
+    ) -> None:
+        self._threads, self._seen, self._errors, self._start = threads, seen, errors, start
+
+    def result(self) -> tuple[tuple[TaskTime, ...], ...]:
+        """Each stage's `TaskTime`s; waits for the step's tasks."""
+        for t in self._threads:
+            t.join()
+        if self._errors:
+            raise self._errors[0]
+        return _timeline(self._seen, self._start)
+
+
+class PendingProfile:
+    """A `Profile` built when first asked for (`Pipeline.start_profile_step`)."""
+
+    def __init__(self, build: Callable[[], Profile]) -> None:
+        self._build, self._profile = build, None
+
+    def result(self) -> Profile:
+        if self._profile is None:
+            self._profile = self._build()
+        return self._profile
 
 
 def host_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -222,7 +222,7 @@ def per_device_bytes(tree: Any) -> int:
 
 def program_temp_bytes(programs: Mapping[tuple[str, int], Any]) -> dict[int, int]:
     """Each stage's largest program temporary bytes (the compiler's memory analysis, which
-    takes milliseconds per program: computed once per compiled spec, `Pipeline.profile_step`)."""
+    takes milliseconds per program: computed once per compiled spec, `Pipeline._memory`)."""
     out: dict[int, int] = {}
     for (_, owner), compiled in programs.items():
         temp = compiled.memory_analysis().temp_size_in_bytes
@@ -309,12 +309,14 @@ class Profile:
 
     ``units_measured``: whether the units ran alone for it, or their times were rescaled from
     an earlier profile of the same layout by this step's timeline (`rescaled_units`);
-    ``seconds``: the host time profiling added beyond the timed step (the balancer's cost).
+    ``seconds``: the host time profiling added beyond the timed step on the thread that asked
+    for it (the balancer's cost; the watcher threads' waiting is not counted).
     """
 
     units: UnitTimes
     memory: tuple[dict[str, int], ...]  # [stages] per-device bytes by kind (`stage_memory`)
     timeline: tuple[tuple[TaskTime, ...], ...]  # [stages][tasks in execution order]
+    stage_layers: tuple[int, ...]  # layers per stage of the layout that ran
     units_measured: bool = True
     seconds: float = 0.0
 
@@ -348,6 +350,8 @@ class Profile:
             ),
             "profile/bubble_ratio": np.float64(self.bubble_ratio),
             "profile/iteration_seconds": np.float64(self.iteration_seconds),
+            # The layout that ran, so a policy tells a profile of the current Plan from an older.
+            "profile/stage_layers": np.array(self.stage_layers),
         }
 
     def event(self, step: int) -> dict[str, Any]:
