@@ -69,7 +69,7 @@ def test_profiled_steps_report_layers_memory_and_a_timeline(tmp_path):
                 assert start >= end["F", 0, m]
             if kind == "B" and s == 0:
                 assert start >= end["B", 1, m]
-    assert 0 < event["bubble_ratio"] < 1
+    assert 0 < event["bubble_ratio"] < 1, event["timeline"]
     # The simulator, fed with each stage's mean measured task times, predicts the measured
     # step. Stated tolerance: bubble ratio within 0.1, iteration time within 25%, in the best of
     # the three profiled steps (the first is cold; a loaded 2-core machine delays thread wake-ups
