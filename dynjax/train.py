@@ -375,7 +375,7 @@ def train(
                 twolevel.poll()
                 if done % c.snapshot_every == 0:
                     experts = None
-                    if ledger is not None and twolevel.storage_complete:
+                    if ledger is not None and twolevel.partial_ok:
                         experts = ledger.select(ahead=twolevel.ahead())
                     twolevel.snapshot(done, runtime.checkpoint_state(), experts)
                 if done % c.persist_every == 0 and done != steps:

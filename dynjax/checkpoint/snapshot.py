@@ -176,10 +176,12 @@ class TwoLevel:
         self.stalls: list[float] = []  # seconds the loop spent in each `snapshot`
 
     @property
-    def storage_complete(self) -> bool:
-        """Every expert has a copy in storage: snapshots may then be partial (until then each
-        is full, so the first persist writes only what it copied at its step)."""
-        return all(s >= 0 for v in self.stored.values() for s in v)
+    def partial_ok(self) -> bool:
+        """Whether the next snapshot may copy only some experts: once every expert has a copy
+        in storage (so a persist writes only what its snapshot copied at its step) and one in
+        memory (a full snapshot taken: the others come from it)."""
+        in_memory = bool(self._pending) or self.buffers.recovery() is not None
+        return in_memory and all(s >= 0 for v in self.stored.values() for s in v)
 
     # -- snapshot level -----------------------------------------------------------------------
 
