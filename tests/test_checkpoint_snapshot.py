@@ -17,7 +17,7 @@ from dynjax.config import ConfigError, validate_config
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from .test_checkpoint_plt import _cli
+from .test_checkpoint_plt import _check_recoveries, _cli
 from .tiny import tiny_config
 
 MOE = {"moe__every": 1, "train__eval_every": 1000}  # two MoE layers (0, 1) of 4 experts
@@ -179,6 +179,22 @@ def test_memory_recovery_loses_no_more_tokens_than_a_restart_from_storage(tmp_pa
     assert memory["source"] == "memory" and storage["source"] == "storage"
     assert memory["step"] == 14 and storage["step"] <= 12
     assert 0 < memory["plt"] <= storage["plt"]
+    _check_recoveries(tmp_path / "storage")  # the ledger's PLT is the one the logs give
+    # Memory's, from the routing counts logged before the fault: expert e of layer l copied at
+    # step src lost the tokens routed to it in steps src+1..14 (eq. 7).
+    logged = {
+        r["step"]: np.array(r["tokens_per_expert"], np.int64)
+        for r in read_jsonl(tmp_path / "memory" / "metrics.jsonl")
+        if r["time"] < memory["time"]
+    }
+    lost = {
+        layer: [int(sum(logged[t][layer][e] for t in range(src + 1, 15))) for e, src in
+                enumerate(memory["layers"][str(layer)]["sources"])]
+        for layer in (0, 1)
+    }
+    assert {int(k): v["lost_tokens"] for k, v in memory["layers"].items()} == lost
+    total = sum(int(logged[t].sum()) for t in range(1, 15))
+    assert memory["plt"] == pytest.approx(sum(map(sum, lost.values())) / total, rel=1e-12)
 
 
 @pytest.mark.parametrize(
