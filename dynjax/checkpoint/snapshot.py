@@ -135,8 +135,14 @@ class TripleBuffer:
 
 
 @jax.jit
-def _device_copy(dense: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return jax.tree.map(jnp.copy, dense)
+def _device_copy(
+    dense: dict[str, jax.Array], experts: dict[str, jax.Array], rows: dict[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """New buffers holding ``dense`` and rows ``rows[key]`` of each ``experts[key]``: one
+    program, so a snapshot dispatches once per device set."""
+    out = {k: jnp.copy(a) for k, a in dense.items()}
+    out.update({k: a[rows[k]] for k, a in experts.items()})
+    return out
 
 
 @dataclasses.dataclass
@@ -194,13 +200,19 @@ class TwoLevel:
             self._pending[-1].filled.result()
         items = layout.split(state)
         fresh = None if experts is None else {int(k): sorted(v) for k, v in experts.items()}
-        groups: dict[frozenset, dict[str, jax.Array]] = {}  # one program per device set
-        for key, a in items[layout.DENSE].items():  # (a pipeline stage's sub-mesh)
-            groups.setdefault(frozenset(a.sharding.device_set), {})[key] = a
-        copies = {k: c for g in groups.values() for k, c in _device_copy(g).items()}
-        for key, a in items[layout.EXPERTS].items():
-            rows = range(a.shape[0]) if fresh is None else fresh[layout.expert_layer(key)]
-            copies[key] = layout.take_rows(a, list(rows))
+        groups: dict[frozenset, tuple[dict, dict, dict]] = {}  # one program per device set
+        for name, leaves in items.items():  # (a pipeline stage's sub-mesh)
+            for key, a in leaves.items():
+                dense, experts, rows = groups.setdefault(
+                    frozenset(a.sharding.device_set), ({}, {}, {})
+                )
+                if name == layout.DENSE:
+                    dense[key] = a
+                    continue
+                experts[key] = a
+                chosen = range(a.shape[0]) if fresh is None else fresh[layout.expert_layer(key)]
+                rows[key] = np.asarray(list(chosen), np.int32)
+        copies = {k: c for g in groups.values() for k, c in _device_copy(*g).items()}
         for a in copies.values():
             a.copy_to_host_async()
         buffer = self.buffers.begin_fill()
@@ -332,7 +344,10 @@ class TwoLevel:
         if self.layers and snap.step not in self._ledgers:
             catch_up()
         flat_target = layout.flatten(target)
-        placed = {k: jax.device_put(a, flat_target[k].sharding) for k, a in snap.arrays.items()}
+        keys = list(snap.arrays)
+        shardings = [flat_target[k].sharding for k in keys]
+        placed = dict(zip(keys, jax.device_put([snap.arrays[k] for k in keys], shardings),
+                          strict=True))
         experts = self.persist_rows(snap)
         meta = dict(meta)
         if self.layers:
