@@ -385,8 +385,8 @@ def train(
                         {"plan": plan.to_dict(), "config": cfg.to_dict()},
                         catch_up=lambda: observe(monitor.drain()),
                     )
-                    if ledger is not None:
-                        ledger.pinned = set(checkpointer.all_steps())
+                    if ledger is not None:  # a restart reads these steps' rows
+                        ledger.pinned = {*checkpointer.all_steps(), twolevel.persisted_step}
             if done % cfg.train.eval_every == 0 or done == steps:
                 eval_loss = runtime.evaluate(plan)
                 if eval_loss is not None:
