@@ -122,6 +122,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.pec_selection = "sequential"  # "sequential" (interleaved) | "load_aware"
     c.checkpoint.plt_limit = 0.0375  # proportion of lost tokens that dynamic K keeps below
     c.checkpoint.dynamic_k = False  # double K after a recovery above plt_limit (§5.3)
+    # Two-level checkpoints (seed 004 §5.1-§5.2; README "Partial expert checkpoints"): a host
+    # memory snapshot every n steps (0 = off: saves every train.checkpoint_every instead) ...
+    c.checkpoint.snapshot_every = 0
+    c.checkpoint.snapshot_experts = 0  # ... of K_snapshot experts per MoE layer (0 = all)
+    c.checkpoint.persist_every = 0  # steps between persists to storage: a multiple of the above
+    c.checkpoint.persist_experts = 0  # K_persist of the snapshot's fresh experts (0 = all of them)
+    c.checkpoint.inject_fault_at = 0  # raise a transient fault once before dispatching step n
 
     c.recompile = ml_collections.ConfigDict()
     c.recompile.delta_launch = 2  # policies read the metrics of step t - delta (seed 001 app. B)
@@ -428,6 +435,7 @@ def _check_checkpoint(cfg: ml_collections.ConfigDict) -> None:
             "(MoC-System keeps it at 0.0375)"
         )
     at_least({"checkpoint.experts_per_save": k}, 0, " (0 = every expert: a full checkpoint)")
+    _check_two_level(cfg)
     if not k:
         return
     if not moe_layer_indices(cfg):
@@ -439,6 +447,54 @@ def _check_checkpoint(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"checkpoint.experts_per_save={k} exceeds moe.num_experts={cfg.moe.num_experts}: "
             "set it to at most the experts of a layer (or 0 for all)"
+        )
+
+
+def _check_two_level(cfg: ml_collections.ConfigDict) -> None:
+    """Snapshot / persist keys (seed 004 §5.1-§5.2)."""
+    c = cfg.checkpoint
+    for key in ("snapshot_every", "snapshot_experts", "persist_every", "persist_experts"):
+        at_least({f"checkpoint.{key}": c[key]}, 0)
+    at_least({"checkpoint.inject_fault_at": c.inject_fault_at}, 0, " (0 = no fault)")
+    if not c.snapshot_every:
+        for key in ("snapshot_experts", "persist_every", "persist_experts"):
+            if c[key]:
+                raise ConfigError(
+                    f"checkpoint.{key}={c[key]} needs checkpoint.snapshot_every > 0 (two-level "
+                    "checkpoints): set snapshot_every, or leave it at 0"
+                )
+        return
+    if c.persist_every <= 0 or c.persist_every % c.snapshot_every:
+        raise ConfigError(
+            f"checkpoint.persist_every={c.persist_every} must be a positive multiple of "
+            f"checkpoint.snapshot_every={c.snapshot_every}: a persist writes a snapshot"
+        )
+    if c.experts_per_save:
+        raise ConfigError(
+            f"checkpoint.experts_per_save={c.experts_per_save} is the one-level K: with "
+            "checkpoint.snapshot_every > 0 set checkpoint.snapshot_experts and "
+            "checkpoint.persist_experts instead (and experts_per_save=0)"
+        )
+    if c.pec_content != "WO":
+        raise ConfigError(
+            f"checkpoint.pec_content={c.pec_content!r}: two-level checkpoints persist whole "
+            "experts (weights and moments) from a snapshot; set it to 'WO'"
+        )
+    experts = c.snapshot_experts or c.persist_experts
+    if experts and not moe_layer_indices(cfg):
+        raise ConfigError(
+            "checkpoint.snapshot_experts / persist_experts need MoE layers (moe.every > 0): set "
+            "them to 0 for a dense model"
+        )
+    for key in ("snapshot_experts", "persist_experts"):
+        if c[key] > cfg.moe.num_experts:
+            raise ConfigError(
+                f"checkpoint.{key}={c[key]} exceeds moe.num_experts={cfg.moe.num_experts}"
+            )
+    if c.snapshot_experts and c.persist_experts > c.snapshot_experts:
+        raise ConfigError(
+            f"checkpoint.persist_experts={c.persist_experts} exceeds checkpoint.snapshot_experts"
+            f"={c.snapshot_experts}: a persist writes experts its snapshot copied; lower it"
         )
 
 

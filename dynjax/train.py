@@ -26,8 +26,9 @@ import numpy as np
 from tqdm import tqdm
 
 from dynjax import config as config_lib
-from dynjax.checkpoint import Checkpointer
+from dynjax.checkpoint import Checkpointer, layout
 from dynjax.checkpoint.pec import ExpertLedger
+from dynjax.checkpoint.snapshot import InjectedFault, TwoLevel
 from dynjax.data import Prefetcher
 from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
@@ -199,6 +200,20 @@ def train(
         events(resume_event(start, changes, saved, plan))
         log.info("resumed from step %d of %s", start, workdir)
         ledger = expert_ledger(cfg, exp, meta, changes, events)
+    twolevel = None
+    if single and cfg.checkpoint.snapshot_every:
+        twolevel = TwoLevel(
+            exp.model_cfg.moe_layers if ledger is not None else (),
+            cfg.moe.num_experts,
+            persist_experts=cfg.checkpoint.persist_experts,
+            emit=events,
+        )
+        if restored is not None:  # what storage holds of each expert: the restore's sources
+            twolevel.persisted_step = start
+            if ledger is not None:
+                twolevel.stored = expert_sources(restored[1], ledger)
+    if ledger is not None:
+        ledger.pinned = set(checkpointer.all_steps())
     # Written once the config is known to fit the workdir: it always describes the newest run.
     (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     steps = cfg.train.steps
@@ -300,6 +315,8 @@ def train(
             m = runtime.host_metrics(s, m)
             if ledger is not None:  # every step's routed tokens, for PLT and load-aware saves
                 ledger.count(s + 1, m["moe/tokens_per_expert"])
+                if twolevel is not None:
+                    twolevel.counted(s + 1, ledger)
                 m[PLT] = ledger.plt
             logger.observe(s, m, cache, controller, bar)
 
@@ -310,11 +327,14 @@ def train(
     # Plan's devices are this process's.
     rows = runtime.batch_rows()
     controller.start()
-    batches = Prefetcher(
-        functools.partial(exp.order.batch, rows=rows), start, steps, cfg.data.prefetch
-    )
+    read = functools.partial(exp.order.batch, rows=rows)
+    batches = Prefetcher(read, start, steps, cfg.data.prefetch)
+    read_before = np.zeros(2)  # build and wait seconds of prefetchers replaced by a rollback
+    c = cfg.checkpoint
+    fault_at = c.inject_fault_at
     try:
-        for step in range(start, steps):
+        step = start
+        while step < steps:
             swap = controller.poll(step)
             if swap is not None:
                 migration = runtime.swap(swap.plan, swap.executable)
@@ -334,25 +354,71 @@ def train(
                 measured.update(plugin.measure(step, states, plan, exp))
             batch = batches.get(step)
             cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
-            if profile_next or (profile_every and step % profile_every == 0):
-                # Units run alone only after a change; periodic profiles rescale them from
-                # their step's timeline, taken while the loop goes on (`observe` waits for it).
-                metrics, profiles[step] = runtime.start_profile_step(
-                    executable, batch, cached, measure_units=profile_next
+            try:
+                if fault_at == step + 1:
+                    fault_at = 0  # once: the re-run of this step goes through
+                    raise InjectedFault(f"step {step + 1} (checkpoint.inject_fault_at)")
+                if profile_next or (profile_every and step % profile_every == 0):
+                    # Units run alone only after a change; periodic profiles rescale them from
+                    # their step's timeline, taken while the loop goes on (`observe` waits).
+                    metrics, profiles[step] = runtime.start_profile_step(
+                        executable, batch, cached, measure_units=profile_next
+                    )
+                    profile_next = False
+                else:
+                    metrics = runtime.step(executable, batch, cached)
+            except InjectedFault as fault:
+                snap = twolevel.recovery() if twolevel is not None else None
+                if snap is None:  # nothing in memory: the process ends, a restart reads storage
+                    raise
+                log.warning("%s: %s; restoring the snapshot of step %d from host memory",
+                            type(fault).__name__, fault, snap.step)
+                observe(monitor.drain())  # the steps that ran: the ledger reaches the snapshot
+                host = {k: np.array(a) for k, a in snap.arrays.items()}  # the buffer stays
+                runtime = exp.runtime(
+                    plan, layout.unflatten_like(exp.restore_target(plan), host)
                 )
-                profile_next = False
-            else:
-                metrics = runtime.step(executable, batch, cached)
+                recovery = {"event": "checkpoint_recovery", "step": snap.step, "plt": 0.0}
+                if ledger is not None:
+                    ledger = expert_ledger_from(cfg, twolevel.ledger_of(snap))
+                    ledger.pinned = set(checkpointer.all_steps())
+                    recovery = ledger.recover(snap.sources).event()
+                events({**recovery, "source": "memory", "fault_step": step + 1})
+                twolevel.rolled_back(snap.step)
+                step = snap.step
+                batches.close()  # it reads ahead from the failed step: restart it at the snapshot
+                read_before += (batches.build_seconds, batches.wait_seconds)
+                batches = Prefetcher(read, step, steps, cfg.data.prefetch)
+                bar.n = step
+                bar.refresh()
+                continue
             monitor.push(step, metrics)
             logger.dispatched(step, batch.sample_ids, plan, measured)
             observe(monitor.pop_ready(step))
             bar.update(1)
             done = step + 1
+            if twolevel is not None:
+                twolevel.poll()
+                if done % c.snapshot_every == 0:
+                    experts = None
+                    if ledger is not None and twolevel.partial_ok:
+                        experts = ledger.select(ahead=twolevel.ahead())
+                    twolevel.snapshot(done, runtime.checkpoint_state(), experts)
+                if done % c.persist_every == 0 and done != steps:
+                    twolevel.persist(
+                        checkpointer,
+                        exp.restore_target(plan),
+                        {"plan": plan.to_dict(), "config": cfg.to_dict()},
+                        catch_up=lambda: observe(monitor.drain()),
+                    )
+                    if ledger is not None:  # a restart reads these steps' rows
+                        ledger.pinned = {*checkpointer.all_steps(), twolevel.persisted_step}
             if done % cfg.train.eval_every == 0 or done == steps:
                 eval_loss = runtime.evaluate(plan)
                 if eval_loss is not None:
                     writer.write(done, {"eval_loss": eval_loss})
-            if single and (done % cfg.train.checkpoint_every == 0 or done == steps):
+            every = twolevel is None and done % cfg.train.checkpoint_every == 0
+            if single and (every or done == steps):
                 meta, experts = {"plan": plan.to_dict(), "config": cfg.to_dict()}, None
                 if ledger is not None:  # its metadata counts every step up to this one
                     observe(monitor.drain())
@@ -367,9 +433,14 @@ def train(
                 )
                 if started and ledger is not None:
                     ledger.saved(done, experts)
+            step += 1
         observe(monitor.drain())
+        if twolevel is not None:
+            twolevel.poll(wait=True)
     finally:
         batches.close()
+        if twolevel is not None:
+            twolevel.close()
         bar.close()
         controller.stop()
         compiler.shutdown()
@@ -388,8 +459,8 @@ def train(
         checkpointer.all_steps(),
         time.perf_counter() - began,
         len(rows),
-        batches.build_seconds / (steps - start),
-        batches.wait_seconds / (steps - start),
+        (read_before[0] + batches.build_seconds) / (steps - start),
+        (read_before[1] + batches.wait_seconds) / (steps - start),
     )
 
 
@@ -407,17 +478,11 @@ def expert_ledger(
     this run saves full checkpoints: the restored experts lost their updates all the same). A
     changed ``checkpoint.experts_per_save`` replaces the K the ledger carried (dynamic K's).
     """
-    c, k = cfg.checkpoint, cfg.checkpoint.experts_per_save
-    settings = {
-        "selection": c.pec_selection,
-        "plt_limit": c.plt_limit,
-        "dynamic_k": c.dynamic_k,
-        "history": cfg.train.keep_checkpoints,
-    }
+    k = ledger_k(cfg)
     if meta is not None and "pec" in meta:
-        ledger = ExpertLedger.from_meta(meta["pec"], ranks=cfg.mesh.expert, **settings)
+        ledger = expert_ledger_from(cfg, meta["pec"])
         recovery = ledger.recover(expert_sources(meta, ledger))
-        emit(recovery.event())
+        emit({**recovery.event(), "source": "storage"})
         log.info(
             "partial expert checkpoint: step %d lost %d of %d routed tokens (PLT %.4f, total "
             "%.4f)", recovery.step, recovery.event()["lost_tokens"], recovery.tokens,
@@ -429,10 +494,34 @@ def expert_ledger(
     if not k:
         return None
     ledger = ExpertLedger(
-        exp.model_cfg.moe_layers, cfg.moe.num_experts, cfg.mesh.expert, k, **settings
+        exp.model_cfg.moe_layers, cfg.moe.num_experts, cfg.mesh.expert, k, **_settings(cfg)
     )
     ledger.step = 0 if meta is None else meta["step"]  # a full checkpoint's run: counts from it
     return ledger
+
+
+def ledger_k(cfg: ml_collections.ConfigDict) -> int:
+    """K of the ledger: ``checkpoint.experts_per_save``, or with two-level checkpoints of an MoE
+    model K_snapshot (all: E); 0 = no ledger."""
+    c = cfg.checkpoint
+    if c.snapshot_every and config_lib.moe_layer_indices(cfg):
+        return c.snapshot_experts or cfg.moe.num_experts
+    return c.experts_per_save
+
+
+def _settings(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    c = cfg.checkpoint
+    return {
+        "selection": c.pec_selection,
+        "plt_limit": c.plt_limit,
+        "dynamic_k": c.dynamic_k,
+        "history": cfg.train.keep_checkpoints,
+    }
+
+
+def expert_ledger_from(cfg: ml_collections.ConfigDict, meta: dict[str, Any]) -> ExpertLedger:
+    """The ledger of `ExpertLedger.to_meta` ``meta``, with the current config's settings."""
+    return ExpertLedger.from_meta(meta, ranks=cfg.mesh.expert, **_settings(cfg))
 
 
 def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list[int]]:

@@ -609,6 +609,10 @@ class Checkpointer:
     def wait(self) -> None:
         self._manager.wait_until_finished()
 
+    def saving(self) -> bool:
+        """Whether an asynchronous save is still being written."""
+        return bool(self._manager.is_saving_in_progress())
+
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()

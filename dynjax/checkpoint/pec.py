@@ -129,6 +129,9 @@ class ExpertLedger:
         # A recovery shifts them (`recover`); _NONE: a state the trajectory no longer has.
         self.rows: dict[int, np.ndarray] = {}
         self.lost_tokens = 0  # over every fault on this trajectory
+        # Steps whose rows are kept whatever else holds: with two-level checkpoints the ledger
+        # records in-memory copies, and a restart reads the copies in storage (these steps).
+        self.pinned: set[int] = set()
 
     # -- counting ------------------------------------------------------------------------------
 
@@ -162,13 +165,15 @@ class ExpertLedger:
     def rank_of(self, expert: Any) -> Any:
         return np.asarray(expert) // (self.num_experts // self.ranks)
 
-    def select(self) -> dict[int, list[int]] | None:
+    def select(self, ahead: int = 0) -> dict[int, list[int]] | None:
         """The experts the next save writes, per MoE layer; None = all (the first save, or
-        K = E). Pure: `saved` records it once the save started."""
+        K = E). Pure: `saved` records it once the save started. ``ahead``: partial saves
+        taken but not yet recorded (a snapshot's step is counted a few steps late): the
+        sequential window moves past them (load-aware sees the counts recorded so far)."""
         if self.k == self.num_experts or (self.saved_at == _NONE).any():
             return None
         if self.selection == "sequential":
-            window = self.cursor[:, None] + np.arange(self.k)
+            window = self.cursor[:, None] + ahead * self.k + np.arange(self.k)
             chosen = self.position_expert(window)
         else:
             unsaved = self.tokens - self._newest(0)
@@ -213,7 +218,8 @@ class ExpertLedger:
         """Keep the rows a restore may read from: those of the steps holding an expert's newest
         copy and of the ``history`` newest saves (the checkpoints kept on disk)."""
         newest = sorted(self.rows)[-self.history :]
-        needed = set(newest) | {int(s) for s in np.unique(self.saved_at) if s != _NONE}
+        needed = set(newest) | self.pinned
+        needed |= {int(s) for s in np.unique(self.saved_at) if s != _NONE}
         self.rows = {s: r for s, r in self.rows.items() if s in needed}
 
     # -- recovery ------------------------------------------------------------------------------

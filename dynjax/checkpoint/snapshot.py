@@ -1,0 +1,378 @@
+"""Two-level checkpoints (MoC-System, seed 004 §5.1-§5.2): in-memory snapshots every few steps,
+persisted to storage every few snapshots, with triple buffering.
+
+Snapshot level. Every ``checkpoint.snapshot_every`` steps the loop calls `TwoLevel.snapshot`
+right after dispatching the step: one jitted program copies the dense leaves and K_snapshot
+rows of each expert leaf (the `ExpertLedger`'s selection) *on the device*, and
+``copy_to_host_async`` starts the device-to-host transfer of those copies. The copy is
+dispatched before the next step, so JAX orders it before that step's update, which donates the
+state (``donate_argnums`` of the train step): the copies are new buffers nobody donates, and the
+training loop never waits for the transfer (seed 004 §2.3.1 requires the snapshot to finish
+before the update; on-device copies make that hold by stream order, for the device memory of
+one copy of the dense state and K experts per layer while it is in flight). A background thread
+then materializes the transfer into a host buffer, taking the experts it did not copy from the
+newest complete snapshot, so every complete buffer holds the whole state and, per expert, the
+step of its copy (`Snapshot.sources`).
+
+Triple buffering (§5.2, Fig. 13). Three host buffers; each is, at any time, *free*, *snapshot*
+(being filled), *persist* (being written to storage) and/or *recovery* (the newest complete
+snapshot). A fill takes a buffer that is neither persist nor recovery: there is always one,
+since at most one buffer fills, one persists and one is the recovery buffer. A completed fill
+becomes the recovery buffer and the previous recovery buffer is freed unless it is persisting;
+a persist takes the recovery buffer (it may stay the recovery buffer while written) and frees
+it when the write is done unless it is still the newest. So a buffer being filled is never
+handed out (neither to recovery nor to persist), and the newest complete snapshot is never
+overwritten: `TripleBuffer`.
+
+Persist level. Every ``checkpoint.persist_every`` steps the recovery buffer is placed on the
+devices as the restore target says and saved with `Checkpointer.save` (PEC: its K_persist
+freshest-copied experts, those whose storage copy is the oldest), so a restarted process
+restores from storage with the usual PEC assembly.
+
+Recovery. A surviving process whose step raised (`InjectedFault`, ``checkpoint.inject_fault_at``:
+a stand-in for a transient device error) restores from the recovery buffer, which is newer than
+storage, so fewer tokens are lost (lower PLT, §5.1); a restarted process reads storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dynjax.checkpoint import layout
+
+FREE, SNAPSHOT, PERSIST, RECOVERY = "free", "snapshot", "persist", "recovery"
+
+
+class InjectedFault(RuntimeError):
+    """A fault raised by the training loop at ``checkpoint.inject_fault_at`` (once): stands in
+    for a transient error of a step that the process survives (a device error, a NaN
+    rollback), which recovers from its in-memory snapshot."""
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One host buffer: the whole state at ``step`` as host arrays, flat by `layout` key."""
+
+    step: int = -1
+    arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    sources: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> [E] steps
+    fresh: dict[int, list[int]] | None = None  # rows copied at ``step`` (None: all)
+
+
+class TripleBuffer:
+    """Three `Snapshot` buffers and their roles (module docstring). Thread-safe: a writer thread
+    fills, the training loop persists and recovers."""
+
+    def __init__(self) -> None:
+        self.buffers = [Snapshot() for _ in range(3)]
+        self.roles: list[set[str]] = [set() for _ in range(3)]
+        self._lock = threading.Lock()
+
+    def begin_fill(self) -> Snapshot:
+        """A buffer to fill: one that is neither being filled, persisted nor the recovery one."""
+        with self._lock:
+            if any(SNAPSHOT in r for r in self.roles):
+                raise RuntimeError("a snapshot is being filled: complete it first")
+            i = next(i for i, r in enumerate(self.roles) if not r & {PERSIST, RECOVERY})
+            self.roles[i] = {SNAPSHOT}
+            return self.buffers[i]
+
+    def complete(self, buffer: Snapshot) -> None:
+        """``buffer`` is filled: it becomes the recovery buffer."""
+        with self._lock:
+            i = self._index(buffer)
+            if SNAPSHOT not in self.roles[i]:
+                raise RuntimeError("complete() of a buffer that is not being filled")
+            for r in self.roles:
+                r.discard(RECOVERY)
+            self.roles[i] = {RECOVERY}
+
+    def abandon(self, buffer: Snapshot) -> None:
+        """A fill that failed: the buffer is free again (its contents are never handed out)."""
+        with self._lock:
+            self.roles[self._index(buffer)] = set()
+
+    def recovery(self) -> Snapshot | None:
+        """The newest complete snapshot, or None before the first."""
+        with self._lock:
+            return self._with(RECOVERY)
+
+    def begin_persist(self) -> Snapshot | None:
+        """The recovery buffer, marked persist until `end_persist` (None: none complete, or a
+        persist is in progress)."""
+        with self._lock:
+            if any(PERSIST in r for r in self.roles):
+                return None
+            for b, r in zip(self.buffers, self.roles, strict=True):
+                if RECOVERY in r:
+                    r.add(PERSIST)
+                    return b
+            return None
+
+    def persisting(self) -> Snapshot | None:
+        with self._lock:
+            return self._with(PERSIST)
+
+    def end_persist(self, buffer: Snapshot) -> None:
+        with self._lock:
+            self.roles[self._index(buffer)].discard(PERSIST)
+
+    def _with(self, role: str) -> Snapshot | None:
+        pairs = zip(self.buffers, self.roles, strict=True)
+        return next((b for b, r in pairs if role in r), None)
+
+    def _index(self, buffer: Snapshot) -> int:
+        return next(i for i, b in enumerate(self.buffers) if b is buffer)
+
+
+@jax.jit
+def _device_copy(
+    dense: dict[str, jax.Array], experts: dict[str, jax.Array], rows: dict[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """New buffers holding ``dense`` and rows ``rows[key]`` of each ``experts[key]``: one
+    program, so a snapshot dispatches once per device set."""
+    out = {k: jnp.copy(a) for k, a in dense.items()}
+    out.update({k: a[rows[k]] for k, a in experts.items()})
+    return out
+
+
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    fresh: dict[int, list[int]] | None
+    filled: Future
+    stall: float
+
+
+class TwoLevel:
+    """The snapshot and persist levels of one training process (module docstring).
+
+    ``layers``/``num_experts``: the MoE layers (model indices) and E (none: a dense model, whose
+    snapshots hold the dense state only). ``emit`` writes events.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        num_experts: int,
+        *,
+        persist_experts: int,
+        emit: Callable[[dict[str, Any]], None],
+    ):
+        self.layers, self.num_experts = tuple(layers), num_experts
+        self.persist_experts = persist_experts
+        self.emit = emit
+        self.buffers = TripleBuffer()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
+        self._pending: list[_Pending] = []  # fills started, their events not yet written
+        self._uncounted: dict[int, dict[int, list[int]] | None] = {}  # step -> fresh rows
+        self._ledgers: dict[int, dict[str, Any]] = {}  # snapshot step -> ledger metadata
+        # Per MoE layer, the step of each expert's newest copy in storage (-1: none).
+        self.stored = {layer: [-1] * num_experts for layer in self.layers}
+        self.persisted_step = -1
+        self.stalls: list[float] = []  # seconds the loop spent in each `snapshot`
+
+    @property
+    def partial_ok(self) -> bool:
+        """Whether the next snapshot may copy only some experts: once every expert has a copy
+        in storage (so a persist writes only what its snapshot copied at its step) and one in
+        memory (a full snapshot taken: the others come from it)."""
+        in_memory = bool(self._pending) or self.buffers.recovery() is not None
+        return in_memory and all(s >= 0 for v in self.stored.values() for s in v)
+
+    # -- snapshot level -----------------------------------------------------------------------
+
+    def snapshot(self, step: int, state: Any, experts: Mapping[int, Sequence[int]] | None) -> None:
+        """Start the snapshot of ``state`` (the step's output, about to be donated by the next
+        step) at ``step``: device copies, then their asynchronous transfer to host. Blocks only
+        if the previous snapshot is still being filled (that wait is the stall counted)."""
+        start = time.perf_counter()
+        if self._pending:  # one fill at a time: wait for the previous transfer
+            self._pending[-1].filled.result()
+        items = layout.split(state)
+        fresh = None if experts is None else {int(k): sorted(v) for k, v in experts.items()}
+        groups: dict[frozenset, tuple[dict, dict, dict]] = {}  # one program per device set
+        for name, leaves in items.items():  # (a pipeline stage's sub-mesh)
+            for key, a in leaves.items():
+                dense, experts, rows = groups.setdefault(
+                    frozenset(a.sharding.device_set), ({}, {}, {})
+                )
+                if name == layout.DENSE:
+                    dense[key] = a
+                    continue
+                experts[key] = a
+                chosen = range(a.shape[0]) if fresh is None else fresh[layout.expert_layer(key)]
+                rows[key] = np.asarray(list(chosen), np.int32)
+        copies = {k: c for g in groups.values() for k, c in _device_copy(*g).items()}
+        for a in copies.values():
+            a.copy_to_host_async()
+        buffer = self.buffers.begin_fill()
+        filled = self._worker.submit(self._fill, buffer, step, copies, fresh)
+        if self.layers:
+            self._uncounted[step] = fresh
+        stall = time.perf_counter() - start
+        self.stalls.append(stall)
+        self._pending.append(_Pending(step, fresh, filled, stall))
+
+    def _fill(
+        self, buffer: Snapshot, step: int, copies: dict[str, jax.Array], fresh: Any
+    ) -> float:
+        """Writer thread: the host copies into ``buffer``, the experts not copied taken from
+        the newest complete snapshot (the recovery buffer: never overwritten meanwhile); then
+        ``buffer`` becomes the recovery buffer."""
+        start = time.perf_counter()
+        try:
+            base = self.buffers.recovery()
+            for key, a in copies.items():
+                host = np.asarray(a)
+                moe_layer = layout.expert_layer(key)
+                if moe_layer is None or fresh is None:
+                    out = buffer.arrays.get(key)
+                    if out is None or out.shape != host.shape or out.dtype != host.dtype:
+                        buffer.arrays[key] = out = np.empty_like(host)
+                    np.copyto(out, host)
+                    continue
+                if base is None or key not in base.arrays:
+                    raise RuntimeError(f"partial snapshot of {key} without a full one before it")
+                out = buffer.arrays.get(key)
+                if out is None or out.shape != base.arrays[key].shape:
+                    buffer.arrays[key] = out = np.empty_like(base.arrays[key])
+                np.copyto(out, base.arrays[key])
+                out[fresh[moe_layer]] = host
+            buffer.step, buffer.fresh = step, fresh
+            buffer.sources = {}
+            for layer in self.layers:
+                old = base.sources[layer] if base is not None and fresh is not None else None
+                rows = set(range(self.num_experts)) if fresh is None else set(fresh[layer])
+                buffer.sources[layer] = [
+                    step if e in rows else old[e] for e in range(self.num_experts)
+                ]
+        except BaseException:
+            self.buffers.abandon(buffer)
+            raise
+        self.buffers.complete(buffer)
+        return time.perf_counter() - start
+
+    def counted(self, step: int, ledger: Any) -> None:
+        """The ledger has counted ``step``: if a snapshot was taken there, record it in the
+        ledger (a copy of its experts in memory) and keep the ledger's metadata for it."""
+        if step in self._uncounted:
+            ledger.saved(step, self._uncounted.pop(step))
+            self._ledgers[step] = ledger.to_meta()
+            held = {b.step for b in self.buffers.buffers} | {p.step for p in self._pending}
+            self._ledgers = {s: m for s, m in self._ledgers.items() if s in held}
+
+    def ahead(self) -> int:
+        """Partial snapshots whose step the ledger has not counted yet (`ExpertLedger.select`)."""
+        return sum(fresh is not None for fresh in self._uncounted.values())
+
+    def ledger_of(self, snap: Snapshot) -> dict[str, Any] | None:
+        """The ledger's metadata as of ``snap``'s step (None: not counted yet, or no MoE)."""
+        return self._ledgers.get(snap.step)
+
+    def poll(self, wait: bool = False) -> None:
+        """Write a ``snapshot`` event for each fill done (``wait``: wait for them all)."""
+        while self._pending and (wait or self._pending[0].filled.done()):
+            p = self._pending.pop(0)
+            fill_seconds = p.filled.result()
+            self.emit(
+                {
+                    "event": "snapshot",
+                    "step": p.step,
+                    "experts": None if p.fresh is None else {str(k): v for k, v in p.fresh.items()},
+                    "stall_seconds": round(p.stall, 6),
+                    "fill_seconds": round(fill_seconds, 6),
+                }
+            )
+
+    def recovery(self) -> Snapshot | None:
+        """The newest complete snapshot, once every fill started has ended (a fault's
+        recovery)."""
+        for p in self._pending:
+            try:
+                p.filled.result()
+            except Exception:  # noqa: BLE001 - its buffer was abandoned: not handed out
+                pass
+        self._pending.clear()
+        return self.buffers.recovery()
+
+    def rolled_back(self, step: int) -> None:
+        """After recovering to ``step``: forget the snapshots of the later steps."""
+        self._uncounted = {s: f for s, f in self._uncounted.items() if s <= step}
+
+    # -- persist level ------------------------------------------------------------------------
+
+    def persist_rows(self, snap: Snapshot) -> dict[int, list[int]] | None:
+        """The experts the persist of ``snap`` writes per layer: K_persist of those it copied
+        at its step, the ones whose storage copy is the oldest first (None: all)."""
+        if not self.layers or snap.fresh is None and not self.persist_experts:
+            return None
+        out = {}
+        for layer in self.layers:
+            rows = list(range(self.num_experts)) if snap.fresh is None else snap.fresh[layer]
+            k = self.persist_experts or len(rows)
+            out[layer] = sorted(sorted(rows, key=lambda e: (self.stored[layer][e], e))[:k])
+        return out
+
+    def persist(
+        self,
+        checkpointer: Any,
+        target: Any,
+        meta: dict[str, Any],
+        catch_up: Callable[[], None],
+    ) -> bool:
+        """Write the recovery buffer to storage through ``checkpointer`` (if it is newer than
+        the last persist and no persist is in progress), placed as ``target`` (the restore
+        target's ShapeDtypeStructs) says; ``catch_up()`` makes the ledger count the steps
+        through the snapshot's if it has not yet. Returns whether a save was started."""
+        self._finish_persist(checkpointer)
+        snap = self.buffers.begin_persist()
+        if snap is None:
+            return False
+        if snap.step <= self.persisted_step:
+            self.buffers.end_persist(snap)
+            return False
+        if self.layers and snap.step not in self._ledgers:
+            catch_up()
+        flat_target = layout.flatten(target)
+        keys = list(snap.arrays)
+        shardings = [flat_target[k].sharding for k in keys]
+        placed = dict(zip(keys, jax.device_put([snap.arrays[k] for k in keys], shardings),
+                          strict=True))
+        experts = self.persist_rows(snap)
+        meta = dict(meta)
+        if self.layers:
+            meta["pec"] = self._ledgers[snap.step]
+        started = checkpointer.save(
+            snap.step,
+            layout.unflatten_like(target, placed),
+            meta,
+            experts=experts,
+        )
+        if not started:
+            self.buffers.end_persist(snap)
+            return False
+        self.persisted_step = snap.step
+        for layer in self.layers:
+            rows = range(self.num_experts) if experts is None else experts[layer]
+            for e in rows:
+                self.stored[layer][e] = snap.sources[layer][e]
+        self._finish_persist(checkpointer)
+        return True
+
+    def _finish_persist(self, checkpointer: Any) -> None:
+        snap = self.buffers.persisting()
+        if snap is not None and not checkpointer.saving():
+            self.buffers.end_persist(snap)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
