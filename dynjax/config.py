@@ -68,8 +68,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.mlp_dim = 512
     c.model.positions = "rope"  # "rope" | "learned"
     # Consecutive layers with identical static options run as one `jax.lax.scan`: compile
-    # seconds about flat in depth (`dynjax.model.gpt.run_layers`, benchmarks/scan_compile.py).
-    c.model.scan_layers = True
+    # seconds about flat in depth (`dynjax.model.gpt.run_layers`, benchmarks/scan_compile.py);
+    # off by default: at a few layers the scan compiles slower than the unrolled loop.
+    c.model.scan_layers = False
 
 
     c.mesh = ml_collections.ConfigDict()

@@ -58,7 +58,7 @@ class GPTConfig:
     block_parts: tuple[BlockPart, ...] = ()
     # Run consecutive layers with identical static options under one `jax.lax.scan`
     # (`run_layers`): compile time about flat in depth, for a copy of their weights per step.
-    scan_layers: bool = True
+    scan_layers: bool = False
 
     @property
     def residual_std(self) -> float:
