@@ -11,7 +11,7 @@ whole single-program train step, whose per-parameter optimizer update is not sca
 Table 3: the median step time of the single-program 16-layer step, scan against unrolled.
 
     python benchmarks/scan_compile.py               # about 5 min on two shared cores
-    python benchmarks/scan_compile.py --layers 4 16 --repeats 1 --step
+    python benchmarks/scan_compile.py --layers 4 16 --repeats 1 --step --models moe
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def table(title: str, args, measure) -> dict[tuple[bool, int], float]:
     print(title)
     print(f"{'model':6} {'layers':>6} {'unrolled':>9} {'scan':>7} {'scan/unrolled':>14}")
     scanned = {}
-    for moe in (False, True):
+    for moe in args.moe:
         for layers in args.layers:
             row = {scan: statistics.median(measure(layers, moe, scan)) for scan in (False, True)}
             scanned[moe, layers] = row[True]
@@ -99,7 +99,7 @@ def table(title: str, args, measure) -> dict[tuple[bool, int], float]:
                 flush=True,
             )
     lo, hi = min(args.layers), max(args.layers)
-    for moe in (False, True):
+    for moe in args.moe:
         ratio = scanned[moe, hi] / scanned[moe, lo]
         verdict = "meets" if ratio <= TARGET else "misses"
         print(
@@ -115,7 +115,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps at 16 layers")
     parser.add_argument("--step", action="store_true", help="also table 2 (slow unrolled)")
+    parser.add_argument("--models", nargs="+", choices=("dense", "moe"), default=["dense", "moe"])
     args = parser.parse_args()
+    args.moe = [name == "moe" for name in args.models]
     jax.config.update("jax_enable_compilation_cache", False)
 
     def stage(layers: int, moe: bool, scan: bool) -> list[float]:
@@ -139,7 +141,7 @@ def main() -> None:
             step,
         )
     print(f"Table 3: seconds per single-program step at 16 layers, median of {args.steps}")
-    for moe in (False, True):
+    for moe in args.moe:
         times = {}
         for scan in (False, True):
             exp = experiment(16, moe, scan)
