@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from dynjax.balance import schedule_tasks
-from dynjax.config import ConfigError, validate_config
+from dynjax.config import ConfigError, set_value, validate_config
 from dynjax.dynamism import pruning_math as pm
 from dynjax.experiment import Experiment
 from dynjax.model import GPT, GPTConfig, ModelParts
@@ -165,9 +165,11 @@ def test_frozen_layers_train_as_unrolled():
 
 def test_scan_layers_must_be_a_bool():
     cfg = tiny_config()
-    cfg.model.scan_layers = 1  # ml_collections takes an int for a bool field
     with pytest.raises(ConfigError, match="model.scan_layers"):
-        validate_config(cfg, 8)
+        set_value(cfg, "model.scan_layers", "1")  # the command line's --config.model.scan_layers
+    set_value(cfg, "model.scan_layers", "True")
+    validate_config(cfg, 8)
+    assert Experiment.from_config(cfg).model_cfg.scan_layers
 
 
 # -- a 2-stage pipeline on 8 fake devices (2 stages x 2 data x 2 expert) ------------------------
