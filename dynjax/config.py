@@ -69,6 +69,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.num_heads = 4
     c.model.mlp_dim = 512
     c.model.positions = "rope"  # "rope" | "learned"
+    # Consecutive layers with identical static options run as one `jax.lax.scan`: compile
+    # seconds about flat in depth (`dynjax.model.gpt.run_layers`, benchmarks/scan_compile.py);
+    # off by default: at a few layers the scan compiles slower than the unrolled loop.
+    c.model.scan_layers = False
 
 
     c.mesh = ml_collections.ConfigDict()
@@ -234,6 +238,7 @@ def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
         mlp_dim=m.mlp_dim,
         max_len=cfg.data.seq_len,
         positions=m.positions,
+        scan_layers=m.scan_layers,
         moe_layers=moe_layer_indices(cfg),
         num_experts=moe.num_experts,
         top_k=moe.top_k,

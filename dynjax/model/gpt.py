@@ -1,15 +1,19 @@
 """Decoder-only GPT whose layers are a Python list of blocks, each with its own parameters.
 
-A list rather than a scanned stack because layer shapes diverge during dynamic training (MoE
+A list rather than a stored stack because layer shapes diverge during dynamic training (MoE
 capacities, pruned widths) and layers move between pipeline stages (DESIGN.md "Parallelism").
+Compile time still need not grow with depth: with ``GPTConfig.scan_layers`` the layer loop
+(`run_layers`) runs each run of consecutive layers with identical static options under one
+``jax.lax.scan`` over their parameters, stacked inside the traced program (`layer_runs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -26,10 +30,12 @@ from dynjax.model.hooks import (
     apply_block_hooks,
     apply_weight_hooks,
     block_wrapper,
+    carrying_wrappers,
+    initial_carry,
     make_block_part,
 )
 from dynjax.model.mlp import MLP
-from dynjax.model.moe import MoE, MoEStats
+from dynjax.model.moe import MoE, MoEStats, RaggedCapacities
 from dynjax.model.pruned import sparse_linears
 
 
@@ -50,6 +56,9 @@ class GPTConfig:
     routed_bias: bool = False  # a `RoutedBias` per MoE block (auxiliary-loss-free balancing)
     # Plugins' extra submodules per layer: (layer, part name, settings), `hooks.BlockPart`.
     block_parts: tuple[BlockPart, ...] = ()
+    # Run consecutive layers with identical static options under one `jax.lax.scan`
+    # (`run_layers`): compile time about flat in depth, for a copy of their weights per step.
+    scan_layers: bool = False
 
     @property
     def residual_std(self) -> float:
@@ -139,6 +148,127 @@ class Block(nnx.Module):
         return x, stats, {**inner, **metrics}
 
 
+def layer_runs(keys: Sequence[Hashable]) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` of each maximal run of consecutive equal ``keys``, in order: the layers
+    one ``jax.lax.scan`` can run (one key per layer: what its compiled body depends on)."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[start]:
+            runs.append((start, i))
+            start = i
+    return tuple(runs)
+
+
+def scan_runs(
+    blocks: Sequence[Block],
+    options: Sequence[LayerOptions],
+    capacities: Sequence[Any],
+    frozen: Sequence[bool],
+) -> tuple[tuple[int, int], ...]:
+    """The runs of ``blocks`` that `run_layers` scans (one `layer_runs` key per block, below;
+    ``capacities``: each block's, None for a dense one)."""
+    keys = [
+        _static_key(*args) for args in zip(blocks, options, capacities, frozen, strict=True)
+    ]
+    return layer_runs(keys)
+
+
+def _static_key(block: Block, options: LayerOptions, capacity: Any, frozen: bool) -> Hashable:
+    """Everything a block's traced body depends on beside its array values: its graph, its
+    parameters' shapes and dtypes, its plugin records, its MoE capacities (the ragged path's
+    static buffer) and whether it is frozen (a frozen layer stacked with trainable ones would
+    get a weight gradient and a backward it does not need)."""
+    graphdef, state = nnx.split(block)
+    shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(state))
+    if isinstance(capacity, RaggedCapacities):
+        capacity = ("ragged", capacity.shard_total)
+    return graphdef, shapes, options, capacity, frozen
+
+
+def _run_block(block, x, capacity, cached, opts, parallel, context):
+    """One layer: its weight hooks, then the block. (output, MoE stats or None, metrics)."""
+    block, weight_metrics = apply_weight_hooks(block, opts)
+    x, stats, metrics = block(
+        x, capacities=capacity, parallel=parallel, cached=cached, options=opts, context=context
+    )
+    return x, stats, {**weight_metrics, **metrics}
+
+
+def _layer_indices(n: int) -> tuple[jax.Array, ...]:
+    """0..n-1 as int32 scalars computed by a loop (index j counts the steps k < j), so XLA
+    cannot fold them into constants (it sees through an optimization barrier and rewrites
+    counters that all step by one as one counter plus constant offsets).
+
+    Why: the stacked run's gradients (and metrics) are cut back into per-layer arrays, and a
+    cut at a constant offset i, fused into layer i's consumers (its optimizer update), makes
+    every layer's kernels different, where unrolled layers share one compiled kernel per shape:
+    on XLA CPU, codegen of those kernels then grows with depth faster than the scan saves.
+    With the offset a runtime scalar, every layer's fused kernels are the same again."""
+
+    def count(k, index):
+        return tuple(i + (k < j).astype(jnp.int32) for j, i in enumerate(index))
+
+    return jax.lax.fori_loop(0, n, count, (jnp.int32(0),) * n)
+
+
+def _unstack(tree: Any, index: Sequence[jax.Array]) -> list[Any]:
+    """Entry i of every leaf of ``tree`` [n, ...] for each i of ``index`` (`_layer_indices`)."""
+    take = lambda i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), tree)
+    return [take(i) for i in index]
+
+
+@jax.custom_vjp
+def _stack(trees: list[Any]) -> Any:
+    """The leaves of equal-structured ``trees`` stacked on a new leading axis; its gradient is
+    cut back per tree by `_unstack`."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+def _stack_fwd(trees):
+    return _stack(trees), _layer_indices(len(trees))
+
+
+def _stack_bwd(index, g):
+    return (_unstack(g, index),)
+
+
+_stack.defvjp(_stack_fwd, _stack_bwd)
+
+
+def _scan_blocks(blocks, x, capacities, cached, opts, parallel, context):
+    """`_run_block` over ``blocks`` (equal `_static_key`) as one ``jax.lax.scan``: their
+    parameters, ragged capacities and cached routing stacked on a leading axis; the activations
+    and the wrappers' carry flow through it. Returns per-layer stats and metrics, as unrolled.
+
+    Stacking at trace time (rather than storing stacks) keeps the state keyed by layer, so
+    migration, checkpoints and optimizer state do not change; it costs one copy of the run's
+    weights per forward (and of their gradients backward), small beside the layers' matmuls.
+    """
+    graphdef = nnx.graphdef(blocks[0])
+    states = _stack([nnx.state(b) for b in blocks])
+    ragged = isinstance(capacities[0], RaggedCapacities)
+    values = jnp.stack([c.values for c in capacities]) if ragged else None
+    cached = None if cached[0] is None else jnp.stack(cached)
+
+    def body(carry, xs):
+        x, wrapper_carry = carry
+        state, value, cached_one = xs
+        capacity = RaggedCapacities(value, capacities[0].shard_total) if ragged else capacities[0]
+        inner = dataclasses.replace(context, carry=dict(wrapper_carry))
+        x, stats, metrics = _run_block(
+            nnx.merge(graphdef, state), x, capacity, cached_one, opts, parallel, inner
+        )
+        return (x, inner.carry), (stats, metrics)
+
+    (x, carry), (stats, metrics) = jax.lax.scan(
+        body, (x, dict(context.carry)), (states, values, cached)
+    )
+    context.carry = carry
+    index = _layer_indices(len(blocks))
+    return x, _unstack(stats, index), _unstack(metrics, index)
+
+
 def run_layers(
     blocks: Sequence[Block],
     x: jax.Array,
@@ -148,6 +278,8 @@ def run_layers(
     parallel,
     cached: jax.Array | Sequence[jax.Array] | None,
     context: LayerContext | None = None,
+    scan: bool = False,
+    frozen: Sequence[bool] | None = None,
 ) -> tuple[jax.Array, tuple[MoEStats, ...], tuple[dict[str, jax.Array], ...]]:
     """The one layer loop of the model and of every pipeline stage.
 
@@ -155,6 +287,12 @@ def run_layers(
     ``options`` one `LayerOptions` per block (None: none); ``context`` what the block wrappers
     share (`LayerContext`; default: none of it). Returns the output, the MoE blocks' stats in
     order and each block's hook metrics.
+
+    ``scan``: each run of two or more consecutive blocks with equal static keys (`layer_runs`;
+    ``frozen`` flags the blocks that get no gradient) runs as one ``jax.lax.scan``, so the
+    program holds one body per run rather than one per layer (MaxText's ``scan_layers`` idea,
+    kept per run so that layers whose options diverge still run as they are). The wrappers'
+    declared carry starts filled (`hooks.initial_carry`), as a scan's carry keeps its keys.
     """
     context = context if context is not None else LayerContext()
     if len(capacities) != sum(b.is_moe for b in blocks):
@@ -162,21 +300,38 @@ def run_layers(
             f"{len(capacities)} capacity tuples for {sum(b.is_moe for b in blocks)} MoE layers"
         )
     options = options if options is not None else ((),) * len(blocks)
+    frozen = frozen if frozen is not None else (False,) * len(blocks)
+    moe_index = list(itertools.accumulate((b.is_moe for b in blocks), initial=0))
+    caps = [capacities[moe_index[i]] if b.is_moe else None for i, b in enumerate(blocks)]
+    cache = [
+        cached[moe_index[i]] if (b.is_moe and cached is not None) else None
+        for i, b in enumerate(blocks)
+    ]
+    if scan:
+        runs = scan_runs(blocks, options, caps, frozen)
+        fill = initial_carry(carrying_wrappers(options), x.shape[:2])
+        context.carry = {**fill, **context.carry}
+    else:
+        runs = tuple((i, i + 1) for i in range(len(blocks)))
     stats, metrics = [], []
-    for block, opts in zip(blocks, options, strict=True):
-        j = len(stats)
-        block, weight_metrics = apply_weight_hooks(block, opts)
-        x, s, m = block(
-            x,
-            capacities=capacities[j] if block.is_moe else None,
-            parallel=parallel,
-            cached=cached[j] if (block.is_moe and cached is not None) else None,
-            options=opts,
-            context=context,
-        )
-        if s is not None:
-            stats.append(s)
-        metrics.append({**weight_metrics, **m})
+    for start, stop in runs:
+        if stop - start == 1:
+            x, s, m = _run_block(
+                blocks[start], x, caps[start], cache[start], options[start], parallel, context
+            )
+            s, m = [s], [m]
+        else:
+            x, s, m = _scan_blocks(
+                blocks[start:stop],
+                x,
+                caps[start:stop],
+                cache[start:stop],
+                options[start],
+                parallel,
+                context,
+            )
+        stats.extend(one for one in s if one is not None)
+        metrics.extend(m)
     return x, tuple(stats), tuple(metrics)
 
 
@@ -220,10 +375,12 @@ class GPT(nnx.Module):
         options: Sequence[LayerOptions] | None = None,
         targets: jax.Array | None = None,
         inference: bool = False,
+        frozen: Sequence[int] = (),
     ):
         """`__call__` with each layer's options: also returns each layer's hook metrics.
         ``targets`` [B, S]: the next tokens, for wrappers that take a loss inside the stack;
-        ``inference``: run the wrappers as evaluation or sampling does (`LayerContext`)."""
+        ``inference``: run the wrappers as evaluation or sampling does (`LayerContext`);
+        ``frozen``: the layers that get no gradient (kept out of trainable layers' scans)."""
         x = self.embed(tokens)
         if self.cfg.positions == "learned":
             x = x + self.pos[: tokens.shape[1]].astype(x.dtype)
@@ -235,6 +392,8 @@ class GPT(nnx.Module):
             parallel=parallel,
             cached=cached,
             context=LayerContext(readout=self.readout, targets=targets, inference=inference),
+            scan=self.cfg.scan_layers,
+            frozen=[i in frozen for i in range(len(self.layers))],
         )
         return self.readout(x), stats, metrics
 

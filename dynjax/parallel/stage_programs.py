@@ -112,6 +112,8 @@ def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, ctx, 
         parallel=expert_parallel(mesh),
         cached=cached,
         context=context,
+        scan=parts.cfg.scan_layers,
+        frozen=[i in spec.frozen for i in spec.layers],
     )
     if spec.last:
         return readout(x), {}, stats, layer_metrics

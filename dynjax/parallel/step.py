@@ -78,6 +78,7 @@ def forward_loss(
         options=opts.layer_options or None,
         targets=targets,
         inference=opts.inference,
+        frozen=opts.frozen_layers,
     )
     ce = lm_loss(logits, targets)
     aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
