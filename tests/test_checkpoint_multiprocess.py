@@ -102,3 +102,29 @@ def test_two_processes_save_resume_and_restore_on_one(tmp_path):
     assert {d.id for leaf in layout.flatten(state).values() for d in leaf.devices()} == set(
         range(8)
     )
+
+
+@pytest.mark.slow
+def test_partial_expert_checkpoints_of_two_processes_restore_on_one(tmp_path):
+    """MoE with partial expert saves (K=2 of 4 experts): the first save holds every expert,
+    the second experts 0 and 1; one process assembles experts 2 and 3 from the first."""
+    moe = {"moe.every": 2, "checkpoint.experts_per_save": 2, "train.steps": 4}
+    two_processes(tmp_path, {**BASE, **moe})
+    saved = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "checkpoint"]
+    assert [(e["step"], e["experts_saved"]) for e in saved] == [
+        (2, {"1": [0, 1, 2, 3]}),
+        (4, {"1": [0, 1]}),
+    ]
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=10, async_save=False)
+    exp = Experiment.from_config(config(**moe))
+    state, meta = checkpointer.restore_latest(lambda meta: exp.restore_target(exp.initial_plan()))
+    _, older = checkpointer.restore(2, exp.restore_target(exp.initial_plan()))
+    checkpointer.close()
+    assert meta["step"] == 4
+    assert meta["expert_sources"] == {1: {"weights": [4, 4, 2, 2], "optimizer": [4, 4, 2, 2]}}
+    sums = layout.checksums(layout.flatten(state))
+    for key, got in sums.items():
+        if layout.expert_layer(key) is None:
+            assert got == meta["checksums"][key]
+        else:  # rows 0, 1 as the 2 processes saved them at step 4, rows 2, 3 at step 2
+            assert got == [*meta["checksums"][key], *older["checksums"][key][2:]]
