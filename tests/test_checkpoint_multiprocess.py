@@ -75,12 +75,23 @@ def test_two_processes_save_resume_and_restore_on_one(tmp_path):
     print("bytes written per process", shares, "of them in leaves written whole", whole)
     assert abs(shares[0] - shares[1]) <= whole < 1e-3 * sum(shares)
 
-    # As if the run had stopped after step 4: the 2 processes rerun from there, and one
-    # process of 8 devices restores the same checkpoint; both redo steps 5 and 6 as before.
-    shutil.rmtree(multi / "checkpoints" / "6")
-    shutil.copytree(multi / "checkpoints", one / "checkpoints")
+    # One process of 8 devices restores step 4; the 2 processes find step 6's metadata
+    # corrupted, agree to move the step aside (process 0 moves it) and rerun from step 4; both
+    # redo steps 5 and 6 as the uninterrupted run did.
+    shutil.copytree(multi / "checkpoints", one / "checkpoints", ignore=lambda d, names: ["6"])
+    (multi / "checkpoints/6/meta/metadata").write_text("{not json")
     two_processes(multi, {**BASE, "train.steps": 6})
     train(config(**{"train.steps": 6}), one, progress=False)
+    failed = [
+        [
+            e["moved_to"]
+            for e in read_jsonl(w / "events.jsonl")
+            if e["event"] == "checkpoint_restore_failed"
+        ]
+        for w in (multi, multi / "process_1")
+    ]
+    assert failed[0] == failed[1] and len(failed[0]) == 1 and Path(failed[0][0]).is_dir()
+    assert steps(multi) == [2, 4, 6]  # saved again
     for workdir in (multi, one):
         [resume] = [e for e in read_jsonl(workdir / "events.jsonl") if e["event"] == "resume"]
         assert resume["step"] == 4
@@ -88,9 +99,7 @@ def test_two_processes_save_resume_and_restore_on_one(tmp_path):
     assert losses(multi / "process_1") == want
     # Within float32 rounding: one process of 8 devices adds up in another order (as in
     # test_data_multiprocess without restores); a state off by a step would differ by ~1e-2.
-    assert losses(one) == pytest.approx(
-        {s: want[s] for s in (5, 6)}, rel=1e-6, abs=0
-    )
+    assert losses(one) == pytest.approx({s: want[s] for s in (5, 6)}, rel=1e-6, abs=0)
 
     # Bit for bit: the state one process restores has the checksums the 2 processes computed
     # on the global arrays they saved.

@@ -392,7 +392,12 @@ class Checkpointer:
                     "configuration or start from a new workdir"
                 )
         args = {layout.DENSE: ocp.args.StandardRestore(layout.nest(expected[layout.DENSE]))}
-        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        try:
+            restored, error = self._manager.restore(step, args=ocp.args.Composite(**args)), None
+        except Exception as err:  # noqa: BLE001 - raised below, in every process alike
+            restored, error = None, err
+        if not _everywhere(error is None):  # before the checksums, a collective of all processes
+            raise error or CheckpointError(f"step {step}: another process cannot read it")
         flat = layout.denest(restored[layout.DENSE])
         _check_shapes(step, flat, expected[layout.DENSE])
         for key, got in layout.checksums(flat).items():
@@ -467,10 +472,16 @@ class Checkpointer:
         try:
             args = {layout.EXPERTS: ocp.args.StandardRestore(layout.nest(target))}
             restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-            arrays = layout.denest(restored[layout.EXPERTS])
+            arrays, error = layout.denest(restored[layout.EXPERTS]), None
             _check_shapes(step, arrays, target)
         except Exception as err:  # noqa: BLE001 - read its rows one by one instead
-            log.warning("checkpoint at step %d: experts item unreadable as a whole (%s)", step, err)
+            error = err
+        if not _everywhere(error is None):  # every process takes the same path
+            log.warning(
+                "checkpoint at step %d: experts item unreadable as a whole (%s)",
+                step,
+                error or "in another process",
+            )
             return {}
         return arrays
 
@@ -648,7 +659,8 @@ class Checkpointer:
 
 
 def _everywhere(ok: bool) -> bool:
-    """Whether ``ok`` holds in every process (so that all take the same branch)."""
+    """Whether ``ok`` holds in every process, so that all take the same branch: a read may fail
+    in one process only, and the others must not go on to a collective it skips."""
     if jax.process_count() == 1:
         return ok
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
