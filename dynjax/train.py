@@ -154,12 +154,14 @@ def train(
     In a multi-process run (`dynjax.launch`) every process runs this loop over its own devices
     (the single program's share of the mesh, or its pipeline stages) and reads only the batch
     rows they consume; process i > 0 writes its files to ``workdir/process_<i>``. Such a run
-    keeps its first Plan (no policies: every process would have to swap at the same step) and
-    writes no checkpoints (no process holds the whole state).
+    keeps its first Plan (no policies: every process would have to swap at the same step). A
+    single program over every process's devices checkpoints into ``workdir/checkpoints``, each
+    process writing its own shards (`Checkpointer`); a pipeline over processes writes none (a
+    process holds only its own stages' arrays, not the global arrays Orbax saves).
     """
     began = time.perf_counter()
     single = jax.process_count() == 1
-    workdir = Path(workdir)
+    workdir = root = Path(workdir)
     if jax.process_index() > 0:
         workdir = workdir / f"process_{jax.process_index()}"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -168,15 +170,21 @@ def train(
     config_policies = policies_for(cfg, exp)  # their config errors come before any work
     release_hook = release_hook or load_release_hook(cfg.balance.release_hook)
     events = EventLog(workdir / "events.jsonl")
-    if single:
+    if not single:
+        _check_multi_process(cfg, [*config_policies, *policies])
+    saves = single or not exp.ctx.pipeline_stages
+    if saves:
         checkpointer = Checkpointer(
-            workdir / "checkpoints",
+            root / "checkpoints",  # one directory that every process writes its shards into
             keep=cfg.train.keep_checkpoints,
             async_save=cfg.checkpoint.async_save,
             emit=events,
         )
     else:
-        _check_multi_process(cfg, [*config_policies, *policies])
+        log.warning(
+            "multi-process pipeline run: no checkpoints are written (each process holds only "
+            "its own stages' arrays)"
+        )
         checkpointer = _NoCheckpoints()
 
     def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
@@ -239,9 +247,9 @@ def train(
 
     # A pipeline profiles the first step of every Plan (seed 000 §3.1) and every n-th step;
     # each Plan's profiling programs compile with it, in the background.
-    profiles = single and bool(plan.stage_layers)  # profiling times every stage on one host
-    profile_on_change = cfg.pipeline.profile_on_change and profiles
-    profile_every = cfg.pipeline.profile_every if profiles else 0
+    profiling = single and bool(plan.stage_layers)  # profiling times every stage on one host
+    profile_on_change = cfg.pipeline.profile_on_change and profiling
+    profile_every = cfg.pipeline.profile_every if profiling else 0
     lower = functools.partial(
         exp.lower_train_step, profiling=profile_on_change or bool(profile_every)
     )
@@ -418,7 +426,7 @@ def train(
                 if eval_loss is not None:
                     writer.write(done, {"eval_loss": eval_loss})
             every = twolevel is None and done % cfg.train.checkpoint_every == 0
-            if single and (every or done == steps):
+            if saves and (every or done == steps):
                 meta, experts = {"plan": plan.to_dict(), "config": cfg.to_dict()}, None
                 if ledger is not None:  # its metadata counts every step up to this one
                     observe(monitor.drain())
@@ -542,11 +550,10 @@ def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:
             "moe.capacity.policy=static, moe.caching.enabled=False, balance.enabled=False, "
             "balance.repack=False)"
         )
-    log.warning("multi-process run: no checkpoints are written")
 
 
 class _NoCheckpoints:
-    """The checkpointer of a multi-process run: nothing to restore, nothing saved."""
+    """The checkpointer of a multi-process pipeline run: nothing to restore, nothing saved."""
 
     def restore_latest(self, target):
         return None

@@ -157,9 +157,23 @@ def _sums(x: jax.Array, rows: bool) -> jax.Array:
     return jnp.stack([s1, s2], axis=-1)
 
 
-@jax.jit
 def _group_sums(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {k: _sums(a, expert_layer(k) is not None) for k, a in arrays.items()}
+
+
+@functools.cache
+def _sums_to(out: jax.sharding.Sharding) -> Any:
+    """`_group_sums` jitted with its sums replicated on ``out``'s devices: in a multi-process
+    run every process then reads the same sums of the global arrays from a device of its own."""
+    return jax.jit(_group_sums, out_shardings=out)
+
+
+def _replicated_on(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """A sharding replicating over ``sharding``'s devices."""
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        mesh = jax.sharding.Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id)), ("d",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def describe_shape(dtype: Any, shape: tuple[int, ...]) -> str:
@@ -184,7 +198,9 @@ def checksums(flat: Mapping[str, jax.Array]) -> dict[str, str | list[str]]:
     """Per key: ``"<dtype>[shape]:<sums>"``; for expert leaves one such string per row.
 
     One jitted reduction per set of devices (a pipeline stage holds its leaves on its own
-    sub-mesh), each device reducing the shards it holds; only the sums are copied to host.
+    sub-mesh), each device reducing the shards it holds; only the sums are copied to host. The
+    sums are replicated over those devices, so in a multi-process run every process gets the
+    same values for the global arrays (the metadata that process 0 writes is every process's).
     """
     groups: dict[tuple[int, ...], dict[str, jax.Array]] = collections.defaultdict(dict)
     for key, a in flat.items():
@@ -192,7 +208,8 @@ def checksums(flat: Mapping[str, jax.Array]) -> dict[str, str | list[str]]:
         groups[tuple(sorted(d.id for d in a.sharding.device_set))][key] = a
     out: dict[str, str | list[str]] = {}
     for arrays in groups.values():
-        sums = jax.device_get(_group_sums(arrays))
+        first = next(iter(arrays.values())).sharding
+        sums = jax.device_get(_sums_to(_replicated_on(first))(arrays))
         for key, a in arrays.items():
             if expert_layer(key) is None:
                 out[key] = _describe(a.dtype, a.shape, sums[key])

@@ -21,6 +21,17 @@ MoE layer, for the weights, the optimizer state or both (``content`` W / O / WO)
 assembles each expert from the newest step that saved it (`restore_latest`), a step is kept on
 disk while it holds the newest copy of any expert (`_NewestCopies`), and a save never leaves an
 expert without any copy (`Checkpointer.save` adds it).
+
+Multi-process runs (issue 15 §4, issue 13 §5): every process calls save and restore with the
+same global arrays; each writes the shards its devices hold into its own ``ocdbt.process_<i>``
+part of the step, and process 0 the metadata (the checksums are replicated results of the global
+arrays, so every process computes the same). A leaf replicated over data-parallel ranks is
+written replica-parallel: each replica writes its slice of the leaf's first axis the replica
+count divides (Orbax's ``use_replica_parallel``, which Orbax leaves off on GPUs), so the ranks
+write disjoint, nearly equal byte shares instead of replica 0 writing it all. The processes
+agree on whether a step restored before any of them moves it aside, and only process 0 moves
+it. A restore reads into the current run's shardings, so a checkpoint written by N processes
+restores on any other process count.
 """
 
 from __future__ import annotations
@@ -36,10 +47,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from dynjax.checkpoint import layout
 
 log = logging.getLogger(__name__)
+# Replica-parallel writes on every platform (module docstring); the rest as Orbax's default.
+ocp.type_handlers.register_type_handler(
+    jax.Array,
+    ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=True, array_metadata_store=array_metadata_store.Store()
+    ),
+    override=True,
+)
 META = "meta"
 QUARANTINE = "corrupt"  # beside the steps; Orbax lists only integer step directories
 
@@ -260,19 +281,24 @@ class Checkpointer:
         steps = self.all_steps()
         for step in reversed(steps):
             try:
-                meta = self._read_meta(step)
+                meta, error = self._read_meta(step), None
             except Exception as err:  # noqa: BLE001 - unreadable metadata: a broken checkpoint
-                self._quarantine(step, err)
+                meta, error = None, err
+            if not _everywhere(error is None):
+                self._quarantine(step, error or CheckpointError("another process cannot read it"))
                 continue
             template = target(meta)
             try:
-                return self._restore_items(step, template, meta), meta
+                state, error = self._restore_items(step, template, meta), None
             except CheckpointMismatch:
                 raise
             except ExpertsMissing:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure means: fall back to an older one
-                self._quarantine(step, err)
+                state, error = None, err
+            if _everywhere(error is None):
+                return state, meta
+            self._quarantine(step, error or CheckpointError("another process cannot read it"))
         if steps:
             raise CheckpointError(
                 f"none of the checkpoints {steps} in {self._manager.directory} could be restored; "
@@ -366,7 +392,12 @@ class Checkpointer:
                     "configuration or start from a new workdir"
                 )
         args = {layout.DENSE: ocp.args.StandardRestore(layout.nest(expected[layout.DENSE]))}
-        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        try:
+            restored, error = self._manager.restore(step, args=ocp.args.Composite(**args)), None
+        except Exception as err:  # noqa: BLE001 - raised below, in every process alike
+            restored, error = None, err
+        if not _everywhere(error is None):  # before the checksums, a collective of all processes
+            raise error or CheckpointError(f"step {step}: another process cannot read it")
         flat = layout.denest(restored[layout.DENSE])
         _check_shapes(step, flat, expected[layout.DENSE])
         for key, got in layout.checksums(flat).items():
@@ -441,10 +472,16 @@ class Checkpointer:
         try:
             args = {layout.EXPERTS: ocp.args.StandardRestore(layout.nest(target))}
             restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-            arrays = layout.denest(restored[layout.EXPERTS])
+            arrays, error = layout.denest(restored[layout.EXPERTS]), None
             _check_shapes(step, arrays, target)
         except Exception as err:  # noqa: BLE001 - read its rows one by one instead
-            log.warning("checkpoint at step %d: experts item unreadable as a whole (%s)", step, err)
+            error = err
+        if not _everywhere(error is None):  # every process takes the same path
+            log.warning(
+                "checkpoint at step %d: experts item unreadable as a whole (%s)",
+                step,
+                error or "in another process",
+            )
             return {}
         return arrays
 
@@ -580,15 +617,22 @@ class Checkpointer:
         return layout.unflatten_like(template, placed)
 
     def _quarantine(self, step: int, err: Exception) -> None:
-        """Move the unusable checkpoint at ``step`` aside (never delete what a run trained)."""
+        """Move the unusable checkpoint at ``step`` aside (never delete what a run trained):
+        process 0 moves it, and the others wait for it."""
         root = Path(self._manager.directory)
         stamp = time.strftime("%Y%m%dT%H%M%S")
         target = root / QUARANTINE / f"{step}-{stamp}"
         n = 1
         while target.exists():
             n, target = n + 1, root / QUARANTINE / f"{step}-{stamp}-{n}"
-        target.parent.mkdir(exist_ok=True)
-        shutil.move(str(root / str(step)), str(target))
+        if jax.process_index() == 0:
+            target.parent.mkdir(exist_ok=True)
+            shutil.move(str(root / str(step)), str(target))
+        if jax.process_count() > 1:  # the name process 0 chose, once it is moved
+            name = np.zeros(256, np.uint8)
+            name[: len(target.name)] = np.frombuffer(target.name.encode(), np.uint8)
+            name = np.asarray(multihost_utils.broadcast_one_to_all(name))
+            target = target.parent / bytes(name[name > 0]).decode()
         self._manager.reload()
         self._copies.pop(step, None)
         log.warning(
@@ -616,6 +660,14 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether ``ok`` holds in every process, so that all take the same branch: a read may fail
+    in one process only, and the others must not go on to a collective it skips."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:

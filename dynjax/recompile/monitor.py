@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 
 class Monitor:
@@ -64,5 +65,15 @@ class Monitor:
 def _to_host(entries: list[tuple[int, Any]]) -> list[tuple[int, dict[str, np.ndarray]]]:
     if not entries:
         return []
-    host = jax.device_get([m for _, m in entries])  # one call: copies start in parallel
+    metrics = [jax.tree.map(_gathered, m) for _, m in entries]
+    host = jax.device_get(metrics)  # one call: copies start in parallel
     return [(s, jax.tree.map(np.asarray, m)) for (s, _), m in zip(entries, host, strict=True)]
+
+
+def _gathered(x: Any) -> Any:
+    """A metric split over several processes' devices (e.g. an MoE layer's per-expert loads in
+    a data-parallel program over processes), gathered whole into every process; every process
+    pops the same steps in the same order, so each takes part in the gather."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
