@@ -54,13 +54,20 @@ from dynjax.checkpoint import layout
 
 log = logging.getLogger(__name__)
 # Replica-parallel writes on every platform (module docstring); the rest as Orbax's default.
-ocp.type_handlers.register_type_handler(
-    jax.Array,
-    ocp.type_handlers.ArrayHandler(
-        use_replica_parallel=True, array_metadata_store=array_metadata_store.Store()
-    ),
-    override=True,
-)
+# Orbax warns on stderr at every override; it is intended here, so quiet during registration
+# (a user's `dynjax.train` would otherwise begin with that warning, before any `error:`).
+_absl, _level = logging.getLogger("absl"), logging.getLogger("absl").level
+_absl.setLevel(logging.ERROR)
+try:
+    ocp.type_handlers.register_type_handler(
+        jax.Array,
+        ocp.type_handlers.ArrayHandler(
+            use_replica_parallel=True, array_metadata_store=array_metadata_store.Store()
+        ),
+        override=True,
+    )
+finally:
+    _absl.setLevel(_level)
 META = "meta"
 QUARANTINE = "corrupt"  # beside the steps; Orbax lists only integer step directories
 
