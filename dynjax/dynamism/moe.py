@@ -60,6 +60,7 @@ from dynjax.recompile.granularity import (
     chunks_of,
     reuse_costs,
 )
+from pallas_kernels.timing import median_seconds
 
 if TYPE_CHECKING:
     from dynjax.experiment import Experiment
@@ -410,14 +411,8 @@ def measure_speeds(rows: int, d_model: int, hidden: int, repeats: int = 5) -> Sp
     a = jnp.ones((rows, d_model), jnp.float32)
     w = jnp.ones((d_model, hidden), jnp.float32)
 
-    def seconds(fn, *args) -> float:
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - began)
-        return max(float(np.median(times)), 1e-9)
+    def seconds(fn, *args) -> float:  # > 0: the speeds divide by it
+        return max(median_seconds(fn, *args, repeats=repeats), 1e-9)
 
     comp = 2 * rows * d_model * hidden / seconds(jax.jit(jnp.matmul), a, w)
     devices = jax.local_devices()
