@@ -2,12 +2,12 @@
 
 A process that is killed (SIGKILL, the OOM killer, a lost node) leaves the others waiting in a
 collective or a key-value read that never returns. JAX's own heartbeat notices only after its
-timeout and then aborts with a message that names no process. So each process beats through
-the coordinator's key-value store (``dynjax/alive/<id>``: a counter, rewritten every
-second, or every ``timeout / 10`` seconds for a timeout under 10 s) and a thread reads every peer's beat. When a peer's beat has not
-changed for ``timeout`` seconds, the peer is dead: this process prints an ``error:`` line naming
-it and exits at once with ``os._exit`` (the main thread may be inside a collective that never
-returns).
+timeout (100 s by default) and then aborts with a log line of its own. So each process beats through
+the coordinator's key-value store (``dynjax/alive/<id>``: a counter, rewritten every second, or
+every ``timeout / 10`` seconds for a timeout under 10 s) and a thread reads every peer's beat.
+When a peer's beat has not changed for ``timeout`` seconds, the peer is dead: this process
+prints an ``error:`` line naming it and exits at once with ``os._exit`` (the main thread may be
+inside a collective that never returns).
 
 Two more values tell the others that a process stopped without dying. ``done`` means it
 finished: the others may still be running their last steps, and this is not a death.
