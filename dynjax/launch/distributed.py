@@ -30,7 +30,7 @@ from dynjax.launch.watchdog import Watchdog
 
 TIMEOUT_MS = 600_000
 # JAX's own heartbeat timeout, in units of the watchdog's: the backstop if the watchdog's thread
-# cannot run. It must be the later of the two, since JAX aborts without naming the process.
+# cannot run. It must be the later of the two: JAX aborts with a log line, not dynjax's error.
 JAX_HEARTBEAT_FACTOR = 3
 
 _watchdog: Watchdog | None = None
