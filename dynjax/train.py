@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
 from dynjax.launch.cluster import ClusterError
-from dynjax.launch.distributed import initialize_from_env
+from dynjax.launch.distributed import fail, initialize_from_env, joined
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
 from dynjax.parallel.profile import device_memory_limit
@@ -729,6 +730,11 @@ def main(argv: list[str] | None = None) -> int:
     except config_lib.ConfigError as err:  # found once devices are known, before training
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception:
+        if not joined():
+            raise
+        traceback.print_exc()  # a peer may wait for this process in a collective: do not wait
+        fail()  # for it in JAX's shutdown barrier
     print(format_summary(summary))
     return 0
 

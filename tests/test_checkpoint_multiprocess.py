@@ -1,9 +1,12 @@
 """Checkpoints of a data-parallel run over 2 local processes x 4 CPU devices (issue 15 §4, issue
-13 §5): every process writes its own share, a rerun resumes, and one process of 8 devices
-restores the same state."""
+13 §5): every process writes its own share, a rerun resumes (also after one process was killed),
+and one process of 8 devices restores the same state."""
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +15,13 @@ import tensorstore as ts
 
 from dynjax.checkpoint import Checkpointer, layout
 from dynjax.experiment import Experiment
+from dynjax.launch import local
+from dynjax.launch.cluster import HEARTBEAT_SECONDS
+from dynjax.launch.watchdog import RESUME
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from .test_data_multiprocess import losses, two_processes
+from .test_data_multiprocess import ROOT, losses, two_processes
 from .tiny import tiny_config
 
 BASE = {
@@ -60,15 +66,26 @@ def written_bytes(item: Path, processes: int) -> tuple[list[int], int]:
     return shares, whole
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """A 6-step run over the 2 processes, saved every 2 steps, and its losses: the reference."""
+    workdir = tmp_path_factory.mktemp("multi")
+    two_processes(workdir, {**BASE, "train.steps": 6})
+    want = losses(workdir)
+    assert sorted(want) == [1, 2, 3, 4, 5, 6]
+    return workdir, want
+
+
+def steps(workdir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
 @pytest.mark.slow
-def test_two_processes_save_resume_and_restore_on_one(tmp_path):
-    multi, one = tmp_path / "multi", tmp_path / "one"
-    two_processes(multi, {**BASE, "train.steps": 6})
-    steps = lambda w: sorted(int(p.name) for p in (w / "checkpoints").iterdir() if p.name.isdigit())
+def test_two_processes_save_resume_and_restore_on_one(tmp_path, uninterrupted):
+    multi, want = uninterrupted
+    one = tmp_path / "one"
     assert steps(multi) == [2, 4, 6]
     assert not (multi / "process_1" / "checkpoints").exists()  # one directory for every process
-    want = losses(multi)  # the uninterrupted run
-    assert sorted(want) == [1, 2, 3, 4, 5, 6]
 
     # Replica-parallel writes: each process wrote half of the replicated dense leaves' bytes.
     shares, whole = written_bytes(multi / "checkpoints" / "4" / layout.DENSE, 2)
@@ -111,6 +128,48 @@ def test_two_processes_save_resume_and_restore_on_one(tmp_path):
     assert {d.id for leaf in layout.flatten(state).values() for d in leaf.devices()} == set(
         range(8)
     )
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_the_other_and_the_rerun_resumes(tmp_path, uninterrupted):
+    """Process 1 is killed (SIGKILL) once it has saved step 2. Process 0, started on its own
+    (no launcher to stop it), stops with an error naming process 1 within 60 s; the rerun of
+    both resumes from step 2 and trains steps 3-6 as the uninterrupted run did."""
+    _, want = uninterrupted
+    args = ["--config", "tests/tiny.py", "--workdir", str(tmp_path),
+            *(f"--config.{k}={v}" for k, v in {**BASE, "train.steps": 6}.items())]
+    port = local.free_port()
+    logs = [open(tmp_path / f"log.{rank}", "w+") for rank in range(2)]
+    commands = [["-m", "dynjax.train"], ["tests/kill_after_save.py", "2"]]
+    survivor, victim = [
+        subprocess.Popen(
+            [sys.executable, *command, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**local.process_env(rank, 2, 4, port), "PYTHONPATH": str(ROOT)},
+        )
+        for rank, (command, log) in enumerate(zip(commands, logs, strict=True))
+    ]
+    assert victim.wait(timeout=600) == -9
+    died = time.monotonic()
+    try:
+        survivor.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        survivor.kill()
+        pytest.fail("process 0 still runs 60 s after process 1 was killed")
+    print(f"process 0 stopped {time.monotonic() - died:.1f} s after process 1 was killed")
+    logs[0].seek(0)
+    out = logs[0].read()
+    assert survivor.returncode == 1, out[-3000:]
+    message = "error: process 1 (of 2) stopped responding "
+    assert f"{message}(no heartbeat for {HEARTBEAT_SECONDS:g} s); {RESUME}" in out, out[-3000:]
+
+    two_processes(tmp_path, {**BASE, "train.steps": 6})  # the rerun: both processes
+    [resume] = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "resume"]
+    assert resume["step"] == 2
+    assert steps(tmp_path) == [2, 4, 6]
+    assert losses(tmp_path) == want  # bit for bit, as the resume above
+    # Process 1's lines of steps 1-2 may have died unflushed with it; the rerun's are there.
+    resumed = {s: loss for s, loss in losses(tmp_path / "process_1").items() if s > 2}
+    assert resumed == {s: want[s] for s in (3, 4, 5, 6)}
 
 
 @pytest.mark.slow

@@ -16,9 +16,11 @@ import pytest
 import yaml
 
 from dynjax.launch.cluster import (
+    HEARTBEAT_SECONDS,
     ClusterError,
     ProcessEnv,
     expand_nodelist,
+    heartbeat_seconds,
     kubernetes_env,
     process_env,
     slurm_env,
@@ -215,3 +217,11 @@ def test_the_release_hook_patches_the_pods_gpu_request(tmp_path, monkeypatch, re
     (container,) = body["spec"]["containers"]
     assert container == {"name": "train", "resources": {
         "requests": {"nvidia.com/gpu": remaining}, "limits": {"nvidia.com/gpu": remaining}}}
+
+
+def test_the_heartbeat_timeout_has_one_default_and_refuses_nonsense():
+    assert heartbeat_seconds({}) == HEARTBEAT_SECONDS
+    assert heartbeat_seconds({"DYNJAX_HEARTBEAT_SECONDS": "2.5"}) == 2.5
+    for bad in ("0", "-3", "ten", "inf", "nan"):
+        with pytest.raises(ClusterError, match=f"DYNJAX_HEARTBEAT_SECONDS='{bad}' is not a pos"):
+            heartbeat_seconds({"DYNJAX_HEARTBEAT_SECONDS": bad})

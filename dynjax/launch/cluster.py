@@ -16,10 +16,12 @@ Pure functions of an environment mapping, so the tests feed them fake clusters.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 
 SLURM_BASE_PORT = 61440  # + job id mod 4096: jobs sharing a node get different ports
+HEARTBEAT_SECONDS = 10.0  # default of DYNJAX_HEARTBEAT_SECONDS
 EXPLICIT = ("DYNJAX_COORDINATOR", "DYNJAX_NUM_PROCESSES", "DYNJAX_PROCESS_ID")
 
 
@@ -139,3 +141,21 @@ def process_env(env: Mapping[str, str]) -> ProcessEnv | None:
     else:
         return None
     return found if found.num_processes > 1 else None
+
+
+def heartbeat_seconds(env: Mapping[str, str]) -> float:
+    """``DYNJAX_HEARTBEAT_SECONDS``: after how long without a heartbeat a process of the run is
+    declared dead, and the others stop (`dynjax.launch.watchdog`)."""
+    raw = env.get("DYNJAX_HEARTBEAT_SECONDS")
+    if raw is None:
+        return HEARTBEAT_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ClusterError(
+            f"DYNJAX_HEARTBEAT_SECONDS={raw!r} is not a positive number of seconds: unset it "
+            f"for the default ({HEARTBEAT_SECONDS:g}) or set e.g. 30 on a slow network"
+        )
+    return seconds

@@ -5,8 +5,9 @@ Starts N local ``python -m dynjax.train`` processes that form one `jax.distribut
 N*K devices and each process owns the devices, hence the pipeline stages, that follow its
 predecessor's). Each pipeline stage must lie in one process: K must be a multiple of
 mesh.data * mesh.expert (a run without stages spans every process's devices). Output is
-prefixed ``[i]``; when one process fails the launcher stops the others (they would wait for it
-forever) and exits with the first non-zero exit status.
+prefixed ``[i]``; when one process fails the launcher says which and how, stops the others (they
+would wait for it) and exits with that process's status (128 + the signal's number if a signal
+killed it, as a shell reports it).
 
     python -m dynjax.launch.local --processes 2 --devices-per-process 4 -- \\
         --config configs/quickstart.py --config.mesh.stage=4 --config.mesh.data=2
@@ -16,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+
+from dynjax.launch.watchdog import RESUME
 
 
 def free_port() -> int:
@@ -51,13 +55,24 @@ def _relay(rank: int, stream) -> None:
         sys.stdout.flush()
 
 
-def launch(processes: int, devices: int, train_args: list[str]) -> int:
-    """Run the processes to completion; the first non-zero exit status, else 0."""
+def how_it_ended(returncode: int) -> str:
+    """A child's `subprocess.Popen.returncode` in words."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+def launch(processes: int, devices: int, command: list[str]) -> int:
+    """Run ``command`` as each process of the run, to completion; the status of the first that
+    failed, else 0."""
     port = free_port()
     procs, relays = [], []
     for rank in range(processes):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dynjax.train", *train_args],
+            command,
             env=process_env(rank, processes, devices, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -66,15 +81,30 @@ def launch(processes: int, devices: int, train_args: list[str]) -> int:
         relay.start()
         procs.append(proc)
         relays.append(relay)
-    while any(proc.poll() is None for proc in procs):
-        if any(proc.poll() for proc in procs):  # one failed: the others would wait for it forever
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
+    failed: int | None = None
+    while True:
+        running = any(proc.poll() is None for proc in procs)
+        if failed is None:
+            failed = next((rank for rank, proc in enumerate(procs) if proc.poll()), None)
+            if failed is not None:  # the others would wait for it: stop them
+                print(
+                    f"error: process {failed} (of {processes}) "
+                    f"{how_it_ended(procs[failed].returncode)}; {RESUME}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.terminate()
+        if not running:
+            break
         time.sleep(0.2)
     for relay in relays:
         relay.join()
-    return next((proc.returncode for proc in procs if proc.returncode), 0)
+    if failed is None:
+        return 0
+    code = procs[failed].returncode
+    return 128 - code if code < 0 else code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[:split])
     if args.processes < 1 or args.devices_per_process < 1:
         parser.error("--processes and --devices-per-process must be >= 1")
-    return launch(args.processes, args.devices_per_process, argv[split + 1 :])
+    train = [sys.executable, "-m", "dynjax.train", *argv[split + 1 :]]
+    return launch(args.processes, args.devices_per_process, train)
 
 
 if __name__ == "__main__":
