@@ -174,25 +174,44 @@ def test_a_killed_process_stops_the_other_and_the_rerun_resumes(tmp_path, uninte
 
 @pytest.mark.slow
 def test_partial_expert_checkpoints_of_two_processes_restore_on_one(tmp_path):
-    """MoE with partial expert saves (K=2 of 4 experts): the first save holds every expert,
-    the second experts 0 and 1; one process assembles experts 2 and 3 from the first."""
-    moe = {"moe.every": 2, "checkpoint.experts_per_save": 2, "train.steps": 4}
+    """MoE on data 2 x expert 4 with partial expert saves (K=3 of 4 experts: the expert axis
+    does not divide K): the first save holds every expert, the second experts 0 to 2; the two
+    processes write equal shares of both experts items (seed 004 §4); one process assembles
+    expert 3 from the first."""
+    moe = {
+        "mesh.data": 2,
+        "mesh.expert": 4,
+        "moe.every": 2,
+        "checkpoint.experts_per_save": 3,
+        "train.steps": 4,
+    }
     two_processes(tmp_path, {**BASE, **moe})
     saved = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "checkpoint"]
     assert [(e["step"], e["experts_saved"]) for e in saved] == [
         (2, {"1": [0, 1, 2, 3]}),
-        (4, {"1": [0, 1]}),
+        (4, {"1": [0, 1, 2]}),
     ]
-    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=10, async_save=False)
+    # Each process writes half of the expert rows' bytes: a full save's [4, ...] arrays (one
+    # expert per expert shard, its 2 data replicas in the 2 processes) and the partial save's
+    # [3, ...] rows (gathered replicated over all 8 devices, as 4 does not divide 3). Orbax
+    # splits a replicated shard along its first axis the replica count divides.
     exp = Experiment.from_config(config(**moe))
+    experts = layout.split(exp.abstract_state)[layout.EXPERTS].values()
+    all_rows = sum(a.size * a.dtype.itemsize for a in experts)
+    for step, rows in ((2, 4), (4, 3)):
+        shares, whole = written_bytes(tmp_path / "checkpoints" / str(step) / layout.EXPERTS, 2)
+        print(f"step {step}: expert bytes written per process", shares)
+        assert shares[0] == shares[1] and whole == 0
+        assert sum(shares) == all_rows * rows // 4
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=10, async_save=False)
     state, meta = checkpointer.restore_latest(lambda meta: exp.restore_target(exp.initial_plan()))
     _, older = checkpointer.restore(2, exp.restore_target(exp.initial_plan()))
     checkpointer.close()
     assert meta["step"] == 4
-    assert meta["expert_sources"] == {1: {"weights": [4, 4, 2, 2], "optimizer": [4, 4, 2, 2]}}
+    assert meta["expert_sources"] == {1: {"weights": [4, 4, 4, 2], "optimizer": [4, 4, 4, 2]}}
     sums = layout.checksums(layout.flatten(state))
     for key, got in sums.items():
         if layout.expert_layer(key) is None:
             assert got == meta["checksums"][key]
-        else:  # rows 0, 1 as the 2 processes saved them at step 4, rows 2, 3 at step 2
-            assert got == [*meta["checksums"][key], *older["checksums"][key][2:]]
+        else:  # rows 0 to 2 as the 2 processes saved them at step 4, row 3 at step 2
+            assert got == [*meta["checksums"][key], *older["checksums"][key][3:]]
