@@ -210,7 +210,7 @@ def train(
         log.info("resumed from step %d of %s", start, workdir)
         ledger = expert_ledger(cfg, exp, meta, changes, events)
     twolevel = None
-    if single and cfg.checkpoint.snapshot_every:
+    if cfg.checkpoint.snapshot_every:  # single-process only (_check_multi_process)
         twolevel = TwoLevel(
             exp.model_cfg.moe_layers if ledger is not None else (),
             cfg.moe.num_experts,
@@ -550,6 +550,12 @@ def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:
             "multi-process runs keep their first Plan: remove the policies (and set "
             "moe.capacity.policy=static, moe.caching.enabled=False, balance.enabled=False, "
             "balance.repack=False)"
+        )
+    if cfg.checkpoint.snapshot_every:
+        raise config_lib.ConfigError(
+            f"checkpoint.snapshot_every={cfg.checkpoint.snapshot_every}: two-level checkpoints "
+            "(in-memory snapshots) run in single-process runs only; set "
+            "checkpoint.snapshot_every=0 and use train.checkpoint_every"
         )
 
 
