@@ -242,11 +242,6 @@ class Experiment:
             return plan
         return plan.replace(capacities=()), self.ragged_totals(plan)
 
-    @property
-    def bias_rate(self) -> float:
-        """The routed-bias step of auxiliary-loss-free balancing; 0 without it."""
-        return self.cfg.moe.bias_balancing.rate if self.model_cfg.routed_bias else 0.0
-
     def step_options(self, plan: Plan) -> StepOptions:
         return StepOptions(
             capacities=() if self.ragged else plan.capacities,
@@ -259,7 +254,6 @@ class Experiment:
             return_assignments=self.ctx.num_moe_layers > 0 and self.cfg.moe.caching.enabled,
             frozen_layers=plan.frozen_layers,
             layer_options=self.layer_options(plan),
-            bias_rate=self.bias_rate,
         )
 
     def layer_options(self, plan: Plan) -> tuple[LayerOptions, ...]:
@@ -357,7 +351,6 @@ class Experiment:
             aux_loss_weight=moe.aux_loss_weight,
             z_loss_weight=moe.z_loss_weight,
             return_assignments=self.ctx.num_moe_layers > 0 and moe.caching.enabled,
-            bias_rate=self.bias_rate,
             fsdp=self.cfg.parallel.fsdp,
         )
         # Up to `cache_size` Plans' worth of stage programs: about four kinds per stage, and

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 from dynjax.config import ConfigError, default_config, validate_config
 from dynjax.dynamism import Plugin, enabled_plugins, layer_costs, register, registered
 from dynjax.experiment import Experiment
-from dynjax.model.hooks import register_block_hook
+from dynjax.model.hooks import register_block_hook, register_block_part, register_state_rule
 from dynjax.recompile import Plan
 from dynjax.resume import check_resumable, config_changes
 from dynjax.train import train
@@ -131,3 +132,49 @@ def test_a_changed_layer_option_recompiles_only_its_stage():
     lowered = exp.lower_train_step(changed)
     assert {stage for _, stage in lowered.lowered} == {1}
     assert exp.pipeline_spec(changed).stages[0] == exp.pipeline_spec(plan).stages[0]
+
+
+class Tally(Plugin):
+    """A scheme with state of its own outside the optimizer: layers 1 and 3 keep a running sum
+    of their block's mean |output| (a block part's variable), moved by a state rule."""
+
+    name = "tally"
+
+    def block_parts(self, cfg):
+        return [(1, "tally", None), (3, "tally", None)] if cfg.tally.enabled else []
+
+    def layer_options(self, plan, exp):
+        return [i in (1, 3) or None for i in range(exp.ctx.num_layers)]
+
+
+class TallyState(nnx.Module):
+    def __init__(self, cfg, settings, rngs):
+        self.seen = nnx.Variable(jnp.zeros((), jnp.float32))
+
+
+def add_seen(state, metrics, record):
+    return {"tally/seen": state["tally/seen"] + metrics["tally/mean_abs"]}
+
+
+register(Tally())
+register_block_part("tally", TallyState)
+register_block_hook("tally", lambda x, r: (x, {"tally/mean_abs": jnp.mean(jnp.abs(x))}))
+register_state_rule("tally", add_seen, state=("seen",))
+
+
+@pytest.mark.parametrize("pipeline", [{}, {"mesh__stage": 2}], ids=["single", "pipeline"])
+def test_a_state_rule_moves_its_layers_state_from_their_step_metrics(pipeline):
+    """Not MoE: the rule of layers 1 and 3 (one per stage on the pipeline) adds each layer's
+    own metric of the step to its variable, after the optimizer (which leaves it at 0)."""
+    cfg = tiny_config(tally__enabled=True, model__num_layers=4, train__batch_size=8, **pipeline)
+    exp = Experiment.from_config(cfg)
+    plan = exp.initial_plan()
+    runtime = exp.runtime(plan)
+    executable = exp.lower_train_step(plan).compile()
+    metrics = runtime.host_metrics(0, jax.device_get(
+        runtime.step(executable, exp.order.batch(0), None)))
+    layers = jax.device_get(runtime.checkpoint_state()["params"])["layers"]
+    seen = np.array([layers[i]["tally"]["seen"] for i in (1, 3)])
+    assert "tally" not in layers[0] and metrics["tally/mean_abs"].shape == (2,)
+    assert np.all(seen > 0)
+    np.testing.assert_array_equal(seen, metrics["tally/mean_abs"])

@@ -29,7 +29,8 @@ class Plugin:
     - `validate`: raise `dynjax.config.ConfigError` naming the key and the fix; called for every
       config, enabled or not (a scheme's keys may contradict others even when it is off);
     - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
-    - `layer_options`: the per-layer records its block hook reads (`dynjax.model.hooks`);
+    - `layer_options`: the per-layer records its block hooks and state rules read
+      (`dynjax.model.hooks`);
     - `block_parts`: extra submodules it adds to chosen layers (`hooks.register_block_part`);
     - `resumed_plan`: what a resumed run with a changed config keeps of the saved part;
     - `policies`: the Controller policies the config asks for (pure `propose(history, plan)`);
@@ -83,7 +84,9 @@ class Plugin:
     def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
         """Each layer's static record for the scheme's block hook (None for a layer it leaves
         alone), or None for none at all. Records must be hashable: they key the compile cache,
-        so a change recompiles only the pipeline stages whose layers' records changed."""
+        so a change recompiles only the pipeline stages whose layers' records changed. A layer
+        that needs records under other names too (e.g. for a state rule,
+        `hooks.register_state_rule`) gets a dict ``{name: record}`` instead of one record."""
         return None
 
     def block_parts(self, cfg: ml_collections.ConfigDict) -> Sequence[BlockPart]:
@@ -188,7 +191,15 @@ def plan_layer_options(
     per_plugin = {name: recs for name, recs in per_plugin.items() if recs is not None}
     if not per_plugin:
         return ()
-    return tuple(
-        layer_options({name: recs[i] for name, recs in per_plugin.items()})
-        for i in range(exp.ctx.num_layers)
-    )
+
+    def records(i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, recs in per_plugin.items():
+            named = recs[i] if isinstance(recs[i], dict) else {name: recs[i]}
+            clash = set(named) & set(out)
+            if clash:
+                raise ValueError(f"layer {i} has two records named {sorted(clash)}")
+            out.update(named)
+        return out
+
+    return tuple(layer_options(records(i)) for i in range(exp.ctx.num_layers))

@@ -13,8 +13,9 @@ host state would need the step's loads on the host before the next step (a sync 
 checkpoint, restore and pipeline-migration code of its own. As a variable of its layer it is
 train state: it moves with the layer between pipeline stages and is checkpointed, restored and
 resharded by path. `MoEPlugin.wrap_optimizer` keeps it out of the optimizer (no moments, no
-weight decay, no update) and the train step (single program and pipeline stages alike) moves it
-after each update from the step's routed loads (`dynjax.model.moe.balance_bias`), on device.
+weight decay, no update) and the state rule `dynjax.model.moe.balance_rule`, which the MoE
+layers' `BiasBalancing` options name (`MoEPlugin.layer_options`), moves it after each update from
+the step's routed loads, on device, in the single program and each pipeline stage alike.
 
 MPipeMoE (seed 002 §III, issue 12 §3): ``moe.chunks`` partitions each MoE layer's dispatch
 groups (`dynjax.model.moe.Chunking`) and ``moe.memory_reuse`` picks Table II's strategy
@@ -40,7 +41,15 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.config import ConfigError, at_least, microbatches, moe_layer_indices, num_stages
 from dynjax.dynamism.base import Plugin, register
-from dynjax.model.moe import BIAS, REUSE, ROUTINGS, Chunking, SlotLayout, host_offload_supported
+from dynjax.model.moe import (
+    BIAS,
+    REUSE,
+    ROUTINGS,
+    BiasBalancing,
+    Chunking,
+    SlotLayout,
+    host_offload_supported,
+)
 from dynjax.recompile import (
     CachingPolicy,
     DynamicCapacity,
@@ -247,14 +256,21 @@ class MoEPlugin(Plugin):
         return plan
 
     def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
-        """Each MoE layer's `Chunking` (None for the others); None for the plain layer (one
-        partition, no memory reuse), so its program is exactly the layer without them."""
+        """Each MoE layer's `Chunking` (None for the others; none at all for the plain layer,
+        one partition and no memory reuse, so its program is exactly the layer without them),
+        and with bias balancing its `BiasBalancing` record (under `BIAS`), which runs the
+        routed-bias state rule `dynjax.model.moe.balance_rule` after each step."""
         chunks, reuse = chunks_of(plan), plan.part("moe").get("memory_reuse", "none")
-        if set(chunks) <= {1} and reuse == "none":
+        chunking = not (set(chunks) <= {1} and reuse == "none")
+        balancing = exp.model_cfg.routed_bias
+        if not chunking and not balancing:
             return None
-        records: list[Chunking | None] = [None] * exp.ctx.num_layers
+        records: list[dict[str, Any] | None] = [None] * exp.ctx.num_layers
         for layer, n in zip(exp.model_cfg.moe_layers, chunks, strict=True):
-            records[layer] = Chunking(n, reuse)
+            records[layer] = {
+                "moe": Chunking(n, reuse) if chunking else None,
+                BIAS: BiasBalancing(exp.cfg.moe.bias_balancing.rate) if balancing else None,
+            }
         return records
 
     def measure(

@@ -28,6 +28,15 @@ evaluation programs; both are static, so the inference forward is its own compil
 wrapper whose training forward may look ahead in the sequence reads it to run as a causal sampler
 would: mixture of depths then routes by its causal predictor instead of the sequence's top-k
 (Raposo et al. §3.5; seed 000 §2.6), so the evaluation loss is the one sampling would see.
+
+Schemes that keep state of their own in a layer and move it after each step from that step's
+metrics, outside the optimizer (auxiliary-loss-free balancing's routed bias, DeepSeek-V3
+§2.1.2), register a *state rule*: both steps (the single program, and each pipeline stage's
+update program on its own layers) run it after the optimizer update on every trainable layer
+whose options hold a record of its name, with the layer's step metrics (`StateRule`). The
+state is a variable of the layer, so it moves with the layer between stages and is
+checkpointed, restored and resharded by path like the weights; the variables a rule owns are
+named when it registers, so the steps keep them in float32 (`full_precision`).
 """
 
 from __future__ import annotations
@@ -48,6 +57,14 @@ REDUCTIONS = ("mean", "sum", "rows")  # over microbatches: average, add, or rows
 
 # (the block's weights by "/"-joined path inside it, record) -> (replaced weights, metrics)
 WeightHook = Callable[[dict[str, jax.Array], Any], tuple[dict[str, jax.Array], dict]]
+# (the layer's state by "/"-joined path after the optimizer update, the layer's step metrics,
+# record) -> the replaced entries. The step metrics of a layer: each metric "<rule name>/..."
+# the layer reported (its hooks of the rule's name run on exactly the layers that hold the
+# record), folded over the step's microbatches, and on an MoE layer `MOE_LOADS`.
+StateRule = Callable[[dict[str, jax.Array], Mapping[str, jax.Array], Any], dict[str, jax.Array]]
+# [E] int32 of an MoE layer: the step's (token, choice) pairs routed to each expert, before
+# dropping (the row of the step metric of the same name)
+MOE_LOADS = "moe/tokens_per_expert"
 
 # The block's residual body on any token subset: (x [B, S, D], the tokens' original positions
 # [B, S] or None for all, and optionally the whole sequence [B, T, D] whose keys and values
@@ -85,6 +102,8 @@ _HOOKS: dict[str, BlockHook] = {}
 _WEIGHT_HOOKS: dict[str, WeightHook] = {}
 _WRAPPERS: dict[str, BlockWrapper] = {}
 _PARTS: dict[str, PartFactory] = {}
+_STATE_RULES: dict[str, StateRule] = {}
+_RULE_STATE: set[str] = set()  # attribute names of the variables state rules own
 _REDUCTIONS: dict[str, str] = {}
 _LOSSES: set[str] = set()
 CONTEXT_NEEDS = ("readout", "targets")  # what of a `LayerContext` a wrapper may need
@@ -149,6 +168,47 @@ def register_block_part(name: str, factory: PartFactory) -> None:
     """Let `GPTConfig.block_parts` entries named ``name`` build ``factory(cfg, settings, rngs)``
     as the attribute ``name`` of their layer's block."""
     _PARTS[name] = factory
+
+
+def register_state_rule(name: str, rule: StateRule, state: Sequence[str]) -> None:
+    """Run ``rule(state, metrics, record)`` after each step's optimizer update on every
+    trainable layer whose options hold a record ``name`` (module docstring, `StateRule`).
+    ``state`` names the attributes of the variables it moves (e.g. ``"routed_bias"``): the steps
+    keep them in float32 whatever the compute dtype, since a rule's small steps would be lost
+    in bfloat16. Keeping them out of the optimizer is the plugin's (`Plugin.wrap_optimizer`)."""
+    _STATE_RULES[name] = rule
+    _RULE_STATE.update(state)
+
+
+def state_rules(options: LayerOptions) -> list[tuple[str, StateRule, Any]]:
+    """(name, rule, record) of each state rule ``options`` name, in name order."""
+    return [(name, _STATE_RULES[name], record) for name, record in options if name in _STATE_RULES]
+
+
+def full_precision(attribute: Any) -> bool:
+    """Whether a variable named ``attribute`` is a state rule's: kept in float32."""
+    return attribute in _RULE_STATE
+
+
+def apply_state_rules(
+    layer: Mapping[str, Any], metrics: Mapping[str, jax.Array], options: LayerOptions
+) -> dict[str, Any]:
+    """One layer's state (a pure dict, as the steps hold it) after every state rule its
+    options name, given the layer's step metrics (`StateRule`)."""
+    rules = state_rules(options)
+    if not rules:
+        return dict(layer)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(layer)
+    names = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in paths]
+    state = dict(zip(names, (leaf for _, leaf in paths), strict=True))
+    for name, rule, record in rules:
+        own = {k: v for k, v in metrics.items() if k.startswith(f"{name}/") or k == MOE_LOADS}
+        replaced = rule(dict(state), own, record)
+        unknown = set(replaced) - set(state)
+        if unknown:
+            raise ValueError(f"state rule {name!r} returned {sorted(unknown)}: not in the layer")
+        state.update(replaced)
+    return jax.tree_util.tree_unflatten(treedef, [state[n] for n in names])
 
 
 def make_block_part(name: str, cfg: Any, settings: Any, rngs: nnx.Rngs) -> nnx.Module:

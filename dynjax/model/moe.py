@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import jax
@@ -67,6 +67,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+
+from dynjax.model.hooks import MOE_LOADS, register_state_rule
 
 ROUTINGS = ("token_choice", "expert_choice")
 BIAS = "routed_bias"  # the `RoutedBias` attribute of an MoE block: its path ends in moe/routed_bias
@@ -164,9 +166,18 @@ def chunked(fn: Callable, chunking: Chunking | None, tokens: int) -> Callable:
 class RoutedBias(nnx.Variable):
     """Per-expert selection bias [E] (DeepSeek-V3 §2.1.2): model state but not a parameter. No
     gradient reaches it (it only moves the top-k indices), the optimizer leaves it out
-    (`dynjax.dynamism.moe`), and the train step moves it after each update by `balance_bias`.
-    Being a variable of the layer, it moves with the layer between pipeline stages and is
-    checkpointed, restored and resharded by path like the weights."""
+    (`dynjax.dynamism.moe`), and both train steps move it after each update by the state rule
+    `balance_rule` on the layers whose options hold a `BiasBalancing` record. Being a variable
+    of the layer, it moves with the layer between pipeline stages and is checkpointed, restored
+    and resharded by path like the weights."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasBalancing:
+    """An MoE layer's layer option (under `BIAS`) for auxiliary-loss-free balancing: the step
+    ``rate`` of its `RoutedBias` (``moe.bias_balancing.rate``)."""
+
+    rate: float
 
 
 def balance_bias(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array:
@@ -174,6 +185,18 @@ def balance_bias(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array:
     the (token, choice) pairs the step routed to each expert (before dropping)."""
     loads = loads.astype(jnp.float32)
     return bias + rate * jnp.sign(jnp.mean(loads) - loads)
+
+
+def balance_rule(
+    state: dict[str, jax.Array], metrics: Mapping[str, jax.Array], record: BiasBalancing
+) -> dict[str, jax.Array]:
+    """The state rule (`hooks.register_state_rule`) that moves an MoE layer's `RoutedBias` by
+    `balance_bias` from the step's routed loads (`hooks.MOE_LOADS`)."""
+    path = f"moe/{BIAS}"
+    return {path: balance_bias(state[path], metrics[MOE_LOADS], record.rate)}
+
+
+register_state_rule(BIAS, balance_rule, state=(BIAS,))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,8 @@ expert parallel over ``'expert'`` exactly as the single-program step (`dynjax.pa
 * ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
   clips with the *global* norm (the sum of all stages' squared norms, in stage order, so every
   stage computes the same factor), applies the optimizer to the trainable units only (frozen
-  units keep their parameters and optimizer state), and folds the microbatch metrics.
+  units keep their parameters and optimizer state), folds the microbatch metrics, and runs
+  the state rules of its trainable layers on them (`hooks.register_state_rule`).
 * ``eval(params, x, ctx, targets) -> loss`` (last stage only).
 
 ``ctx`` holds what the stage's block wrappers read of the `LayerContext` beyond activations
@@ -53,12 +54,12 @@ from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
 from dynjax.parallel.stages import StageSpec
 from dynjax.parallel.step import (
     DTYPES,
-    balance_routing,
     cast_floats,
     fold_layer_metrics,
     layer_grad_norms,
     overlay,
     stack_layer_metrics,
+    update_layer_state,
     update_trainable,
 )
 
@@ -75,7 +76,6 @@ class StageSetup:
     aux_loss_weight: float
     z_loss_weight: float
     return_assignments: bool  # add the router's top-k per token to the metrics (caching)
-    bias_rate: float = 0.0  # `StepOptions.bias_rate`: the MoE layers' routed-bias step
     fsdp: bool = False  # parameters and optimizer state split over the stage's data devices
 
 
@@ -220,11 +220,14 @@ def update_fn(setup: StageSetup, spec: StageSpec):
             grads = jax.tree.map(lambda g: jnp.where(norm < clip, g, (g / norm) * clip), grads)
         trainable = select(params, trainable_units)
         trainable, opt_state = update_trainable(setup.optimizer, grads, opt_state, trainable)
-        if setup.bias_rate and "loads" in metrics[0]:
-            loads = sum(jnp.sum(mb["loads"], axis=1) for mb in metrics)  # [Ls, E]
-            trainable = balance_routing(trainable, params, loads, setup.bias_rate)
-        zeros = jax.tree.map(jnp.zeros_like, acc)
         folded = _fold(metrics, norm)
+        loads = None
+        if "loads" in metrics[0]:
+            loads = sum(jnp.sum(mb["loads"], axis=1) for mb in metrics)  # [Ls, E]
+        trainable = update_layer_state(
+            trainable, params, spec.layers, spec.options, folded["layers"], loads
+        )
+        zeros = jax.tree.map(jnp.zeros_like, acc)
         folded["layer_grad_norm"] = layer_grad_norms(grads, spec.layers)  # before clipping
         return overlay(params, trainable), opt_state, zeros, folded
 

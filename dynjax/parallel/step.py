@@ -19,8 +19,15 @@ import optax
 from flax import nnx
 
 from dynjax.model import ExpertParallel, RaggedCapacities, lm_loss
-from dynjax.model.hooks import LayerOptions, hook_loss, reduction
-from dynjax.model.moe import BIAS, balance_bias
+from dynjax.model.hooks import (
+    MOE_LOADS,
+    LayerOptions,
+    apply_state_rules,
+    full_precision,
+    hook_loss,
+    reduction,
+    state_rules,
+)
 from dynjax.parallel.layout import by_path, fill, select
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -44,21 +51,19 @@ class StepOptions:
     # frozen prefix of the model runs no backward (seed 000 §4.2.3).
     frozen_layers: tuple[int, ...] = ()
     layer_options: tuple[LayerOptions, ...] = ()  # each layer's plugin records; () = none
-    # Auxiliary-loss-free balancing: each MoE layer's `RoutedBias` moves by this after each
-    # update (`balance_routing`); 0 = the model has none.
-    bias_rate: float = 0.0
     # The forward evaluates rather than trains: block wrappers run causally (`LayerContext`).
     inference: bool = False
 
 
 def cast_floats(tree, dtype):
-    """Floating leaves in the compute ``dtype``, but a `RoutedBias`: its steps (e.g. 1e-3) are
-    below bfloat16's resolution at its magnitude, and it only ranks experts (no matmul)."""
+    """Floating leaves in the compute ``dtype``, but a state rule's variables
+    (`hooks.full_precision`): a rule's steps (the routed bias's 1e-3) are below bfloat16's
+    resolution at their magnitude."""
 
     def cast(path, a):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             return a
-        return a if getattr(path[-1], "key", None) == BIAS else a.astype(dtype)
+        return a if full_precision(getattr(path[-1], "key", None)) else a.astype(dtype)
 
     return jax.tree_util.tree_map_with_path(cast, tree)
 
@@ -126,19 +131,48 @@ def layer_grad_norms(grads: Mapping[str, Any], layers: Sequence[int]) -> jax.Arr
     ) if layers else jnp.zeros((0,), jnp.float32)
 
 
-def balance_routing(
-    units: Mapping[str, Any], params: Mapping[str, Any], loads: jax.Array, rate: float
+def update_layer_state(
+    units: Mapping[str, Any],
+    params: Mapping[str, Any],
+    layers: Sequence[int],
+    options: Sequence[LayerOptions],
+    layer_metrics: Mapping[str, jax.Array],
+    moe_loads: jax.Array | None,
 ) -> dict[str, Any]:
-    """``units`` (trainable parameter units) with the `RoutedBias` of each of their MoE layers
-    moved by `balance_bias` (DeepSeek-V3 §2.1.2). ``loads`` [L, E]: the step's routed pairs per
-    expert of every MoE layer of ``params``, in layer order (frozen layers keep their bias)."""
-    moe = [i for i in sorted(params.get("layers", {})) if "moe" in params["layers"][i]]
-    layers = dict(units.get("layers", {}))
-    for i, load in zip(moe, loads, strict=True):
-        if i in layers and BIAS in layers[i]["moe"]:
-            block = layers[i]["moe"]
-            layers[i] = {**layers[i], "moe": {**block, BIAS: balance_bias(block[BIAS], load, rate)}}
-    return {**units, "layers": layers} if layers else dict(units)
+    """``units`` (the trainable units after the optimizer update) with the state rules of each
+    of their layers applied (`hooks.register_state_rule`; frozen layers keep their state).
+
+    ``layers``: the program's layers in order, ``options`` their `LayerOptions` (empty: none);
+    ``layer_metrics`` the step's hook metrics stacked over the layers that report each
+    (``[Lr, ...]``): a metric ``"<rule>/..."`` has a row for every layer holding the rule's
+    record; ``moe_loads`` [Lm, E] the step's routed pairs of each MoE layer of ``params`` among
+    ``layers`` (`hooks.MOE_LOADS`)."""
+    options = options or ((),) * len(layers)
+    ruled = [(i, o) for i, o in zip(layers, options, strict=True) if state_rules(o)]
+    if not ruled:
+        return dict(units)
+    moe = [i for i in layers if "moe" in params["layers"][i]]
+    holders = {
+        name: [i for i, o in zip(layers, options, strict=True) if name in dict(o)]
+        for _, o in ruled
+        for name, _, _ in state_rules(o)
+    }
+    got = dict(units.get("layers", {}))
+    for i, opts in ruled:
+        if i not in got:
+            continue
+        metrics = {MOE_LOADS: moe_loads[moe.index(i)]} if i in moe else {}
+        for name, rows in holders.items():
+            for metric, stacked in layer_metrics.items():
+                if metric.startswith(f"{name}/") and i in rows:
+                    if len(stacked) != len(rows):
+                        raise ValueError(
+                            f"state rule {name!r} reads {metric!r}, reported by {len(stacked)} "
+                            f"layers, but {len(rows)} layers hold its record"
+                        )
+                    metrics[metric] = stacked[rows.index(i)]
+        got[i] = apply_state_rules(got[i], metrics, opts)
+    return {**units, "layers": got}
 
 
 def _moe_metrics(stats, opts: StepOptions) -> dict[str, jax.Array]:
@@ -259,9 +293,15 @@ def make_train_step(
             )
         trainable = select(params, trainable_units(params, opts.frozen_layers))
         trainable, opt_state = update_trainable(optimizer, grads, opt_state, trainable)
-        if opts.bias_rate:
-            loads = jnp.stack([jnp.sum(s.group_loads, axis=0) for s in stats])  # [L, E]
-            trainable = balance_routing(trainable, params, loads, opts.bias_rate)
+        loads = jnp.stack([jnp.sum(s.group_loads, axis=0) for s in stats]) if stats else None
+        trainable = update_layer_state(
+            trainable,
+            params,
+            range(len(params["layers"])),
+            opts.layer_options,
+            layer_metrics,
+            loads,
+        )
         params = overlay(params, trainable)
         metrics = {"loss": ce, "aux_loss": aux, "z_loss": z, "grad_norm": optax.tree.norm(grads)}
         metrics["layer_grad_norm"] = layer_grad_norms(grads, range(len(params["layers"])))
