@@ -273,6 +273,9 @@ class Pipeline:
         self._measured_units: tuple[PipelineSpec, UnitTimes, np.ndarray] | None = None
         # The newest executable's `stage_memory` (`_memory`).
         self._memory_of: tuple[PipelineExecutable, tuple[dict[str, int], ...]] | None = None
+        # Per stage, the first parameter leaf the last update wrote and one of that update's
+        # metrics, ready with it (`_ready_marks`).
+        self._updated: dict[int, tuple[jax.Array, jax.Array]] = {}
 
     # -- state -------------------------------------------------------------------------------
 
@@ -305,6 +308,7 @@ class Pipeline:
         # The full tree is one more "stage" (-1) that holds every leaf.
         self.state, _ = relayout({-1: state}, self._templates(spec), put)
         self.acc, self.racc, self.spec = self._zero_acc(spec), self._zero_acc(spec, "racc"), spec
+        self._updated = {}
 
     def full_state(self) -> Any:
         """The full ``{"params", "opt_state"}`` tree of the stages' own arrays, each shared
@@ -336,6 +340,7 @@ class Pipeline:
         jax.block_until_ready(self.state)
         seconds = time.perf_counter() - start
         self.acc, self.racc, self.spec = self._zero_acc(spec), self._zero_acc(spec, "racc"), spec
+        self._updated = {}
         layers = [i for s in old.stages for i in s.layers if spec.owner(i) != s.index]
         return Migration(
             moves=tuple((i, old.owner(i), spec.owner(i)) for i in layers),
@@ -403,11 +408,15 @@ class Pipeline:
 
         The tasks are dispatched exactly as `step` dispatches them, so timing costs the step
         none of its overlap, nor the next steps theirs (a profile every step stays cheap; seed
-        000 §3.3.1); one watcher thread per stage waits for that stage's results in order. A
-        stage runs its programs in order, so a task ends when its results are ready and starts
-        at the latest of its dispatch, the end of the stage's previous task and the arrival of
-        its input. The watched arrays are none that a later program donates, so later steps may
-        be dispatched before the watchers are done.
+        000 §3.3.1); one watcher thread per stage waits for that stage's results in order (one
+        thread for all would note a task that ends before an earlier-dispatched one on another
+        stage only when that one ends). A stage runs its programs in order, so a task ends when
+        its results are ready and starts at the latest of its dispatch, the end of the stage's
+        previous task and the arrival of its input. The consumer's watcher notes the arrival,
+        waiting for it only when the input is not there yet: a stage busy with its previous task
+        costs no wake-up for it (the CPU a profile every step costs is mostly wake-ups). The
+        watched arrays are none that a later program donates, so later steps may be dispatched
+        before the watchers are done.
         """
         self._single_process("a timed step")
         run = self._start(exe, inputs, targets, cached, rows)
@@ -422,13 +431,17 @@ class Pipeline:
         for t in threads:
             t.start()
         start = time.perf_counter()
+        sent_by: dict[tuple[str, int, int], tuple] = {}  # task -> what it sent its consumer
         try:
             for s in range(stages):  # what a stage's first task waits for from before the step
-                queues[s].put((_READY, start, (), self._ready_marks(run, s)))
+                queues[s].put((_READY, start, self._ready_marks(run, s), ()))
             for s, task in exe.order:
                 dispatched = time.perf_counter()
                 computed, sent = self._run(run, s, task)
-                queues[s].put((task, dispatched, computed, sent))
+                m = task.microbatch
+                sent_by[task.kind, s, m] = sent
+                source = (task.kind, s - 1 if task.kind == "F" else s + 1, m)
+                queues[s].put((task, dispatched, sent_by.pop(source, ()), computed))
             metrics = self._finish(run)
         finally:
             for q in queues:
@@ -439,10 +452,18 @@ class Pipeline:
         """Arrays ready when stage ``s`` may start the step: its parameters from the previous
         update (which waits for the global norm, so for every stage's previous backward) and
         the readout sent to it. The timeline counts waiting for them as idle, not as the first
-        task's time (a profile of a step dispatched while the previous one still runs). A
-        scalar derived from the parameters, since the step's update donates them."""
+        task's time (a profile of a step dispatched while the previous one still runs). The
+        step's update donates the parameters, so what is watched is a metric of the update
+        that wrote them (ready with them), or, for parameters no update here wrote (placed,
+        migrated, changed by a plugin), a scalar derived from them (one small program)."""
         leaves = jax.tree.leaves(self.state[s]["params"])
-        marks = [_MARK(leaves[0])] if leaves else []
+        updated = self._updated.get(s)
+        if not leaves:
+            marks = []
+        elif updated is not None and updated[0] is leaves[0]:
+            marks = [updated[1]]
+        else:
+            marks = [_MARK(leaves[0])]
         return _present(marks, run.readout.get(s))
 
     def profile_step(
@@ -641,6 +662,9 @@ class Pipeline:
             st["params"], st["opt_state"], self.acc[s], stage_metrics[s] = programs["update", s](
                 st["params"], st["opt_state"], self.acc[s], sq_all[s], tuple(run.metrics[s])
             )
+            leaves = jax.tree.leaves(st["params"])
+            if leaves:
+                self._updated[s] = (leaves[0], jax.tree.leaves(stage_metrics[s])[0])
         return {"stages": stage_metrics}
 
     def _gather_readout_grads(self, spec: PipelineSpec) -> None:
@@ -767,21 +791,24 @@ def _watch(
     tasks: queue.SimpleQueue, seen: list[tuple[Any, float, float, float]],
     errors: list[BaseException],
 ) -> None:
-    """One stage's watcher (`Pipeline.start_timed_step`): for each (task, its dispatch, what it
-    computed, what it sent) in order, notes when the results are ready and have arrived."""
+    """One stage's watcher (`Pipeline.start_timed_step`): for each (task, its dispatch, its
+    input from another stage, what it computed) in order, notes when the input arrived (-inf:
+    it was there when looked for, so it held nothing up) and when the results are ready."""
     while (item := tasks.get()) is not None:
-        task, dispatched, computed, sent = item
+        task, dispatched, needs, computed = item
         if errors:
             continue  # drain: the step failed
         try:
+            arrived = -math.inf
+            if not all(a.is_ready() for a in needs):
+                jax.block_until_ready(needs)
+                arrived = time.perf_counter()
             jax.block_until_ready(computed)
             end = time.perf_counter() if computed else dispatched
-            jax.block_until_ready(sent)
-            arrived = time.perf_counter() if sent else end
         except BaseException as e:  # re-raised by `PendingTimeline.result`
             errors.append(e)
             continue
-        seen.append((task, dispatched, end, arrived))
+        seen.append((task, dispatched, arrived, end))
 
 
 class PendingTimeline:
@@ -854,23 +881,24 @@ def _timeline(
     seen: list[list[tuple[Any, float, float, float]]], start: float
 ) -> tuple[tuple[TaskTime, ...], ...]:
     """Each stage's `TaskTime`s from what `Pipeline.timed_step`'s watchers saw: (task, its
-    dispatch, its results ready, its output arrived at the neighbour) per task, in order; a
-    `_READY` entry first, whose arrival is when the stage's state from before the step is."""
+    dispatch, its input's arrival, its results ready) per task, in order; a `_READY` entry
+    first, whose arrival is when the stage's state from before the step is. A task starts
+    after the task that computed its input ended, as its watcher saw it (an input already
+    there when looked for has no arrival of its own)."""
     last = len(seen) - 1
-    arrival = {(task.kind, s, task.microbatch): arrived
-               for s, row in enumerate(seen) for task, _, _, arrived in row if task != _READY}
+    ends = {(task.kind, s, task.microbatch): end
+            for s, row in enumerate(seen) for task, _, _, end in row if task != _READY}
     out = []
     for s, row in enumerate(seen):
         times, free = [], start
-        for task, dispatched, end, arrived in row:
+        for task, dispatched, arrived, end in row:
             if task == _READY:  # the stage idles until what it needs from before the step is in
                 free = max(free, arrived)
                 continue
             m = task.microbatch
-            needs = (("F", s - 1, m) if s > 0 else None) if task.kind == "F" else (
-                ("B", s + 1, m) if s < last else None
-            )
-            begin = max(dispatched, free, arrival[needs] if needs else start)
+            source = ("F", s - 1, m) if task.kind == "F" else ("B", s + 1, m)
+            begin = max(dispatched, free, arrived,
+                        ends[source] if 0 <= source[1] <= last else start)
             free = max(end, begin)
             times.append(TaskTime(task.kind, m, begin - start, free - start))
         out.append(tuple(times))
