@@ -23,11 +23,11 @@ dynamism); eq. 2's imbalance under the uniform and the partition layout; and the
 ("ovh") that ``benchmarks/balance_overhead.py --case NAME`` measured on the recorded run's model and
 appended to ``traces/overhead.jsonl``: one periodic profile's extra seconds (unit times rescaled
 from the profiled step's own timeline) per ``every`` plain steps, ``every`` being the case's cadence
-in the paper (its synthetic row's: every step for MoE, sparse attention and MoD, 1,000 for pruning,
-500 for freezing and early exit; seed 000 §3.3.1, Fig. 3); "alone" is the same for a profile that
+in the paper (its synthetic row's, `cadence`: every step for MoE, sparse attention and MoD, 1,000
+for pruning, 500 for freezing and early exit; seed 000 §3.3.1, Fig. 3); "swaps" is a profile that
 runs every unit alone (what a Plan's first profile does, and the only samples a trace with ``units``
-keeps). Migration (paid per move) and the decision (on the Controller's thread) are printed under
-the table.
+keeps) once per Plan swap of the recorded run, over its steps (`swaps`). Migration (paid per move)
+and the decision (on the Controller's thread) are printed under the table.
 
 Extrapolation to the paper's setting (the "L x S" rows of a recorded case). The paper trains far
 deeper models on 16 (MoE, MoD) or 24 pipeline stages (seed 000 Fig. 3); our runs have 8 layers on
@@ -1112,17 +1112,37 @@ def read_overheads(path: Path = OVERHEADS) -> dict[str, dict]:
     return {r["case"]: r for r in read_jsonl(path)} if path.is_file() else {}
 
 
+def cadence(name: str) -> int:
+    """Steps between a case's profiles: its synthetic row's rebalance period, the paper's
+    (seed 000 §3.3.1, Fig. 3); `benchmarks/balance_overhead.py` prints the same."""
+    return next(c.every for c in synthetic_cases() if c.name == name)
+
+
+def swaps(name: str, traces: Path = TRACES) -> tuple[int, int]:
+    """(Plan swaps, steps) of the case's recorded run: after each swap the first profile runs
+    every unit alone (`dynjax.train`'s ``profile_on_change``); (0, 0) without a trace."""
+    path = traces / f"{name.replace(' ', '_')}.jsonl"
+    if not path.is_file():
+        return 0, 0
+    meta, *samples = read_jsonl(path)
+    plans = [s["plan"] for s in samples]
+    return sum(a != b for a, b in zip(plans, plans[1:], strict=False)), meta["steps"]
+
+
 def overhead(name: str, measured: dict[str, dict], key: str = "profile_seconds",
              base: str = "plain_step_seconds", fmt: str = ".1%") -> str:
-    """Profiling's share of training time at the case's cadence (its synthetic row's rebalance
-    period, seed 000 Fig. 3): one profile's extra seconds (``key``: periodic, rescaled from the
-    step's timeline; ``units_alone_seconds``; or ``profile_cpu_seconds``, process CPU against
-    ``base`` ``plain_step_cpu_seconds``) per ``every`` plain steps; "-" if unmeasured."""
+    """Profiling's share of training time at the case's `cadence`: one profile's extra
+    seconds (``key``: periodic, rescaled from the step's timeline; or ``profile_cpu_seconds``,
+    process CPU against ``base`` ``plain_step_cpu_seconds``) per ``every`` plain steps; for
+    ``units_alone_seconds``, one profile running every unit alone per Plan swap of the recorded
+    run (`swaps`) instead; "-" if unmeasured."""
     r = measured.get(name, {})
     if key not in r:
         return "-"
-    every = next(c.every for c in synthetic_cases() if c.name == name)
-    return f"{r[key] / (every * r[base]):{fmt}}"
+    if key == "units_alone_seconds":
+        count, steps = swaps(name)
+        return f"{r[key] * count / (steps * r[base]):{fmt}}" if steps else "-"
+    return f"{r[key] / (cadence(name) * r[base]):{fmt}}"
 
 
 def label(case: Case) -> str:
@@ -1167,8 +1187,9 @@ def main(deep: bool = True, tiled: bool = False) -> None:
     say("Speedup over the best static layout (uniform or by-param); best = best static / best of "
         "partition and diffusion (the paper's definition, seed 000 Fig. 3); imbalance (eq. 2) "
         "static uniform -> partition; ovh = one periodic profile (rescaled from its step's "
-        "timeline) per the case's cadence, cpu = the same in process CPU time, alone = one "
-        "profile running every unit alone per the same cadence (benchmarks/balance_overhead.py):")
+        "timeline) per the case's cadence, cpu = the same in process CPU time, swaps = one "
+        "profile running every unit alone per Plan swap of the recorded run (the first profile "
+        "of a Plan), over its steps (benchmarks/balance_overhead.py):")
 
     def speedups(c: Case, r: dict) -> str:
         best = min(r["static"], r["by-param"])
@@ -1180,11 +1201,11 @@ def main(deep: bool = True, tiled: bool = False) -> None:
                 + f"{r['imbalance static']:>5.2f}->{r['imbalance partition']:<4.2f}"
                 f"{overhead(c.name, overheads, fmt='.0%'):>5}"
                 f"{overhead(c.name, overheads, 'profile_cpu_seconds', 'plain_step_cpu_seconds'):>6}"
-                f"{overhead(c.name, overheads, 'units_alone_seconds', fmt='.0%'):>6}")
+                f"{overhead(c.name, overheads, 'units_alone_seconds'):>6}")
 
     table(cases, results,
           f"{'':<27}{'x part':>7}{'x diff':>7}{'x repack':>9}{'best':>7}{'paper':>7}"
-          f"{'x dense':>8}{'imbalance':>11}{'ovh':>5}{'cpu':>6}{'alone':>6}", speedups)
+          f"{'x dense':>8}{'imbalance':>11}{'ovh':>5}{'cpu':>6}{'swaps':>6}", speedups)
     print()
     say("The paper's baselines: " + "; ".join(f"{name}: {base}" for name, (_, base)
                                               in PAPER.items()) + ".")

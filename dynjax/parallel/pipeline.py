@@ -412,11 +412,11 @@ class Pipeline:
         thread for all would note a task that ends before an earlier-dispatched one on another
         stage only when that one ends). A stage runs its programs in order, so a task ends when
         its results are ready and starts at the latest of its dispatch, the end of the stage's
-        previous task and the arrival of its input. The consumer's watcher notes the arrival,
-        waiting for it only when the input is not there yet: a stage busy with its previous task
-        costs no wake-up for it (the CPU a profile every step costs is mostly wake-ups). The
-        watched arrays are none that a later program donates, so later steps may be dispatched
-        before the watchers are done.
+        previous task and the end of the task that computed its input. Each wait is a thread
+        wake-up, most of what a profile every step costs in CPU, so the watchers wait for
+        nothing else: not for a transfer's arrival (a starved stage's task then includes its
+        input's transfer). The watched arrays are none that a later program donates, so later
+        steps may be dispatched before the watchers are done.
         """
         self._single_process("a timed step")
         run = self._start(exe, inputs, targets, cached, rows)
@@ -431,17 +431,13 @@ class Pipeline:
         for t in threads:
             t.start()
         start = time.perf_counter()
-        sent_by: dict[tuple[str, int, int], tuple] = {}  # task -> what it sent its consumer
         try:
             for s in range(stages):  # what a stage's first task waits for from before the step
                 queues[s].put((_READY, start, self._ready_marks(run, s), ()))
             for s, task in exe.order:
                 dispatched = time.perf_counter()
-                computed, sent = self._run(run, s, task)
-                m = task.microbatch
-                sent_by[task.kind, s, m] = sent
-                source = (task.kind, s - 1 if task.kind == "F" else s + 1, m)
-                queues[s].put((task, dispatched, sent_by.pop(source, ()), computed))
+                computed, _ = self._run(run, s, task)
+                queues[s].put((task, dispatched, (), computed))
             metrics = self._finish(run)
         finally:
             for q in queues:
@@ -791,16 +787,16 @@ def _watch(
     tasks: queue.SimpleQueue, seen: list[tuple[Any, float, float, float]],
     errors: list[BaseException],
 ) -> None:
-    """One stage's watcher (`Pipeline.start_timed_step`): for each (task, its dispatch, its
-    input from another stage, what it computed) in order, notes when the input arrived (-inf:
-    it was there when looked for, so it held nothing up) and when the results are ready."""
+    """One stage's watcher (`Pipeline.start_timed_step`): for each (task, its dispatch, what it
+    waits for from before the step, what it computed) in order, notes when the former arrived
+    (-inf: nothing to wait for) and when the results are ready."""
     while (item := tasks.get()) is not None:
         task, dispatched, needs, computed = item
         if errors:
             continue  # drain: the step failed
         try:
             arrived = -math.inf
-            if not all(a.is_ready() for a in needs):
+            if needs:
                 jax.block_until_ready(needs)
                 arrived = time.perf_counter()
             jax.block_until_ready(computed)
@@ -881,10 +877,9 @@ def _timeline(
     seen: list[list[tuple[Any, float, float, float]]], start: float
 ) -> tuple[tuple[TaskTime, ...], ...]:
     """Each stage's `TaskTime`s from what `Pipeline.timed_step`'s watchers saw: (task, its
-    dispatch, its input's arrival, its results ready) per task, in order; a `_READY` entry
-    first, whose arrival is when the stage's state from before the step is. A task starts
-    after the task that computed its input ended, as its watcher saw it (an input already
-    there when looked for has no arrival of its own)."""
+    dispatch, -inf, its results ready) per task, in order; a `_READY` entry first, whose
+    arrival is when the stage's state from before the step is. A task starts after the task
+    that computed its input ended (on the neighbour stage, as that stage's watcher saw it)."""
     last = len(seen) - 1
     ends = {(task.kind, s, task.microbatch): end
             for s, row in enumerate(seen) for task, _, _, end in row if task != _READY}
