@@ -252,8 +252,8 @@ profiler shared one measurement among a stage's layers with the same graph whate
 (``dynjax.parallel.profile.timed_units``): a block-sparse layer reported its stage neighbour's time.
 
 Overheads (2026-11-25/26, the same VM, one at a time at nice 10: MoD and MoE re-measured after the
-watchers' wake-ups were cut, at load 11-17 from other jobs, 3 and 14 min; early exit and sparse
-attention at load ~8-14, 5 and 16 min; pruning and freezing are the earlier measurement, which
+watchers' wake-ups were cut, at load 11-17 from other jobs, 3 and 14 min, and early exit, 4 min;
+sparse attention at load ~8-14, 16 min; pruning and freezing are the earlier measurement, which
 waited for each periodic profile):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python3 \\
@@ -262,7 +262,7 @@ waited for each periodic profile):
     ... --case "sparse attention" --steps 2 --rounds 3 --record benchmarks/traces/overhead.jsonl
 
 Results (2026-11-26, ``PYTHONPATH=. python3 benchmarks/dynmo_cases.py``, 140 s with the machine
-shared; MoD and MoE overheads re-measured after the watchers' wake-ups were cut):
+shared; MoD, MoE and early exit overheads re-measured after the watchers' wake-ups were cut):
 
 DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of a dynjax run
 (benchmarks/traces/); synthetic rows: seed 000 §2 load models. Rows named L x S EXTRAPOLATE a
@@ -336,10 +336,10 @@ sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0
   96x24                      1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -1%  0.1%  3.4%
   96x24, Plan medians        1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -1%  0.1%  3.4%
 (recorded: configs/early_exit.py, 4x2 fake CPU devices)
-early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0% -0.0%  2.0%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0% -0.0%  2.0%
-  96x24                      1.00x  1.01x    0.99x  1.01x  4.52x  0.77x* 0.33->0.35  -0% -0.0%  2.0%
-  96x24, Plan medians        1.03x  1.02x    1.01x  1.03x  4.52x  0.84x* 0.30->0.25  -0% -0.0%  2.0%
+early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0%  0.0%  2.1%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0%  0.0%  2.1%
+  96x24                      1.00x  1.01x    0.99x  1.01x  4.52x  0.77x* 0.33->0.35  -0%  0.0%  2.1%
+  96x24, Plan medians        1.03x  1.02x    1.01x  1.03x  4.52x  0.84x* 0.30->0.25  -0%  0.0%  2.1%
 (recorded: configs/mod.py, 4x2 fake CPU devices)
 MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58 -24%  2.3%  0.3%
   Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33 -24%  2.3%  0.3%
@@ -427,12 +427,12 @@ decision 1.30 ms; migration 34 ms per move; process CPU per plain step 1932.5 ms
 profile -21.6 ms; training thread CPU extra per periodic profile -2.05 ms; stage busy time of the
 periodic profiles' timelines / the waited-for ones: 1.05 1.14 1.14 1.15.
 
-early exit overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256;
+early exit overhead (2026-11-26, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256;
 medians of 6 rounds of 3 steps, the periodic profile's paired with the round's plain steps): plain
-step 1304.5 ms; extra per profile rescaled from the timeline -127.0 ms, units run alone 1273.1 ms;
-decision 0.58 ms; migration 15 ms per move; process CPU per plain step 950.1 ms, extra per periodic
-profile -3.8 ms; training thread CPU extra per periodic profile 2.29 ms; stage busy time of the
-periodic profiles' timelines / the waited-for ones: 0.99 0.82 0.90 0.87.
+step 1627.9 ms; extra per profile rescaled from the timeline -303.4 ms, units run alone 1710.6 ms;
+decision 1.30 ms; migration 24 ms per move; process CPU per plain step 1520.3 ms, extra per periodic
+profile 81.8 ms; training thread CPU extra per periodic profile 18.93 ms; stage busy time of the
+periodic profiles' timelines / the waited-for ones: 0.80 0.85 0.84 0.86.
 
 sparse attention overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x
 1024; medians of 3 rounds of 2 steps, the periodic profile's paired with the round's plain steps):
@@ -466,10 +466,10 @@ sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0
   96x24 tiled                1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -1%  0.1%  3.4%
   96x24 tiled, Plan medians  1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -1%  0.1%  3.4%
 (recorded: configs/early_exit.py, 4x2 fake CPU devices)
-early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0% -0.0%  2.0%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0% -0.0%  2.0%
-  96x24 tiled                1.00x  1.00x    1.00x  1.00x  4.52x  0.80x* 0.09->0.10  -0% -0.0%  2.0%
-  96x24 tiled, Plan medians  1.00x  0.99x    1.00x  1.00x  4.52x  0.84x* 0.09->0.09  -0% -0.0%  2.0%
+early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0%  0.0%  2.1%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0%  0.0%  2.1%
+  96x24 tiled                1.00x  1.00x    1.00x  1.00x  4.52x  0.80x* 0.09->0.10  -0%  0.0%  2.1%
+  96x24 tiled, Plan medians  1.00x  0.99x    1.00x  1.00x  4.52x  0.84x* 0.09->0.09  -0%  0.0%  2.1%
 (recorded: configs/mod.py, 4x2 fake CPU devices)
 MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58 -24%  2.3%  0.3%
   Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33 -24%  2.3%  0.3%
@@ -516,8 +516,10 @@ counted on MoD: 28 per step, nearly every one a real sleep), the training thread
 and the Profile's arithmetic. Wall-clock differences of paired windows are noise of +-25% at
 load 11-16 (2 cores); "cpu", the process's CPU seconds per periodic profile against a plain
 step's, is the steadier measure, and still noisy: MoD 2.3% (21.1 ms against a 903 ms CPU step,
-load ~15), MoE -1.1% (noise; 1,932 ms CPU step, load 11-15); sparse attention 0.1% and early
-exit -0.0% are the earlier measurement. MoD stays above the 2% target here. An A/B in one
+load ~15), MoE -1.1% (noise; 1,932 ms CPU step, load 11-15); early exit 0.0% at its cadence of 500
+(81.8 ms per profile against a 1,520 ms CPU step, 5.4% were it every step, with a training-thread
+share of 18.9 ms that no other run showed: load 10-12); sparse attention 0.1% is the earlier
+measurement. MoD stays above the 2% target here. An A/B in one
 process at load 15-17 (plain steps, the earlier timing code and this one, 8 rotated rounds of 3
 steps): extra CPU per profile 33.7 ms (3.9%) before, 25.0 ms (2.9%) now, of which the watchers
 6.7-6.9 ms and the training thread 7.5-8.5 ms either way. What was cut: a small program per stage
@@ -526,13 +528,13 @@ now starts after the task that computed its input); a variant that waited for an
 on the consumer's side only when it was not there yet added ~16 sleeps per step and cost more.
 "swaps": every Plan swap (and a plugin's change of the model) makes the next profile run every
 unit alone (47-134% of a step); over the recorded runs' swaps that is 1.4% for MoE (9 in 300
-steps), 0.3% for MoD (2), 2.0% for early exit (6), 3.4% for sparse attention (4 in 100), 0.5%
+steps), 0.3% for MoD (2), 2.1% for early exit (6), 3.4% for sparse attention (4 in 100), 0.5%
 for pruning and 0.2% for freezing. It is re-measured rather than rescaled because most swaps
 change capacities or buckets of some layers only (MoE: the MoE layer of each [dense, MoE] stage;
 early exit: the layers after an exit), and `rescaled_units` keeps the shares inside a stage, so it
 would move a capacity change onto the stage's unchanged layers, which are what the balancer
 moves. The periodic timelines agree with the waited-for ones within the noise: stage busy seconds
-1.05-1.15x (MoE), 1.17-1.58x (MoD at load ~16), 0.82-0.99x (early exit), 1.03-1.16x (sparse
+1.05-1.15x (MoE), 1.17-1.58x (MoD at load ~16), 0.80-0.86x (early exit), 1.03-1.16x (sparse
 attention).
 """
 
