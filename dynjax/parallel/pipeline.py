@@ -436,8 +436,7 @@ class Pipeline:
                 queues[s].put((_READY, start, self._ready_marks(run, s), ()))
             for s, task in exe.order:
                 dispatched = time.perf_counter()
-                computed, _ = self._run(run, s, task)
-                queues[s].put((task, dispatched, (), computed))
+                queues[s].put((task, dispatched, (), self._run(run, s, task)))
             metrics = self._finish(run)
         finally:
             for q in queues:
@@ -593,9 +592,9 @@ class Pipeline:
             ctx["targets"] = run.place("targets", m, m_count, self._rows(stage.index))
         return ctx
 
-    def _run(self, run: _Run, s: int, task: Any) -> tuple[tuple, tuple]:
+    def _run(self, run: _Run, s: int, task: Any) -> tuple:
         """Dispatch one task (and, across processes, this process's side of its transfer);
-        returns (what it computed, what it sent on) as far as they are on this process."""
+        returns what it computed as far as it is on this process (what a timed step watches)."""
         spec = run.exe.spec
         stage, m, m_count = spec.stages[s], task.microbatch, spec.microbatches
         programs, local = run.exe.programs, self.transport.is_local(s)
@@ -605,7 +604,7 @@ class Pipeline:
                 x = run.place("inputs", m, m_count, self._rows(s))
                 run.stage_in[s][m] = (x, self._context(stage, None, run, m, m_count))
             if stage.last:
-                return (), ()  # the last stage's forward runs inside its backward
+                return ()  # the last stage's forward runs inside its backward
             y = carry = None
             if local:
                 x, ctx = run.stage_in[s][m]
@@ -618,10 +617,10 @@ class Pipeline:
             if moved is not None:
                 ctx = self._context(spec.stages[s + 1], moved_carry or None, run, m, m_count)
                 run.stage_in[s + 1][m] = (moved, ctx)
-            return _present(y, carry), _present(moved, moved_carry)
+            return _present(y, carry)
         x, ctx = run.stage_in[s].pop(m) if local else (None, None)
         if not stage.has_backward:
-            return (), ()
+            return ()
         out = None
         if local:
             if stage.last:
@@ -638,12 +637,12 @@ class Pipeline:
         # Not the accumulators: the stage's next backward donates them.
         done = _present(None if out is None else (out[1], out[3:]))
         if not stage.input_grads:
-            return done, ()
+            return done
         like = self.programs.shapes(spec.stages[s - 1]).y
         moved = self.transport.send(out[1] if local else None, s, s - 1, like)
         if moved is not None:
             run.grad_in[s - 1][m] = moved
-        return done, _present(moved)
+        return done
 
     def _finish(self, run: _Run) -> dict[str, Any]:
         """Global gradient norm and the update of every stage of this process."""
