@@ -21,9 +21,11 @@ pipeline of ``--stages`` x ``--data`` fake CPU devices, in one process and inter
 * one migration of a layer to the neighbouring stage and back (per move).
 
 Overhead at a cadence of k steps = extra seconds of one periodic profile / (k plain steps); the
-table prints it for each case's cadence (every step for MoE and MoD, seed 000 §4.2.1/§4.2.6; 20
-for the recorded traces; 200 for pruning and freezing). Migration is paid only when a decision
-moves layers; its cost per move is printed beside.
+table prints it for each case's cadence (`dynmo_cases.cadence`: every step for MoE, MoD and sparse
+attention, 500 for freezing and early exit, 1,000 for pruning; seed 000 §3.3.1, Fig. 3), and,
+with ``--case``, the units-alone profile after each Plan swap of the recorded run over its steps
+(`dynmo_cases.swaps`). Migration is paid only when a decision moves layers; its cost per move is
+printed beside.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
         python3 benchmarks/balance_overhead.py [--config configs/quickstart.py] [--layers 8]
@@ -51,6 +53,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from dynmo_cases import cadence, swaps, synthetic_cases
 
 from dynjax.config import load_config, microbatches
 from dynjax.experiment import Experiment
@@ -60,7 +63,6 @@ from dynjax.recompile.monitor import Monitor
 from dynjax.recompile.policy import History
 from dynjax.train import policies_for
 
-CADENCES = (("MoE, MoD (every step)", 1), ("recorded traces", 20), ("pruning, freezing", 200))
 TRACES = Path(__file__).resolve().parent / "traces"
 # Keys of a recorded run's command that are its length and periods, not its model.
 RUN_ONLY = ("train.steps", "pipeline.profile_every", "balance.every", "balance.enabled")
@@ -210,9 +212,14 @@ def main() -> None:
           f"{len(waited)}): " + " ".join(f"{r:.3f}" for r in ratio))
     print(f"{'case (cadence)':<28}{'every k':>8}{'units alone':>13}{'rescaled':>10}"
           f"{'CPU':>7}")
-    for name, k in CADENCES:
+    for name in [args.case] if args.case else [c.name for c in synthetic_cases()]:
+        k = cadence(name)
         print(f"{name:<28}{k:>8}{full / (k * base):>13.1%}{light / (k * base):>10.1%}"
               f"{cpu / (k * cpu_base):>7.1%}")
+    if args.case:
+        count, total = swaps(args.case)
+        print(f"{args.case}: units run alone after each of the recorded run's {count} Plan swaps "
+              f"in {total} steps: {full * count / (total * base):.1%} of its plain steps' time")
     if args.record:
         line = {"case": args.case, "recorded": date.today().isoformat(), "setting": setting,
                 "config": config, "overrides": overrides, "plain_step_seconds": base,

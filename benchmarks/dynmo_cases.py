@@ -23,11 +23,11 @@ dynamism); eq. 2's imbalance under the uniform and the partition layout; and the
 ("ovh") that ``benchmarks/balance_overhead.py --case NAME`` measured on the recorded run's model and
 appended to ``traces/overhead.jsonl``: one periodic profile's extra seconds (unit times rescaled
 from the profiled step's own timeline) per ``every`` plain steps, ``every`` being the case's cadence
-in the paper (its synthetic row's: every step for MoE, sparse attention and MoD, 1,000 for pruning,
-500 for freezing and early exit; seed 000 §3.3.1, Fig. 3); "alone" is the same for a profile that
+in the paper (its synthetic row's, `cadence`: every step for MoE, sparse attention and MoD, 1,000
+for pruning, 500 for freezing and early exit; seed 000 §3.3.1, Fig. 3); "swaps" is a profile that
 runs every unit alone (what a Plan's first profile does, and the only samples a trace with ``units``
-keeps). Migration (paid per move) and the decision (on the Controller's thread) are printed under
-the table.
+keeps) once per Plan swap of the recorded run, over its steps (`swaps`). Migration (paid per move)
+and the decision (on the Controller's thread) are printed under the table.
 
 Extrapolation to the paper's setting (the "L x S" rows of a recorded case). The paper trains far
 deeper models on 16 (MoE, MoD) or 24 pipeline stages (seed 000 Fig. 3); our runs have 8 layers on
@@ -251,17 +251,18 @@ amortisation window 0.2-1.2 s, against a modelled move cost of 10 s). Before thi
 profiler shared one measurement among a stage's layers with the same graph whatever their options
 (``dynjax.parallel.profile.timed_units``): a block-sparse layer reported its stage neighbour's time.
 
-Overheads (2026-11-25, the same VM, load ~8-14 from other jobs; one at a time at nice 10: MoD, MoE
-and early exit 5-6 min each, sparse attention 16 min; pruning and freezing are the earlier
-measurement, which waited for each periodic profile):
+Overheads (2026-11-25/26, the same VM, one at a time at nice 10: MoD and MoE re-measured after the
+watchers' wake-ups were cut, at load 11-17 from other jobs, 3 and 14 min, and early exit, 4 min;
+sparse attention at load ~8-14, 16 min; pruning and freezing are the earlier measurement, which
+waited for each periodic profile):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python3 \\
         benchmarks/balance_overhead.py --case MoD --steps 3 --rounds 6 \\
         --record benchmarks/traces/overhead.jsonl        (likewise MoE, early exit)
     ... --case "sparse attention" --steps 2 --rounds 3 --record benchmarks/traces/overhead.jsonl
 
-Results (2026-11-25, ``PYTHONPATH=. python3 benchmarks/dynmo_cases.py``, 39 s with the machine
-shared):
+Results (2026-11-26, ``PYTHONPATH=. python3 benchmarks/dynmo_cases.py``, 140 s with the machine
+shared; MoD, MoE and early exit overheads re-measured after the watchers' wake-ups were cut):
 
 DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of a dynjax run
 (benchmarks/traces/); synthetic rows: seed 000 §2 load models. Rows named L x S EXTRAPOLATE a
@@ -309,41 +310,41 @@ MoD                           8x4 on Plan   206.9    206.9     206.9     206.9  
 Speedup over the best static layout (uniform or by-param); best = best static / best of partition
 and diffusion (the paper's definition, seed 000 Fig. 3); imbalance (eq. 2) static uniform ->
 partition; ovh = one periodic profile (rescaled from its step's timeline) per the case's cadence,
-cpu = the same in process CPU time, alone = one profile running every unit alone per the same
-cadence (benchmarks/balance_overhead.py):
+cpu = the same in process CPU time, swaps = one profile running every unit alone per Plan swap of
+the recorded run (the first profile of a Plan), over its steps (benchmarks/balance_overhead.py):
 
-                            x part x diff x repack   best  paper x dense  imbalance  ovh   cpu alone
+                            x part x diff x repack   best  paper x dense  imbalance  ovh   cpu swaps
 ----------------------------------------------------------------------------------------------------
 (recorded: configs/moe.py, 4x2 fake CPU devices)
-MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06 -11%  1.1%   47%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17 -11%  1.1%   47%
-  32x16                      1.08x  1.07x    1.02x  1.08x  1.23x      -  1.81->1.73 -11%  1.1%   47%
-  32x16, Plan medians        1.45x  1.12x    1.43x  1.45x  1.23x      -  1.90->1.11 -11%  1.1%   47%
+MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06 -26% -1.1%  1.4%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17 -26% -1.1%  1.4%
+  32x16                      1.08x  1.07x    1.02x  1.08x  1.23x      -  1.81->1.73 -26% -1.1%  1.4%
+  32x16, Plan medians        1.45x  1.12x    1.43x  1.45x  1.23x      -  1.90->1.11 -26% -1.1%  1.4%
 (recorded: configs/pruning.py, 4x2 fake CPU devices)
-pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -    0%
-  Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -    0%
-  96x24                      1.20x  1.14x    1.20x  1.20x  3.18x      -  1.34->0.71   0%     -    0%
-  96x24, Plan medians        1.22x  1.14x    1.22x  1.22x  3.18x      -  1.26->0.60   0%     -    0%
+pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -  0.5%
+  Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -  0.5%
+  96x24                      1.20x  1.14x    1.20x  1.20x  3.18x      -  1.34->0.71   0%     -  0.5%
+  96x24, Plan medians        1.22x  1.14x    1.22x  1.22x  3.18x      -  1.26->0.60   0%     -  0.5%
 (recorded: configs/freezing.py, 4x2 fake CPU devices)
-freezing                     1.03x  1.03x    1.03x  1.03x  2.23x      -  1.15->0.92   0%     -    0%
-  Plan medians               1.05x  1.03x    1.05x  1.05x  2.23x      -  0.95->0.83   0%     -    0%
-  96x24                      1.07x  1.09x    1.05x  1.09x  2.23x      -  1.27->1.02   0%     -    0%
-  96x24, Plan medians        1.19x  1.19x    1.19x  1.19x  2.23x      -  1.03->0.59   0%     -    0%
+freezing                     1.03x  1.03x    1.03x  1.03x  2.23x      -  1.15->0.92   0%     -  0.2%
+  Plan medians               1.05x  1.03x    1.05x  1.05x  2.23x      -  0.95->0.83   0%     -  0.2%
+  96x24                      1.07x  1.09x    1.05x  1.09x  2.23x      -  1.27->1.02   0%     -  0.2%
+  96x24, Plan medians        1.19x  1.19x    1.19x  1.19x  2.23x      -  1.03->0.59   0%     -  0.2%
 (recorded: configs/sparse_attention.py, 4x2 fake CPU devices)
-sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%   85%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%   85%
-  96x24                      1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -1%  0.1%   85%
-  96x24, Plan medians        1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -1%  0.1%   85%
+sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%  3.4%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%  3.4%
+  96x24                      1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -1%  0.1%  3.4%
+  96x24, Plan medians        1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -1%  0.1%  3.4%
 (recorded: configs/early_exit.py, 4x2 fake CPU devices)
-early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0% -0.0%    0%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0% -0.0%    0%
-  96x24                      1.00x  1.01x    0.99x  1.01x  4.52x  0.77x* 0.33->0.35  -0% -0.0%    0%
-  96x24, Plan medians        1.03x  1.02x    1.01x  1.03x  4.52x  0.84x* 0.30->0.25  -0% -0.0%    0%
+early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0%  0.0%  2.1%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0%  0.0%  2.1%
+  96x24                      1.00x  1.01x    0.99x  1.01x  4.52x  0.77x* 0.33->0.35  -0%  0.0%  2.1%
+  96x24, Plan medians        1.03x  1.02x    1.01x  1.03x  4.52x  0.84x* 0.30->0.25  -0%  0.0%  2.1%
 (recorded: configs/mod.py, 4x2 fake CPU devices)
-MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58 -10%  2.8%  134%
-  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33 -10%  2.8%  134%
-  32x16                      1.29x  1.38x    0.97x  1.38x  1.17x      -  3.26->2.41 -10%  2.8%  134%
-  32x16, Plan medians        1.71x  1.54x    1.68x  1.71x  1.17x      -  3.28->1.76 -10%  2.8%  134%
+MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58 -24%  2.3%  0.3%
+  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33 -24%  2.3%  0.3%
+  32x16                      1.29x  1.38x    0.97x  1.38x  1.17x      -  3.26->2.41 -24%  2.3%  0.3%
+  32x16, Plan medians        1.71x  1.54x    1.68x  1.71x  1.17x      -  3.28->1.76 -24%  2.3%  0.3%
 
 The paper's baselines: MoE: static Megatron-LM; pruning: static Megatron-LM; freezing: Egeria, no
 balancing; sparse attention: dense attention; early exit: no early exit; MoD: MoD w/o balancing.
@@ -412,26 +413,26 @@ freezing overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=8,
 medians of 5 rounds of 5 steps): plain step 563.9 ms; extra per profile rescaled from the timeline
 38.1 ms, units run alone 134.7 ms; decision 1.30 ms; migration 7 ms per move.
 
-MoD overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256; medians
+MoD overhead (2026-11-26, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256; medians
 of 6 rounds of 3 steps, the periodic profile's paired with the round's plain steps): plain step
-653.3 ms; extra per profile rescaled from the timeline -63.4 ms, units run alone 873.3 ms; decision
-0.58 ms; migration 18 ms per move; process CPU per plain step 639.7 ms, extra per periodic profile
-17.6 ms; training thread CPU extra per periodic profile 3.93 ms; stage busy time of the periodic
-profiles' timelines / the waited-for ones: 1.06 1.10 1.09 1.10.
+1640.5 ms; extra per profile rescaled from the timeline -385.8 ms, units run alone 774.4 ms;
+decision 1.25 ms; migration 35 ms per move; process CPU per plain step 903.4 ms, extra per periodic
+profile 21.1 ms; training thread CPU extra per periodic profile 4.89 ms; stage busy time of the
+periodic profiles' timelines / the waited-for ones: 1.16 1.25 1.58 1.30.
 
-MoE overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128; medians
+MoE overhead (2026-11-26, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128; medians
 of 6 rounds of 3 steps, the periodic profile's paired with the round's plain steps): plain step
-1406.3 ms; extra per profile rescaled from the timeline -153.6 ms, units run alone 667.5 ms;
-decision 0.70 ms; migration 40 ms per move; process CPU per plain step 1110.9 ms, extra per periodic
-profile 12.5 ms; training thread CPU extra per periodic profile -0.73 ms; stage busy time of the
-periodic profiles' timelines / the waited-for ones: 1.04 0.95 1.11 0.97.
+3457.8 ms; extra per profile rescaled from the timeline -907.6 ms, units run alone 1647.5 ms;
+decision 1.30 ms; migration 34 ms per move; process CPU per plain step 1932.5 ms, extra per periodic
+profile -21.6 ms; training thread CPU extra per periodic profile -2.05 ms; stage busy time of the
+periodic profiles' timelines / the waited-for ones: 1.05 1.14 1.14 1.15.
 
-early exit overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256;
+early exit overhead (2026-11-26, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256;
 medians of 6 rounds of 3 steps, the periodic profile's paired with the round's plain steps): plain
-step 1304.5 ms; extra per profile rescaled from the timeline -127.0 ms, units run alone 1273.1 ms;
-decision 0.58 ms; migration 15 ms per move; process CPU per plain step 950.1 ms, extra per periodic
-profile -3.8 ms; training thread CPU extra per periodic profile 2.29 ms; stage busy time of the
-periodic profiles' timelines / the waited-for ones: 0.99 0.82 0.90 0.87.
+step 1627.9 ms; extra per profile rescaled from the timeline -303.4 ms, units run alone 1710.6 ms;
+decision 1.30 ms; migration 24 ms per move; process CPU per plain step 1520.3 ms, extra per periodic
+profile 81.8 ms; training thread CPU extra per periodic profile 18.93 ms; stage busy time of the
+periodic profiles' timelines / the waited-for ones: 0.80 0.85 0.84 0.86.
 
 sparse attention overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x
 1024; medians of 3 rounds of 2 steps, the periodic profile's paired with the round's plain steps):
@@ -442,38 +443,38 @@ time of the periodic profiles' timelines / the waited-for ones: 1.15 1.03 1.09 1
 
 With ``--tiled`` (the measured model stacked L / 8 times; the 4-stage rows are the same as above):
 
-                            x part x diff x repack   best  paper x dense  imbalance  ovh   cpu alone
+                            x part x diff x repack   best  paper x dense  imbalance  ovh   cpu swaps
 ----------------------------------------------------------------------------------------------------
 (recorded: configs/moe.py, 4x2 fake CPU devices)
-MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06 -11%  1.1%   47%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17 -11%  1.1%   47%
-  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.23x      -  1.11->1.11 -11%  1.1%   47%
-  32x16 tiled, Plan medians  1.00x  1.02x    1.00x  1.02x  1.23x      -  1.22->1.22 -11%  1.1%   47%
+MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06 -26% -1.1%  1.4%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17 -26% -1.1%  1.4%
+  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.23x      -  1.11->1.11 -26% -1.1%  1.4%
+  32x16 tiled, Plan medians  1.00x  1.02x    1.00x  1.02x  1.23x      -  1.22->1.22 -26% -1.1%  1.4%
 (recorded: configs/pruning.py, 4x2 fake CPU devices)
-pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -    0%
-  Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -    0%
-  96x24 tiled                1.04x  1.05x    1.04x  1.05x  3.18x      -  0.49->0.37   0%     -    0%
-  96x24 tiled, Plan medians  1.04x  1.05x    1.04x  1.05x  3.18x      -  0.47->0.33   0%     -    0%
+pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -  0.5%
+  Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -  0.5%
+  96x24 tiled                1.04x  1.05x    1.04x  1.05x  3.18x      -  0.49->0.37   0%     -  0.5%
+  96x24 tiled, Plan medians  1.04x  1.05x    1.04x  1.05x  3.18x      -  0.47->0.33   0%     -  0.5%
 (recorded: configs/freezing.py, 4x2 fake CPU devices)
-freezing                     1.03x  1.03x    1.03x  1.03x  2.23x      -  1.15->0.92   0%     -    0%
-  Plan medians               1.05x  1.03x    1.05x  1.05x  2.23x      -  0.95->0.83   0%     -    0%
-  96x24 tiled                1.11x  1.13x    1.11x  1.13x  2.23x      -  0.87->0.43   0%     -    0%
-  96x24 tiled, Plan medians  1.16x  1.15x    1.16x  1.16x  2.23x      -  0.83->0.31   0%     -    0%
+freezing                     1.03x  1.03x    1.03x  1.03x  2.23x      -  1.15->0.92   0%     -  0.2%
+  Plan medians               1.05x  1.03x    1.05x  1.05x  2.23x      -  0.95->0.83   0%     -  0.2%
+  96x24 tiled                1.11x  1.13x    1.11x  1.13x  2.23x      -  0.87->0.43   0%     -  0.2%
+  96x24 tiled, Plan medians  1.16x  1.15x    1.16x  1.16x  2.23x      -  0.83->0.31   0%     -  0.2%
 (recorded: configs/sparse_attention.py, 4x2 fake CPU devices)
-sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%   85%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%   85%
-  96x24 tiled                1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -1%  0.1%   85%
-  96x24 tiled, Plan medians  1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -1%  0.1%   85%
+sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%  3.4%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%  3.4%
+  96x24 tiled                1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -1%  0.1%  3.4%
+  96x24 tiled, Plan medians  1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -1%  0.1%  3.4%
 (recorded: configs/early_exit.py, 4x2 fake CPU devices)
-early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0% -0.0%    0%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0% -0.0%    0%
-  96x24 tiled                1.00x  1.00x    1.00x  1.00x  4.52x  0.80x* 0.09->0.10  -0% -0.0%    0%
-  96x24 tiled, Plan medians  1.00x  0.99x    1.00x  1.00x  4.52x  0.84x* 0.09->0.09  -0% -0.0%    0%
+early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0%  0.0%  2.1%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0%  0.0%  2.1%
+  96x24 tiled                1.00x  1.00x    1.00x  1.00x  4.52x  0.80x* 0.09->0.10  -0%  0.0%  2.1%
+  96x24 tiled, Plan medians  1.00x  0.99x    1.00x  1.00x  4.52x  0.84x* 0.09->0.09  -0%  0.0%  2.1%
 (recorded: configs/mod.py, 4x2 fake CPU devices)
-MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58 -10%  2.8%  134%
-  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33 -10%  2.8%  134%
-  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.17x      -  1.63->1.63 -10%  2.8%  134%
-  32x16 tiled, Plan medians  1.04x  1.04x    1.03x  1.04x  1.17x      -  1.60->1.37 -10%  2.8%  134%
+MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58 -24%  2.3%  0.3%
+  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33 -24%  2.3%  0.3%
+  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.17x      -  1.63->1.63 -24%  2.3%  0.3%
+  32x16 tiled, Plan medians  1.04x  1.04x    1.03x  1.04x  1.17x      -  1.60->1.37 -24%  2.3%  0.3%
 
 Gaps to the paper's numbers (seed 000 Fig. 3: MoE 1.23x, pruning 3.18x, freezing 2.23x, sparse
 attention 4.02x, early exit 4.52x, MoD 1.17x). What differs for every case: (1) size: 8 layers of a
@@ -510,19 +511,31 @@ Overheads. "ovh" is a periodic profile taken every step at the case's cadence, i
 rescaled from its own step's timeline, which watcher threads take while the training loop
 dispatches the next steps (`Pipeline.start_profile_step`; the Profile joins the step's metrics
 when the Monitor hands them over). The loop never waits for it, so what it costs is host work:
-the watchers' wake-ups, the training thread's few queue puts and the Profile's arithmetic (stage
-memory is computed once per executable). On a machine at load 8-14 the wall-clock differences of
-paired windows are noise of +-10% (every case's profiled windows came out 1-11% faster, which no
-added work explains); "cpu", the process's CPU seconds per periodic profile against a plain
-step's, is the steadier measure: 1.1% for MoE, 2.8% for MoD, 0.1% for sparse attention, -0.0%
-for early exit at a profile every step (the training thread's own share 0-4 ms), ~0 at pruning's
-and freezing's cadence. MoD's 2.8% is the one above the 2% target: its step is the shortest (0.65
-s here, 0.37-0.45 s unloaded), so the per-profile cost (a few ms of wake-ups and bookkeeping,
-measured at 1.5-6.7 ms of CPU on a tiny model where nothing else varies) weighs most, and its
-17.6 ms is within the noise of a 640 ms CPU step. The periodic timelines agree with the
-waited-for ones within the noise: stage busy seconds 0.96-1.11x (MoE), 1.06-1.10x (MoD),
-0.82-0.99x (early exit), 1.03-1.16x (sparse attention). Before, a periodic profile waited for
-its step and recomputed stage memory: 3.0% per step for MoD and 12.9% for sparse attention.
+one thread wake-up per task of the step (each watcher waits for its stage's results in order;
+counted on MoD: 28 per step, nearly every one a real sleep), the training thread's queue puts
+and the Profile's arithmetic. Wall-clock differences of paired windows are noise of +-25% at
+load 11-16 (2 cores); "cpu", the process's CPU seconds per periodic profile against a plain
+step's, is the steadier measure, and still noisy: MoD 2.3% (21.1 ms against a 903 ms CPU step,
+load ~15), MoE -1.1% (noise; 1,932 ms CPU step, load 11-15); early exit 0.0% at its cadence of 500
+(81.8 ms per profile against a 1,520 ms CPU step, 5.4% were it every step, with a training-thread
+share of 18.9 ms that no other run showed: load 10-12); sparse attention 0.1% is the earlier
+measurement. MoD stays above the 2% target here. An A/B in one
+process at load 15-17 (plain steps, the earlier timing code and this one, 8 rotated rounds of 3
+steps): extra CPU per profile 33.7 ms (3.9%) before, 25.0 ms (2.9%) now, of which the watchers
+6.7-6.9 ms and the training thread 7.5-8.5 ms either way. What was cut: a small program per stage
+and step for the ready marks (now the previous update's metric) and waits for transfers (a task
+now starts after the task that computed its input); a variant that waited for an input's arrival
+on the consumer's side only when it was not there yet added ~16 sleeps per step and cost more.
+"swaps": every Plan swap (and a plugin's change of the model) makes the next profile run every
+unit alone (47-134% of a step); over the recorded runs' swaps that is 1.4% for MoE (9 in 300
+steps), 0.3% for MoD (2), 2.1% for early exit (6), 3.4% for sparse attention (4 in 100), 0.5%
+for pruning and 0.2% for freezing. It is re-measured rather than rescaled because most swaps
+change capacities or buckets of some layers only (MoE: the MoE layer of each [dense, MoE] stage;
+early exit: the layers after an exit), and `rescaled_units` keeps the shares inside a stage, so it
+would move a capacity change onto the stage's unchanged layers, which are what the balancer
+moves. The periodic timelines agree with the waited-for ones within the noise: stage busy seconds
+1.05-1.15x (MoE), 1.17-1.58x (MoD at load ~16), 0.80-0.86x (early exit), 1.03-1.16x (sparse
+attention).
 """
 
 import argparse
@@ -1112,17 +1125,37 @@ def read_overheads(path: Path = OVERHEADS) -> dict[str, dict]:
     return {r["case"]: r for r in read_jsonl(path)} if path.is_file() else {}
 
 
+def cadence(name: str) -> int:
+    """Steps between a case's profiles: its synthetic row's rebalance period, the paper's
+    (seed 000 §3.3.1, Fig. 3); `benchmarks/balance_overhead.py` prints the same."""
+    return next(c.every for c in synthetic_cases() if c.name == name)
+
+
+def swaps(name: str, traces: Path = TRACES) -> tuple[int, int]:
+    """(Plan swaps, steps) of the case's recorded run: after each swap the first profile runs
+    every unit alone (`dynjax.train`'s ``profile_on_change``); (0, 0) without a trace."""
+    path = traces / f"{name.replace(' ', '_')}.jsonl"
+    if not path.is_file():
+        return 0, 0
+    meta, *samples = read_jsonl(path)
+    plans = [s["plan"] for s in samples]
+    return sum(a != b for a, b in zip(plans, plans[1:], strict=False)), meta["steps"]
+
+
 def overhead(name: str, measured: dict[str, dict], key: str = "profile_seconds",
              base: str = "plain_step_seconds", fmt: str = ".1%") -> str:
-    """Profiling's share of training time at the case's cadence (its synthetic row's rebalance
-    period, seed 000 Fig. 3): one profile's extra seconds (``key``: periodic, rescaled from the
-    step's timeline; ``units_alone_seconds``; or ``profile_cpu_seconds``, process CPU against
-    ``base`` ``plain_step_cpu_seconds``) per ``every`` plain steps; "-" if unmeasured."""
+    """Profiling's share of training time at the case's `cadence`: one profile's extra
+    seconds (``key``: periodic, rescaled from the step's timeline; or ``profile_cpu_seconds``,
+    process CPU against ``base`` ``plain_step_cpu_seconds``) per ``every`` plain steps; for
+    ``units_alone_seconds``, one profile running every unit alone per Plan swap of the recorded
+    run (`swaps`) instead; "-" if unmeasured."""
     r = measured.get(name, {})
     if key not in r:
         return "-"
-    every = next(c.every for c in synthetic_cases() if c.name == name)
-    return f"{r[key] / (every * r[base]):{fmt}}"
+    if key == "units_alone_seconds":
+        count, steps = swaps(name)
+        return f"{r[key] * count / (steps * r[base]):{fmt}}" if steps else "-"
+    return f"{r[key] / (cadence(name) * r[base]):{fmt}}"
 
 
 def label(case: Case) -> str:
@@ -1167,8 +1200,9 @@ def main(deep: bool = True, tiled: bool = False) -> None:
     say("Speedup over the best static layout (uniform or by-param); best = best static / best of "
         "partition and diffusion (the paper's definition, seed 000 Fig. 3); imbalance (eq. 2) "
         "static uniform -> partition; ovh = one periodic profile (rescaled from its step's "
-        "timeline) per the case's cadence, cpu = the same in process CPU time, alone = one "
-        "profile running every unit alone per the same cadence (benchmarks/balance_overhead.py):")
+        "timeline) per the case's cadence, cpu = the same in process CPU time, swaps = one "
+        "profile running every unit alone per Plan swap of the recorded run (the first profile "
+        "of a Plan), over its steps (benchmarks/balance_overhead.py):")
 
     def speedups(c: Case, r: dict) -> str:
         best = min(r["static"], r["by-param"])
@@ -1180,11 +1214,11 @@ def main(deep: bool = True, tiled: bool = False) -> None:
                 + f"{r['imbalance static']:>5.2f}->{r['imbalance partition']:<4.2f}"
                 f"{overhead(c.name, overheads, fmt='.0%'):>5}"
                 f"{overhead(c.name, overheads, 'profile_cpu_seconds', 'plain_step_cpu_seconds'):>6}"
-                f"{overhead(c.name, overheads, 'units_alone_seconds', fmt='.0%'):>6}")
+                f"{overhead(c.name, overheads, 'units_alone_seconds'):>6}")
 
     table(cases, results,
           f"{'':<27}{'x part':>7}{'x diff':>7}{'x repack':>9}{'best':>7}{'paper':>7}"
-          f"{'x dense':>8}{'imbalance':>11}{'ovh':>5}{'cpu':>6}{'alone':>6}", speedups)
+          f"{'x dense':>8}{'imbalance':>11}{'ovh':>5}{'cpu':>6}{'swaps':>6}", speedups)
     print()
     say("The paper's baselines: " + "; ".join(f"{name}: {base}" for name, (_, base)
                                               in PAPER.items()) + ".")

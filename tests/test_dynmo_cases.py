@@ -159,3 +159,20 @@ def test_rescaled_samples_are_dropped(tmp_path):
     del samples[1]["units"]
     path.write_text("".join(json.dumps(r) + "\n" for r in [meta, *samples]))
     assert cases.recorded_case(path).steps == (1, 11, 21)
+
+
+def test_the_units_alone_profile_counts_once_per_plan_swap_and_periodic_ones_per_cadence(
+    tmp_path,
+):
+    rows = [{"steps": 300}] + [{"plan": p} for p in (0, 0, 1, 1, 1, 2)]
+    (tmp_path / "MoD.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert cases.swaps("MoD", tmp_path) == (2, 300)
+    assert cases.swaps("MoE", tmp_path) == (0, 0)
+    count, steps = cases.swaps("MoD")  # the recorded run
+    measured = {"MoD": {"units_alone_seconds": 0.6, "profile_seconds": 0.01,
+                        "plain_step_seconds": 0.5}}
+    assert count > 0
+    assert cases.overhead("MoD", measured, "units_alone_seconds") == f"{1.2 * count / steps:.1%}"
+    assert cases.cadence("MoD") == 1 and cases.cadence("pruning") == 1000
+    assert cases.overhead("MoD", measured) == "2.0%"
+    assert cases.overhead("pruning", {"pruning": measured["MoD"]}) == "0.0%"

@@ -4,6 +4,7 @@ readout gradient reaches the one optimizer update of the shared head; evaluation
 run the same context."""
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -193,10 +194,13 @@ def test_training_on_a_pipeline_equals_one_program(tmp_path):
 def test_a_timed_step_counts_waiting_for_the_previous_step_as_idle():
     """A stage whose parameters (and readout) from the previous step arrive late begins its
     first task then: the wait is a bubble, not the task's time (which the balancer reads)."""
+    # (task, dispatched, the arrival of what it waits for from before the step, its end)
+    no = -math.inf
     seen = [
-        [(_READY, 0.0, 0.0, 5.0), (Task("F", 0), 1.0, 6.0, 6.5), (Task("B", 0), 1.0, 9.5, 9.5)],
-        [(_READY, 0.0, 0.0, 0.0), (Task("F", 0), 1.0, 7.0, 7.0), (Task("B", 0), 1.0, 8.0, 8.2)],
+        [(_READY, 0.0, 5.0, 0.0), (Task("F", 0), 1.0, no, 6.0), (Task("B", 0), 1.0, no, 9.5)],
+        [(_READY, 0.0, no, 0.0), (Task("F", 0), 1.0, no, 7.0), (Task("B", 0), 1.0, no, 8.0)],
     ]
     (f0, b0), (f1, b1) = _timeline(seen, 0.0)
-    assert (f0.start, f0.end) == (5.0, 6.0) and (b0.start, b0.end) == (8.2, 9.5)
-    assert (f1.start, f1.end) == (6.5, 7.0) and (b1.start, b1.end) == (7.0, 8.0)
+    # A task starts when the one that computed its input ended (stage 1's F after stage 0's).
+    assert (f0.start, f0.end) == (5.0, 6.0) and (b0.start, b0.end) == (8.0, 9.5)
+    assert (f1.start, f1.end) == (6.0, 7.0) and (b1.start, b1.end) == (7.0, 8.0)

@@ -18,6 +18,7 @@ from dynjax.balance import schedule_tasks
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.optim import make_optimizer
 from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
+from dynjax.parallel import pipeline as pipeline_module
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.pipeline import Pipeline, PipelinePrograms, host_metrics
 from dynjax.parallel.profile import (
@@ -457,6 +458,24 @@ def test_a_periodic_profile_rescales_the_measured_units_by_its_own_timeline(prog
     pipeline.migrate(other)
     _, fresh = pipeline.profile_step(other, **batches()[2], repeats=1, measure_units=False)
     assert fresh.units_measured
+
+
+def test_a_timed_step_waits_for_the_last_update_instead_of_running_a_mark(programs, monkeypatch):
+    # A stage's first task starts when its parameters are ready. Parameters an update wrote are
+    # ready with that update's metrics, which the watchers wait for; only parameters no update
+    # here wrote (placed, migrated) need a small program per stage (a profile every step).
+    programs, template = programs
+    exe = programs.lower(spec_for(ASSIGNMENT, "1f1b")).compile()
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), exe.spec)
+    marks, mark = [], pipeline_module._MARK
+    monkeypatch.setattr(pipeline_module, "_MARK", lambda leaf: marks.append(leaf) or mark(leaf))
+    first, second, _ = batches()
+    pipeline.timed_step(exe, **first)
+    assert len(marks) == len(ASSIGNMENT)
+    _, timeline = pipeline.timed_step(exe, **second)
+    assert len(marks) == len(ASSIGNMENT)
+    assert all(row and 0 <= row[0].start <= row[0].end for row in timeline)
 
 
 def test_a_periodic_profile_is_taken_while_later_steps_run(programs):

@@ -273,6 +273,9 @@ class Pipeline:
         self._measured_units: tuple[PipelineSpec, UnitTimes, np.ndarray] | None = None
         # The newest executable's `stage_memory` (`_memory`).
         self._memory_of: tuple[PipelineExecutable, tuple[dict[str, int], ...]] | None = None
+        # Per stage, the first parameter leaf the last update wrote and one of that update's
+        # metrics, ready with it (`_ready_marks`).
+        self._updated: dict[int, tuple[jax.Array, jax.Array]] = {}
 
     # -- state -------------------------------------------------------------------------------
 
@@ -305,6 +308,7 @@ class Pipeline:
         # The full tree is one more "stage" (-1) that holds every leaf.
         self.state, _ = relayout({-1: state}, self._templates(spec), put)
         self.acc, self.racc, self.spec = self._zero_acc(spec), self._zero_acc(spec, "racc"), spec
+        self._updated = {}
 
     def full_state(self) -> Any:
         """The full ``{"params", "opt_state"}`` tree of the stages' own arrays, each shared
@@ -336,6 +340,7 @@ class Pipeline:
         jax.block_until_ready(self.state)
         seconds = time.perf_counter() - start
         self.acc, self.racc, self.spec = self._zero_acc(spec), self._zero_acc(spec, "racc"), spec
+        self._updated = {}
         layers = [i for s in old.stages for i in s.layers if spec.owner(i) != s.index]
         return Migration(
             moves=tuple((i, old.owner(i), spec.owner(i)) for i in layers),
@@ -403,11 +408,15 @@ class Pipeline:
 
         The tasks are dispatched exactly as `step` dispatches them, so timing costs the step
         none of its overlap, nor the next steps theirs (a profile every step stays cheap; seed
-        000 §3.3.1); one watcher thread per stage waits for that stage's results in order. A
-        stage runs its programs in order, so a task ends when its results are ready and starts
-        at the latest of its dispatch, the end of the stage's previous task and the arrival of
-        its input. The watched arrays are none that a later program donates, so later steps may
-        be dispatched before the watchers are done.
+        000 §3.3.1); one watcher thread per stage waits for that stage's results in order (one
+        thread for all would note a task that ends before an earlier-dispatched one on another
+        stage only when that one ends). A stage runs its programs in order, so a task ends when
+        its results are ready and starts at the latest of its dispatch, the end of the stage's
+        previous task and the end of the task that computed its input. Each wait is a thread
+        wake-up, most of what a profile every step costs in CPU, so the watchers wait for
+        nothing else: not for a transfer's arrival (a starved stage's task then includes its
+        input's transfer). The watched arrays are none that a later program donates, so later
+        steps may be dispatched before the watchers are done.
         """
         self._single_process("a timed step")
         run = self._start(exe, inputs, targets, cached, rows)
@@ -424,11 +433,10 @@ class Pipeline:
         start = time.perf_counter()
         try:
             for s in range(stages):  # what a stage's first task waits for from before the step
-                queues[s].put((_READY, start, (), self._ready_marks(run, s)))
+                queues[s].put((_READY, start, self._ready_marks(run, s), ()))
             for s, task in exe.order:
                 dispatched = time.perf_counter()
-                computed, sent = self._run(run, s, task)
-                queues[s].put((task, dispatched, computed, sent))
+                queues[s].put((task, dispatched, (), self._run(run, s, task)))
             metrics = self._finish(run)
         finally:
             for q in queues:
@@ -439,10 +447,18 @@ class Pipeline:
         """Arrays ready when stage ``s`` may start the step: its parameters from the previous
         update (which waits for the global norm, so for every stage's previous backward) and
         the readout sent to it. The timeline counts waiting for them as idle, not as the first
-        task's time (a profile of a step dispatched while the previous one still runs). A
-        scalar derived from the parameters, since the step's update donates them."""
+        task's time (a profile of a step dispatched while the previous one still runs). The
+        step's update donates the parameters, so what is watched is a metric of the update
+        that wrote them (ready with them), or, for parameters no update here wrote (placed,
+        migrated, changed by a plugin), a scalar derived from them (one small program)."""
         leaves = jax.tree.leaves(self.state[s]["params"])
-        marks = [_MARK(leaves[0])] if leaves else []
+        updated = self._updated.get(s)
+        if not leaves:
+            marks = []
+        elif updated is not None and updated[0] is leaves[0]:
+            marks = [updated[1]]
+        else:
+            marks = [_MARK(leaves[0])]
         return _present(marks, run.readout.get(s))
 
     def profile_step(
@@ -576,9 +592,9 @@ class Pipeline:
             ctx["targets"] = run.place("targets", m, m_count, self._rows(stage.index))
         return ctx
 
-    def _run(self, run: _Run, s: int, task: Any) -> tuple[tuple, tuple]:
+    def _run(self, run: _Run, s: int, task: Any) -> tuple:
         """Dispatch one task (and, across processes, this process's side of its transfer);
-        returns (what it computed, what it sent on) as far as they are on this process."""
+        returns what it computed as far as it is on this process (what a timed step watches)."""
         spec = run.exe.spec
         stage, m, m_count = spec.stages[s], task.microbatch, spec.microbatches
         programs, local = run.exe.programs, self.transport.is_local(s)
@@ -588,7 +604,7 @@ class Pipeline:
                 x = run.place("inputs", m, m_count, self._rows(s))
                 run.stage_in[s][m] = (x, self._context(stage, None, run, m, m_count))
             if stage.last:
-                return (), ()  # the last stage's forward runs inside its backward
+                return ()  # the last stage's forward runs inside its backward
             y = carry = None
             if local:
                 x, ctx = run.stage_in[s][m]
@@ -601,10 +617,10 @@ class Pipeline:
             if moved is not None:
                 ctx = self._context(spec.stages[s + 1], moved_carry or None, run, m, m_count)
                 run.stage_in[s + 1][m] = (moved, ctx)
-            return _present(y, carry), _present(moved, moved_carry)
+            return _present(y, carry)
         x, ctx = run.stage_in[s].pop(m) if local else (None, None)
         if not stage.has_backward:
-            return (), ()
+            return ()
         out = None
         if local:
             if stage.last:
@@ -621,12 +637,12 @@ class Pipeline:
         # Not the accumulators: the stage's next backward donates them.
         done = _present(None if out is None else (out[1], out[3:]))
         if not stage.input_grads:
-            return done, ()
+            return done
         like = self.programs.shapes(spec.stages[s - 1]).y
         moved = self.transport.send(out[1] if local else None, s, s - 1, like)
         if moved is not None:
             run.grad_in[s - 1][m] = moved
-        return done, _present(moved)
+        return done
 
     def _finish(self, run: _Run) -> dict[str, Any]:
         """Global gradient norm and the update of every stage of this process."""
@@ -641,6 +657,9 @@ class Pipeline:
             st["params"], st["opt_state"], self.acc[s], stage_metrics[s] = programs["update", s](
                 st["params"], st["opt_state"], self.acc[s], sq_all[s], tuple(run.metrics[s])
             )
+            leaves = jax.tree.leaves(st["params"])
+            if leaves:
+                self._updated[s] = (leaves[0], jax.tree.leaves(stage_metrics[s])[0])
         return {"stages": stage_metrics}
 
     def _gather_readout_grads(self, spec: PipelineSpec) -> None:
@@ -768,20 +787,23 @@ def _watch(
     errors: list[BaseException],
 ) -> None:
     """One stage's watcher (`Pipeline.start_timed_step`): for each (task, its dispatch, what it
-    computed, what it sent) in order, notes when the results are ready and have arrived."""
+    waits for from before the step, what it computed) in order, notes when the former arrived
+    (-inf: nothing to wait for) and when the results are ready."""
     while (item := tasks.get()) is not None:
-        task, dispatched, computed, sent = item
+        task, dispatched, needs, computed = item
         if errors:
             continue  # drain: the step failed
         try:
+            arrived = -math.inf
+            if needs:
+                jax.block_until_ready(needs)
+                arrived = time.perf_counter()
             jax.block_until_ready(computed)
             end = time.perf_counter() if computed else dispatched
-            jax.block_until_ready(sent)
-            arrived = time.perf_counter() if sent else end
         except BaseException as e:  # re-raised by `PendingTimeline.result`
             errors.append(e)
             continue
-        seen.append((task, dispatched, end, arrived))
+        seen.append((task, dispatched, arrived, end))
 
 
 class PendingTimeline:
@@ -854,23 +876,23 @@ def _timeline(
     seen: list[list[tuple[Any, float, float, float]]], start: float
 ) -> tuple[tuple[TaskTime, ...], ...]:
     """Each stage's `TaskTime`s from what `Pipeline.timed_step`'s watchers saw: (task, its
-    dispatch, its results ready, its output arrived at the neighbour) per task, in order; a
-    `_READY` entry first, whose arrival is when the stage's state from before the step is."""
+    dispatch, -inf, its results ready) per task, in order; a `_READY` entry first, whose
+    arrival is when the stage's state from before the step is. A task starts after the task
+    that computed its input ended (on the neighbour stage, as that stage's watcher saw it)."""
     last = len(seen) - 1
-    arrival = {(task.kind, s, task.microbatch): arrived
-               for s, row in enumerate(seen) for task, _, _, arrived in row if task != _READY}
+    ends = {(task.kind, s, task.microbatch): end
+            for s, row in enumerate(seen) for task, _, _, end in row if task != _READY}
     out = []
     for s, row in enumerate(seen):
         times, free = [], start
-        for task, dispatched, end, arrived in row:
+        for task, dispatched, arrived, end in row:
             if task == _READY:  # the stage idles until what it needs from before the step is in
                 free = max(free, arrived)
                 continue
             m = task.microbatch
-            needs = (("F", s - 1, m) if s > 0 else None) if task.kind == "F" else (
-                ("B", s + 1, m) if s < last else None
-            )
-            begin = max(dispatched, free, arrival[needs] if needs else start)
+            source = ("F", s - 1, m) if task.kind == "F" else ("B", s + 1, m)
+            begin = max(dispatched, free, arrived,
+                        ends[source] if 0 <= source[1] <= last else start)
             free = max(end, begin)
             times.append(TaskTime(task.kind, m, begin - start, free - start))
         out.append(tuple(times))
