@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from dynjax.config import ConfigError, at_least, microbatches, moe_layer_indices, num_stages
+from dynjax.config import ConfigError, at_least, microbatches, moe_layer_indices
 from dynjax.dynamism.base import Plugin, register
 from dynjax.model.moe import BIAS, REUSE, ROUTINGS, Chunking, SlotLayout, host_offload_supported
 from dynjax.recompile import (
@@ -173,12 +173,6 @@ class MoEPlugin(Plugin):
                 raise ConfigError(
                     f"moe.capacity.factor={moe.capacity.factor} (dropless) leaves nothing for "
                     "moe.capacity.policy='dynamic' to size: set a factor > 0 or policy='static'"
-                )
-            if moe.dispatch == "ragged" and num_stages(cfg):
-                raise ConfigError(
-                    "moe.dispatch='ragged' does not run on the pipeline runtime yet "
-                    f"(pipeline.stage_layers={cfg.pipeline.stage_layers!r}): set "
-                    "moe.dispatch='static' or pipeline.stage_layers=''"
                 )
             _check_routing(cfg)
             _check_chunks(cfg)
