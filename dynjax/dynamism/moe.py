@@ -91,10 +91,11 @@ class MoEPlugin(Plugin):
         c.expert_mlp_dim = 0  # 0: same as model.mlp_dim
         c.aux_loss_weight = 0.01
         c.z_loss_weight = 0.0
-        # "static": a matmul pair per expert, capacities compiled in (a change recompiles);
-        # "ragged": ragged_dot over the kept pairs sorted by expert, capacities a runtime input
-        # (only a new bucketed total recompiles; issue 12 §1)
-        c.dispatch = "static"
+        # "ragged": the kept pairs grouped by expert through one grouped matmul pair per layer
+        # (ragged_dot; tiled by hand on CPU), capacities a runtime input (only a new bucketed
+        # total recompiles; issue 12 §1); "static": a matmul pair per expert, capacities
+        # compiled in (a change recompiles), kept for comparison
+        c.dispatch = "ragged"
         # "token_choice": each token its top-k experts; "expert_choice": each expert its top-C
         # tokens of a group, C its capacity (Zhou et al. 2022; no drops, no balance loss)
         c.routing = "token_choice"
