@@ -10,7 +10,8 @@
    recompiles unless one of the last `recompile.cache_size` Plans had it; a ragged one only when
    its key (the bucketed totals) is not among those.
 
-    PYTHONPATH=. python benchmarks/moe_ragged.py [--rounds 5] [--steps 10]
+    PYTHONPATH=. python benchmarks/moe_ragged.py [--rounds 5] [--steps 10] [--sections 1,2,3]
+        [--experts 8,64]
 """
 
 from __future__ import annotations
@@ -120,43 +121,60 @@ def simulated_recompiles(exp: Experiment, steps: int, cache_size: int) -> dict[s
     return counts
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--sim-steps", type=int, default=1000)
-    args = ap.parse_args()
-    print(f"backend: {jax.default_backend()} (CPU numbers)")
-
+def compile_table(experts: list[int]) -> None:
     print("\n1. compile seconds of a Plan's train step (8 layers, all MoE, d=64, S=64, B=8)")
     print("experts | static s | ragged s | static/ragged")
-    for e in (8, 64):
+    for e in experts:
         exps = {d: Experiment.from_config(small_config(e, d)) for d in ("static", "ragged")}
         secs = {d: [] for d in exps}
         for r in range(2):  # uneven capacities, new ones each time: no cache helps
             for d, exp in exps.items():
                 secs[d].append(compile_seconds(exp, uneven(exp, 100 * e + r)))
         s, g = statistics.median(secs["static"]), statistics.median(secs["ragged"])
-        print(f"{e:7d} | {s:8.2f} | {g:8.2f} | {s / g:6.2f}x")
+        print(f"{e:7d} | {s:8.2f} | {g:8.2f} | {s / g:6.2f}x", flush=True)
 
-    print(f"\n2. seconds per step, medians of {args.rounds} rounds of {args.steps} steps")
+
+def step_table(experts: list[int], steps: int, rounds: int) -> None:
+    print(f"\n2. seconds per step, medians of {rounds} rounds of {steps} steps")
     print("experts | capacities | static ms | ragged ms | static/ragged")
-    for e in (8, 64):
+    for e in experts:
         exps = {d: Experiment.from_config(small_config(e, d)) for d in ("static", "ragged")}
         for label, plan in (("factor 1.25", exps["static"].initial_plan()),
                             ("uneven", uneven(exps["static"], e))):
-            t = step_times(exps, plan, args.steps, args.rounds)
+            t = step_times(exps, plan, steps, rounds)
             ratio = t["static"] / t["ragged"]
             print(f"{e:7d} | {label:10s} | {1e3 * t['static']:9.1f} | {1e3 * t['ragged']:9.1f} "
-                  f"| {ratio:6.2f}x")
+                  f"| {ratio:6.2f}x", flush=True)
 
-    print(f"\n3. DynamicCapacity over {args.sim_steps} simulated steps (8 experts, drifting loads)")
+
+def recompile_table(sim_steps: int) -> None:
+    print(f"\n3. DynamicCapacity over {sim_steps} simulated steps (8 experts, drifting loads)")
     exp = Experiment.from_config(small_config(8, "ragged"))
-    counts = simulated_recompiles(exp, args.sim_steps, exp.cfg.recompile.cache_size)
-    per = 1000 / args.sim_steps
+    counts = simulated_recompiles(exp, sim_steps, exp.cfg.recompile.cache_size)
+    per = 1000 / sim_steps
     print(f"plan changes {counts['plan changes'] * per:.0f} | static recompiles "
           f"{counts['static'] * per:.0f} | ragged recompiles {counts['ragged'] * per:.0f} "
           "(per 1,000 steps)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--sim-steps", type=int, default=1000)
+    ap.add_argument("--sections", default="1,2,3", help="which tables to print")
+    ap.add_argument("--experts", default="8,64", help="expert counts of tables 1 and 2")
+    args = ap.parse_args()
+    sections = {int(v) for v in args.sections.split(",")}
+    experts = [int(v) for v in args.experts.split(",")]
+    print(f"backend: {jax.default_backend()} (CPU numbers)")
+
+    if 1 in sections:
+        compile_table(experts)
+    if 2 in sections:
+        step_table(experts, args.steps, args.rounds)
+    if 3 in sections:
+        recompile_table(args.sim_steps)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ Table 4, pipeline swaps: a 4-stage pipeline (8 fake CPU devices) whose capacitie
 every few steps; per swap, the swap stall and the tracing, lowering and compiling the training
 thread did up to the end of the new Plan's profiled step, in median step times of the same run.
 
+Table 5, dispatch (only with ``--only dispatch``): the dynamic-capacity run on each MoE dispatch
+path (``moe.dispatch`` static and ragged, issue 12 §1): Plan changes, real compiles (swaps that
+were no compile-cache hit), proposals the budget rejected, all per 1,000 steps, and drops.
+
 Run it from the repository root on an otherwise idle machine: every table is measured by wall
 clock, and other load on the cores changes step times and compile times.
 
@@ -29,6 +33,7 @@ clock, and other load on the cores changes step times and compile times.
     python benchmarks/recompile.py --workdir runs/bench [--reuse]  # keep runs / re-read them
     python benchmarks/recompile.py --only pipeline  # Table 4 alone (about 2 min)
     python benchmarks/recompile.py --only capacity --quick --aux-loss 0  # Table 2, skewed loads
+    python benchmarks/recompile.py --only dispatch --steps 300  # Table 5 alone (not by default)
 
 The default took 33 and 50 min on two shared cores under a load average of ~4 (0.3-0.65 s per
 step); at the ~0.15 s per step of two idle cores it would be about 12 min.
@@ -603,6 +608,44 @@ def capacity_benchmark(args) -> tuple[str, dict, list[dict]]:
     return "\n".join([head, cols, *rows, *notes]), summary, [dyn]
 
 
+# -- table 5: dispatch paths -------------------------------------------------------------------
+
+
+def dispatch_benchmark(args) -> tuple[str, dict, list[dict]]:
+    """Dynamic capacity on the static and the ragged dispatch path, one real run each."""
+    steps = args.steps
+    common = [*_common(steps, args.aux_loss), "moe.capacity.policy=dynamic"]
+    _say(f"dispatch: dynamic-capacity runs of {steps} steps, static and ragged")
+    per = 1000 / steps
+    rows, summary, runs = [], {}, []
+    for dispatch in ("static", "ragged"):
+        run = run_training(args, f"dynamic_{dispatch}", [*common, f"moe.dispatch={dispatch}"])
+        runs.append(run)
+        changes = recompiles(run)
+        compiles = [e for e in changes if not e["cache_hit"]]
+        rejected = [e for e in run["events"] if e["event"] == "recompile_rejected"]
+        _, _, med = window_stats(run)
+        summary[dispatch] = {"changes": len(changes), "compiles": len(compiles)}
+        rows.append(
+            f"{dispatch:<9}{len(changes) * per:>9.0f}{len(compiles) * per:>10.0f}"
+            f"{len(rejected) * per:>10.0f}{drop_rates(run, 0):>9.2%}"
+            f"{drop_rates(run, steps // 2):>9.2%}"
+            f"{med * 1e3:>8.0f}"
+        )
+    head = (
+        f"Table 5. moe.capacity.policy=dynamic on configs/moe.py, {steps} steps per run (one "
+        "run each), per 1,000 steps: Plan changes swapped in, real compiles among them (the "
+        "rest were compile-cache hits or, on the ragged path, new capacities within the same "
+        "bucketed totals: no compile), proposals the recompile budget rejected; drops of all "
+        "steps and of the 2nd half; median step ms."
+    )
+    cols = (
+        f"{'dispatch':<9}{'changes':>9}{'compiles':>10}{'rejected':>10}{'drop':>9}"
+        f"{'drop 2nd':>9}{'ms':>8}"
+    )
+    return "\n".join([head, cols, *rows]), summary, runs
+
+
 # -- table 3: caching --------------------------------------------------------------------------
 
 
@@ -862,7 +905,7 @@ def main() -> None:
     )
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary directory)")
     parser.add_argument(
-        "--only", choices=("capacity", "caching", "pipeline"), help="run one benchmark"
+        "--only", choices=("capacity", "caching", "pipeline", "dispatch"), help="run one benchmark"
     )
     parser.add_argument(
         "--aux-loss", type=float, help="moe.aux_loss_weight of the capacity runs (default: the "
@@ -906,6 +949,8 @@ def main() -> None:
         if args.only in (None, "pipeline"):
             text, _, _ = pipeline_benchmark(args)
             tables.append(text)
+        if args.only == "dispatch":
+            tables.append(dispatch_benchmark(args)[0])
         overlap = [overlap_table(runs)[0]] if runs else []
         import jax
 

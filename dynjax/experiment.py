@@ -337,6 +337,7 @@ class Experiment:
             cached_routing=plan.cached_routing,
             dtype=plan.dtype,
             options=self.layer_options(plan),
+            ragged_totals=self.ragged_totals(plan),
         )
         tasks = schedule_tasks(plan.schedule, len(stages), plan.microbatches)
         return PipelineSpec(stages, plan.schedule, tasks)
@@ -374,6 +375,8 @@ class Experiment:
                 state if state is not None else self.init_host_state(),
                 self.pipeline_spec(plan),
             )
+            if self.ragged:
+                pipeline.set_capacities(plan.capacities)
             return PipelineRuntime(self, pipeline)
         state = self.init_state() if state is None else self.place_state(state)
         return SingleProgramRuntime(self, state, plan)
@@ -541,8 +544,11 @@ class PipelineRuntime:
 
     def swap(self, plan: Plan, executable) -> Migration | None:
         """Migrate layers to their new stages when the state layout changed (`Pipeline.swap`);
-        a change of capacities, cached routing or schedule swaps without waiting."""
+        a change of capacities, cached routing or schedule swaps without waiting (on the
+        ragged MoE path the next steps take the new capacities as an input)."""
         migration = self.pipeline.swap(executable)
+        if self.exp.ragged:
+            self.pipeline.set_capacities(plan.capacities)
         return migration if migration is not None and migration.layers else None
 
     def checkpoint_state(self) -> dict[str, Any]:

@@ -76,11 +76,13 @@ def test_ragged_equals_static(moe, x, capacities):
 
 
 @pytest.mark.parametrize("capacities", CAPACITIES)
-def test_ragged_equals_static_with_expert_parallelism(moe, x, capacities):
-    """4-way expert and 2-way data sharding (8 fake CPU devices)."""
-    par = expert_parallel(make_mesh(1, 2, 4))
+@pytest.mark.parametrize("shards", [2, 4])
+def test_ragged_equals_static_with_expert_parallelism(moe, x, capacities, shards):
+    """2- or 4-way expert sharding, data over the rest of the 8 fake CPU devices; with 2
+    experts per shard the tiles' experts must travel with the rows."""
+    par = expert_parallel(make_mesh(1, 8 // shards, shards))
     static = _loss_and_grads(moe, x, parallel=par, capacities=capacities)
-    total = shard_total(capacities, 4)
+    total = shard_total(capacities, shards)
     ragged = _loss_and_grads(moe, x, parallel=par, ragged=True, capacities=capacities, total=total)
     _assert_same(ragged, static)
 
@@ -207,6 +209,50 @@ def test_dropless_dynamic_short_run(tmp_path):
     assert summary.final_step == 12 and np.isfinite(records[-1]["loss"])
 
 
+def test_ragged_pipeline_equals_the_single_program(tmp_path):
+    """Two pipeline stages (one MoE layer each, 2-way expert parallel inside each) on the ragged
+    path: the single program's losses and drops over 3 steps, with capacities tight enough to
+    drop pairs."""
+    records = {}
+    runs = {"single": {}, "pipe": {"pipeline__stage_layers": "1,1", "mesh__stage": 2}}
+    for name, stages in runs.items():
+        cfg = tiny_config(moe__every=1, moe__dispatch="ragged", moe__capacity__factor=0.75,
+                          mesh__expert=2, train__steps=3, train__eval_every=1000,
+                          train__checkpoint_every=1000, **stages)
+        train(cfg, tmp_path / name, progress=False)
+        records[name] = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
+    single, pipe = records["single"], records["pipe"]
+    assert len(single) == len(pipe) == 3 and single[0]["dropped_fraction"] > 0
+    for key in ("loss", "dropped_fraction"):
+        np.testing.assert_allclose([r[key] for r in pipe], [r[key] for r in single], rtol=1e-5)
+
+
+def test_ragged_pipeline_takes_new_capacities_with_the_same_programs():
+    """A capacity change within the stages' totals leaves every stage spec, so every compiled
+    stage program, as it was; after the swap the stages drop what the single program drops
+    under the new capacities."""
+    cfg = tiny_config(moe__every=1, moe__dispatch="ragged", pipeline__stage_layers="1,1",
+                      mesh__stage=2)
+    exp = Experiment.from_config(cfg)
+    first = exp.initial_plan()  # 20 slots per expert: a total of min(80, 32 * 2) = 64 rows
+    tight = first.replace(capacities=((2, 30, 4, 28), (16, 16, 16, 16)))
+    assert exp.pipeline_spec(tight) == exp.pipeline_spec(first)
+    executable = exp.lower_train_step(first).compile()
+    batch = exp.order.batch(0)
+    drops = []
+    for plan in (first, tight):  # each from the initial state
+        runtime = exp.runtime(first)
+        runtime.swap(plan, executable)
+        metrics = runtime.host_metrics(0, jax.device_get(runtime.step(executable, batch, None)))
+        drops.append(metrics["moe/dropped"])
+    single = Experiment.from_config(tiny_config(moe__every=1, moe__dispatch="ragged"))
+    plan = single.initial_plan().replace(capacities=tight.capacities)
+    _, _, want = _one_step(single, plan, jax.device_get(single.init_state()), batch)
+    before, after = drops
+    assert after[0] > before[0]
+    np.testing.assert_array_equal(after, want["moe/dropped"])
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -220,7 +266,6 @@ def test_dropless_dynamic_short_run(tmp_path):
             },
             r"leaves nothing for moe.capacity.policy='dynamic'",
         ),
-        ({"moe__dispatch": "ragged", "mesh__stage": 2}, r"pipeline runtime"),
     ],
 )
 def test_bad_dispatch_config_names_the_key(overrides, match):
@@ -228,25 +273,25 @@ def test_bad_dispatch_config_names_the_key(overrides, match):
         validate_config(tiny_config(moe__every=1, **overrides), num_devices=8)
 
 
-@pytest.mark.parametrize("rows", [40, 700])
-def test_grouped_ffn_tiles_and_ragged_dot_equal_per_row_reference(rows):
-    """Both grouped matmuls against a per-row loop, padding rows (id E) and an empty expert
-    included; gradients of the two agree."""
-    rng = np.random.default_rng(rows)
-    x = jnp.asarray(rng.normal(size=(rows, D)), jnp.float32)
-    ids = rng.choice([0, 1, 3, E], size=rows)  # expert 2 gets nothing
+@pytest.mark.parametrize("tile", [1, 8])
+def test_grouped_ffn_tiles_and_ragged_dot_equal_per_row_reference(tile):
+    """Both grouped matmuls against a per-row loop: tiles of every expert in any order, an
+    empty expert and unused tiles (expert E, zero rows, output 0); gradients agree."""
+    rng = np.random.default_rng(tile)
+    expert = rng.choice([0, 1, 3, E], size=30)  # expert 2 gets nothing
+    buf = rng.normal(size=(30, tile, D)) * (expert < E)[:, None, None]
+    x = jnp.asarray(buf, jnp.float32)
     w_in = jnp.asarray(rng.normal(size=(E, D, H)) * 0.3, jnp.float32)
     w_out = jnp.asarray(rng.normal(size=(E, H, D)) * 0.3, jnp.float32)
-    ref = np.zeros((rows, D))
-    for r, e in enumerate(ids):
+    ref = np.zeros(buf.shape)
+    for i, e in enumerate(expert):
         if e < E:
-            h = np.asarray(x[r], np.float64) @ np.asarray(w_in[e], np.float64)
-            ref[r] = (0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))) @ w_out[
-                e
-            ]
+            h = buf[i] @ np.asarray(w_in[e], np.float64)
+            gelu = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
+            ref[i] = gelu @ np.asarray(w_out[e], np.float64)
     grads = []
     for tiles in (True, False):
-        fn = lambda a, b, c, tiles=tiles: grouped_ffn(a, jnp.asarray(ids), b, c, tiles=tiles)
+        fn = lambda a, b, c, tiles=tiles: grouped_ffn(a, jnp.asarray(expert), b, c, tiles=tiles)
         np.testing.assert_allclose(
             np.asarray(jax.jit(fn)(x, w_in, w_out)), ref, rtol=1e-4, atol=1e-4
         )

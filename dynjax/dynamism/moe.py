@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from dynjax.config import ConfigError, at_least, microbatches, moe_layer_indices, num_stages
+from dynjax.config import ConfigError, at_least, microbatches, moe_layer_indices
 from dynjax.dynamism.base import Plugin, register
 from dynjax.model.moe import (
     BIAS,
@@ -100,10 +100,11 @@ class MoEPlugin(Plugin):
         c.expert_mlp_dim = 0  # 0: same as model.mlp_dim
         c.aux_loss_weight = 0.01
         c.z_loss_weight = 0.0
-        # "static": a matmul pair per expert, capacities compiled in (a change recompiles);
-        # "ragged": ragged_dot over the kept pairs sorted by expert, capacities a runtime input
-        # (only a new bucketed total recompiles; issue 12 §1)
-        c.dispatch = "static"
+        # "ragged": the kept pairs grouped by expert through one grouped matmul pair per layer
+        # (ragged_dot; tiled by hand on CPU), capacities a runtime input (only a new bucketed
+        # total recompiles; issue 12 §1); "static": a matmul pair per expert, capacities
+        # compiled in (a change recompiles), kept for comparison
+        c.dispatch = "ragged"
         # "token_choice": each token its top-k experts; "expert_choice": each expert its top-C
         # tokens of a group, C its capacity (Zhou et al. 2022; no drops, no balance loss)
         c.routing = "token_choice"
@@ -182,12 +183,6 @@ class MoEPlugin(Plugin):
                 raise ConfigError(
                     f"moe.capacity.factor={moe.capacity.factor} (dropless) leaves nothing for "
                     "moe.capacity.policy='dynamic' to size: set a factor > 0 or policy='static'"
-                )
-            if moe.dispatch == "ragged" and num_stages(cfg):
-                raise ConfigError(
-                    "moe.dispatch='ragged' does not run on the pipeline runtime yet "
-                    f"(pipeline.stage_layers={cfg.pipeline.stage_layers!r}): set "
-                    "moe.dispatch='static' or pipeline.stage_layers=''"
                 )
             _check_routing(cfg)
             _check_chunks(cfg)

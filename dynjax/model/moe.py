@@ -423,69 +423,84 @@ def _gather_experts_combine(x, row, weight, w_in, w_out, *, layout, expert_axis)
     return jnp.zeros((g, s + 1, d), out.dtype).at[groups, row].add(out)[:, :s]
 
 
-def grouped_ffn(
-    rows: jax.Array, ids: jax.Array, w_in: jax.Array, w_out: jax.Array, *, tiles: bool
-) -> jax.Array:
-    """Each row's expert MLP; ``ids`` [R] names the row's expert, ``E`` (= w_in.shape[0]) a
-    padding row (output 0). Group sizes are runtime values.
+def tile_rows(rows: int, local: int) -> int:
+    """CPU tile height for ``rows`` dispatched rows over ``local`` experts: a power of two in
+    [8, 128] near a quarter of an expert's even share. Smaller tiles pad less (at most
+    ``local * (tile - 1)`` rows) but make more, smaller matmuls; 16 measured slower than 32 and
+    64 at the benchmark's shapes (benchmarks/moe_ragged.py)."""
+    return int(np.clip(2 ** int(np.log2(max(rows // (4 * local), 1))), 8, 128))
 
-    ``tiles=False``: rows sorted by expert through ``jax.lax.ragged_dot`` (a grouped GEMM on
-    GPU/TPU). ``tiles=True`` (CPU, where ragged_dot computes every row against every expert
-    under a mask, E times the FLOPs): each expert's rows padded to whole tiles of T rows in a
-    static buffer of R + E * (T - 1) rows, and every tile multiplied by its expert's gathered
-    weights, megablox's tiling done by hand.
+
+def grouped_ffn(
+    buf: jax.Array, expert: jax.Array, w_in: jax.Array, w_out: jax.Array, *, tiles: bool
+) -> jax.Array:
+    """Each tile's expert MLP. ``buf`` [n, t, d]: n tiles of t rows; ``expert`` [n] names each
+    tile's expert, ``E`` (= w_in.shape[0]) an unused tile (its rows are zero; output 0).
+
+    ``tiles=True`` (CPU, where ``ragged_dot`` computes every row against every expert under a
+    mask, E times the FLOPs): one batched matmul of every tile with its expert's gathered
+    weights, megablox's tiling done by hand. ``tiles=False``: the rows sorted by expert through
+    ``jax.lax.ragged_dot`` (a grouped GEMM on GPU/TPU) with runtime group sizes; unused tiles
+    fall outside every group.
     """
-    num, (r, d) = w_in.shape[0], rows.shape
-    onehot = jax.nn.one_hot(ids, num, dtype=jnp.int32)  # padding rows: a zero row
-    sizes = jnp.sum(onehot, axis=0)
-    if not tiles:
-        perm = jnp.argsort(ids, stable=True)
-        h = jax.nn.gelu(checkpoint_name(jax.lax.ragged_dot(rows[perm], w_in, sizes), HIDDEN))
-        return jnp.zeros_like(rows).at[perm].set(jax.lax.ragged_dot(h, w_out, sizes))
-    t = int(np.clip(2 ** int(np.log2(max(r // (4 * num), 1))), 8, 128))
-    n = -(-(r + num * (t - 1)) // t)  # tiles
-    padded = -(-sizes // t) * t
-    ends = jnp.cumsum(padded)
-    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
-    dest = jnp.where(ids < num, (ends - padded)[jnp.minimum(ids, num - 1)] + rank, n * t)
-    buf = jnp.zeros((n * t + 1, d), rows.dtype).at[dest].set(rows)[:-1].reshape(n, t, d)
-    expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n) * t, side="right"), num - 1)
-    h = jax.nn.gelu(checkpoint_name(jnp.einsum("ntd,ndh->nth", buf, w_in[expert]), HIDDEN))
-    out = jnp.einsum("nth,nhd->ntd", h, w_out[expert]).reshape(n * t, d)
-    return jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[dest]
+    num, (n, t, d) = w_in.shape[0], buf.shape
+    if tiles:
+        e = jnp.minimum(expert, num - 1)  # an unused tile's zero rows compute zeros
+        h = jax.nn.gelu(checkpoint_name(jnp.einsum("ntd,ndh->nth", buf, w_in[e]), HIDDEN))
+        return jnp.einsum("nth,nhd->ntd", h, w_out[e])
+    ids = jnp.repeat(expert, t)
+    sizes = jnp.sum(jax.nn.one_hot(ids, num, dtype=jnp.int32), axis=0)
+    perm = jnp.argsort(ids, stable=True)
+    rows = buf.reshape(n * t, d)[perm]
+    h = jax.nn.gelu(checkpoint_name(jax.lax.ragged_dot(rows, w_in, sizes), HIDDEN))
+    out = jnp.zeros((n * t, d), buf.dtype).at[perm].set(jax.lax.ragged_dot(h, w_out, sizes))
+    return out.reshape(n, t, d)
 
 
 def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_total, expert_axis):
-    """Kept pairs sorted by expert through ``jax.lax.ragged_dot`` (runtime group sizes).
+    """Kept pairs grouped by expert, each expert's run padded to whole tiles, through
+    `grouped_ffn` (runtime group sizes).
 
-    The send buffer holds ``shards`` chunks of ``g * shard_total`` rows (g = local groups): chunk
-    j takes the kept pairs for the experts of shard j (`RaggedCapacities` says when they fit).
-    A receiving shard runs each row through its local expert (`grouped_ffn`).
+    One scatter puts every kept pair straight into its final row: the send buffer holds
+    ``shards`` chunks of n tiles of t rows (g = local groups); chunk j holds the pairs for the
+    experts of shard j, expert-major, each expert's run padded to whole tiles, so a receiving
+    shard multiplies each tile by one local expert with no second sort; the tiles' experts
+    travel with the rows. n * t >= g * shard_total + local * (t - 1) holds the kept pairs
+    whenever `RaggedCapacities` does. On CPU t = `tile_rows`; elsewhere t = 1 (no padding:
+    ``ragged_dot`` groups rows, not tiles). One gather brings the outputs back.
     """
     g, s, d = x.shape
     k = experts.shape[-1]
     local = w_in.shape[0]
     shards = 1 if expert_axis is None else jax.lax.axis_size(expert_axis)
-    chunk = g * shard_total
+    cpu = jax.default_backend() == "cpu"
+    t = tile_rows(g * shard_total, local) if cpu else 1
+    n = -(-(g * shard_total + local * (t - 1)) // t)  # tiles per chunk
+    chunk = n * t
     e, keep = experts.reshape(-1), kept.reshape(-1)
-    dest = jnp.where(keep, e // local, shards)
-    onehot = jax.nn.one_hot(dest, shards, dtype=jnp.int32)  # dropped pairs: a zero row
-    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    onehot = jax.nn.one_hot(jnp.where(keep, e, local * shards), local * shards, dtype=jnp.int32)
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    padded = (-(-jnp.sum(onehot, axis=0) // t) * t).reshape(shards, local)
+    ends = jnp.cumsum(padded, axis=1)  # [shards, local]: each expert's run's end in its chunk
+    pos = (ends - padded).reshape(-1)[e] + rank
     keep = keep & (pos < chunk)  # only reachable with capacities over the total: never scatter out
-    idx = jnp.where(keep, dest * chunk + pos, shards * chunk)
+    idx = jnp.where(keep, (e // local) * chunk + pos, shards * chunk)
     pairs = jnp.repeat(x.reshape(g * s, d), k, axis=0)
     send = jnp.zeros((shards * chunk + 1, d), x.dtype).at[idx].add(pairs)[:-1]
-    ids = jnp.full((shards * chunk + 1,), local, jnp.int32).at[idx].set(e % local)[:-1]
+    send = send.reshape(shards, n, t, d)
+    # each tile's local expert; `local` past the last run (an unused tile)
+    starts = jnp.arange(n) * t
+    tile_expert = jax.vmap(lambda end: jnp.searchsorted(end, starts, side="right"))(ends)
+    tile_expert = tile_expert.astype(jnp.int32)
     if shards > 1:
-        send = jax.lax.all_to_all(send.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
-        ids = jax.lax.all_to_all(ids.reshape(shards, chunk), expert_axis, 0, 0, tiled=True)
-        send, ids = send.reshape(shards * chunk, d), ids.reshape(shards * chunk)
-    send = checkpoint_name(send, DISPATCHED)
-    out = grouped_ffn(send, ids, w_in, w_out, tiles=jax.default_backend() == "cpu")
+        send = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)
+        tile_expert = jax.lax.all_to_all(tile_expert, expert_axis, 0, 0, tiled=True)
+    send = checkpoint_name(send.reshape(shards * n, t, d), DISPATCHED)
+    out = grouped_ffn(send, tile_expert.reshape(-1), w_in, w_out, tiles=cpu)
+    out = out.reshape(shards, chunk, d)
     if shards > 1:
-        out = jax.lax.all_to_all(out.reshape(shards, chunk, d), expert_axis, 0, 0, tiled=True)
-        out = out.reshape(shards * chunk, d)
-    out = checkpoint_name(out, RETURNED)
+        out = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)
+    out = checkpoint_name(out.reshape(shards * chunk, d), RETURNED)
     out = jnp.concatenate([out, jnp.zeros((1, d), out.dtype)])[idx].reshape(g, s, k, d)
     return jnp.einsum("gskd,gsk->gsd", out, weight.astype(out.dtype))
 

@@ -78,10 +78,11 @@ def program_key(kind: str, spec: StageSpec) -> tuple[str, StageSpec]:
 
     The gradient norm and the update see parameters, gradients and metrics, whose shapes do
     not depend on capacities or cached routing: a capacity change recompiles only the forward
-    and backward of the stages whose capacities changed.
+    and backward of the stages whose capacities changed (on the ragged MoE path: whose totals
+    changed; the capacities themselves are a runtime input).
     """
     if kind in ("sqnorm", "update"):
-        return kind, replace(spec, capacities=(), cached_routing=False)
+        return kind, replace(spec, capacities=(), ragged_totals=(), cached_routing=False)
     return kind, spec
 
 
@@ -276,6 +277,10 @@ class Pipeline:
         # Per stage, the first parameter leaf the last update wrote and one of that update's
         # metrics, ready with it (`_ready_marks`).
         self._updated: dict[int, tuple[jax.Array, jax.Array]] = {}
+        # The ragged MoE path's per-expert capacities [MoE layers, E] (`set_capacities`), and
+        # each stage's rows of them on its sub-mesh, placed once per (stage, MoE layers).
+        self.capacities: np.ndarray | None = None
+        self._stage_capacities: dict[tuple[int, tuple[int, ...]], jax.Array] = {}
 
     # -- state -------------------------------------------------------------------------------
 
@@ -320,6 +325,27 @@ class Pipeline:
     def host_state(self) -> Any:
         """The full ``{"params", "opt_state"}`` tree as host arrays."""
         return jax.device_get(self.full_state())
+
+    def set_capacities(self, capacities: Any) -> None:
+        """The ragged MoE path's per-expert capacities ([MoE layers, E], model order) that the
+        next steps and evaluations run with: an input of the stage programs (``ctx``), so a
+        change within the stages' totals (`StageSpec.ragged_totals`) compiles nothing."""
+        self.capacities = np.asarray(capacities, np.int32)
+        self._stage_capacities = {}
+
+    def _capacities_of(self, stage: StageSpec) -> dict[str, jax.Array]:
+        """``{"capacities": the stage's rows}`` on its sub-mesh; empty off the ragged path."""
+        if not stage.ragged_totals:
+            return {}
+        key = (stage.index, stage.moe)
+        if key not in self._stage_capacities:
+            if self.capacities is None:
+                raise ValueError("the ragged MoE path runs with capacities: set_capacities first")
+            moe = [i for st in self.spec.stages for i in st.moe]
+            rows = self.capacities[[moe.index(i) for i in stage.moe]]
+            sharding = self.transport.sharding(stage.index, P())
+            self._stage_capacities[key] = jax.device_put(rows, sharding)
+        return {"capacities": self._stage_capacities[key]}
 
     def swap(self, exe: PipelineExecutable) -> Migration | None:
         """Run ``exe`` from the next step. A spec with the same `state_layout` only switches
@@ -586,8 +612,10 @@ class Pipeline:
         self, stage: StageSpec, carry: Any, run: _Run | _EvalBatch, m: int, m_count: int
     ) -> dict[str, Any]:
         """What the stage's wrappers read for microbatch ``m`` of ``m_count`` besides the
-        readout (carry, targets): stored with the stage input for the backward."""
+        readout (carry, targets), and the ragged MoE path's capacities: stored with the stage
+        input for the backward."""
         ctx = {} if carry is None else {"carry": carry}
+        ctx.update(self._capacities_of(stage))
         if stage.needs_targets:
             ctx["targets"] = run.place("targets", m, m_count, self._rows(stage.index))
         return ctx
@@ -722,6 +750,7 @@ class Pipeline:
                     evaluate = self.programs.get("eval", last)
                     t = batch.place("targets", m, m_count, self._rows(last.index))
                     ctx = {} if carry is None else {"carry": carry}
+                    ctx.update(self._capacities_of(last))
                     losses.append(evaluate(self.state[last.index]["params"], x, ctx, t))
         return float(np.mean(jax.device_get(losses))) if losses else None
 

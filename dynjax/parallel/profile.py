@@ -63,7 +63,7 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
     """
     one = dataclasses.replace(
         stage, first=False, last=False, layers=(), moe=(), capacities=(), frozen=(), options=(),
-        embed_frozen=False, input_grads=trainable_before, cached_routing=False,
+        embed_frozen=False, input_grads=trainable_before, cached_routing=False, ragged_totals=(),
     )
     if unit == ("embed",):
         return dataclasses.replace(one, first=True, embed_frozen=stage.embed_frozen)
@@ -76,8 +76,10 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
     )
     if i not in stage.moe:
         return one
-    caps = (stage.capacities[stage.moe.index(i)],)
-    return dataclasses.replace(one, moe=(i,), capacities=caps)
+    j = stage.moe.index(i)
+    caps = (stage.capacities[j],) if stage.capacities else ()
+    totals = (stage.ragged_totals[j],) if stage.ragged_totals else ()
+    return dataclasses.replace(one, moe=(i,), capacities=caps, ragged_totals=totals)
 
 
 def unit_kinds(one: StageSpec) -> tuple[str, ...]:
@@ -101,8 +103,8 @@ def timed_units(spec: PipelineSpec, parts: ModelParts) -> list[tuple[Unit, Stage
         for unit in units:
             one = unit_spec(stage, unit, trainable_before=trainable_before)
             graph = parts.layers[unit[1]] if unit[0] == "layers" else None
-            signature = (stage.index, unit[0], one.capacities, graph, one.frozen != (),
-                         one.input_grads, one.embed_frozen, one.options)
+            signature = (stage.index, unit[0], one.capacities, one.ragged_totals, graph,
+                         one.frozen != (), one.input_grads, one.embed_frozen, one.options)
             out.append((unit, one, signature))
             if unit[0] == "layers":
                 trainable_before |= not one.frozen
@@ -161,6 +163,9 @@ def _time_unit(
     # What the unit's block wrappers read in the step (carry, targets, the readout's
     # parameters), so a layer is timed with the work it does there (e.g. an exit's readout).
     ctx = jax.tree.map(lambda a: _random(a, rng), s.ctx)
+    if "capacities" in ctx:  # the ragged MoE path: every pair kept, up to the static buffer
+        full = np.full(s.ctx["capacities"].shape, x.shape[1], np.int32)
+        ctx["capacities"] = jax.device_put(full, s.ctx["capacities"].sharding)
     forward_kind, *backward_kind = unit_kinds(one)
     if one.last:
         targets = _random(s.targets, rng)

@@ -23,7 +23,9 @@ expert parallel over ``'expert'`` exactly as the single-program step (`dynjax.pa
 * ``eval(params, x, ctx, targets) -> loss`` (last stage only).
 
 ``ctx`` holds what the stage's block wrappers read of the `LayerContext` beyond activations
-(`hooks.register_block_wrapper` ``needs`` and ``carry``), only what they need: ``carry``, the
+(`hooks.register_block_wrapper` ``needs`` and ``carry``), only what they need, and on the ragged
+MoE path ``capacities``, the stage's MoE layers' per-expert capacities [len(spec.moe), E] int32
+(a runtime input like the single-program step's, issue 12 §1): ``carry``, the
 per-token arrays the previous stage's layers left (a stage input and output beside the
 activations, stored with the input for the backward, never differentiated); ``targets``; and
 ``readout``, the last stage's norm and head parameters, sent once per step. A stage before
@@ -46,7 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynjax.model import ModelParts, lm_loss
+from dynjax.model import ModelParts, RaggedCapacities, lm_loss
 from dynjax.model.gpt import run_layers
 from dynjax.model.hooks import LayerContext, carry_dtypes, hook_loss, initial_carry
 from dynjax.parallel.layout import select
@@ -104,10 +106,14 @@ def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, ctx, 
     context = LayerContext(
         readout=readout, targets=ctx.get("targets"), carry=carry, inference=spec.inference
     )
+    capacities: tuple = spec.capacities
+    if spec.ragged_totals:
+        caps = ctx["capacities"]
+        capacities = tuple(RaggedCapacities(caps[j], t) for j, t in enumerate(spec.ragged_totals))
     x, stats, layer_metrics = run_layers(
         [nnx.merge(parts.layers[i], p["layers"][i]) for i in spec.layers],
         x,
-        capacities=spec.capacities,
+        capacities=capacities,
         options=spec.layer_options(),
         parallel=expert_parallel(mesh),
         cached=cached,
@@ -316,6 +322,10 @@ def stage_shapes(
         for k, d in carry_dtypes(spec.carry).items()
     }
     ctx: dict[str, Any] = {} if spec.first or not carry else {"carry": carry}
+    replicated = NamedSharding(mesh, P())
+    if spec.ragged_totals:
+        shape = (len(spec.moe), cfg.num_experts)
+        ctx["capacities"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
     if spec.needs_targets:
         ctx["targets"] = tokens
     racc: dict[str, Any] = {}
@@ -327,7 +337,6 @@ def stage_shapes(
         metrics = jax.eval_shape(fn, params, acc, racc, x, ctx, tokens, cached)[3]
     else:
         metrics = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, ctx, cached)[2]
-    replicated = NamedSharding(mesh, P())
     metrics = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), metrics
     )

@@ -40,6 +40,11 @@ class StageSpec:
     # The block wrappers (of any stage) whose carry crosses stage boundaries: the input of a
     # stage after the first and the output of one before the last hold it (`hooks` ``carry``).
     carry: tuple[str, ...] = ()
+    # The ragged MoE path (``capacities`` then empty): each MoE layer's static buffer
+    # (`RaggedCapacities.shard_total`); the per-expert capacities are a runtime input of the
+    # stage's programs (``ctx["capacities"]`` [len(moe), E] int32), so changing them within
+    # these totals leaves the spec, and so every compiled program, as it is.
+    ragged_totals: tuple[int, ...] = ()
 
     def layer_options(self) -> tuple[LayerOptions, ...]:
         """One `LayerOptions` per layer of the stage."""
@@ -113,13 +118,15 @@ def stage_specs(
     cached_routing: bool,
     dtype: str,
     options: Sequence[LayerOptions] = (),
+    ragged_totals: Sequence[int] = (),
 ) -> tuple[StageSpec, ...]:
     """Split the model into consecutive stages of ``stage_layers[s]`` layers each.
 
     A frozen prefix of the model (the embedding and every layer before the first trainable one,
     seed 000 §4.2.3) needs no gradient: stages after it still pass input gradients back to it.
     ``options`` holds each model layer's plugin records; a stage carries those of its layers, so
-    only stages whose records change compile anew.
+    only stages whose records change compile anew. ``ragged_totals`` (one per MoE layer):
+    the ragged MoE path, whose stages hold their layers' totals in place of their capacities.
     """
     frozen = set(frozen_layers)
     embed_frozen = 0 in frozen
@@ -127,6 +134,7 @@ def stage_specs(
         (i for i in range(sum(stage_layers)) if i not in frozen), None
     )
     caps = dict(zip(moe_layers, capacities, strict=True))
+    totals = dict(zip(moe_layers, ragged_totals, strict=True)) if ragged_totals else {}
     specs, start = [], 0
     for s, count in enumerate(stage_layers):
         layers = tuple(range(start, start + count))
@@ -139,7 +147,7 @@ def stage_specs(
                 last=s == len(stage_layers) - 1,
                 layers=layers,
                 moe=tuple(i for i in layers if i in caps),
-                capacities=tuple(tuple(caps[i]) for i in layers if i in caps),
+                capacities=() if totals else tuple(tuple(caps[i]) for i in layers if i in caps),
                 frozen=tuple(i for i in layers if i in frozen),
                 embed_frozen=s == 0 and embed_frozen,
                 input_grads=s > 0 and trainable_before,
@@ -149,6 +157,7 @@ def stage_specs(
                 dtype=dtype,
                 options=tuple(options[start : start + count]) if any(options) else (),
                 carry=carrying_wrappers(options),
+                ragged_totals=tuple(totals[i] for i in layers if i in totals),
             )
         )
         start += count
