@@ -79,6 +79,9 @@ class RunSummary:
     batch_rows: int | None = None
     batch_build_seconds: float | None = None
     batch_wait_seconds: float | None = None
+    # Of the `recompiles` Plan swaps, those that needed a new program: a swap that only moves
+    # runtime values (ragged MoE capacities within their buckets) reuses the one it has.
+    compiled: int = 0
 
 
 def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
@@ -301,7 +304,7 @@ def train(
         disable=not progress,
         dynamic_ncols=True,
     )
-    recompiles, eval_loss = 0, None
+    recompiles, compiled, eval_loss = 0, 0, None
     profile_next = profile_on_change
 
     def release_unused(step: int, reason: str) -> None:
@@ -350,6 +353,7 @@ def train(
                 if migration is not None:
                     events(migration.event(step))
                 executable, plan, recompiles = swap.executable, swap.plan, recompiles + 1
+                compiled += not swap.compile.cache_hit
                 controller.swap_done(swap)
                 release_unused(step, swap.reason)
                 profile_next = profile_next or profile_on_change
@@ -470,6 +474,7 @@ def train(
         len(rows),
         (read_before[0] + batches.build_seconds) / (steps - start),
         (read_before[1] + batches.wait_seconds) / (steps - start),
+        compiled,
     )
 
 
@@ -674,7 +679,7 @@ def format_summary(s: RunSummary) -> str:
         ("model FLOPs/token", f"{s.flops_per_token / 1e6:,.1f} M (forward + backward)"),
         ("MFU (median)", "n/a (no known peak: set train.peak_flops)" if s.mfu is None
          else f"{100 * s.mfu:.1f} %"),
-        ("recompiles", str(s.recompiles)),
+        ("recompiles", f"{s.recompiles} Plan swaps, {s.compiled} of them compiled"),
         ("checkpoints", ", ".join(map(str, s.checkpoints)) or "none"),
         ("batches (host)", "n/a" if s.batch_build_seconds is None else
          f"{s.batch_rows} rows of each read here, {1e3 * s.batch_build_seconds:.2f} ms/step "

@@ -72,6 +72,7 @@ def test_dynamic_capacity_recompiles_in_the_background(tmp_path):
     workdir, summary = train_with_warm_cache(cfg, tmp_path)
     recompiles = events_of(workdir, "recompile")
     assert recompiles and summary.recompiles == len(recompiles)
+    assert summary.compiled == sum(not r["cache_hit"] for r in recompiles)
     first = recompiles[0]
     assert first["steps_during_compile"] > 0 and first["swap_step"] > first["step"]
     assert any(k.startswith("capacities[") for k in first["plan_diff"])
