@@ -35,7 +35,7 @@ from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
 from dynjax.launch.cluster import ClusterError
-from dynjax.launch.distributed import fail, initialize_from_env, joined
+from dynjax.launch.distributed import Peers, fail, initialize_from_env, joined
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
 from dynjax.parallel.profile import device_memory_limit
@@ -48,6 +48,7 @@ from dynjax.recompile import (
     EventLog,
     Monitor,
     Plan,
+    PlanError,
     Policy,
     Rebalance,
     Repack,
@@ -157,8 +158,9 @@ def train(
 
     In a multi-process run (`dynjax.launch`) every process runs this loop over its own devices
     (the single program's share of the mesh, or its pipeline stages) and reads only the batch
-    rows they consume; process i > 0 writes its files to ``workdir/process_<i>``. Such a run
-    keeps its first Plan (no policies: every process would have to swap at the same step). A
+    rows they consume; process i > 0 writes its files to ``workdir/process_<i>``. Process 0's
+    policies decide for every process, and all swap at the same step (`Controller` with
+    `Peers`); a Plan that would move layers between stages is refused there. A
     single program over every process's devices checkpoints into ``workdir/checkpoints``, each
     process writing its own shards (`Checkpointer`); a pipeline over processes writes none (a
     process holds only its own stages' arrays, not the global arrays Orbax saves).
@@ -175,7 +177,7 @@ def train(
     release_hook = release_hook or load_release_hook(cfg.balance.release_hook)
     events = EventLog(workdir / "events.jsonl")
     if not single:
-        _check_multi_process(cfg, [*config_policies, *policies])
+        _check_multi_process(cfg)
     saves = single or not exp.ctx.pipeline_stages
     if saves:
         checkpointer = Checkpointer(
@@ -270,13 +272,23 @@ def train(
     )
     executable = first.executable
     budget = cfg.recompile.budget
+
+    def validate(proposed: Plan) -> None:
+        proposed.validate(runtime.plan_context(controller.plan))
+        if not single and proposed.stage_layers != controller.plan.stage_layers:
+            raise PlanError(
+                "a multi-process run cannot move layers between its stages yet (a stage's "
+                "layers stay on their process)"
+            )
+
     controller = Controller(
         plan,
         compiler,
         [*config_policies, *policies],
         emit=events,
-        validate=lambda p: p.validate(runtime.plan_context(controller.plan)),
+        validate=validate,
         budget=Budget(budget.max_recompiles, budget.window_steps),
+        peers=None if single else Peers(),
     )
     cache = (
         AssignmentCache(
@@ -335,8 +347,8 @@ def train(
     release_unused(start, "resumed re-packed")
 
     # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
-    # They stay the same: a multi-process run keeps its first Plan, and in one process every
-    # Plan's devices are this process's.
+    # They stay the same: a multi-process run keeps its stages' layouts (`validate`), and in one
+    # process every Plan's devices are this process's.
     rows = runtime.batch_rows()
     controller.start()
     read = functools.partial(exp.order.batch, rows=rows)
@@ -549,12 +561,19 @@ def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list
     return out
 
 
-def _check_multi_process(cfg, policies: Sequence[Policy]) -> None:
-    if policies:
+def _check_multi_process(cfg: ml_collections.ConfigDict) -> None:
+    """What a multi-process run cannot do yet, refused before any work."""
+    b = cfg.balance
+    if b.enabled or b.repack:
         raise config_lib.ConfigError(
-            "multi-process runs keep their first Plan: remove the policies (and set "
-            "moe.capacity.policy=static, moe.caching.enabled=False, balance.enabled=False, "
-            "balance.repack=False)"
+            "balance.enabled / balance.repack: a multi-process run cannot move layers between "
+            "its stages yet (profiles and migrations stay within one process); set "
+            "balance.enabled=False and balance.repack=False"
+        )
+    if cfg.moe.caching.enabled:
+        raise config_lib.ConfigError(
+            "moe.caching.enabled: the routing cache reads every sample's assignment on one "
+            "host, which a multi-process run does not have; set moe.caching.enabled=False"
         )
     if cfg.checkpoint.snapshot_every:
         raise config_lib.ConfigError(

@@ -175,20 +175,23 @@ def test_cli_reports_bad_values_with_the_key_and_exits_2(capsys, overrides, mess
 def test_cli_reports_config_errors_found_once_devices_are_known(capsys, monkeypatch):
     """Multi-process checks run inside `train` (they need the processes): exit 2 as well."""
     monkeypatch.setattr(
-        "dynjax.train.train",
-        lambda cfg, *a, **k: train_module._check_multi_process(cfg, ["a policy"]),
+        "dynjax.train.train", lambda cfg, *a, **k: train_module._check_multi_process(cfg)
     )
-    assert main(["--config", "tests/tiny.py"]) == 2
-    assert "multi-process runs keep their first Plan: remove the policies" in (
+    balance = ["--config.balance.enabled=True", "--config.mesh.stage=2"]
+    assert main(["--config", "tests/tiny.py", *balance]) == 2
+    assert "balance.enabled / balance.repack: a multi-process run cannot move layers" in (
         capsys.readouterr().err
     )
+    caching = ["--config.moe.caching.enabled=True", "--config.moe.every=2"]
+    assert main(["--config", "tests/tiny.py", *caching]) == 2
+    assert "moe.caching.enabled: the routing cache" in capsys.readouterr().err
 
 
 def test_multi_process_runs_refuse_two_level_snapshots(capsys, monkeypatch):
     """Snapshots live in one process's memory: a multi-process run says so before any work
     instead of silently checkpointing on `train.checkpoint_every` alone."""
     monkeypatch.setattr(
-        "dynjax.train.train", lambda cfg, *a, **k: train_module._check_multi_process(cfg, [])
+        "dynjax.train.train", lambda cfg, *a, **k: train_module._check_multi_process(cfg)
     )
     two_level = [
         "--config.checkpoint.snapshot_every=2",

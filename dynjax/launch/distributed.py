@@ -106,3 +106,17 @@ def forget(key: str) -> None:
     """Delete this process's value of an exchange every process has read."""
     if jax.process_count() > 1:
         _client().key_value_delete(f"dynjax/{key}/{jax.process_index()}")
+
+
+class Peers:
+    """The run's processes as `dynjax.recompile.Controller` exchanges swap decisions with them
+    (`dynjax.recompile.agreement.Peers`)."""
+
+    def __init__(self) -> None:
+        self.index, self.count = jax.process_index(), jax.process_count()
+
+    def exchange(self, key: str, value: Any) -> list[Any]:
+        return exchange(key, value)
+
+    def forget(self, key: str) -> None:
+        forget(key)

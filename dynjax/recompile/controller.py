@@ -5,7 +5,9 @@ the device trains with the current graph, and a new graph takes effect at the la
 Here `observe` feeds host metrics (already Δ steps old, see `Monitor`) to a policy thread; an
 accepted proposal is lowered there and compiled on the `Compiler`'s worker; the training loop's
 `poll` returns a `Swap` at the first step boundary where the executable is ready, and training
-never waits for a decision. Events (dicts, one JSON line each) record every decision:
+never waits for a decision. In a multi-process run (``peers``) only the leader's policies
+decide, and a Plan swaps in at the first boundary where every process holds its executable
+(`dynjax.recompile.agreement`). Events (dicts, one JSON line each) record every decision:
 
 - `recompile`: step (training step when proposed), metrics_step, swap_step, reason, policy,
   plan_diff, plan, lower_seconds, compile_seconds, cache_hit, steps_during_compile,
@@ -13,7 +15,8 @@ never waits for a decision. Events (dicts, one JSON line each) record every deci
 - `recompile_rejected`: step, metrics_step, reason (the `PlanError`, or "budget"), policy,
   plan_diff; once per refused Plan: a policy (or the budget) that keeps refusing the same Plan
   is not logged again until it refuses another one or a recompile goes through;
-- `recompile_failed`: lowering or compiling raised; `policy_error`: a policy raised;
+- `recompile_failed`: lowering or compiling raised (in a multi-process run on any process, which
+  `process` names: every process drops the Plan); `policy_error`: a policy raised;
 - a policy's own decision records (`Proposal.records`, e.g. `rebalance`), with step,
   metrics_step and policy added.
 """
@@ -29,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynjax.recompile.agreement import LEADER, Announcement, Peers, Status, verdict
 from dynjax.recompile.compiler import Compiler, CompileResult
 from dynjax.recompile.plan import Plan
 from dynjax.recompile.policy import History, Metrics, Policy, as_proposal
@@ -81,6 +85,12 @@ class _Pending:
     metrics_step: int | None
     reason: str
     policy: str
+    number: int = 0  # in a multi-process run, the leader's `Announcement.number`
+
+    def announcement(self) -> Announcement:
+        return Announcement(
+            self.number, self.plan, self.step, self.metrics_step, self.reason, self.policy
+        )
 
 
 class Controller:
@@ -95,6 +105,10 @@ class Controller:
     it must be thread-safe
     (`EventLog` is). Errors of the controller itself (not of a policy) are re-raised on the
     training thread by the next `poll`, `wait_idle` or `stop`.
+
+    With ``peers`` (a multi-process run), every `poll` exchanges this process's `Status` with
+    the others: process 0 runs the policies and announces what it accepts, the others compile
+    the announced Plan on their own thread, and all swap at the same boundary.
     """
 
     def __init__(
@@ -107,6 +121,7 @@ class Controller:
         validate: Callable[[Plan], None],
         budget: Budget,
         history_size: int = 1000,
+        peers: Peers | None = None,
     ) -> None:
         self._plan = plan
         self._compiler = compiler
@@ -126,6 +141,12 @@ class Controller:
         self._launch_step = 0
         self._unfinished: Swap | None = None
         self._refused: dict[str, Plan] = {}  # policy name or "budget" -> last Plan refused
+        self._peers = peers
+        self._leader = peers is None or peers.index == LEADER
+        self._numbered = 0  # the leader: Plans accepted so far
+        self._announced = 0  # the leader: the newest Plan number it announced
+        self._adopt: Announcement | None = None  # a follower: the leader's Plan to compile
+        self._dropped = 0  # a follower: Plans up to this number were dropped by every process
 
     @property
     def plan(self) -> Plan:
@@ -174,7 +195,8 @@ class Controller:
     def poll(self, step: int) -> Swap | None:
         """At the boundary before `step`: a `Swap` if a pending executable is ready, else None.
 
-        Never blocks on a compile. After a Swap, the caller migrates state, switches to
+        Never blocks on a compile (in a multi-process run it waits only for the other
+        processes to reach this boundary). After a Swap, the caller migrates state, switches to
         `swap.executable` and calls `swap_done(swap)`, which emits the `recompile` event with
         the stall measured from this call.
         """
@@ -185,8 +207,59 @@ class Controller:
         self._launch_step = step
         with self._cond:
             pending = self._pending
-            if pending is None or not pending.future.done():
-                return None
+        if self._peers is not None:
+            return self._agree(step, pending, found_at)
+        if pending is None or not pending.future.done():
+            return None
+        return self._take(pending, step, found_at)
+
+    def _agree(self, step: int, pending: _Pending | None, found_at: float) -> Swap | None:
+        """`poll` of a multi-process run: the boundary's `Verdict` from every process's status."""
+        announce = None
+        if self._leader and pending is not None and pending.number > self._announced:
+            announce = pending.announcement()
+            self._announced = pending.number
+        status = Status(announce)
+        if pending is not None and pending.future.done():
+            error = pending.future.exception()
+            status = Status(
+                announce,
+                ready=pending.number if error is None else None,
+                failed=None if error is None else (pending.number, _describe(error)),
+            )
+        assert self._peers is not None
+        found = verdict(self._peers.exchange(f"control/{step}", status))
+        self._peers.forget(f"control/{step - 2}")  # every process has read it (one step apart)
+        if found.failed is not None:
+            number, process, error = found.failed
+            with self._cond:
+                if self._pending is not None and self._pending.number == number:
+                    self._pending = None
+                self._dropped = max(self._dropped, number)
+                self._cond.notify_all()
+            where = pending if pending is not None and pending.number == number else None
+            self._emit_failed(
+                where.step if where else step,
+                where.metrics_step if where else None,
+                where.reason if where else "",
+                where.policy if where else "",
+                self.plan.diff(where.plan) if where else {},
+                error,
+                process=process,
+            )
+            return None
+        if found.announced is not None and not self._leader:
+            with self._cond:
+                self._adopt = found.announced
+                self._cond.notify_all()
+        if found.swap is None or pending is None:
+            return None
+        assert pending.number == found.swap, "every process reported this Plan ready"
+        return self._take(pending, step, found_at)
+
+    def _take(self, pending: _Pending, step: int, found_at: float) -> Swap | None:
+        """Swap to `pending` (its compile has finished), or report that it failed."""
+        with self._cond:
             error = pending.future.exception()
             previous = self._plan
             if error is None:
@@ -200,7 +273,7 @@ class Controller:
                 pending.reason,
                 pending.policy,
                 previous.diff(pending.plan),
-                error,
+                _describe(error),
             )
             return None
         result = pending.future.result()
@@ -249,15 +322,24 @@ class Controller:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self._processed < self._observed)
+                self._cond.wait_for(
+                    lambda: (
+                        self._stopping
+                        or self._processed < self._observed
+                        or self._adopt is not None
+                    )
+                )
                 if self._stopping:
                     return
                 target = self._observed
                 history = History(tuple(self._entries))
                 idle = self._pending is None
                 plan = self._plan
+                adopt, self._adopt = self._adopt, None
             try:
-                if idle:
+                if adopt is not None:
+                    self._compile_announced(adopt)
+                elif idle and self._leader:
                     self._round(history, plan)
             except BaseException as e:  # surfaced on the training thread by poll()
                 with self._cond:
@@ -265,8 +347,28 @@ class Controller:
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._processed = target
+                self._processed = max(self._processed, target)
                 self._cond.notify_all()
+
+    def _compile_announced(self, announced: Announcement) -> None:
+        """A follower builds the Plan the leader announced, as the leader did (in the
+        background); a failure is reported at the next boundary, where every process drops it."""
+        try:
+            future = self._compiler.submit(announced.plan)
+        except Exception as e:
+            future = Future()
+            future.set_exception(e)
+        with self._cond:
+            if announced.number > self._dropped:
+                self._pending = _Pending(
+                    announced.plan,
+                    future,
+                    announced.step,
+                    announced.metrics_step,
+                    announced.reason,
+                    announced.policy,
+                    announced.number,
+                )
 
     def _round(self, history: History, base: Plan) -> None:
         step, metrics_step = self._launch_step, history.latest_step
@@ -334,13 +436,19 @@ class Controller:
         try:
             future = self._compiler.submit(plan)  # lowers here, compiles on the worker
         except Exception as e:
-            self._emit_failed(step, metrics_step, reason, policy_names, diff, e)
-            return
+            if self._peers is None:
+                self._emit_failed(step, metrics_step, reason, policy_names, diff, _describe(e))
+                return
+            future = Future()  # announced all the same: every process drops it together
+            future.set_exception(e)
         if not free:
             self._accepted_steps.append(step)
         self._refused.clear()
+        self._numbered += 1
         with self._cond:
-            self._pending = _Pending(plan, future, step, metrics_step, reason, policy_names)
+            self._pending = _Pending(
+                plan, future, step, metrics_step, reason, policy_names, self._numbered
+            )
 
     def _emit_failed(
         self,
@@ -349,16 +457,22 @@ class Controller:
         reason: str,
         policy: str,
         diff: dict[str, Any],
-        error: BaseException,
+        error: str,
+        process: int | None = None,
     ) -> None:
-        self._emit(
-            {
-                "event": "recompile_failed",
-                "step": step,
-                "metrics_step": metrics_step,
-                "reason": reason,
-                "policy": policy,
-                "plan_diff": diff,
-                "error": f"{type(error).__name__}: {error}",
-            }
-        )
+        event = {
+            "event": "recompile_failed",
+            "step": step,
+            "metrics_step": metrics_step,
+            "reason": reason,
+            "policy": policy,
+            "plan_diff": diff,
+            "error": error,
+        }
+        if process is not None:
+            event["process"] = process
+        self._emit(event)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,84 @@
+"""Plan swaps that every process of a multi-process run makes at the same step (issue 15 §4).
+
+The processes of a run execute the same programs: one SPMD program over all their devices, or
+pipeline stages whose transfers both neighbours join. A process that swapped in a new program
+alone would wait forever in a collective the others never enter. So one process decides (the
+leader, process 0, runs the policies: seed 001 §3's trigger, once per run), its decision travels
+to the others, each compiles it on its own Controller thread while training goes on, and at every
+step boundary the processes exchange one small `Status` through the coordinator's key-value store
+(host to host: it never waits for queued device work). From the same exchanged statuses each
+process derives the same `Verdict`: the Plan to compile, swap now (every process holds the
+executable), or drop the Plan (a process failed to compile it). DESIGN.md: "one process decides,
+all swap at the same step boundary".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dynjax.recompile.plan import Plan
+
+LEADER = 0  # the process whose policies decide
+
+
+class Peers(Protocol):
+    """The processes of a run as the Controller needs them (`dynjax.launch.distributed.Peers`)."""
+
+    index: int  # this process's
+    count: int
+
+    def exchange(self, key: str, value: Any) -> list[Any]:
+        """Every process's ``value`` for ``key``, by process index; blocks until all published."""
+        ...
+
+    def forget(self, key: str) -> None:
+        """Delete this process's value of an exchange that every process has read."""
+        ...
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A Plan the leader's policies accepted, numbered in the order the leader announced them."""
+
+    number: int
+    plan: Plan
+    step: int  # training step when proposed
+    metrics_step: int | None
+    reason: str
+    policy: str
+
+
+@dataclass(frozen=True)
+class Status:
+    """What one process says at a step boundary."""
+
+    announce: Announcement | None = None  # the leader's new Plan, once
+    ready: int | None = None  # the number of the Plan whose executable this process holds
+    failed: tuple[int, str] | None = None  # the number and error of a Plan it could not build
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every process does at a boundary: the same on all, derived from the same statuses."""
+
+    announced: Announcement | None = None  # compile this Plan (the leader already does)
+    swap: int | None = None  # swap to the Plan of this number now
+    failed: tuple[int, int, str] | None = None  # drop the Plan: (number, process, its error)
+
+
+def verdict(statuses: Sequence[Status]) -> Verdict:
+    """The boundary's verdict from every process's status, in process order.
+
+    A Plan swaps in only when every process reports it ready, and is dropped everywhere as soon
+    as one process reports that it could not build it; a failure wins over readiness.
+    """
+    announced = statuses[LEADER].announce
+    for process, status in enumerate(statuses):
+        if status.failed is not None:
+            number, error = status.failed
+            return Verdict(announced, failed=(number, process, error))
+    ready = {status.ready for status in statuses}
+    swap = ready.pop() if len(ready) == 1 else None
+    return Verdict(announced, swap=swap)
