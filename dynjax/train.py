@@ -160,7 +160,7 @@ def train(
     (the single program's share of the mesh, or its pipeline stages) and reads only the batch
     rows they consume; process i > 0 writes its files to ``workdir/process_<i>``. Process 0's
     policies decide for every process, and all swap at the same step (`Controller` with
-    `Peers`); a Plan that would move layers between stages is refused there. A
+    `Peers`), moving layers between processes' stages if the Plan says so. A
     single program over every process's devices checkpoints into ``workdir/checkpoints``, each
     process writing its own shards (`Checkpointer`); a pipeline over processes writes none (a
     process holds only its own stages' arrays, not the global arrays Orbax saves).
@@ -275,10 +275,11 @@ def train(
 
     def validate(proposed: Plan) -> None:
         proposed.validate(runtime.plan_context(controller.plan))
-        if not single and proposed.stage_layers != controller.plan.stage_layers:
+        stages = len(controller.plan.stage_layers)
+        if not single and len(proposed.stage_layers) != stages:
             raise PlanError(
-                "a multi-process run cannot move layers between its stages yet (a stage's "
-                "layers stay on their process)"
+                f"a multi-process run keeps its {stages} pipeline stages (no re-pack that "
+                "releases a process's devices yet)"
             )
 
     controller = Controller(
@@ -347,8 +348,8 @@ def train(
     release_unused(start, "resumed re-packed")
 
     # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
-    # They stay the same: a multi-process run keeps its stages' layouts (`validate`), and in one
-    # process every Plan's devices are this process's.
+    # They stay the same: a multi-process run keeps its stages (`validate`; the first stage reads
+    # the inputs, the last the targets), and in one process every Plan's devices are this one's.
     rows = runtime.batch_rows()
     controller.start()
     read = functools.partial(exp.order.batch, rows=rows)
@@ -566,8 +567,8 @@ def _check_multi_process(cfg: ml_collections.ConfigDict) -> None:
     b = cfg.balance
     if b.enabled or b.repack:
         raise config_lib.ConfigError(
-            "balance.enabled / balance.repack: a multi-process run cannot move layers between "
-            "its stages yet (profiles and migrations stay within one process); set "
+            "balance.enabled / balance.repack: a multi-process run is not profiled yet (the "
+            "balancer decides from per-layer times measured in one process); set "
             "balance.enabled=False and balance.repack=False"
         )
     if cfg.moe.caching.enabled:

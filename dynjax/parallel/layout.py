@@ -59,19 +59,26 @@ Move = Callable[[Any, int, int, Any], Any]  # (array, from stage, to stage, shar
 
 
 def relayout(
-    old: Mapping[int, Any], new_templates: Mapping[int, Any], move: Move
+    old: Mapping[int, Any],
+    new_templates: Mapping[int, Any],
+    move: Move,
+    local: Callable[[int], bool] = lambda stage: True,
 ) -> tuple[dict[int, Any], int]:
     """Re-key per-stage trees onto new stage templates; returns (new trees, bytes moved).
 
     A leaf a stage already holds stays where it is; any other leaf comes from the first old
     stage holding its path, through ``move`` (a copy: bit-for-bit). ``new_templates`` leaves
-    carry the target ``sharding``.
+    carry the target ``sharding``. With stages over several processes, ``old`` and
+    ``new_templates`` describe every stage (another process's old stage by its abstract
+    leaves): every process then makes the same ``move`` calls in the same order (a transfer
+    both ends take part in, None where the target is not ``local``) and gets the trees of its
+    ``local`` stages.
     """
     old_paths = {s: by_path(tree) for s, tree in old.items()}
     moved_bytes, out = 0, {}
-    for s, template in new_templates.items():
+    for s in sorted(new_templates):
         values = {}
-        for path, spec in by_path(template).items():
+        for path, spec in by_path(new_templates[s]).items():
             if path in old_paths.get(s, {}):
                 values[path] = old_paths[s][path]
                 continue
@@ -80,8 +87,9 @@ def relayout(
                 raise KeyError(f"no stage holds {jax.tree_util.keystr(path)}")
             leaf = old_paths[src][path]
             values[path] = move(leaf, src, s, spec.sharding)
-            moved_bytes += leaf.size * leaf.dtype.itemsize
-        out[s] = fill(template, values)
+            moved_bytes += math.prod(leaf.shape) * jax.numpy.dtype(leaf.dtype).itemsize
+        if local(s):
+            out[s] = fill(new_templates[s], values)
     return out, moved_bytes
 
 

@@ -287,9 +287,10 @@ class Pipeline:
     def _local(self, spec: PipelineSpec) -> list[StageSpec]:
         return [s for s in spec.stages if self.transport.is_local(s.index)]
 
-    def _templates(self, spec: PipelineSpec) -> dict[int, dict[str, Any]]:
+    def _templates(self, spec: PipelineSpec, every: bool = False) -> dict[int, dict[str, Any]]:
+        """The abstract state of this process's stages (``every``: of all stages)."""
         out = {}
-        for stage in self._local(spec):
+        for stage in spec.stages if every else self._local(spec):
             shapes = self.programs.shapes(stage)
             out[stage.index] = {"params": shapes.params, "opt_state": shapes.opt_state}
         return out
@@ -357,12 +358,20 @@ class Pipeline:
 
     def migrate(self, exe: PipelineExecutable) -> Migration:
         """Lay the state out for ``exe``: every layer whose stage changed moves to its new stage
-        with its optimizer state, bit for bit; the others stay where they are."""
-        self._single_process("moving layers between stages")
+        with its optimizer state, bit for bit; the others stay where they are. Across processes
+        both owners take part in each move (`Transport.send`), in the one order every process
+        derives from the two specs."""
         old, spec = self.spec, exe.spec
         jax.block_until_ready(self.state)  # the steps in flight finish first: time the moves only
         start = time.perf_counter()
-        self.state, moved = relayout(self.state, self._templates(spec), self.transport.move)
+        held = {**self._templates(old, every=True), **self.state}  # others' stages: abstract
+        is_local = self.transport.is_local
+
+        def move(leaf, src: int, dst: int, sharding) -> jax.Array | None:
+            like = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            return self.transport.send(leaf if is_local(src) else None, src, dst, like)
+
+        self.state, moved = relayout(held, self._templates(spec, every=True), move, is_local)
         jax.block_until_ready(self.state)
         seconds = time.perf_counter() - start
         self.acc, self.racc, self.spec = self._zero_acc(spec), self._zero_acc(spec, "racc"), spec

@@ -61,11 +61,6 @@ class Transport:
     def sharding(self, stage: int, spec: P) -> NamedSharding:
         return NamedSharding(self.stage_meshes[stage], spec)
 
-    def move(self, x: jax.Array, src: int, dst: int, sharding: NamedSharding | None = None):
-        """``x`` (on stage ``src``) as an array on stage ``dst`` of this process."""
-        del src
-        return jax.device_put(x, sharding or self.sharding(dst, x.sharding.spec))
-
     def send(
         self, x: jax.Array | None, src: int, dst: int, like: jax.ShapeDtypeStruct
     ) -> jax.Array | None:
