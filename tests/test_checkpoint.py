@@ -54,6 +54,7 @@ def assert_placed_like(state, target):
         assert isinstance(got, jax.Array) and got.sharding == want.sharding
 
 
+@pytest.mark.slow
 def test_round_trip_is_exact_and_sharded_as_the_target(trained, tmp_path):
     exp, state = trained
     events = []
@@ -93,6 +94,7 @@ def test_the_item_count_does_not_grow_with_layers_and_experts(tmp_path, layers, 
     assert all(shape[0] == experts for shape in shapes)
 
 
+@pytest.mark.slow
 def test_fsdp_state_round_trips_on_eight_devices(tmp_path):
     exp = Experiment.from_config(
         tiny_config(moe__every=1, mesh__data=4, mesh__expert=2, parallel__fsdp=True)
@@ -108,6 +110,7 @@ def test_fsdp_state_round_trips_on_eight_devices(tmp_path):
     assert_placed_like(restored, exp.abstract_state)
 
 
+@pytest.mark.slow
 def test_a_pipeline_state_restores_onto_its_stages(tmp_path):
     cfg = tiny_config(moe__every=1, mesh__stage=2, mesh__data=2, mesh__expert=2)
     exp = Experiment.from_config(cfg)
@@ -232,6 +235,7 @@ def _file_bytes_read() -> int:
     return metric["values"][0]["value"]
 
 
+@pytest.mark.slow
 def test_a_subset_of_experts_reads_only_those_experts(tmp_path):
     exp = Experiment.from_config(
         tiny_config(moe__every=1, moe__num_experts=8, model__d_model=64, model__mlp_dim=128)
@@ -314,6 +318,7 @@ def test_all_checkpoints_corrupt_is_an_error_that_says_where_they_are(trained, t
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_a_layout_1_checkpoint_still_restores(tmp_path):
     """``tests/data/old_layout_checkpoint.tar.gz``: step 1 of a run written by the code before
     layout 2 (one item per expert; tests/data/README.md), restored onto an expert-parallel mesh

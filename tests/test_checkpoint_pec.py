@@ -58,6 +58,7 @@ def stored_rows(step_dir):
     return {k: a.shape[0] for k, a in layout.denest(stored).items()}
 
 
+@pytest.mark.slow
 def test_all_experts_is_exactly_the_full_save(trained, tmp_path):
     exp, state = trained
     events = {"full": [], "pec": []}
@@ -242,6 +243,7 @@ def test_a_first_partial_save_saves_every_expert_without_a_copy(trained, tmp_pat
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_pruning_masks_are_saved_with_their_experts_weights(tmp_path):
     exp = Experiment.from_config(tiny_config(moe__every=1, pruning__enabled=True))
     state = exp.init_state()

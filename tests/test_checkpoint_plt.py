@@ -347,6 +347,7 @@ def _check_recoveries(workdir: Path) -> list[dict]:
     return recoveries
 
 
+@pytest.mark.slow
 def test_a_killed_pec_run_restores_accounts_its_plt_and_trains_on(tmp_path):
     """K = 1 of 4 experts, a save every 2 steps (2 full, 4, 6 partial), SIGKILL right after the
     save of 6: the restore takes each expert from its newest copy (sequential: layer 0 saved
@@ -373,6 +374,7 @@ def test_a_killed_pec_run_restores_accounts_its_plt_and_trains_on(tmp_path):
     assert logged[12]["checkpoint/plt"] == pytest.approx(rec["lost_tokens"] / through)
 
 
+@pytest.mark.slow
 def test_a_corrupted_expert_of_a_run_counts_the_plt_of_its_older_copy(tmp_path, caplog):
     """A PEC run saved at 2 (full), 4 and 6 (K = 1: layer 0 saved expert 0 at 4 and expert 1 at
     6); expert 1's weights at step 6 are then overwritten on disk. The resumed run restores

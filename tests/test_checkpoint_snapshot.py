@@ -136,6 +136,7 @@ def _recoveries(workdir) -> list[dict]:
     return [e for e in events if e["event"] == "checkpoint_recovery"]
 
 
+@pytest.mark.slow
 def test_memory_recovery_continues_like_a_restore_of_a_full_checkpoint(tmp_path):
     """A fault before step 7 restores step 6's full snapshot from host memory; the run goes on
     with the losses of a run restored from a full checkpoint of step 6."""
@@ -160,6 +161,7 @@ def test_memory_recovery_continues_like_a_restore_of_a_full_checkpoint(tmp_path)
     assert [first[s] for s in range(1, 11)] == [disk[s] for s in range(1, 11)]
 
 
+@pytest.mark.slow
 def test_memory_recovery_loses_no_more_tokens_than_a_restart_from_storage(tmp_path):
     """Same partial two-level run (K_snapshot = K_persist = 1), same fault before step 15: the
     surviving process recovers from memory (step 14), a killed one restarts from storage (the
@@ -231,6 +233,7 @@ def test_two_level_config_errors_name_the_key(overrides, match):
         validate_config(tiny_config(**overrides), 1)
 
 
+@pytest.mark.slow
 def test_a_dense_model_snapshots_and_recovers_its_state(tmp_path):
     run = {
         "checkpoint__snapshot_every": 2,

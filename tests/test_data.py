@@ -159,6 +159,7 @@ def short_validation(tmp_path, **overrides):
     return exp, plan, exp.runtime(plan)
 
 
+@pytest.mark.slow
 def test_both_runtimes_evaluate_a_validation_set_smaller_than_a_batch(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="dynjax.data"):
         one, plan, single = short_validation(tmp_path)

@@ -83,6 +83,7 @@ def test_pipeline_processes_read_rows_only_for_their_first_and_last_stages(count
     assert [len(r) for r in reads] == want
 
 
+@pytest.mark.slow
 def test_a_pipeline_step_on_the_read_rows_equals_the_full_batch():
     """A batch read as rows trains as the whole batch does; one missing rows a stage's devices
     hold is refused, naming them (device 0 of the first stage holds rows 0 and 2)."""
@@ -201,6 +202,7 @@ def losses(workdir):
     return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
 
 
+@pytest.mark.slow
 def test_resume_mid_run_and_prefetch_depth_see_the_same_batches(tmp_path):
     base = {"train__checkpoint_every": 3, "train__eval_every": 1000}
     reference = train(tiny_config(train__steps=6, data__prefetch=0, **base), tmp_path / "ref",

@@ -86,6 +86,7 @@ def test_resume_keeps_or_refreshes_its_part_and_refuses_its_fixed_keys():
         check_resumable(changes, "workdir")
 
 
+@pytest.mark.slow
 def test_a_run_with_a_plugin_writes_its_layer_costs(tmp_path):
     cfg = tiny_config(moe__every=2, train__steps=4, train__log_every=2)
     train(cfg, tmp_path, progress=False)
@@ -104,6 +105,7 @@ def one_step(cfg, plan_change=lambda plan: plan):
     return exp, plan, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", [{}, {"mesh__stage": 2}], ids=["single", "pipeline"])
 def test_layer_options_reach_the_block_hook_and_its_metric_comes_back(pipeline):
     base = dict(model__num_layers=4, train__batch_size=8, **pipeline)
@@ -162,6 +164,7 @@ register_block_hook("tally", lambda x, r: (x, {"tally/mean_abs": jnp.mean(jnp.ab
 register_state_rule("tally", add_seen, state=("seen",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", [{}, {"mesh__stage": 2}], ids=["single", "pipeline"])
 def test_a_state_rule_moves_its_layers_state_from_their_step_metrics(pipeline):
     """Not MoE: the rule of layers 1 and 3 (one per stage on the pipeline) adds each layer's

@@ -117,6 +117,7 @@ def test_queries_of_a_subset_against_the_whole_sequence_equal_full_attention_gat
                                rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("measure", ["softmax_max", "state"])
 @pytest.mark.parametrize("bucketed", [False, True])
 def test_early_exit_equals_a_token_by_token_reference(measure, bucketed):
@@ -163,6 +164,7 @@ def test_tokens_beyond_a_bucket_are_forced_out_and_counted_as_the_reference_does
         assert float(m[PROCESSED]) == pytest.approx(alive[layer].mean(), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_an_exited_token_gives_later_layers_no_gradient():
     model, cfg, inputs, targets = model_and_batch(2, batch=1)
     threshold = exit_threshold(model, cfg, inputs)
@@ -186,6 +188,7 @@ def test_an_exited_token_gives_later_layers_no_gradient():
         assert float(optax.tree.norm(grads[first])) > 0
 
 
+@pytest.mark.slow
 def test_smaller_buckets_shrink_the_compiled_step():
     exp = Experiment.from_config(ee_config(data__seq_len=64, early_exit__first=1))
 
@@ -248,6 +251,7 @@ def test_bad_settings_name_the_key(overrides, key):
         validate_config(ee_config(**overrides), 8)
 
 
+@pytest.mark.slow
 def test_training_exits_tokens_and_shrinks_the_buckets_in_the_background(tmp_path):
     # Exits on from the start (the start step is the policy test's): the first Plan change is
     # the buckets', decided from the same metrics in both runs, so the second finds it cached.

@@ -111,6 +111,7 @@ def trained(assignment, schedule="1f1b", fsdp=False):
     return pipeline, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("assignment", "schedule", "fsdp"),
     [((2, 2), "1f1b", False), ((1, 1, 1, 1), "gpipe", False), ((2, 2), "1f1b", True)],
@@ -154,6 +155,7 @@ def test_the_head_update_includes_the_earlier_stages_readout_gradient(monkeypatc
     # ...which the full pipeline matches (the parametrised test above).
 
 
+@pytest.mark.slow
 def test_profiling_times_the_exit_layers_with_their_readout():
     progs, template = programs(2)
     exe = progs.lower(spec_for((2, 2)), profiling=True).compile()
@@ -173,6 +175,7 @@ def records(workdir, key):
     return {r["step"]: r[key] for r in read_jsonl(workdir / "metrics.jsonl") if key in r}
 
 
+@pytest.mark.slow
 def test_training_on_a_pipeline_equals_one_program(tmp_path):
     base = dict(early_exit__enabled=True, early_exit__first=1, early_exit__every=1,
                 early_exit__start_step=0, early_exit__threshold=0.0056, model__num_layers=L,

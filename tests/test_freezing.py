@@ -71,6 +71,7 @@ def params_at(workdir, step, exp):
     return state["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [{}, {"mesh__stage": 2}], ids=["single", "pipeline"])
 def test_a_run_freezes_layers_and_their_parameters_stop_changing(tmp_path, mesh):
     cfg = tiny_config(

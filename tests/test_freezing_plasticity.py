@@ -21,6 +21,7 @@ def probe_of(exp, size=2):
     return PlasticityProbe(gpt_config(exp.cfg), exp.order.batch(0).inputs[:size])
 
 
+@pytest.mark.slow
 def test_the_probe_forward_is_the_model_forward():
     """The last layer's probe output, through the final norm and head, gives the model's logits
     (MoE layers with capacities no pair overflows)."""
@@ -43,6 +44,7 @@ def perturbed(host, layer, scale=1.1):
     return {**host, "params": params}
 
 
+@pytest.mark.slow
 def test_plasticity_is_each_layers_relative_change_in_both_runtimes():
     measured = {}
     for name, mesh in (("single", {}), ("pipeline", {"mesh__stage": 4, "mesh__data": 2})):
@@ -64,6 +66,7 @@ def test_plasticity_is_each_layers_relative_change_in_both_runtimes():
     assert single[2] > 1e-3 and single[3] > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [{}, {"mesh__stage": 2}], ids=["single", "pipeline"])
 def test_a_run_freezes_a_prefix_by_plasticity(tmp_path, mesh):
     cfg = tiny_config(

@@ -31,6 +31,7 @@ def flops(exp, plan) -> float:
     return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
+@pytest.mark.slow
 def test_frozen_layers_keep_parameters_and_moments_the_others_match_stopped_gradients(exp):
     state = jax.device_get(exp.init_state())
     plan = exp.initial_plan().replace(frozen_layers=(0, 2))
@@ -73,6 +74,7 @@ def test_frozen_layers_keep_parameters_and_moments_the_others_match_stopped_grad
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=5e-6)  # Adam amplifies noise
 
 
+@pytest.mark.slow
 def test_a_frozen_prefix_compiles_no_backward_for_it(exp):
     plan = exp.initial_plan()
     full = flops(exp, plan)

@@ -37,6 +37,7 @@ def losses(workdir):
     return np.array([r["loss"] for r in rows if "loss" in r])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(mesh__data=4, mesh__expert=2),
                                   dict(mesh__stage=2, mesh__data=2, mesh__expert=2)])
 def test_training_with_fsdp_equals_one_device(tmp_path, mesh):
@@ -57,6 +58,7 @@ def state_bytes_per_device(**overrides) -> int:
     return compiled.memory_analysis().argument_size_in_bytes
 
 
+@pytest.mark.slow
 def test_fsdp_divides_the_state_bytes_per_device_by_the_data_devices():
     replicated = state_bytes_per_device(mesh__data=8, parallel__fsdp=False)
     sharded = state_bytes_per_device(mesh__data=8)
@@ -79,6 +81,7 @@ def test_tensor_parallel_splits_attention_and_mlp_megatron_style():
     assert got["mlp"]["down"]["kernel"] == P("tensor", "data")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(mesh__tensor=4, mesh__data=2),
                                   dict(mesh__stage=2, mesh__tensor=2, mesh__data=2)])
 def test_training_with_tensor_parallelism_equals_one_device(tmp_path, mesh):
@@ -89,6 +92,7 @@ def test_training_with_tensor_parallelism_equals_one_device(tmp_path, mesh):
     assert split.final_loss == pytest.approx(one.final_loss, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_tensor_parallelism_divides_the_matrices_bytes_per_device():
     """Exactly: every split parameter (and its two Adam moments) at a quarter, the rest whole."""
     whole = state_bytes_per_device(parallel__fsdp=False)

@@ -67,6 +67,7 @@ def test_a_routed_block_computes_its_top_tokens_as_the_plain_block_would(tokens)
     assert 0 <= float(metrics[ACCURACY]) <= 1 and float(metrics[PREDICTOR_LOSS]) > 0
 
 
+@pytest.mark.slow
 def test_the_router_learns_through_the_weight_and_the_predictor_through_its_loss():
     block, _ = routed_block(positions="rope")
     x = inputs(1)
@@ -111,6 +112,7 @@ def step_flops(**overrides):
     return exp.lower_train_step(exp.initial_plan()).compile().cost_analysis()["flops"]
 
 
+@pytest.mark.slow
 def test_routing_shrinks_the_compiled_step():
     dense = step_flops()
     eighth = step_flops(mod__enabled=True, mod__capacity=0.125)
@@ -141,6 +143,7 @@ def records(workdir, key):
     return {r["step"]: r[key] for r in read_jsonl(workdir / "metrics.jsonl") if key in r}
 
 
+@pytest.mark.slow
 def test_training_on_a_pipeline_equals_one_program_and_resumes_in_another_layout(tmp_path):
     base = dict(train__steps=8, train__microbatches=2, train__checkpoint_every=4,
                 pipeline__profile_on_change=False)

@@ -37,6 +37,7 @@ def inputs(seed=0, batch=4):
     return jax.random.normal(jax.random.key(seed), (batch, S, D))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [4, 12])
 def test_predictor_routing_equals_a_loop_reference(tokens):
     """Reference: per sequence, the positions with a positive predictor logit, the first
@@ -107,6 +108,7 @@ def model_logits(routing, tokens, inference):
     return np.asarray(logits)
 
 
+@pytest.mark.slow
 def test_a_model_evaluated_with_the_predictor_is_causal():
     """Two sequences equal up to position t: the causal evaluation gives the same logits there;
     top-k routing, for some random suffix, does not."""
@@ -158,6 +160,7 @@ def test_a_bad_evaluation_routing_names_the_key():
         validate_config(mod_config(mod__eval_routing="causal"), 8)
 
 
+@pytest.mark.slow
 def test_a_run_evaluates_causally_on_one_program_and_on_a_pipeline(tmp_path):
     base = dict(train__steps=6, train__microbatches=2, pipeline__profile_on_change=False)
     single = train(mod_config(**base), tmp_path / "single", progress=False)

@@ -67,6 +67,7 @@ def test_dispatch_matches_per_token_reference(moe, x, capacities):
         assert int(np.asarray(stats.dropped).sum()) > 0
 
 
+@pytest.mark.slow
 def test_expert_parallel_layer_equals_local(moe, x):
     """4-way expert and 2-way data sharding with uneven capacities gives the local result."""
     capacities = (2, 5, 3, 4)

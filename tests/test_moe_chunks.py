@@ -148,6 +148,7 @@ def _one_step(exp, plan, state):
     return step, jax.device_get(step(placed["params"], placed["opt_state"], batch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["static", "ragged"])
 def test_plan_change_of_chunks_recompiles_with_equal_step(dispatch):
     """2 MoE layers, (2 data, 2 expert) mesh, 2 microbatches: n = 1 against n = 2 and 4 with
@@ -300,6 +301,7 @@ def test_policy_searches_then_follows_ranges():
     assert chunks_of(proposal.plan) == (2,) and proposal.records[0]["from_range"]
 
 
+@pytest.mark.slow
 def test_granularity_policy_runs_in_training(tmp_path):
     """Alg. 1 in a real run: it times n = 1, tries n = 2 by RECOMPILE (S4 partitions), records
     its choice and the run goes on to the end with a finite loss. A first run with n = 2 puts
@@ -328,6 +330,7 @@ def test_granularity_policy_runs_in_training(tmp_path):
     assert decisions[0]["memory_reuse"] == "S4" and decisions[0]["rows"] == 8 * 4 * 20
 
 
+@pytest.mark.slow
 def test_auto_memory_reuse_measures_and_reports(tmp_path):
     """``moe.memory_reuse="auto"``: the Plan holds the strategy eq. 10 chose on speeds measured
     here (CPU has pinned host memory: a copy speed > 0), and the first step reports it."""

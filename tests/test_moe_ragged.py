@@ -122,6 +122,7 @@ def _one_step(exp, plan, state, batch):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setup",
     [{}, {"mesh__expert": 2, "mesh__data": 2, "train__microbatches": 2}],
@@ -168,6 +169,7 @@ def events_of(workdir, kind):
     return [e for e in read_jsonl(workdir / "events.jsonl") if e["event"] == kind]
 
 
+@pytest.mark.slow
 def test_runtime_capacity_changes_swap_without_compiling(tmp_path):
     """Uneven capacities within the initial Plan's bucketed total: every swap reuses the first
     executable, none counts against a budget of zero recompiles, and the drops follow."""
@@ -191,6 +193,7 @@ def test_runtime_capacity_changes_swap_without_compiling(tmp_path):
     assert len({r["dropped_fraction"] for r in records}) > 1  # the capacities took effect
 
 
+@pytest.mark.slow
 def test_dropless_dynamic_short_run(tmp_path):
     """Dropless ragged: nothing drops; a dynamic-capacity ragged run trains to the end."""
     dropless = tiny_config(moe__every=2, moe__dispatch="ragged", moe__capacity__factor=0.0)
@@ -209,6 +212,7 @@ def test_dropless_dynamic_short_run(tmp_path):
     assert summary.final_step == 12 and np.isfinite(records[-1]["loss"])
 
 
+@pytest.mark.slow
 def test_ragged_pipeline_equals_the_single_program(tmp_path):
     """Two pipeline stages (one MoE layer each, 2-way expert parallel inside each) on the ragged
     path: the single program's losses and drops over 3 steps, with capacities tight enough to
@@ -227,6 +231,7 @@ def test_ragged_pipeline_equals_the_single_program(tmp_path):
         np.testing.assert_allclose([r[key] for r in pipe], [r[key] for r in single], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_ragged_pipeline_takes_new_capacities_with_the_same_programs():
     """A capacity change within the stages' totals leaves every stage spec, so every compiled
     stage program, as it was; after the swap the stages drop what the single program drops
@@ -273,6 +278,7 @@ def test_bad_dispatch_config_names_the_key(overrides, match):
         validate_config(tiny_config(moe__every=1, **overrides), num_devices=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile", [1, 8])
 def test_grouped_ffn_tiles_and_ragged_dot_equal_per_row_reference(tile):
     """Both grouped matmuls against a per-row loop: tiles of every expert in any order, an

@@ -167,6 +167,7 @@ def _biases(params) -> np.ndarray:
                      if "moe" in layers[i]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setup",
     [{}, {"mesh__expert": 2, "mesh__data": 2, "train__microbatches": 2, "moe__dispatch": "ragged"}],
@@ -202,6 +203,7 @@ def _bias_at(workdir, step, exp) -> np.ndarray:
     return _biases(state["params"])
 
 
+@pytest.mark.slow
 def test_bias_is_checkpointed_and_resumed_bit_for_bit(tmp_path):
     """A run resumed from step 4 ends at step 8 with the uninterrupted run's bias."""
     cfg = tiny_config(moe__every=1, moe__bias_balancing__enabled=True,
@@ -218,6 +220,7 @@ def test_bias_is_checkpointed_and_resumed_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(_bias_at(tmp_path / "b", 8, exp), at8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_bias_on_the_pipeline_equals_the_single_program(tmp_path, microbatches):
     """Two pipeline stages, one MoE layer each: each stage moves its own layer's bias."""
@@ -255,6 +258,7 @@ def test_ragged_cost_is_the_busiest_ranks_tokens():
     assert costs == pytest.approx([1.0, 140 / share])
 
 
+@pytest.mark.slow
 def test_an_expert_choice_run_trains_and_logs_its_unrouted_tokens(tmp_path):
     cfg = tiny_config(moe__every=1, moe__routing="expert_choice", moe__capacity__factor=0.5,
                       train__steps=4, train__eval_every=1000, train__checkpoint_every=1000)

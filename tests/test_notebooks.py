@@ -97,6 +97,7 @@ def kernel_manager(tmp_path):
     return AsyncKernelManager(kernel_name="dynjax-test", kernel_spec_manager=specs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_with_tiny_settings(path, tmp_path):
     nb = nbformat.read(path, as_version=4)

@@ -29,6 +29,7 @@ def losses(steps: int = 3, **overrides) -> list[float]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2], ids=["single_program", "pipeline"])
 def test_grad_clip_zero_means_no_clipping(stages):
     # No warm-up (the first step would have learning rate 0) and no decay (it moves the

@@ -90,6 +90,7 @@ def _check(shape, dtype, density, causal, seed, interpret=None):
 density = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.05, 0.95))
 
 
+@pytest.mark.slow
 @settings(max_examples=16, **SETTINGS)
 @given(shape=st.sampled_from(SHAPES), density=density, causal=st.booleans(),
        seed=st.integers(0, 2**16))

@@ -79,6 +79,7 @@ def test_a_jax_without_the_triton_lowering_computes_it_with_xla(without_pallas_t
     _check(SHAPES[2], jnp.float32, 0.0, seed=3, interpret=False)
 
 
+@pytest.mark.slow
 @settings(max_examples=12, **SETTINGS)
 @given(shape=st.sampled_from(SHAPES), density=density, seed=st.integers(0, 2**16))
 def test_matches_dense_reference_fp32(shape, density, seed):

@@ -63,6 +63,7 @@ def assert_trees_close(a, b, rtol):
         assert err < rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_expert_and_data_parallel_match_one_device(setup):
     opts = StepOptions(capacities=CAPS)
     loss1, grads1 = loss_and_grads(setup, (1, 1, 1), opts)
@@ -71,6 +72,7 @@ def test_expert_and_data_parallel_match_one_device(setup):
     assert_trees_close(grads1, grads8, 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, tensor", [((1, 4, 1), 2), ((1, 2, 2), 2), ((1, 1, 2), 4)])
 def test_fsdp_and_tensor_parallel_gradients_match_one_device(setup, mesh_shape, tensor):
     """Parameters split over 'data' (FSDP) and Megatron-style over 'tensor', MoE layers too."""
@@ -81,6 +83,7 @@ def test_fsdp_and_tensor_parallel_gradients_match_one_device(setup, mesh_shape, 
     assert_trees_close(grads1, grads8, 1e-5)
 
 
+@pytest.mark.slow
 def test_train_step_microbatches_and_sharding_match_one_device(setup):
     """A full optimizer step (SGD: parameters move by the gradient), sharded and microbatched."""
     graphdef, params, batch = setup
@@ -102,6 +105,7 @@ def test_train_step_microbatches_and_sharding_match_one_device(setup):
     assert ref_m["moe/dropped"].sum() > 0  # the capacities above really drop tokens
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_tracks_float32(setup):
     loss32, _ = loss_and_grads(setup, (1, 1, 1), StepOptions(capacities=((16,) * 8,) * 2))
     loss16, grads16 = loss_and_grads(

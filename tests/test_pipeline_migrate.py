@@ -4,6 +4,7 @@
 """
 
 import numpy as np
+import pytest
 
 from dynjax.recompile import Proposal
 from dynjax.train import train
@@ -23,6 +24,7 @@ class MoveLayerOne:
         return None
 
 
+@pytest.mark.slow
 def test_controller_policy_migrates_a_layer_during_training(tmp_path):
     config = dict(
         model__num_layers=4, mesh__stage=3, mesh__data=2, train__steps=120,

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
@@ -30,6 +32,7 @@ def losses(workdir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     config = tiny_config(**{k.replace(".", "__"): v for k, v in OVERRIDES.items()})
     single = tmp_path / "single"

@@ -1,6 +1,7 @@
 """Profiling inside dynjax.train: profile events, the Monitor's metrics, the measured timeline."""
 
 import numpy as np
+import pytest
 
 from dynjax.balance import simulate
 from dynjax.experiment import Experiment
@@ -26,6 +27,7 @@ class Recorder:
         return None
 
 
+@pytest.mark.slow
 def test_profiled_steps_report_layers_memory_and_a_timeline(tmp_path):
     cfg = tiny_config(
         model__num_layers=3, moe__every=2, mesh__stage=2, mesh__data=2, train__steps=10,

@@ -1,6 +1,7 @@
 """Dynamic load balancing inside dynjax.train: layers move, learning does not change (DynMo)."""
 
 import numpy as np
+import pytest
 
 from dynjax.train import train
 from dynjax.writers import read_jsonl
@@ -8,6 +9,7 @@ from dynjax.writers import read_jsonl
 from .tiny import layer_moves, tiny_config, warm_layouts
 
 
+@pytest.mark.slow
 def test_rebalance_by_time_migrates_layers_and_keeps_the_losses(tmp_path):
     config = dict(
         model__num_layers=5, mesh__stage=2, mesh__data=2, train__steps=100,

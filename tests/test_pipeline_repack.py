@@ -45,6 +45,7 @@ def losses(workdir):
     return [by_step[s] for s in sorted(by_step)]
 
 
+@pytest.mark.slow
 def test_repack_releases_stages_and_keeps_the_losses(tmp_path):
     # Two stages from the start: the losses to match (layouts change no loss). Then every
     # two-stage layout goes into JAX's persistent compilation cache: which one the re-pack

@@ -141,6 +141,7 @@ def assert_close(ref, got, rtol, what=""):
         assert err < rtol, f"{what}{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_uneven_pipeline_matches_one_device(programs, reference, schedule):
     programs, template = programs
@@ -256,6 +257,7 @@ def train_and_migrate(programs, template, before, after):
     return pipeline, migration, losses
 
 
+@pytest.mark.slow
 def test_migration_is_exact_and_recompiles_only_changed_stages(programs, reference):
     programs, template = programs
     ref_metrics, ref_state = reference
@@ -310,6 +312,7 @@ def frozen_reference():
     return jax.device_get({"params": p, "opt_state": s})
 
 
+@pytest.mark.slow
 def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs):
     programs, template = programs
     exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN)).compile()
@@ -341,6 +344,7 @@ def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs)
     assert_close(frozen_reference(), got, 1e-5)
 
 
+@pytest.mark.slow
 def test_repack_onto_fewer_stages_is_exact_and_frees_the_rest(programs, reference):
     """Seed 000 §3.4: four stages merge into two mid-training; learning does not notice."""
     programs, template = programs
@@ -368,6 +372,7 @@ def step_counts(tree):
     return [int(x) for path, x in paths if getattr(path[-1], "name", None) == "count"]
 
 
+@pytest.mark.slow
 def test_migration_carries_adamw_counts_and_moments_exactly():
     """Two stages grow to four after one step: the stages that are new take the step counts
     from the stage that held them, the moved layers take their moments, and training goes on
@@ -415,6 +420,7 @@ def test_migration_carries_adamw_counts_and_moments_exactly():
     assert_close(unmoved.host_state(), pipeline.host_state(), 1e-4)
 
 
+@pytest.mark.slow
 def test_profile_of_frozen_layers_counts_only_the_backward_the_step_runs(programs):
     programs, template = programs
     exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN), profiling=True).compile()

@@ -57,6 +57,7 @@ def test_only_moved_or_frozen_layers_change_the_state_layout():
     assert state_layout(spec(frozen=(0,))) != base  # the embedding freezes with layer 0
 
 
+@pytest.mark.slow
 def test_a_capacity_change_swaps_without_migrating_or_waiting(exp, monkeypatch):
     old = exp.initial_plan()
     new = old.replace(capacities=NEW_CAPACITIES)

@@ -4,6 +4,8 @@ different number of stages."""
 
 import shutil
 
+import pytest
+
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
@@ -29,6 +31,7 @@ def records(workdir, key):
     return {r["step"]: r[key] for r in read_jsonl(workdir / "metrics.jsonl") if key in r}
 
 
+@pytest.mark.slow
 def test_pipeline_run_resumes_on_one_stage_with_the_same_losses(tmp_path):
     single = tmp_path / "single"
     train(pipeline_config(), single, progress=False)

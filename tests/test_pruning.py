@@ -60,6 +60,7 @@ def events_of(workdir, name):
     return [e for e in read_jsonl(workdir / "events.jsonl") if e["event"] == name]
 
 
+@pytest.mark.slow
 def test_a_run_prunes_on_schedule_and_resumes_with_its_masks(tmp_path):
     cfg = dict(model__num_layers=3, train__checkpoint_every=100, train__eval_every=100, **SCHEDULE)
     train(tiny_config(train__steps=7, **cfg), tmp_path, progress=False)  # events 2, 5; saves 7
@@ -138,6 +139,7 @@ def reference_masks(weights, keep, block_size=None):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["element", "block"])
 @pytest.mark.parametrize(
     "mesh",
@@ -191,6 +193,7 @@ def test_expert_masks_shard_and_checkpoint_like_expert_weights():
     assert item.dtype == bool and item.shape == (4, 64, 32)  # [E, expert_mlp_dim, d]
 
 
+@pytest.mark.slow
 def test_pruned_entries_stay_zero_through_steps_migration_and_a_checkpoint(tmp_path):
     """4 layers (layer 1 MoE) on 2 stages x 2 expert devices, clipping active: prune, train,
     move a layer to the other stage, prune further, save, restore on one device, train; the
@@ -311,6 +314,7 @@ def test_present_index_is_the_column_index_of_the_zero_pattern():
     )
 
 
+@pytest.mark.slow
 def test_block_sparse_linears_equal_dense_ones_at_fewer_flops():
     import dataclasses
 
@@ -367,6 +371,7 @@ def test_block_sparse_linears_equal_dense_ones_at_fewer_flops():
     pruned_stay_zero(runtime.state)
 
 
+@pytest.mark.slow
 def test_a_plan_without_the_sparse_loop_counts_its_flops_in_full():
     # benchmarks/dynamic_step.py counts a block-sparse Plan's FLOPs on the same Plan with
     # loop=False: XLA's cost_analysis counts the loop over block-columns' body once.

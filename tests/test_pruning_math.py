@@ -245,6 +245,7 @@ def element_case(draw):
     return stages, keep
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(element_case())
 def test_element_masks_equal_single_device_topk(case):
@@ -273,6 +274,7 @@ def block_case(draw):
     return bs, stages, sparsity
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(block_case())
 def test_block_masks_equal_single_device_topk(case):

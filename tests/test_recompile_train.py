@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from dynjax.experiment import Experiment
 from dynjax.recompile import Proposal
@@ -28,6 +29,7 @@ def train_with_warm_cache(cfg, tmp_path):
     return tmp_path / "run", summary
 
 
+@pytest.mark.slow
 def test_capacity_change_without_drops_keeps_outputs_and_state():
     """Two Plans that differ only in (ample) capacities compute the same step."""
     exp = Experiment.from_config(tiny_config(moe__every=1, moe__capacity__factor=2.0))
@@ -53,6 +55,7 @@ def test_capacity_change_without_drops_keeps_outputs_and_state():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_dynamic_capacity_recompiles_in_the_background(tmp_path):
     # Start at 4 slots per expert against an average load of 16, so every expert drops in any
     # window; min = max factor leaves one bucket, so the policy always proposes the same Plan.
@@ -94,6 +97,7 @@ class InvalidPlan:
         return None
 
 
+@pytest.mark.slow
 def test_invalid_proposal_is_rejected_and_training_finishes(tmp_path):
     cfg = tiny_config(moe__every=2, train__steps=8)
     summary = train(cfg, tmp_path, policies=[InvalidPlan()], progress=False)
@@ -103,6 +107,7 @@ def test_invalid_proposal_is_rejected_and_training_finishes(tmp_path):
     assert rejected[0]["policy"] == "broken"
 
 
+@pytest.mark.slow
 def test_caching_switches_on_when_routing_is_stable(tmp_path):
     # 48 training windows and a batch of 8: every sample comes back every 6 steps.
     cfg = tiny_config(

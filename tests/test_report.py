@@ -78,6 +78,7 @@ def check_pngs(plots, out):
         assert f"]({p.path.name})" in markdown
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense", "moe", "pipeline"])
 def test_report_renders_each_kind_of_run(runs, kind, tmp_path):
     plots = report.write_report(runs / kind, tmp_path)

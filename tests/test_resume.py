@@ -44,6 +44,7 @@ def run_killed_after_save(workdir: Path, step: int) -> None:
     assert proc.returncode == -9, proc.stdout.decode()[-2000:] + proc.stderr.decode()[-2000:]
 
 
+@pytest.mark.slow
 def test_a_corrupt_step_is_saved_again_and_a_crash_after_it_resumes_from_it(tmp_path):
     reference = tmp_path / "reference"
     train(tiny_config(**RUN), reference, progress=False)
@@ -90,6 +91,7 @@ def test_the_cli_refuses_a_changed_model_with_exit_2(tmp_path, capsys):
     assert code == 2 and err.startswith("error: ") and "model.d_model: 32 -> 64" in err
 
 
+@pytest.mark.slow
 def test_step_options_that_changed_are_applied_and_recorded(tmp_path):
     base = {"moe__every": 2, "train__checkpoint_every": 4, "train__eval_every": 1000}
     train(tiny_config(train__steps=4, **base), tmp_path, progress=False)
@@ -154,6 +156,7 @@ class RaiseCapacities:
         return plan.replace(capacities=tuple(tuple(c + 1 for c in cs) for cs in plan.capacities))
 
 
+@pytest.mark.slow
 def test_logged_metrics_name_the_plan_their_step_ran_with(tmp_path):
     # Long enough (a few seconds of tiny steps) for a background compile on a busy machine.
     cfg = tiny_config(moe__every=2, train__steps=200, train__eval_every=1000)

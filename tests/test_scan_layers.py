@@ -87,6 +87,7 @@ def test_scan_runs_split_on_kind_capacities_options_and_freezing():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg, caps", [(DENSE, ()), (MOE, CAPS)], ids=["dense", "moe"])
 def test_scanned_forward_and_gradients_equal_unrolled(cfg, caps):
     params, data = params_of(cfg), batch()
@@ -109,6 +110,7 @@ def pruned_experiment(scan: bool) -> Experiment:
     )
 
 
+@pytest.mark.slow
 def test_a_weight_hook_inside_the_scan_equals_unrolled():
     """Pruning's weight hook (zero pattern, density metric) runs on each layer's own weights
     inside the scan: same loss, gradients (zero at pruned weights) and per-layer densities."""
@@ -143,6 +145,7 @@ def test_a_weight_hook_inside_the_scan_equals_unrolled():
         assert not np.any(np.asarray(grad)[pruned[name]]), name
 
 
+@pytest.mark.slow
 def test_frozen_layers_train_as_unrolled():
     """A frozen prefix and a frozen layer inside: a train step (2 microbatches, SGD) leaves
     them unchanged and moves the others as the unrolled step does."""
@@ -226,6 +229,7 @@ def run_pipeline(cfg, scan, layouts, frozen=(), caps=PIPE_CAPS):
     return np.array(losses), pipeline.host_state()
 
 
+@pytest.mark.slow
 def test_pipeline_with_scan_migrates_and_equals_unrolled():
     """MoE layers on 2 stages; before step 1 layer 3 moves from stage 1 to stage 0."""
     layouts = [(3, 3), (4, 2), (4, 2)]
@@ -235,6 +239,7 @@ def test_pipeline_with_scan_migrates_and_equals_unrolled():
     assert_trees_close(ref_state, state, 1e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_with_scan_and_frozen_layers_equals_unrolled():
     layouts = [(3, 3)] * STEPS
     ref_losses, ref_state = run_pipeline(DENSE, False, layouts, frozen=(0, 1, 3), caps=())

@@ -83,6 +83,7 @@ def test_an_ample_budget_equals_the_dense_masked_reference(s, block, buckets, he
     assert float(metrics[NEEDED_HIST].sum()) == 2 * heads * (s // block)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, derandomize=True)  # the same examples in every CI
 @given(
     blocks=st.integers(2, 8),
@@ -189,6 +190,7 @@ def step_flops(plan_budgets=None, **overrides):
     return exp.lower_train_step(plan).compile().cost_analysis()["flops"]
 
 
+@pytest.mark.slow
 def test_the_budget_shrinks_the_compiled_step():
     dense = Experiment.from_config(tiny_config(data__seq_len=128, model__num_layers=2))
     dense_flops = dense.lower_train_step(dense.initial_plan()).compile().cost_analysis()["flops"]
@@ -246,6 +248,7 @@ def test_bad_settings_name_the_key(overrides, key):
         validate_config(sa_config(**overrides), 8)
 
 
+@pytest.mark.slow
 def test_training_shrinks_the_budgets_in_the_background_and_stays_close_to_dense(tmp_path):
     settings = dict(train__eval_every=200, sparse_attention__window=4,
                     sparse_attention__buckets=8, sparse_attention__max_overflow=0.02,
@@ -274,6 +277,7 @@ def test_training_shrinks_the_budgets_in_the_background_and_stays_close_to_dense
     assert compile_event["plan"]["parts"]["sparse_attention"]["budgets"] == saved
 
 
+@pytest.mark.slow
 def test_a_pipeline_equals_one_program_with_the_same_budgets(tmp_path):
     base = dict(train__steps=6, train__microbatches=2, sparse_attention__window=1000,
                 pipeline__profile_on_change=False, train__checkpoint_every=100)

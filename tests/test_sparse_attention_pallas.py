@@ -71,6 +71,7 @@ def kernel_vjp(q, k, v, do, ids, block):
     return (out, *vjp(do))
 
 
+@pytest.mark.slow
 @settings(max_examples=10, **SETTINGS)
 @given(
     blocks=st.integers(2, 5),
@@ -199,6 +200,7 @@ def test_the_kernel_visits_exactly_the_needed_blocks_of_the_xla_path():
     np.testing.assert_array_equal(visits, np.moveaxis(need, -1, 0))  # [key block j, H, i]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("s, block, buckets, heads", [(64, 16, 4, 2), (96, 16, 8, 1)])
 def test_the_pallas_path_equals_the_xla_path_with_an_ample_budget(s, block, buckets, heads):
     q, k, v = qkv(2, s, heads, 16, seed=s + buckets)
@@ -237,6 +239,7 @@ def test_settings_the_kernel_cannot_run_name_the_key(overrides, key):
         validate_config(pallas_config(**overrides), 8)
 
 
+@pytest.mark.slow
 def test_training_with_the_kernel_matches_the_xla_path_and_costs_the_needed_pairs(tmp_path):
     """Two steps (interpret mode is slow): the same losses as the XLA path with its starting,
     full budget; no overflow, no budget policy; the balancer's costs from the needed pairs."""
@@ -262,6 +265,7 @@ def test_training_with_the_kernel_matches_the_xla_path_and_costs_the_needed_pair
     assert plugin.layer_costs(exp.initial_plan(), exp) is None
 
 
+@pytest.mark.slow
 def test_the_kernel_on_a_pipeline_and_a_tensor_mesh_equals_one_program(tmp_path):
     settings = dict(train__steps=2, train__eval_every=100, train__checkpoint_every=100,
                     train__microbatches=2)

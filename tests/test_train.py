@@ -69,6 +69,7 @@ def run_cli(workdir: Path, *extra: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_with_identical_losses(tmp_path):
     reference = tmp_path / "reference"
     out, _ = run_cli(reference).communicate(timeout=600)
