@@ -126,11 +126,15 @@ class Watchdog:
     def finish(self) -> None:
         """This process is done with the run. It is not dead: the others may still be running
         their last steps. Keep watching until every peer has finished too, because a peer that
-        dies now would leave this process waiting in JAX's shutdown barrier."""
+        dies now would leave this process waiting in JAX's shutdown barrier. Returns once the
+        watching thread has ended: a read of the store while JAX's shutdown destroys its client
+        aborts the process (``terminate called after throwing``)."""
         with self._lock:
             if not self._finished:
                 self._finished = True
                 self._write(DONE)
+        if self._thread.is_alive():
+            self._thread.join()
 
     def fail(self) -> NoReturn:
         """Leave the run after an error in this process; its output says what the error was.
