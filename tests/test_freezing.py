@@ -107,3 +107,12 @@ def test_a_run_freezes_layers_and_their_parameters_stop_changing(tmp_path, mesh)
     assert embed_kept == (0 in frozen)  # layer 0 freezes the embedding with it
     costs = read_jsonl(run / "layer_costs.jsonl")
     assert costs[-1]["layer_cost"] == pytest.approx([1 / 3, 1, 1, 1])
+
+
+def test_the_plasticity_probe_is_refused_in_a_multi_process_run(monkeypatch):
+    """The probe runs every layer's weights on one host; the gradient metric comes from the
+    step's metrics, which every process has."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match="freezing.metric='plasticity'.*2 processes"):
+        validate_config(tiny_config(freezing__enabled=True, freezing__metric="plasticity"), 1)
+    validate_config(tiny_config(freezing__enabled=True, freezing__metric="gradient"), 1)

@@ -21,6 +21,7 @@ import math
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -88,6 +89,12 @@ class FreezingPlugin(Plugin):
             )
         if f.metric == "plasticity":
             self._check_plasticity(cfg)
+            if jax.process_count() > 1:
+                raise ConfigError(
+                    "freezing.metric='plasticity': the probe runs every layer's weights on one "
+                    f"host, but this run has {jax.process_count()} processes; use "
+                    "freezing.metric='gradient'"
+                )
         if fm.max_frozen_layers(cfg.model.num_layers, f.max_fraction) < 1:
             raise ConfigError(
                 f"freezing.max_fraction={f.max_fraction} of model.num_layers="
