@@ -290,6 +290,8 @@ def train(
         validate=validate,
         budget=Budget(budget.max_recompiles, budget.window_steps),
         peers=None if single else Peers(),
+        # Processes run up to Δ + 1 steps apart: a survivor logs every step a dead peer finished.
+        lag=cfg.recompile.delta_launch + 1,
     )
     cache = (
         AssignmentCache(

@@ -1,6 +1,6 @@
 """Multi-process Plan swaps (issue 15 §4): process 0 decides, every process compiles, all swap
 at the same step. Processes are threads here, exchanging through an in-memory store with the
-semantics of the coordinator's (`dynjax.launch.distributed.exchange`); the 2-process run is in
+semantics of the coordinator's (`dynjax.launch.distributed`); the 2-process runs are in
 tests/test_recompile_multiprocess.py."""
 
 import threading
@@ -32,10 +32,13 @@ class ThreadPeers:
     def __init__(self, store: Store, index: int):
         self.store, self.index, self.count = store, index, store.count
 
-    def exchange(self, key, value):
+    def publish(self, key, value):
         with self.store.cond:
             self.store.values.setdefault(key, {})[self.index] = value
             self.store.cond.notify_all()
+
+    def collect(self, key):
+        with self.store.cond:
             assert self.store.cond.wait_for(
                 lambda: len(self.store.values.get(key, {})) == self.count, timeout=30
             ), f"process {self.index} waited for the others at {key}"
@@ -46,7 +49,7 @@ class ThreadPeers:
             self.store.values.get(key, {}).pop(self.index, None)
 
 
-def run_processes(lowerers, policies, steps=60, step_seconds=0.02):
+def run_processes(lowerers, policies, steps=60, step_seconds=0.02, lag=1):
     """Train `steps` toy steps on one thread per process; returns per process the (step, Plan)
     of each swap and its events."""
     store = Store(len(lowerers))
@@ -63,6 +66,7 @@ def run_processes(lowerers, policies, steps=60, step_seconds=0.02):
             validate=lambda p: None,
             budget=GENEROUS,
             peers=store.peers(index),
+            lag=lag,
         )
         controller.start()
         swaps = []
@@ -88,11 +92,12 @@ def run_processes(lowerers, policies, steps=60, step_seconds=0.02):
     return out
 
 
-def test_every_process_swaps_to_the_leaders_plan_at_the_same_step_once_all_compiled():
+@pytest.mark.parametrize("lag", [1, 3])
+def test_every_process_swaps_to_the_leaders_plan_at_the_same_step_once_all_compiled(lag):
     slow = ToyLowerer(compile_delay=0.5)  # process 1 compiles for ~25 steps
     # Process 1's own policy would choose 3 microbatches: only the leader's (2) counts.
     (swaps0, events0), (swaps1, events1) = run_processes(
-        [ToyLowerer(), slow], [[SetMicrobatches(2)], [SetMicrobatches(3)]]
+        [ToyLowerer(), slow], [[SetMicrobatches(2)], [SetMicrobatches(3)]], lag=lag
     )
     plans = [[(s, p.microbatches) for s, p, _ in swaps] for swaps in (swaps0, swaps1)]
     assert plans[0] == plans[1]

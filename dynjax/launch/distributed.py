@@ -83,23 +83,36 @@ def _client():
     return global_state.client
 
 
+def publish(key: str, value: Any) -> None:
+    """Store this process's ``value`` for ``key`` (a name all processes use once)."""
+    if jax.process_count() > 1:
+        _client().key_value_set_bytes(f"dynjax/{key}/{jax.process_index()}", pickle.dumps(value))
+
+
+def collect(key: str, mine: Any = None) -> list[Any]:
+    """Every process's value for ``key``, by process index (``mine``: this process's, not read
+    back). Blocks until every process has published its value; values stay in the store until
+    each process `forget`s its own."""
+    count = jax.process_count()
+    if count == 1:
+        return [mine]
+    client, me = _client(), jax.process_index()
+    return [
+        mine if p == me and mine is not None else pickle.loads(
+            client.blocking_key_value_get_bytes(f"dynjax/{key}/{p}", TIMEOUT_MS)
+        )
+        for p in range(count)
+    ]
+
+
 def exchange(key: str, value: Any) -> list[Any]:
     """Every process's ``value`` for ``key`` (a name all processes use once), by process id.
 
     Blocks until every process has published its value; values stay in the store until each
     process `forget`s its own.
     """
-    count = jax.process_count()
-    if count == 1:
-        return [value]
-    client, me = _client(), jax.process_index()
-    client.key_value_set_bytes(f"dynjax/{key}/{me}", pickle.dumps(value))
-    return [
-        value if p == me else pickle.loads(client.blocking_key_value_get_bytes(
-            f"dynjax/{key}/{p}", TIMEOUT_MS
-        ))
-        for p in range(count)
-    ]
+    publish(key, value)
+    return collect(key, value)
 
 
 def forget(key: str) -> None:
@@ -109,14 +122,17 @@ def forget(key: str) -> None:
 
 
 class Peers:
-    """The run's processes as `dynjax.recompile.Controller` exchanges swap decisions with them
+    """The run's processes as `dynjax.recompile.Controller` agrees on swaps with them
     (`dynjax.recompile.agreement.Peers`)."""
 
     def __init__(self) -> None:
         self.index, self.count = jax.process_index(), jax.process_count()
 
-    def exchange(self, key: str, value: Any) -> list[Any]:
-        return exchange(key, value)
+    def publish(self, key: str, value: Any) -> None:
+        publish(key, value)
+
+    def collect(self, key: str) -> list[Any]:
+        return collect(key)
 
     def forget(self, key: str) -> None:
         forget(key)

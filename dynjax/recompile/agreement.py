@@ -5,11 +5,13 @@ pipeline stages whose transfers both neighbours join. A process that swapped in 
 alone would wait forever in a collective the others never enter. So one process decides (the
 leader, process 0, runs the policies: seed 001 §3's trigger, once per run), its decision travels
 to the others, each compiles it on its own Controller thread while training goes on, and at every
-step boundary the processes exchange one small `Status` through the coordinator's key-value store
-(host to host: it never waits for queued device work). From the same exchanged statuses each
-process derives the same `Verdict`: the Plan to compile, swap now (every process holds the
-executable), or drop the Plan (a process failed to compile it). DESIGN.md: "one process decides,
-all swap at the same step boundary".
+step boundary each process publishes one small `Status` through the coordinator's key-value store
+(host to host: it never waits for queued device work). At boundary s every process reads the
+statuses of boundary s - lag, and from the same statuses derives the same `Verdict`: the Plan to
+compile, swap now (every process held the executable at s - lag, so it does at s), or drop the
+Plan (a process failed to build it). The lag lets a process run ahead of a slower one by as many
+steps as metrics arrive late (`Monitor`), so that when a peer dies, the survivors still log the
+steps it finished. DESIGN.md: "one process decides, all swap at the same step boundary".
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ class Peers(Protocol):
     index: int  # this process's
     count: int
 
-    def exchange(self, key: str, value: Any) -> list[Any]:
-        """Every process's ``value`` for ``key``, by process index; blocks until all published."""
+    def publish(self, key: str, value: Any) -> None:
+        """Store this process's ``value`` for ``key`` (a name every process uses once)."""
+        ...
+
+    def collect(self, key: str) -> list[Any]:
+        """Every process's value for ``key``, by process index; blocks until all published."""
         ...
 
     def forget(self, key: str) -> None:
-        """Delete this process's value of an exchange that every process has read."""
+        """Delete this process's value of a key that every process has collected."""
         ...
 
 

@@ -106,9 +106,10 @@ class Controller:
     (`EventLog` is). Errors of the controller itself (not of a policy) are re-raised on the
     training thread by the next `poll`, `wait_idle` or `stop`.
 
-    With ``peers`` (a multi-process run), every `poll` exchanges this process's `Status` with
-    the others: process 0 runs the policies and announces what it accepts, the others compile
-    the announced Plan on their own thread, and all swap at the same boundary.
+    With ``peers`` (a multi-process run), every `poll` publishes this process's `Status` and
+    reads every process's of ``lag`` boundaries before: process 0 runs the policies and
+    announces what it accepts, the others compile the announced Plan on their own thread, and
+    all swap at the same boundary.
     """
 
     def __init__(
@@ -122,6 +123,7 @@ class Controller:
         budget: Budget,
         history_size: int = 1000,
         peers: Peers | None = None,
+        lag: int = 1,
     ) -> None:
         self._plan = plan
         self._compiler = compiler
@@ -141,12 +143,15 @@ class Controller:
         self._launch_step = 0
         self._unfinished: Swap | None = None
         self._refused: dict[str, Plan] = {}  # policy name or "budget" -> last Plan refused
-        self._peers = peers
+        if lag < 1:
+            raise ValueError(f"lag = {lag} must be >= 1")
+        self._peers, self._lag = peers, lag
         self._leader = peers is None or peers.index == LEADER
         self._numbered = 0  # the leader: Plans accepted so far
         self._announced = 0  # the leader: the newest Plan number it announced
         self._adopt: Announcement | None = None  # a follower: the leader's Plan to compile
         self._dropped = 0  # a follower: Plans up to this number were dropped by every process
+        self._first: int | None = None  # the first boundary polled (a resumed run's start)
 
     @property
     def plan(self) -> Plan:
@@ -205,6 +210,8 @@ class Controller:
         if self._unfinished is not None:
             raise RuntimeError("poll() before swap_done() of the previous Swap")
         self._launch_step = step
+        if self._first is None:
+            self._first = step
         with self._cond:
             pending = self._pending
         if self._peers is not None:
@@ -227,9 +234,15 @@ class Controller:
                 ready=pending.number if error is None else None,
                 failed=None if error is None else (pending.number, _describe(error)),
             )
-        assert self._peers is not None
-        found = verdict(self._peers.exchange(f"control/{step}", status))
-        self._peers.forget(f"control/{step - 2}")  # every process has read it (one step apart)
+        peers, lag = self._peers, self._lag
+        assert peers is not None
+        peers.publish(f"control/{step}", status)
+        if step - lag < self._first:
+            return None
+        found = verdict(peers.collect(f"control/{step - lag}"))
+        # Every process has published boundary step - lag, so it has read every key up to
+        # step - 2 * lag - 1 (at the boundaries before that one).
+        peers.forget(f"control/{step - 2 * lag - 1}")
         if found.failed is not None:
             number, process, error = found.failed
             with self._cond:
