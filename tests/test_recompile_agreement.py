@@ -11,7 +11,7 @@ import pytest
 from dynjax.recompile import Budget, Compiler, Controller, Plan
 from dynjax.recompile.agreement import Announcement, Status, verdict
 
-from .test_recompile_controller import SetMicrobatches, ToyLowerer
+from .test_recompile_controller import SetMicrobatches, Toggle, ToyLowerer
 
 GENEROUS = Budget(max_recompiles=100, window_steps=100)
 
@@ -111,6 +111,18 @@ def test_every_process_swaps_to_the_leaders_plan_at_the_same_step_once_all_compi
         [recompile] = [e for e in events if e["event"] == "recompile"]
         assert recompile["swap_step"] == step and recompile["plan"]["microbatches"] == 2
     assert not [e for e in events1 if e["event"] == "recompile_rejected"]  # it ran no policy
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_plans_that_follow_each_other_swap_at_the_same_steps_everywhere(lag):
+    """A new Plan comes within `lag` boundaries of the last swap, whose statuses still say
+    ready: they must not swap it again."""
+    (swaps0, _), (swaps1, _) = run_processes(
+        [ToyLowerer(), ToyLowerer()], [[Toggle()], [Toggle()]], steps=40, lag=lag
+    )
+    plans = [[(s, p.microbatches) for s, p, _ in swaps] for swaps in (swaps0, swaps1)]
+    assert plans[0] == plans[1] and len(plans[0]) >= 3
+    assert [m for _, m in plans[0]] == [2, 1, 2, 1, 2, 1, 2, 1, 2, 1][: len(plans[0])]
 
 
 def test_a_plan_one_process_cannot_build_is_dropped_by_every_process():

@@ -150,7 +150,9 @@ class Controller:
         self._numbered = 0  # the leader: Plans accepted so far
         self._announced = 0  # the leader: the newest Plan number it announced
         self._adopt: Announcement | None = None  # a follower: the leader's Plan to compile
-        self._dropped = 0  # a follower: Plans up to this number were dropped by every process
+        # Plans up to this number were swapped in or dropped by every process: the statuses of
+        # the `lag` boundaries before that verdict still speak of them, and are ignored.
+        self._settled = 0
         self._first: int | None = None  # the first boundary polled (a resumed run's start)
 
     @property
@@ -243,12 +245,12 @@ class Controller:
         # Every process has published boundary step - lag, so it has read every key up to
         # step - 2 * lag - 1 (at the boundaries before that one).
         peers.forget(f"control/{step - 2 * lag - 1}")
-        if found.failed is not None:
+        if found.failed is not None and found.failed[0] > self._settled:
             number, process, error = found.failed
             with self._cond:
                 if self._pending is not None and self._pending.number == number:
                     self._pending = None
-                self._dropped = max(self._dropped, number)
+                self._settled = number
                 self._cond.notify_all()
             where = pending if pending is not None and pending.number == number else None
             self._emit_failed(
@@ -261,13 +263,17 @@ class Controller:
                 process=process,
             )
             return None
-        if found.announced is not None and not self._leader:
-            with self._cond:
-                self._adopt = found.announced
-                self._cond.notify_all()
-        if found.swap is None or pending is None:
+        if found.failed is not None:
             return None
-        assert pending.number == found.swap, "every process reported this Plan ready"
+        announced = found.announced
+        if announced is not None and announced.number > self._settled and not self._leader:
+            with self._cond:
+                self._adopt = announced
+                self._cond.notify_all()
+        if found.swap is None or found.swap <= self._settled:
+            return None
+        assert pending is not None and pending.number == found.swap, "all reported it ready"
+        self._settled = found.swap
         return self._take(pending, step, found_at)
 
     def _take(self, pending: _Pending, step: int, found_at: float) -> Swap | None:
@@ -372,7 +378,7 @@ class Controller:
             future = Future()
             future.set_exception(e)
         with self._cond:
-            if announced.number > self._dropped:
+            if announced.number > self._settled:
                 self._pending = _Pending(
                     announced.plan,
                     future,
