@@ -89,30 +89,26 @@ def publish(key: str, value: Any) -> None:
         _client().key_value_set_bytes(f"dynjax/{key}/{jax.process_index()}", pickle.dumps(value))
 
 
-def collect(key: str, mine: Any = None) -> list[Any]:
-    """Every process's value for ``key``, by process index (``mine``: this process's, not read
-    back). Blocks until every process has published its value; values stay in the store until
-    each process `forget`s its own."""
-    count = jax.process_count()
-    if count == 1:
-        return [mine]
-    client, me = _client(), jax.process_index()
-    return [
-        mine if p == me and mine is not None else pickle.loads(
-            client.blocking_key_value_get_bytes(f"dynjax/{key}/{p}", TIMEOUT_MS)
-        )
-        for p in range(count)
-    ]
+def collect(key: str) -> list[Any]:
+    """Every process's value for ``key``, by process index. Blocks until every process has
+    published its value; values stay in the store until each process `forget`s its own."""
+    return [_read(key, p) for p in range(jax.process_count())]
 
 
 def exchange(key: str, value: Any) -> list[Any]:
-    """Every process's ``value`` for ``key`` (a name all processes use once), by process id.
-
-    Blocks until every process has published its value; values stay in the store until each
-    process `forget`s its own.
-    """
+    """`publish` this process's ``value`` for ``key`` and `collect` the others' (its own is not
+    read back)."""
+    if jax.process_count() == 1:
+        return [value]
     publish(key, value)
-    return collect(key, value)
+    me = jax.process_index()
+    return [value if p == me else _read(key, p) for p in range(jax.process_count())]
+
+
+def _read(key: str, process: int) -> Any:
+    return pickle.loads(
+        _client().blocking_key_value_get_bytes(f"dynjax/{key}/{process}", TIMEOUT_MS)
+    )
 
 
 def forget(key: str) -> None:
