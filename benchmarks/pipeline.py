@@ -4,7 +4,10 @@ Table 1, per schedule (GPipe, 1F1B) and microbatch count M on S stages: host sec
 one step per microbatch against device seconds per microbatch (the step's wall time once
 dispatch overlaps the device; the host keeps up while dispatch < device), the compiled program
 calls of one step and the host time per call (the step's dispatch time over its calls, transfers
-and input placement included; issue target <= 0.3 ms at 4 stages, M = 8), the bubble ratio
+and input placement included; issue target <= 0.3 ms at 4 stages, M = 8), the part of it spent
+inside the compiled programs' calls (XLA:CPU runs a cheap program inline, in the calling thread,
+so on a CPU this is the fake device's work, not dispatch) and the rest, the runtime's own host
+time per call (scheduling, transfers, input placement), the bubble ratio
 measured from `Pipeline.timed_step`'s timeline (seed 003 §A: idle / (stages x iteration)), the
 bubble the pipeline simulator predicts from the measured mean task time of each stage, and the
 analytic (S-1)/(M+S-1) of equal stages. On one CPU the fake devices share the cores, so the
@@ -21,6 +24,7 @@ CPU the fake device's own work dominates neither and the ratio only shows the ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections import Counter
@@ -48,7 +52,8 @@ def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
     print(f"\n{stages} stages x {exp.cfg.mesh.data} data devices, {exp.cfg.model.num_layers} "
           f"layers, batch {exp.cfg.train.batch_size} x {exp.cfg.data.seq_len}")
     print(f"{'schedule':<9}{'M':>3}{'dispatch/mb ms':>16}{'device/mb ms':>14}{'calls':>7}"
-          f"{'ms/call':>9}{'bubble measured':>17}{'simulated':>11}{'analytic':>10}")
+          f"{'ms/call':>9}{'in programs':>13}{'runtime':>9}"
+          f"{'bubble measured':>17}{'simulated':>11}{'analytic':>10}")
     for m in micro:
         plan = exp.initial_plan().replace(microbatches=m)
         runtime = exp.runtime(plan)
@@ -59,14 +64,16 @@ def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
             pipeline, batch = runtime.pipeline, exp.order.batch(0)
             jax.block_until_ready(pipeline.step(exe, batch.inputs, batch.targets))  # warm up
             calls = program_calls(pipeline, exe, batch)
-            dispatch, device, measured, simulated = [], [], [], []
+            dispatch, inside, device, measured, simulated = [], [], [], [], []
             for t in range(steps):
                 batch = exp.order.batch(t)
-                t0 = time.perf_counter()
-                metrics = pipeline.step(exe, batch.inputs, batch.targets)
-                t1 = time.perf_counter()
+                with timed_programs(exe) as in_programs:
+                    t0 = time.perf_counter()
+                    metrics = pipeline.step(exe, batch.inputs, batch.targets)
+                    t1 = time.perf_counter()
                 jax.block_until_ready(metrics)
                 dispatch.append((t1 - t0) / m)
+                inside.append(in_programs[0] / m)
                 device.append((time.perf_counter() - t0) / m)
                 _, timeline = pipeline.timed_step(exe, batch.inputs, batch.targets)
                 measured.append(bubble_ratio(timeline))
@@ -74,9 +81,12 @@ def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
                 bwd = [_mean(row, "B") for row in timeline]
                 simulated.append(simulate(fwd, bwd, m, schedule=schedule).bubble_ratio)
             analytic = (stages - 1) / (m + stages - 1)
+            runtime_own = [a - b for a, b in zip(dispatch, inside, strict=True)]
             print(f"{schedule:<9}{m:>3}{1e3 * statistics.median(dispatch):>16.2f}"
                   f"{1e3 * statistics.median(device):>14.2f}{calls:>7}"
                   f"{1e3 * statistics.median(dispatch) * m / calls:>9.3f}"
+                  f"{1e3 * statistics.median(inside) * m / calls:>13.3f}"
+                  f"{1e3 * statistics.median(runtime_own) * m / calls:>9.3f}"
                   f"{statistics.median(measured):>17.3f}{statistics.median(simulated):>11.3f}"
                   f"{analytic:>10.3f}")
 
@@ -98,6 +108,28 @@ def program_calls(pipeline, exe, batch) -> int:
     finally:
         exe.programs.update(original)
     return sum(counts.values())
+
+
+@contextlib.contextmanager
+def timed_programs(exe):
+    """Within the block, ``[seconds]`` accumulates the time spent inside ``exe``'s program calls."""
+    spent = [0.0]
+    original = dict(exe.programs)
+
+    def timed(fn):
+        def call(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return call
+
+    exe.programs.update({key: timed(fn) for key, fn in original.items()})
+    try:
+        yield spent
+    finally:
+        exe.programs.update(original)
 
 
 def _mean(row, kind: str) -> float:

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax.parallel.dispatch import dispatch_order
-from dynjax.parallel.feed import Placement, place_rows
+from dynjax.parallel.feed import Placement, place_rows, positions
 from dynjax.parallel.layout import join, relayout
 from dynjax.parallel.mesh import TOKEN_AXES
 from dynjax.parallel.profile import (
@@ -60,7 +60,7 @@ from dynjax.parallel.stage_programs import (
     stage_shapes,
 )
 from dynjax.parallel.stages import PipelineSpec, StageSpec
-from dynjax.parallel.transport import Transport
+from dynjax.parallel.transport import Transport, put_all
 
 ProgramKey = tuple[str, int]  # (kind, stage)
 UnitKey = tuple[str, StageSpec]  # (kind, one-unit spec): a profiling program
@@ -783,10 +783,25 @@ class _Run:
     def readout_of(self, s: int) -> dict[str, Any]:
         return {"readout": self.readout[s]} if s in self.readout else {}
 
+    # (field, microbatches, sharding) -> every microbatch of it, placed at the first request
+    placed: dict[tuple[str, int, NamedSharding], list[jax.Array]] = dataclasses.field(
+        default_factory=dict
+    )
+
     def place(self, field: str, m: int, m_count: int, sharding: NamedSharding) -> jax.Array:
-        """Microbatch ``m`` (rows ``m::m_count``) of ``field`` on ``sharding``."""
-        rows = np.arange(self.size)[m::m_count]
-        return place_rows(getattr(self, field), self.held, rows, sharding)
+        """Microbatch ``m`` (rows ``m::m_count``) of ``field`` on ``sharding``. A sharding
+        of this process's devices alone (a pipeline stage's) gets all ``m_count`` microbatches
+        in one transfer call on the first request (issue 15 §7: a call's host time, not its
+        bytes, is what these cost)."""
+        values = getattr(self, field)
+        if not sharding.is_fully_addressable:
+            return place_rows(values, self.held, np.arange(self.size)[m::m_count], sharding)
+        key = (field, m_count, sharding)
+        if key not in self.placed:
+            rows = [np.arange(self.size)[i::m_count] for i in range(m_count)]
+            host = [values[positions(self.held, r)] for r in rows]
+            self.placed[key] = put_all(host, [sharding] * m_count)
+        return self.placed[key][m]
 
 
 @dataclasses.dataclass
