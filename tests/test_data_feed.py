@@ -86,7 +86,8 @@ def test_pipeline_processes_read_rows_only_for_their_first_and_last_stages(count
 @pytest.mark.slow
 def test_a_pipeline_step_on_the_read_rows_equals_the_full_batch():
     """A batch read as rows trains as the whole batch does; one missing rows a stage's devices
-    hold is refused, naming them (device 0 of the first stage holds rows 0 and 2)."""
+    hold is refused, naming them (the first stage's devices hold rows 0, 2, 4 and 6 of
+    microbatch 0, all placed with the first request)."""
     exp = Experiment.from_config(tiny_config(mesh__stage=2, mesh__data=2, train__microbatches=2))
     plan = exp.initial_plan()
     exe = exp.lower_train_step(plan).compile()
@@ -98,7 +99,7 @@ def test_a_pipeline_step_on_the_read_rows_equals_the_full_batch():
         losses.append(jax.device_get(runtime.host_metrics(5, jax.device_get(metrics))["loss"]))
     assert losses[0] == losses[1]
     runtime = exp.runtime(plan)
-    with pytest.raises(ValueError, match=r"rows \[0, 2\] of the batch were not read"):
+    with pytest.raises(ValueError, match=r"rows \[0, 2, 4, 6\] of the batch were not read"):
         runtime.step(exe, exp.order.batch(5, np.array([1, 3, 5, 7])), None)
 
 
