@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
-from collections import Counter
 
 import jax
 
@@ -73,7 +73,7 @@ def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
                     t1 = time.perf_counter()
                 jax.block_until_ready(metrics)
                 dispatch.append((t1 - t0) / m)
-                inside.append(in_programs[0] / m)
+                inside.append(in_programs.seconds / m)
                 device.append((time.perf_counter() - t0) / m)
                 _, timeline = pipeline.timed_step(exe, batch.inputs, batch.targets)
                 measured.append(bubble_ratio(timeline))
@@ -93,27 +93,21 @@ def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
 
 def program_calls(pipeline, exe, batch) -> int:
     """Compiled program calls one step dispatches, counted on one step through wrappers."""
-    counts: Counter = Counter()
-    original = dict(exe.programs)
-
-    def counted(key, fn):
-        def call(*args):
-            counts[key[0]] += 1
-            return fn(*args)
-        return call
-
-    exe.programs.update({key: counted(key, fn) for key, fn in original.items()})
-    try:
+    with timed_programs(exe) as seen:
         jax.block_until_ready(pipeline.step(exe, batch.inputs, batch.targets))
-    finally:
-        exe.programs.update(original)
-    return sum(counts.values())
+    return seen.calls
+
+
+@dataclasses.dataclass
+class ProgramCalls:
+    calls: int = 0
+    seconds: float = 0.0  # spent inside the calls
 
 
 @contextlib.contextmanager
 def timed_programs(exe):
-    """Within the block, ``[seconds]`` accumulates the time spent inside ``exe``'s program calls."""
-    spent = [0.0]
+    """Within the block, ``exe``'s program calls are counted and timed (`ProgramCalls`)."""
+    seen = ProgramCalls()
     original = dict(exe.programs)
 
     def timed(fn):
@@ -122,12 +116,13 @@ def timed_programs(exe):
             try:
                 return fn(*args)
             finally:
-                spent[0] += time.perf_counter() - t0
+                seen.calls += 1
+                seen.seconds += time.perf_counter() - t0
         return call
 
     exe.programs.update({key: timed(fn) for key, fn in original.items()})
     try:
-        yield spent
+        yield seen
     finally:
         exe.programs.update(original)
 

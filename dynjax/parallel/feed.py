@@ -50,6 +50,17 @@ def place_rows(
     )
 
 
+def place_microbatches(
+    values: np.ndarray, held: np.ndarray, size: int, count: int, sharding: Sharding
+) -> list[jax.Array]:
+    """Every microbatch (rows ``m::count`` of a batch of ``size``) of this process's ``values``
+    (its rows ``held``) on ``sharding``, a sharding of this process's devices alone (a pipeline
+    stage's). One transfer call for all: on CPU a call costs about 0.2 ms of host time whatever
+    its size (issue 15 §7)."""
+    rows = [np.arange(size)[m::count] for m in range(count)]
+    return list(jax.device_put([values[positions(held, r)] for r in rows], [sharding] * count))
+
+
 def shard(values: np.ndarray, held: np.ndarray, rows: np.ndarray, index: tuple) -> np.ndarray:
     """The ``index`` (a device's slices of the [len(rows), ...] array) of global batch ``rows``,
     from a process's ``values`` of its rows ``held``."""

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax.parallel.dispatch import dispatch_order
-from dynjax.parallel.feed import Placement, place_rows, positions
+from dynjax.parallel.feed import Placement, place_microbatches
 from dynjax.parallel.layout import join, relayout
 from dynjax.parallel.mesh import TOKEN_AXES
 from dynjax.parallel.profile import (
@@ -60,7 +60,7 @@ from dynjax.parallel.stage_programs import (
     stage_shapes,
 )
 from dynjax.parallel.stages import PipelineSpec, StageSpec
-from dynjax.parallel.transport import Transport, put_all
+from dynjax.parallel.transport import Transport
 
 ProgramKey = tuple[str, int]  # (kind, stage)
 UnitKey = tuple[str, StageSpec]  # (kind, one-unit spec): a profiling program
@@ -779,28 +779,21 @@ class _Run:
     grad_in: list[dict[int, Any]]  # [stage][microbatch] -> gradient of the stage output
     metrics: list[list[Any]]  # [stage][microbatch] -> metrics of that forward
     readout: dict[int, Any]  # stage -> the last stage's norm and head parameters, this step
-
-    def readout_of(self, s: int) -> dict[str, Any]:
-        return {"readout": self.readout[s]} if s in self.readout else {}
-
     # (field, microbatches, sharding) -> every microbatch of it, placed at the first request
     placed: dict[tuple[str, int, NamedSharding], list[jax.Array]] = dataclasses.field(
         default_factory=dict
     )
 
+    def readout_of(self, s: int) -> dict[str, Any]:
+        return {"readout": self.readout[s]} if s in self.readout else {}
+
     def place(self, field: str, m: int, m_count: int, sharding: NamedSharding) -> jax.Array:
-        """Microbatch ``m`` (rows ``m::m_count``) of ``field`` on ``sharding``. A sharding
-        of this process's devices alone (a pipeline stage's) gets all ``m_count`` microbatches
-        in one transfer call on the first request (issue 15 §7: a call's host time, not its
-        bytes, is what these cost)."""
-        values = getattr(self, field)
-        if not sharding.is_fully_addressable:
-            return place_rows(values, self.held, np.arange(self.size)[m::m_count], sharding)
+        """Microbatch ``m`` (rows ``m::m_count``) of ``field`` on ``sharding`` (a local
+        stage's): all ``m_count`` microbatches are placed together on the first request."""
         key = (field, m_count, sharding)
         if key not in self.placed:
-            rows = [np.arange(self.size)[i::m_count] for i in range(m_count)]
-            host = [values[positions(self.held, r)] for r in rows]
-            self.placed[key] = put_all(host, [sharding] * m_count)
+            values = getattr(self, field)
+            self.placed[key] = place_microbatches(values, self.held, self.size, m_count, sharding)
         return self.placed[key][m]
 
 
