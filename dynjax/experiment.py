@@ -44,6 +44,7 @@ from dynjax.parallel import (
 )
 from dynjax.parallel.feed import local_devices, place_rows, process_rows
 from dynjax.parallel.layout import join, layer_sizes
+from dynjax.parallel.peers import Peers
 from dynjax.parallel.pipeline import (
     Migration,
     PendingProfile,
@@ -366,11 +367,14 @@ class Experiment:
             max_entries=entries,
         )
 
-    def runtime(self, plan: Plan, state: dict[str, Any] | None = None):
+    def runtime(
+        self, plan: Plan, state: dict[str, Any] | None = None, peers: Peers | None = None
+    ):
         """The runtime of ``plan``'s kind, holding the initial state or ``state`` (host arrays,
-        or arrays restored into `restore_target`, which stay where they are)."""
+        or arrays restored into `restore_target`, which stay where they are); a pipeline over
+        several processes gathers its profiles through ``peers``."""
         if plan.stage_layers:
-            pipeline = Pipeline(self.pipeline_programs, self.abstract_state)
+            pipeline = Pipeline(self.pipeline_programs, self.abstract_state, peers)
             pipeline.place(
                 state if state is not None else self.init_host_state(),
                 self.pipeline_spec(plan),

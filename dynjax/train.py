@@ -159,8 +159,9 @@ def train(
     In a multi-process run (`dynjax.launch`) every process runs this loop over its own devices
     (the single program's share of the mesh, or its pipeline stages) and reads only the batch
     rows they consume; process i > 0 writes its files to ``workdir/process_<i>``. Process 0's
-    policies decide for every process, and all swap at the same step (`Controller` with
-    `Peers`), moving layers between processes' stages if the Plan says so. A
+    policies decide for every process (a pipeline's profiles gathered from every process's
+    stages), and all swap at the same step (`Controller` with `Peers`), moving layers between
+    processes' stages if the Plan says so. A
     single program over every process's devices checkpoints into ``workdir/checkpoints``, each
     process writing its own shards (`Checkpointer`); a pipeline over processes writes none (a
     process holds only its own stages' arrays, not the global arrays Orbax saves).
@@ -201,16 +202,17 @@ def train(
         return exp.restore_target(exp.resumed_plan(Plan.from_dict(meta["plan"]), changes))
 
     restored = checkpointer.restore_latest(restore_target)
+    peers = None if single else Peers()
     if restored is None:
         plan, start = exp.initial_plan(), 0
-        runtime = exp.runtime(plan)
+        runtime = exp.runtime(plan, peers=peers)
         ledger = expert_ledger(cfg, exp, None, {}, events)
     else:
         state, meta = restored
         changes = config_changes(meta["config"], cfg)
         saved = Plan.from_dict(meta["plan"])
         plan, start = exp.resumed_plan(saved, changes), meta["step"]
-        runtime = exp.runtime(plan, state)
+        runtime = exp.runtime(plan, state, peers)
         events(resume_event(start, changes, saved, plan))
         log.info("resumed from step %d of %s", start, workdir)
         ledger = expert_ledger(cfg, exp, meta, changes, events)
@@ -252,8 +254,9 @@ def train(
         )
 
     # A pipeline profiles the first step of every Plan (seed 000 §3.1) and every n-th step;
-    # each Plan's profiling programs compile with it, in the background.
-    profiling = single and bool(plan.stage_layers)  # profiling times every stage on one host
+    # each Plan's profiling programs compile with it, in the background. Over several
+    # processes each times its own stages and the profiles are gathered (`Pipeline`).
+    profiling = bool(plan.stage_layers)
     profile_on_change = cfg.pipeline.profile_on_change and profiling
     profile_every = cfg.pipeline.profile_every if profiling else 0
     lower = functools.partial(
@@ -289,7 +292,7 @@ def train(
         emit=events,
         validate=validate,
         budget=Budget(budget.max_recompiles, budget.window_steps),
-        peers=None if single else Peers(),
+        peers=peers,
         # Processes run up to Δ + 1 steps apart: a survivor logs every step a dead peer finished.
         lag=cfg.recompile.delta_launch + 1,
     )
@@ -566,12 +569,10 @@ def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list
 
 def _check_multi_process(cfg: ml_collections.ConfigDict) -> None:
     """What a multi-process run cannot do yet, refused before any work."""
-    b = cfg.balance
-    if b.enabled or b.repack:
+    if cfg.balance.repack:
         raise config_lib.ConfigError(
-            "balance.enabled / balance.repack: a multi-process run is not profiled yet (the "
-            "balancer decides from per-layer times measured in one process); set "
-            "balance.enabled=False and balance.repack=False"
+            "balance.repack: a multi-process run keeps its pipeline stages (a re-pack that "
+            "releases a whole process's devices is not supported yet); set balance.repack=False"
         )
     if cfg.moe.caching.enabled:
         raise config_lib.ConfigError(

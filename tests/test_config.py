@@ -177,9 +177,9 @@ def test_cli_reports_config_errors_found_once_devices_are_known(capsys, monkeypa
     monkeypatch.setattr(
         "dynjax.train.train", lambda cfg, *a, **k: train_module._check_multi_process(cfg)
     )
-    balance = ["--config.balance.enabled=True", "--config.mesh.stage=2"]
-    assert main(["--config", "tests/tiny.py", *balance]) == 2
-    assert "balance.enabled / balance.repack: a multi-process run is not profiled yet" in (
+    repack = ["--config.balance.repack=True", "--config.mesh.stage=2"]
+    assert main(["--config", "tests/tiny.py", *repack]) == 2
+    assert "balance.repack: a multi-process run keeps its pipeline stages" in (
         capsys.readouterr().err
     )
     caching = ["--config.moe.caching.enabled=True", "--config.moe.every=2"]

@@ -203,7 +203,7 @@ def test_a_timed_step_counts_waiting_for_the_previous_step_as_idle():
         [(_READY, 0.0, 5.0, 0.0), (Task("F", 0), 1.0, no, 6.0), (Task("B", 0), 1.0, no, 9.5)],
         [(_READY, 0.0, no, 0.0), (Task("F", 0), 1.0, no, 7.0), (Task("B", 0), 1.0, no, 8.0)],
     ]
-    (f0, b0), (f1, b1) = _timeline(seen, 0.0)
+    (f0, b0), (f1, b1) = _timeline(dict(enumerate(seen)), 0.0).values()
     # A task starts when the one that computed its input ended (stage 1's F after stage 0's).
     assert (f0.start, f0.end) == (5.0, 6.0) and (b0.start, b0.end) == (8.0, 9.5)
     assert (f1.start, f1.end) == (6.0, 7.0) and (b1.start, b1.end) == (7.0, 8.0)

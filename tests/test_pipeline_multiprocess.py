@@ -10,7 +10,7 @@ import pytest
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from .tiny import tiny_config
+from .tiny import layer_moves, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two stages of one device each, one per process: every activation and gradient crosses
@@ -32,6 +32,20 @@ def losses(workdir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
 
 
+def two_processes(workdir: Path, overrides: dict) -> str:
+    """Train ``overrides`` over 2 local processes of one CPU device each; their output."""
+    args = [f"--config.{k}={v}" for k, v in overrides.items()]
+    command = [
+        sys.executable, "-m", "dynjax.launch.local", "--processes", "2",
+        "--devices-per-process", "1", "--", "--config", "tests/tiny.py",
+        "--workdir", str(workdir), *args,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return done.stdout
+
+
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     config = tiny_config(**{k.replace(".", "__"): v for k, v in OVERRIDES.items()})
@@ -39,19 +53,66 @@ def test_two_processes_match_one(tmp_path):
     train(config, single, progress=False)
 
     multi = tmp_path / "multi"
-    args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
-    command = [
-        sys.executable, "-m", "dynjax.launch.local", "--processes", "2",
-        "--devices-per-process", "1", "--", "--config", "tests/tiny.py",
-        "--workdir", str(multi), *args,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert "[0] dynjax run summary" in done.stdout and "[1] dynjax run summary" in done.stdout
+    out = two_processes(multi, OVERRIDES)
+    assert "[0] dynjax run summary" in out and "[1] dynjax run summary" in out
     want = losses(single)
     assert sorted(want) == [1, 2, 3, 4]
     assert losses(multi) == want  # bit for bit: the same programs, moved the same way
     assert losses(multi / "process_1") == want  # every process logs the same metrics
     evals = lambda w: [r["eval_loss"] for r in read_jsonl(w / "metrics.jsonl") if "eval_loss" in r]
     assert evals(multi) == evals(single) and len(evals(single)) == 1
+
+
+@pytest.mark.slow
+def test_the_balancer_decides_from_every_process_stages_and_moves_layers_between_them(tmp_path):
+    """Issue 15 §4: each process times its own stage; the profiles are gathered, so process 0's
+    balancer sees every layer and stage, and the layers its Plan moves cross processes."""
+    run = {
+        **OVERRIDES,
+        "model.num_layers": 5,
+        # Layers wide enough to outweigh a task's fixed costs, so that (4, 1) is clearly slower
+        # than a split near (3, 2) in every profile, not only in some noisy ones.
+        "model.d_model": 128,
+        "model.mlp_dim": 512,
+        "moe.every": 0,
+        "pipeline.stage_layers": "4,1",  # deliberately unbalanced
+        "pipeline.profile_every": 10,
+        "balance.enabled": True,
+        "balance.every": 5,
+        "balance.amortize_steps": 10**9,
+        "recompile.delta_launch": 1,
+        # Steps enough for both processes to compile the new layout in the background: it was
+        # decided at step 2 (on step 0's profile) and swapped in at step 43 in one run.
+        "train.steps": 200,
+        "train.eval_every": 200,
+        "train.log_every": 10,
+    }
+    workdir = tmp_path / "multi"
+    two_processes(workdir, run)
+    workdirs = (workdir, workdir / "process_1")
+    events = [read_jsonl(w / "events.jsonl") for w in workdirs]
+    profiles = [[e for e in ev if e["event"] == "profile"] for ev in events]
+    # Every process holds the same gathered profiles: both stages' timelines and memory, and
+    # a time for every layer, each measured by the process that holds it.
+    assert profiles[0] and len(profiles[0]) == len(profiles[1])
+    measured = lambda e: {k: v for k, v in e.items() if k not in ("time", "seconds")}
+    for mine, theirs in zip(*profiles, strict=True):
+        assert measured(mine) == measured(theirs)
+        assert len(mine["timeline"]) == 2 and all(mine["timeline"])
+        assert len(mine["stage_memory_bytes"]) == 2
+        assert len(mine["layer_forward_seconds"]) == 5
+        assert min(mine["layer_forward_seconds"]) > 0 and min(mine["head_seconds"]) > 0
+    decisions = [e for e in events[0] if e["event"] == "rebalance"]
+    assert decisions and decisions[0]["old"] == [4, 1] and decisions[0]["profile_step"] == 0
+    assert not [e for e in events[1] if e["event"] == "rebalance"]  # process 0 decides
+    first = next(e for e in decisions if e["accepted"])
+    assert first["new"] != [4, 1]
+    assert first["predicted_new_seconds"] < first["predicted_old_seconds"]
+    migrations = [
+        [(e["step"], e["moves"]) for e in ev if e["event"] == "migrate"] for ev in events
+    ]
+    print("migrations per process:", migrations)
+    assert migrations[0] == migrations[1]
+    step, moves = migrations[0][0]
+    assert moves == layer_moves([4, 1], first["new"]) and 0 < step < 200
+    assert losses(workdir) == losses(workdir / "process_1")

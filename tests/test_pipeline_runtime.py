@@ -22,10 +22,12 @@ from dynjax.parallel import pipeline as pipeline_module
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.pipeline import Pipeline, PipelinePrograms, host_metrics
 from dynjax.parallel.profile import (
+    UnitTimes,
     program_temp_bytes,
     rescaled_units,
     stage_busy_seconds,
     stage_memory,
+    units_busy_seconds,
 )
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
@@ -449,9 +451,16 @@ def test_a_periodic_profile_rescales_the_measured_units_by_its_own_timeline(prog
     no_units = dataclasses.replace(exe, profiling={key: unit_program_ran for key in exe.profiling})
     _, light = pipeline.profile_step(no_units, **batches()[1], repeats=1, measure_units=False)
     assert not light.units_measured and light.event(1)["units"] == "rescaled"
-    # A stage measured idle (a tiny step's tasks end within a watcher's wake-up on a loaded
-    # machine) keeps its units' times.
-    now, then = stage_busy_seconds(light.timeline), stage_busy_seconds(full.timeline)
+    # Each stage's units scale by its busy time in this step against what they add up to
+    # alone (not against the measured step's, which may be a first run); a stage measured
+    # idle (a tiny step's tasks end within a watcher's wake-up on a loaded machine) keeps them.
+    now = stage_busy_seconds(light.timeline)
+    then = units_busy_seconds(full.units.by_unit(), exe.spec)
+    assert then[0] == pytest.approx(
+        exe.spec.microbatches * (sum(full.units.embed) + full.units.layer_forward[0]
+                                 + full.units.layer_backward[0])
+    )
+    then = np.array([then[s] for s in range(len(ASSIGNMENT))])
     factors = np.where(then > 0, now / np.where(then > 0, then, 1.0), 1.0)
     owner = [s for s, count in enumerate(ASSIGNMENT) for _ in range(count)]
     units = zip(light.units.layer_forward, light.units.layer_backward, strict=True)
@@ -514,9 +523,10 @@ def test_a_periodic_profile_is_taken_while_later_steps_run(programs):
     for row in light.timeline:
         for a, b in zip(row, row[1:], strict=False):
             assert 0 <= a.start <= a.end <= b.start
-    now, then = stage_busy_seconds(light.timeline), stage_busy_seconds(full.timeline)
-    factors = np.where(then > 0, now / np.where(then > 0, then, 1.0), 1.0)
-    assert light.units == rescaled_units(full.units, exe.spec, factors)
+    then = units_busy_seconds(full.units.by_unit(), exe.spec)
+    factors = {s: busy / then[s] if then[s] > 0 else 1.0
+               for s, busy in enumerate(stage_busy_seconds(light.timeline))}
+    assert light.units == UnitTimes.of(rescaled_units(full.units.by_unit(), exe.spec, factors))
     temps = program_temp_bytes(exe.programs)
     fresh = stage_memory(exe.spec, profiled.state, profiled.acc, temps, programs.shapes)
-    assert light.memory == full.memory == fresh
+    assert light.memory == full.memory == tuple(fresh[s] for s in range(len(ASSIGNMENT)))

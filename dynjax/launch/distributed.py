@@ -118,8 +118,8 @@ def forget(key: str) -> None:
 
 
 class Peers:
-    """The run's processes as `dynjax.recompile.Controller` agrees on swaps with them
-    (`dynjax.recompile.agreement.Peers`)."""
+    """The run's processes as the Controller agrees on swaps with them and the pipeline gathers
+    its profiles (`dynjax.parallel.peers.Peers`)."""
 
     def __init__(self) -> None:
         self.index, self.count = jax.process_index(), jax.process_count()

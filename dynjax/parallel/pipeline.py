@@ -40,16 +40,20 @@ from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.feed import Placement, place_microbatches
 from dynjax.parallel.layout import join, relayout
 from dynjax.parallel.mesh import TOKEN_AXES
+from dynjax.parallel.peers import Peers
 from dynjax.parallel.profile import (
     Profile,
+    ProfilePart,
     TaskTime,
-    UnitTimes,
+    UnitSeconds,
+    busy_seconds,
+    merged,
     program_temp_bytes,
     rescaled_units,
-    stage_busy_seconds,
     stage_memory,
     unit_programs,
-    unit_times,
+    unit_seconds,
+    units_busy_seconds,
 )
 from dynjax.parallel.stage_programs import (
     READOUT_UNITS,
@@ -261,19 +265,25 @@ class Pipeline:
     `layout`), plus the gradient accumulator of its trainable units (zero between steps).
     """
 
-    def __init__(self, programs: PipelinePrograms, full_template: Any) -> None:
+    def __init__(
+        self, programs: PipelinePrograms, full_template: Any, peers: Peers | None = None
+    ) -> None:
         self.programs = programs
         self.transport = programs.transport
+        self.peers = peers  # the other processes' stages' profiles come through them
+        self._profiles = 0  # profiles started: every process numbers its exchanges alike
         self.full_template = full_template  # the full {"params", "opt_state"} tree (structure)
         self.spec: PipelineSpec | None = None
         self.state: dict[int, dict[str, Any]] = {}
         self.acc: dict[int, Any] = {}
         self.racc: dict[int, Any] = {}  # readout-gradient accumulators (empty where unused)
-        # The newest unit measurement: (the spec it ran on, its times, each stage's busy
-        # seconds in the step it profiled), what a periodic profile rescales.
-        self._measured_units: tuple[PipelineSpec, UnitTimes, np.ndarray] | None = None
+        # The newest unit measurement of this process's stages: (the spec it ran on, their
+        # units' times, each stage's busy seconds as they add up), what a periodic profile
+        # rescales. Not the busy seconds of the step they were measured after: that step may
+        # be a program's first run (or, over processes, include their first connection).
+        self._measured_units: tuple[PipelineSpec, UnitSeconds, dict[int, float]] | None = None
         # The newest executable's `stage_memory` (`_memory`).
-        self._memory_of: tuple[PipelineExecutable, tuple[dict[str, int], ...]] | None = None
+        self._memory_of: tuple[PipelineExecutable, dict[int, dict[str, int]]] | None = None
         # Per stage, the first parameter leaf the last update wrote and one of that update's
         # metrics, ready with it (`_ready_marks`).
         self._updated: dict[int, tuple[jax.Array, jax.Array]] = {}
@@ -427,8 +437,10 @@ class Pipeline:
         """`step`, with each stage's timeline of tasks in seconds from the start of the step
         (what the pipeline simulator of `dynjax.balance` predicts). Blocks until the timeline is
         complete; `start_timed_step` does not."""
+        self._single_process("the timeline of every stage")
         metrics, timeline = self.start_timed_step(exe, inputs, targets, cached, rows)
-        return metrics, timeline.result()
+        rows_of = timeline.result()
+        return metrics, tuple(rows_of[s] for s in sorted(rows_of))
 
     def start_timed_step(
         self,
@@ -438,8 +450,8 @@ class Pipeline:
         cached: np.ndarray | None = None,
         rows: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], PendingTimeline]:
-        """`step`, timed: returns once the step is dispatched, as `step` does, with the step's
-        timeline still being taken (`PendingTimeline.result`).
+        """`step`, timed: returns once the step is dispatched, as `step` does, with the timeline
+        of this process's stages still being taken (`PendingTimeline.result`).
 
         The tasks are dispatched exactly as `step` dispatches them, so timing costs the step
         none of its overlap, nor the next steps theirs (a profile every step stays cheap; seed
@@ -447,34 +459,35 @@ class Pipeline:
         thread for all would note a task that ends before an earlier-dispatched one on another
         stage only when that one ends). A stage runs its programs in order, so a task ends when
         its results are ready and starts at the latest of its dispatch, the end of the stage's
-        previous task and the end of the task that computed its input. Each wait is a thread
-        wake-up, most of what a profile every step costs in CPU, so the watchers wait for
-        nothing else: not for a transfer's arrival (a starved stage's task then includes its
-        input's transfer). The watched arrays are none that a later program donates, so later
-        steps may be dispatched before the watchers are done.
+        previous task and the end of the task that computed its input (when that stage is this
+        process's). Each wait is a thread wake-up, most of what a profile every step costs in
+        CPU, so the watchers wait for nothing else: not for a transfer's arrival (a starved
+        stage's task then includes its input's transfer). The watched arrays are none that a
+        later program donates, so later steps may be dispatched before the watchers are done.
         """
-        self._single_process("a timed step")
         run = self._start(exe, inputs, targets, cached, rows)
-        stages = exe.spec.num_stages
-        queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(stages)]
-        seen: list[list[tuple[Any, float, float, float]]] = [[] for _ in range(stages)]
+        local = [s.index for s in self._local(exe.spec)]
+        queues = {s: queue.SimpleQueue() for s in local}
+        seen: dict[int, list[tuple[Any, float, float, float]]] = {s: [] for s in local}
         errors: list[BaseException] = []
         threads = [
             threading.Thread(target=_watch, args=(queues[s], seen[s], errors), daemon=True)
-            for s in range(stages)
+            for s in local
         ]
         for t in threads:
             t.start()
         start = time.perf_counter()
         try:
-            for s in range(stages):  # what a stage's first task waits for from before the step
+            for s in local:  # what a stage's first task waits for from before the step
                 queues[s].put((_READY, start, self._ready_marks(run, s), ()))
             for s, task in exe.order:
                 dispatched = time.perf_counter()
-                queues[s].put((task, dispatched, (), self._run(run, s, task)))
+                computed = self._run(run, s, task)
+                if s in queues:
+                    queues[s].put((task, dispatched, (), computed))
             metrics = self._finish(run)
         finally:
-            for q in queues:
+            for q in queues.values():
                 q.put(None)  # the watchers end after the step's last task
         return metrics, PendingTimeline(threads, seen, errors, start)
 
@@ -534,50 +547,77 @@ class Pipeline:
         periodic profile costs the training loop no wait (seed 000 §3.3.1). Memory is computed
         once per executable. The one-unit programs come with ``exe`` (lowered with
         ``profiling``): nothing compiles here, on the training thread.
+
+        Each process measures its own stages; over several processes (``peers``) every process
+        must profile the same steps and ask for their `Profile`s in the same order: each then
+        exchanges its part with the others' (`merged`), and all hold the same `Profile`.
         """
         if not exe.profiling:
             raise ValueError(
                 "profiling a step needs its one-unit programs: lower the spec with "
                 "PipelinePrograms.lower(spec, profiling=True)"
             )
+        if self.peers is None:
+            self._single_process("profiling without the other processes (peers)")
+        number, self._profiles = self._profiles, self._profiles + 1
         memory = self._memory(exe)
         layout = tuple(len(stage.layers) for stage in exe.spec.stages)
         measured = self._measured_units
+        metrics, pending = self.start_timed_step(exe, inputs, targets, cached, rows)
         if not measure_units and measured is not None and measured[0] == exe.spec:
-            metrics, pending = self.start_timed_step(exe, inputs, targets, cached, rows)
             _, units, then = measured
 
             def rescaled() -> Profile:
                 timeline = pending.result()
                 start = time.perf_counter()
-                busy = stage_busy_seconds(timeline)
-                factors = np.where(then > 0, busy / np.where(then > 0, then, 1.0), 1.0)
-                times = rescaled_units(units, exe.spec, factors)
-                seconds = time.perf_counter() - start
-                return Profile(times, memory, timeline, layout, units_measured=False,
-                               seconds=seconds)
+                factors = {
+                    s: busy_seconds(row) / then[s] if then[s] > 0 else 1.0
+                    for s, row in timeline.items()
+                }
+                part = ProfilePart(rescaled_units(units, exe.spec, factors), memory, timeline)
+                return self._gathered(number, part, layout, False, time.perf_counter() - start)
 
             return metrics, PendingProfile(rescaled)
-        metrics, timeline = self.timed_step(exe, inputs, targets, cached, rows)
+        timeline = pending.result()
         start = time.perf_counter()
-        params = {s: st["params"] for s, st in self.state.items()}
-        times = unit_times(
+        local = {s: st["params"] for s, st in self.state.items()}
+        units = unit_seconds(
             exe.spec,
-            params,
+            local,
             lambda kind, one: exe.profiling[kind, one],
             self.programs.shapes,
             self.programs.setup.parts,
+            stages=local.keys(),
             repeats=repeats,
         )
-        self._measured_units = (exe.spec, times, stage_busy_seconds(timeline))
+        self._measured_units = (exe.spec, units, units_busy_seconds(units, exe.spec))
+        part = ProfilePart(units, memory, timeline)
         seconds = time.perf_counter() - start
-        profile = Profile(times, memory, timeline, layout, seconds=seconds)
-        return metrics, PendingProfile(lambda: profile)
+        return metrics, PendingProfile(
+            lambda: self._gathered(number, part, layout, True, seconds)
+        )
 
-    def _memory(self, exe: PipelineExecutable) -> tuple[dict[str, int], ...]:
-        """`stage_memory` under ``exe``. The state's shapes and shardings are those of
-        ``exe``'s program inputs, so it is computed once per executable (walking every shard
-        takes milliseconds: a share of the step at a per-step cadence)."""
+    def _gathered(
+        self, number: int, part: ProfilePart, layout: tuple[int, ...], measured: bool,
+        seconds: float,
+    ) -> Profile:
+        """The `Profile` of every stage: this process's ``part`` and, over several processes,
+        the others' of the same profile ``number`` (the exchange's seconds count too)."""
+        start = time.perf_counter()
+        parts = [part]
+        if self.peers is not None and self.peers.count > 1:
+            key = f"profile/{number}"
+            self.peers.publish(key, part)
+            parts = self.peers.collect(key)
+            if number:  # every process read it before publishing this one
+                self.peers.forget(f"profile/{number - 1}")
+        seconds += time.perf_counter() - start
+        return merged(parts, layout, units_measured=measured, seconds=seconds)
+
+    def _memory(self, exe: PipelineExecutable) -> dict[int, dict[str, int]]:
+        """`stage_memory` of this process's stages under ``exe``. The state's shapes and
+        shardings are those of ``exe``'s program inputs, so it is computed once per executable
+        (walking every shard takes milliseconds: a share of the step at a per-step cadence)."""
         if self._memory_of is None or self._memory_of[0] is not exe:
             temps = program_temp_bytes(exe.programs)
             memory = stage_memory(exe.spec, self.state, self.acc, temps, self.programs.shapes)
@@ -856,13 +896,14 @@ class PendingTimeline:
     """The timeline of a dispatched step, which its stages' watcher threads are still taking."""
 
     def __init__(
-        self, threads: list[threading.Thread], seen: list[list[tuple[Any, float, float, float]]],
-        errors: list[BaseException], start: float,
+        self, threads: list[threading.Thread],
+        seen: dict[int, list[tuple[Any, float, float, float]]], errors: list[BaseException],
+        start: float,
     ) -> None:
         self._threads, self._seen, self._errors, self._start = threads, seen, errors, start
 
-    def result(self) -> tuple[tuple[TaskTime, ...], ...]:
-        """Each stage's `TaskTime`s; waits for the step's tasks."""
+    def result(self) -> dict[int, tuple[TaskTime, ...]]:
+        """The `TaskTime`s of each of this process's stages; waits for the step's tasks."""
         for t in self._threads:
             t.join()
         if self._errors:
@@ -919,17 +960,17 @@ def _present(*outputs: Any) -> tuple:
 
 
 def _timeline(
-    seen: list[list[tuple[Any, float, float, float]]], start: float
-) -> tuple[tuple[TaskTime, ...], ...]:
-    """Each stage's `TaskTime`s from what `Pipeline.timed_step`'s watchers saw: (task, its
-    dispatch, -inf, its results ready) per task, in order; a `_READY` entry first, whose
-    arrival is when the stage's state from before the step is. A task starts after the task
-    that computed its input ended (on the neighbour stage, as that stage's watcher saw it)."""
-    last = len(seen) - 1
+    seen: Mapping[int, list[tuple[Any, float, float, float]]], start: float
+) -> dict[int, tuple[TaskTime, ...]]:
+    """Each watched stage's `TaskTime`s from what `Pipeline.start_timed_step`'s watchers saw:
+    (task, its dispatch, -inf, its results ready) per task, in order; a `_READY` entry first,
+    whose arrival is when the stage's state from before the step is. A task starts after the
+    task that computed its input ended, where a watcher of this process saw that one end (on
+    the neighbour stage)."""
     ends = {(task.kind, s, task.microbatch): end
-            for s, row in enumerate(seen) for task, _, _, end in row if task != _READY}
-    out = []
-    for s, row in enumerate(seen):
+            for s, row in seen.items() for task, _, _, end in row if task != _READY}
+    out = {}
+    for s, row in seen.items():
         times, free = [], start
         for task, dispatched, arrived, end in row:
             if task == _READY:  # the stage idles until what it needs from before the step is in
@@ -937,9 +978,8 @@ def _timeline(
                 continue
             m = task.microbatch
             source = ("F", s - 1, m) if task.kind == "F" else ("B", s + 1, m)
-            begin = max(dispatched, free, arrived,
-                        ends[source] if 0 <= source[1] <= last else start)
+            begin = max(dispatched, free, arrived, ends.get(source, start))
             free = max(end, begin)
             times.append(TaskTime(task.kind, m, begin - start, free - start))
-        out.append(tuple(times))
-    return tuple(out)
+        out[s] = tuple(times)
+    return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -43,6 +43,9 @@ class TaskTime:
     end: float
 
 
+UnitSeconds = Mapping[Unit, tuple[float, float]]  # ("embed",) / ("layers", i) / ("head",)
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitTimes:
     """Seconds per microbatch of each unit's forward and backward (backward: with recompute)."""
@@ -51,6 +54,26 @@ class UnitTimes:
     layer_backward: tuple[float, ...]
     embed: tuple[float, float]  # (forward, backward) of the token embedding
     head: tuple[float, float]  # (forward, backward) of the final norm, head and loss
+
+    @classmethod
+    def of(cls, seconds: UnitSeconds) -> UnitTimes:
+        """From every unit's (forward, backward) seconds."""
+        layers = sorted(unit[1] for unit in seconds if unit[0] == "layers")
+        return cls(
+            layer_forward=tuple(seconds["layers", i][0] for i in layers),
+            layer_backward=tuple(seconds["layers", i][1] for i in layers),
+            embed=seconds[("embed",)],
+            head=seconds[("head",)],
+        )
+
+    def by_unit(self) -> dict[Unit, tuple[float, float]]:
+        """Every unit's (forward, backward) seconds (`of` in reverse)."""
+        layers = zip(self.layer_forward, self.layer_backward, strict=True)
+        return {
+            ("embed",): self.embed,
+            **{("layers", i): times for i, times in enumerate(layers)},
+            ("head",): self.head,
+        }
 
 
 def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -> StageSpec:
@@ -122,36 +145,28 @@ def unit_programs(spec: PipelineSpec, parts: ModelParts) -> list[tuple[str, Stag
     return [(kind, one) for one in firsts.values() for kind in unit_kinds(one)]
 
 
-def unit_times(
+def unit_seconds(
     spec: PipelineSpec,
     params: Mapping[int, Any],
     get: GetProgram,
     shapes: Shapes,
     parts: ModelParts,
     *,
+    stages: Collection[int],
     repeats: int = 3,
-) -> UnitTimes:
-    """Median seconds of each unit's programs on its own stage (``params``: per stage)."""
+) -> dict[Unit, tuple[float, float]]:
+    """Median (forward, backward) seconds of the units of ``stages`` (``params``: theirs), each
+    run alone on its own stage: in a multi-process run each process times its own stages."""
     measured: dict[tuple, tuple[float, float]] = {}
-    forward, backward = {}, {}
-    embed = head = (0.0, 0.0)
+    out = {}
     for unit, one, signature in timed_units(spec, parts):
+        if one.index not in stages:
+            continue
         if signature not in measured:
             unit_params = select(params[one.index], one.units(parts.learned_positions))
             measured[signature] = _time_unit(one, unit_params, get, shapes, repeats)
-        if unit[0] == "layers":
-            forward[unit[1]], backward[unit[1]] = measured[signature]
-        elif unit[0] == "embed":
-            embed = measured[signature]
-        else:
-            head = measured[signature]
-    layers = sorted(forward)
-    return UnitTimes(
-        layer_forward=tuple(forward[i] for i in layers),
-        layer_backward=tuple(backward[i] for i in layers),
-        embed=embed,
-        head=head,
-    )
+        out[unit] = measured[signature]
+    return out
 
 
 def _time_unit(
@@ -241,13 +256,16 @@ def stage_memory(
     acc: Mapping[int, Any],
     temps: Mapping[int, int],
     shapes: Shapes,
-) -> tuple[dict[str, int], ...]:
-    """Per-device bytes of each stage: live state, kept stage inputs, program temporaries
-    (``temps``: `program_temp_bytes`), their ``total``, and ``microbatch_input``, the bytes of
-    one kept stage input."""
-    out = []
+) -> dict[int, dict[str, int]]:
+    """Per-device bytes of each stage in ``state`` (this process's): live state, kept stage
+    inputs, program temporaries (``temps``: `program_temp_bytes`), their ``total``, and
+    ``microbatch_input``, the bytes of one kept stage input."""
+    out = {}
     for stage in spec.stages:
-        s, kept = stage.index, shapes(stage)
+        s = stage.index
+        if s not in state:
+            continue
+        kept = shapes(stage)
         # A stage input is its activations (tokens) with the carry and targets its wrappers read.
         inputs = [kept.x, *jax.tree.leaves({k: v for k, v in kept.ctx.items() if k != "readout"})]
         x_bytes = sum(
@@ -262,8 +280,8 @@ def stage_memory(
         }
         record["total"] = sum(record.values())
         record["microbatch_input"] = x_bytes  # one kept stage input (a part of stage_inputs)
-        out.append(record)
-    return tuple(out)
+        out[s] = record
+    return out
 
 
 Timeline = Sequence[Sequence[TaskTime]]  # [stages][tasks in execution order]
@@ -282,29 +300,83 @@ def bubble_ratio(timeline: Timeline) -> float:
     return 1.0 - busy / (len(timeline) * span) if span > 0 else 0.0
 
 
+def busy_seconds(tasks: Sequence[TaskTime]) -> float:
+    """Seconds a stage spent on its tasks in one step."""
+    return sum(t.end - t.start for t in tasks)
+
+
 def stage_busy_seconds(timeline: Timeline) -> np.ndarray:
     """[stages] seconds each stage spent on its tasks in one step."""
-    return np.array([sum(t.end - t.start for t in stage) for stage in timeline])
+    return np.array([busy_seconds(stage) for stage in timeline])
 
 
-def rescaled_units(units: UnitTimes, spec: PipelineSpec, factors: Sequence[float]) -> UnitTimes:
-    """``units`` with every unit of stage s scaled by ``factors[s]``: a periodic profile's
-    per-unit times from its own step's timeline (each stage's busy time against the one the
-    units were measured with) instead of re-running every unit alone (issue: balancing must
-    cost almost nothing, seed 000 §3.3.1). Shares inside a stage keep the measured ones."""
-    forward, backward = dict(), dict()
-    layers = sorted(i for stage in spec.stages for i in stage.layers)
-    at = dict(zip(layers, zip(units.layer_forward, units.layer_backward, strict=True), strict=True))
-    for stage in spec.stages:
-        for i in stage.layers:
-            forward[i] = at[i][0] * factors[stage.index]
-            backward[i] = at[i][1] * factors[stage.index]
-    first, last = factors[0], factors[spec.num_stages - 1]
-    return UnitTimes(
-        layer_forward=tuple(forward[i] for i in layers),
-        layer_backward=tuple(backward[i] for i in layers),
-        embed=(units.embed[0] * first, units.embed[1] * first),
-        head=(units.head[0] * last, units.head[1] * last),
+def unit_stage(spec: PipelineSpec, unit: Unit) -> int:
+    """The stage that runs ``unit``."""
+    if unit[0] == "embed":
+        return spec.stages[0].index
+    if unit[0] == "head":
+        return spec.stages[-1].index
+    return spec.owner(unit[1])
+
+
+def units_busy_seconds(seconds: UnitSeconds, spec: PipelineSpec) -> dict[int, float]:
+    """Per stage with units in ``seconds``: the busy seconds of a step as its units alone add
+    up (every microbatch's forward and backward of each)."""
+    out: dict[int, float] = {}
+    for unit, (f, b) in seconds.items():
+        s = unit_stage(spec, unit)
+        out[s] = out.get(s, 0.0) + spec.microbatches * (f + b)
+    return out
+
+
+def rescaled_units(
+    seconds: UnitSeconds, spec: PipelineSpec, factors: Mapping[int, float]
+) -> dict[Unit, tuple[float, float]]:
+    """``seconds`` (units of the stages in ``factors``) with every unit of stage s scaled by
+    ``factors[s]``: a periodic profile's per-unit times from its own step's timeline (each
+    stage's busy time against the one its units alone add up to, `units_busy_seconds`)
+    instead of re-running every unit alone (issue: balancing must cost almost nothing, seed
+    000 §3.3.1). Shares inside a stage keep the measured ones."""
+    return {
+        unit: (f * factors[unit_stage(spec, unit)], b * factors[unit_stage(spec, unit)])
+        for unit, (f, b) in seconds.items()
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfilePart:
+    """What one process measured of a profiled step: the share of its own stages. In a
+    multi-process run every process's part is exchanged and `merged` into the `Profile`."""
+
+    units: Mapping[Unit, tuple[float, float]]  # its stages' units (`unit_seconds`)
+    memory: Mapping[int, dict[str, int]]  # its stages' `stage_memory`
+    timeline: Mapping[int, tuple[TaskTime, ...]]  # its stages' tasks, from its step's start
+
+
+def merged(
+    parts: Sequence[ProfilePart],
+    stage_layers: tuple[int, ...],
+    *,
+    units_measured: bool,
+    seconds: float,
+) -> Profile:
+    """One `Profile` of every stage from the processes' parts. A process times its tasks from
+    its own dispatch of the step; the processes dispatch each step within a transfer's latency
+    of one another (they meet in every transfer), so the timelines line up to about that."""
+    units = {u: t for part in parts for u, t in part.units.items()}
+    memory = {s: m for part in parts for s, m in part.memory.items()}
+    timeline = {s: row for part in parts for s, row in part.timeline.items()}
+    stages = range(len(stage_layers))
+    missing = [s for s in stages if s not in memory or s not in timeline]
+    if missing:
+        raise ValueError(f"no process profiled stages {missing}")
+    return Profile(
+        UnitTimes.of(units),
+        tuple(memory[s] for s in stages),
+        tuple(timeline[s] for s in stages),
+        stage_layers,
+        units_measured=units_measured,
+        seconds=seconds,
     )
 
 

@@ -18,30 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from dynjax.recompile.plan import Plan
 
 LEADER = 0  # the process whose policies decide
-
-
-class Peers(Protocol):
-    """The processes of a run as the Controller needs them (`dynjax.launch.distributed.Peers`)."""
-
-    index: int  # this process's
-    count: int
-
-    def publish(self, key: str, value: Any) -> None:
-        """Store this process's ``value`` for ``key`` (a name every process uses once)."""
-        ...
-
-    def collect(self, key: str) -> list[Any]:
-        """Every process's value for ``key``, by process index; blocks until all published."""
-        ...
-
-    def forget(self, key: str) -> None:
-        """Delete this process's value of a key that every process has collected."""
-        ...
 
 
 @dataclass(frozen=True)

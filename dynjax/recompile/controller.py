@@ -32,7 +32,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynjax.recompile.agreement import LEADER, Announcement, Peers, Status, verdict
+from dynjax.parallel.peers import Peers
+from dynjax.recompile.agreement import LEADER, Announcement, Status, verdict
 from dynjax.recompile.compiler import Compiler, CompileResult
 from dynjax.recompile.plan import Plan
 from dynjax.recompile.policy import History, Metrics, Policy, as_proposal
