@@ -23,6 +23,7 @@ from dynjax.model.hashed_attention import (
     hashed_attention,
     needed_blocks,
 )
+from dynjax.parallel import expert_parallel, make_mesh
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 from pallas_kernels import hashed_block_sparse_attention
@@ -217,6 +218,32 @@ def test_the_pallas_path_equals_the_xla_path_with_an_ample_budget(s, block, buck
     for g, w in zip(*grads, strict=True):
         assert float(jnp.abs(w).max()) > 0
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_on_a_mesh_each_device_runs_the_kernel_on_its_own_rows_and_heads():
+    """8 devices (data 2 x expert 2 x tensor 2): the kernel runs under shard_map, on 1 of the
+    4 rows and 1 of the 2 heads per device, and equals the one-device result and gradients."""
+    mesh = make_mesh(1, 2, 2, tensor=2)
+    parallel = expert_parallel(mesh)
+    q, k, v = qkv(4, 32, 2, 16, seed=3)
+    record = HashedAttention(4, 16, 1, seed=0, layer=0, kernel="pallas")
+    loss = lambda par: lambda *a: jnp.sum(jnp.sin(hashed_attention(*a, record, par)[0]))
+    jaxpr = str(jax.make_jaxpr(lambda *a: hashed_attention(*a, record, parallel))(q, k, v))
+    assert "shard_map" in jaxpr and "f32[1,1,32,16]" in jaxpr  # one row, one head each
+    assert "shard_map" not in str(jax.make_jaxpr(lambda *a: hashed_attention(*a, record))(q, k, v))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "expert")))
+    placed = [jax.device_put(x, rows) for x in (q, k, v)]
+    (y, got), (want_y, want) = (
+        jax.jit(lambda *a, par=par: hashed_attention(*a, record, par))(*placed)
+        for par in (parallel, None)
+    )
+    np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
+    for key in (NEEDED_HIST, PAIR_FRACTION):
+        np.testing.assert_allclose(got[key], want[key])
+    grads = [jax.jit(jax.grad(loss(par), argnums=(0, 1, 2)))(*placed) for par in (parallel, None)]
+    for g, w in zip(*grads, strict=True):
+        assert float(jnp.abs(w).max()) > 0
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def pallas_config(**overrides):

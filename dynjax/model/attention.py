@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dynjax.model.hashed_attention import HashedAttention, hashed_attention
+from dynjax.model.moe import ExpertParallel
 from dynjax.model.pruned import SparseLinears, linear
 
 
@@ -41,6 +42,7 @@ class CausalSelfAttention(nnx.Module):
         positions: jax.Array | None = None,
         hashed: HashedAttention | None = None,
         context: jax.Array | None = None,
+        parallel: ExpertParallel | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(output, metrics). ``sparse``: which of ``attn/qkv``, ``attn/out`` multiply
         block-sparsely; ``positions`` [B, S]: the tokens' positions in their sequence, ascending
@@ -48,7 +50,8 @@ class CausalSelfAttention(nnx.Module):
         default 0..S-1; ``hashed``: attend within LSH buckets (`hashed_attention`).
         ``context`` [B, T, D]: the whole sequence (positions 0..T-1) whose keys and values the
         tokens ``x`` at ``positions`` attend to, so a subset of queries still sees every
-        earlier token (early exit's state propagation, CALM §3.2); default ``x`` itself."""
+        earlier token (early exit's state propagation, CALM §3.2); default ``x`` itself.
+        ``parallel``: the mesh a hashed attention kernel splits the batch over."""
         b, s, d = x.shape
         if context is None:
             qkv = linear(self.qkv, x, "attn/qkv", sparse)
@@ -63,7 +66,7 @@ class CausalSelfAttention(nnx.Module):
         if hashed is not None:
             if context is not None:
                 raise ValueError("hashed attention attends within its own tokens: no context")
-            y, metrics = hashed_attention(q, k, v, hashed)
+            y, metrics = hashed_attention(q, k, v, hashed, parallel)
             return linear(self.out, y.reshape(b, s, d), "attn/out", sparse), metrics
         scale = q.shape[-1] ** -0.5
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale

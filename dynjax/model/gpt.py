@@ -124,7 +124,7 @@ class Block(nnx.Module):
 
         def residual(x, positions, whole=None):
             keys = None if whole is None else self.norm1(whole)
-            y, metrics = self.attn(self.norm1(x), sparse, positions, hashed, keys)
+            y, metrics = self.attn(self.norm1(x), sparse, positions, hashed, keys, parallel)
             x = x + y
             if self.is_moe:
                 y, stats = self.moe(

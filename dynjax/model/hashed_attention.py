@@ -18,18 +18,24 @@ With ``kernel="pallas"`` the sorted queries, keys and values go to
 ``pallas_kernels.hashed_block_sparse_attention`` instead: it builds the needed-block lists on
 device from the same ranges and computes every needed block, the element mask in-kernel, with no
 budget (overflow is 0). Compiled on a GPU, interpreted elsewhere (``pallas_kernels.backend``).
+On a mesh of several devices the kernel runs under ``jax.shard_map``, each device on its own
+rows of the batch (and its heads, over ``tensor``): compiled, it is one custom call, which GSPMD
+cannot split and would run on the whole gathered batch on every device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from dynjax.model.hooks import LayerOptions, register_metrics
+from dynjax.model.moe import ExpertParallel
 from pallas_kernels import hashed_block_sparse_attention
 from pallas_kernels.block_index import range_blocks
 
@@ -82,9 +88,14 @@ needed_blocks = range_blocks
 
 
 def hashed_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, record: HashedAttention
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    record: HashedAttention,
+    parallel: ExpertParallel | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """q, k, v [B, S, H, Dh] (positions already applied) -> ([B, S, H, Dh], metrics)."""
+    """q, k, v [B, S, H, Dh] (positions already applied) -> ([B, S, H, Dh], metrics);
+    ``parallel``: the mesh whose token axes split the batch (the Pallas path's `shard_map`)."""
     b, s, h, dh = q.shape
     block, budget = record.block, record.budget
     nb = s // block
@@ -99,7 +110,10 @@ def hashed_attention(
     inverse = jnp.argsort(q_perm, axis=-1)
     unsort = lambda ys: jnp.moveaxis(jnp.take_along_axis(ys, inverse[..., None], axis=2), 1, 2)
     if record.kernel == "pallas":
-        ys = hashed_block_sparse_attention(qs, ks, vs, q_perm, qb, k_perm, kb, block_size=block)
+        kernel = functools.partial(hashed_block_sparse_attention, block_size=block)
+        if parallel is not None and parallel.mesh.size > 1:
+            kernel = _per_device(kernel, parallel, b, h)
+        ys = kernel(qs, ks, vs, q_perm, qb, k_perm, kb)
         return unsort(ys), block_metrics(need, nb)
     # The budget's key blocks: needed ones first, each in sorted order (lower index first).
     order = jnp.where(need, 2 * nb, nb) - jnp.arange(nb)
@@ -127,6 +141,22 @@ def hashed_attention(
     probs = (weights / jnp.where(total > 0, total, 1.0)).astype(v.dtype)
     ys = jnp.einsum("bhnqk,bhnkd->bhnqd", probs, vg).reshape(b, h, s, dh)
     return unsort(ys), block_metrics(need, budget)
+
+
+def _per_device(kernel, parallel: ExpertParallel, batch: int, heads: int):
+    """``kernel`` on [B, H, ...] arguments under `jax.shard_map`: rows over the token axes
+    that divide the batch, heads over ``tensor`` where it divides them (every head and row is
+    independent: no communication)."""
+    mesh = parallel.mesh
+    rows: list[str] = []
+    for axis in parallel.token_axes:
+        if batch % (int(np.prod([mesh.shape[a] for a in rows])) * mesh.shape[axis]) == 0:
+            rows.append(axis)
+    tensor = mesh.shape.get("tensor", 1)
+    cols = "tensor" if tensor > 1 and heads % tensor == 0 else None
+    spec = P(tuple(rows) or None, cols)
+    # The kernel's pallas_call declares no varying axes for its outputs: not checked.
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 7, out_specs=spec, check_vma=False)
 
 
 def block_metrics(need: jax.Array, budget: int) -> dict[str, jax.Array]:
