@@ -6,7 +6,14 @@ import pytest
 from dynjax.balance import simulate
 from dynjax.experiment import Experiment
 from dynjax.model import ModelParts
-from dynjax.parallel.profile import timed_units, unit_programs
+from dynjax.parallel.profile import (
+    ProfilePart,
+    TaskTime,
+    UnitTimes,
+    merged,
+    timed_units,
+    unit_programs,
+)
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
@@ -119,3 +126,27 @@ def test_layers_of_a_stage_with_different_options_are_timed_apart():
     # One forward and one backward program per measurement: the embedding, layer 0, layer 1,
     # layers 2-3 and the head.
     assert len(unit_programs(spec, ModelParts.of(exp.model_cfg))) == 2 * 5
+
+
+def test_each_process_part_of_a_profile_merges_into_the_profile_of_every_stage():
+    """Over processes each times its own stages (`ProfilePart`); `merged` puts every stage and
+    unit in its place, whichever process measured it, and names a stage no process measured."""
+    rows = lambda s: (TaskTime("F", 0, 0.1 * s, 0.1 * s + 0.05), TaskTime("B", 0, 0.3, 0.4 + s))
+    first = ProfilePart(  # process 0: stage 0 (the embedding and layers 0, 1)
+        {("embed",): (0.01, 0.02), ("layers", 0): (1.0, 2.0), ("layers", 1): (1.5, 3.0)},
+        {0: {"total": 10}}, {0: rows(0)},
+    )
+    second = ProfilePart(  # process 1: stage 1 (layer 2 and the head)
+        {("layers", 2): (0.5, 1.0), ("head",): (0.2, 0.4)}, {1: {"total": 20}}, {1: rows(1)},
+    )
+    profile = merged([second, first], (2, 1), units_measured=False, seconds=0.5)
+    assert profile.units == UnitTimes(
+        layer_forward=(1.0, 1.5, 0.5), layer_backward=(2.0, 3.0, 1.0),
+        embed=(0.01, 0.02), head=(0.2, 0.4),
+    )
+    assert UnitTimes.of(profile.units.by_unit()) == profile.units
+    assert profile.memory == ({"total": 10}, {"total": 20})
+    assert profile.timeline == (rows(0), rows(1)) and profile.stage_layers == (2, 1)
+    assert not profile.units_measured and profile.seconds == 0.5
+    with pytest.raises(ValueError, match=r"no process profiled stages \[1\]"):
+        merged([first], (2, 1), units_measured=True, seconds=0.0)
