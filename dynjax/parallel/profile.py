@@ -361,8 +361,10 @@ def merged(
     seconds: float,
 ) -> Profile:
     """One `Profile` of every stage from the processes' parts. A process times its tasks from
-    its own dispatch of the step; the processes dispatch each step within a transfer's latency
-    of one another (they meet in every transfer), so the timelines line up to about that."""
+    its own dispatch of the step, and processes may dispatch a step up to Δ + 1 steps apart
+    (transfers do not block the host), so each stage's task and busy times are as measured
+    but the offsets between different processes' stages are not: the iteration span and
+    bubble ratio of a multi-process profile are approximate."""
     units = {u: t for part in parts for u, t in part.units.items()}
     memory = {s: m for part in parts for s, m in part.memory.items()}
     timeline = {s: row for part in parts for s, row in part.timeline.items()}
