@@ -21,15 +21,16 @@ def losses(workdir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
 
 
-def two_processes(workdir: Path, overrides: dict) -> str:
+def two_processes(workdir: Path, overrides: dict, devices: int = 4) -> str:
+    """Train ``overrides`` over 2 local processes of ``devices`` CPU devices each; their output."""
     args = [f"--config.{k}={v}" for k, v in overrides.items()]
     command = [
         sys.executable, "-m", "dynjax.launch.local", "--processes", "2",
-        "--devices-per-process", "4", "--", "--config", "tests/tiny.py",
+        "--devices-per-process", str(devices), "--", "--config", "tests/tiny.py",
         "--workdir", str(workdir), *args,
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:]
     return done.stdout
 

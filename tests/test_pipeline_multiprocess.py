@@ -1,18 +1,13 @@
 """Two local processes (jax.distributed, gloo on CPU) run the pipeline: same losses as one."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from .test_data_multiprocess import losses, two_processes
 from .tiny import layer_moves, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
 # Two stages of one device each, one per process: every activation and gradient crosses
 # processes (transfers inside a process are those of the single-process tests).
 OVERRIDES = {
@@ -28,24 +23,6 @@ OVERRIDES = {
 }
 
 
-def losses(workdir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
-
-
-def two_processes(workdir: Path, overrides: dict) -> str:
-    """Train ``overrides`` over 2 local processes of one CPU device each; their output."""
-    args = [f"--config.{k}={v}" for k, v in overrides.items()]
-    command = [
-        sys.executable, "-m", "dynjax.launch.local", "--processes", "2",
-        "--devices-per-process", "1", "--", "--config", "tests/tiny.py",
-        "--workdir", str(workdir), *args,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:]
-    return done.stdout
-
-
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     config = tiny_config(**{k.replace(".", "__"): v for k, v in OVERRIDES.items()})
@@ -53,7 +30,7 @@ def test_two_processes_match_one(tmp_path):
     train(config, single, progress=False)
 
     multi = tmp_path / "multi"
-    out = two_processes(multi, OVERRIDES)
+    out = two_processes(multi, OVERRIDES, devices=1)
     assert "[0] dynjax run summary" in out and "[1] dynjax run summary" in out
     want = losses(single)
     assert sorted(want) == [1, 2, 3, 4]
@@ -88,7 +65,7 @@ def test_the_balancer_decides_from_every_process_stages_and_moves_layers_between
         "train.log_every": 10,
     }
     workdir = tmp_path / "multi"
-    two_processes(workdir, run)
+    two_processes(workdir, run, devices=1)
     workdirs = (workdir, workdir / "process_1")
     events = [read_jsonl(w / "events.jsonl") for w in workdirs]
     profiles = [[e for e in ev if e["event"] == "profile"] for ev in events]
