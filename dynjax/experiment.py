@@ -174,12 +174,20 @@ class Experiment:
     def restore_target(self, plan: Plan) -> dict[str, Any]:
         """The abstract state a checkpoint restores into to run ``plan``: each leaf with the
         sharding it takes in ``plan``'s runtime (in a pipeline, that of the first stage
-        holding it), so Orbax reads every shard straight onto its device."""
+        holding it), so Orbax reads every shard straight onto its device. In a pipeline over
+        processes, the leaves of this process's stages only (None elsewhere)."""
         if not plan.stage_layers:
             return self.abstract_state
-        stages = [self.pipeline_programs.shapes(s) for s in self.pipeline_spec(plan).stages]
+        transport = self.pipeline_programs.transport
+        stages = [
+            self.pipeline_programs.shapes(s)
+            for s in self.pipeline_spec(plan).stages
+            if transport.is_local(s.index)
+        ]
         return join(
-            self.abstract_state, [{"params": s.params, "opt_state": s.opt_state} for s in stages]
+            self.abstract_state,
+            [{"params": s.params, "opt_state": s.opt_state} for s in stages],
+            partial=len(transport.local_stages) < transport.num_stages,
         )
 
     # -- plans and steps ---------------------------------------------------------------------
@@ -556,7 +564,8 @@ class PipelineRuntime:
         return migration if migration is not None and migration.layers else None
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return self.pipeline.full_state()
+        """This process's stages' leaves (`Pipeline.local_state`): all of them in one process."""
+        return self.pipeline.local_state()
 
     def stage_states(self) -> list[dict[str, Any]]:
         """The live ``{"params", "opt_state"}`` dict of each stage of this process, in stage

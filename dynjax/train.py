@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer, layout
+from dynjax.checkpoint.parts import PartedCheckpointer, Sources, restore_parts
 from dynjax.checkpoint.pec import ExpertLedger
 from dynjax.checkpoint.snapshot import InjectedFault, TwoLevel
 from dynjax.data import Prefetcher
@@ -163,8 +164,9 @@ def train(
     stages), and all swap at the same step (`Controller` with `Peers`), moving layers between
     processes' stages if the Plan says so. A
     single program over every process's devices checkpoints into ``workdir/checkpoints``, each
-    process writing its own shards (`Checkpointer`); a pipeline over processes writes none (a
-    process holds only its own stages' arrays, not the global arrays Orbax saves).
+    process writing its own shards (`Checkpointer`); in a pipeline over processes each process
+    writes its own stages' part (`PartedCheckpointer`), and a run resumes from either kind on
+    any process count.
     """
     began = time.perf_counter()
     single = jax.process_count() == 1
@@ -178,21 +180,25 @@ def train(
     release_hook = release_hook or load_release_hook(cfg.balance.release_hook)
     events = EventLog(workdir / "events.jsonl")
     if not single:
-        _check_multi_process(cfg)
-    saves = single or not exp.ctx.pipeline_stages
-    if saves:
+        _check_multi_process(cfg, pipeline=bool(exp.ctx.pipeline_stages))
+    peers = None if single else Peers()
+    # A pipeline over processes: each process saves its own stages' part (`checkpoint.parts`).
+    parted = not single and bool(exp.ctx.pipeline_stages)
+    if parted:
+        checkpointer = PartedCheckpointer(
+            root / "checkpoints",
+            peers,
+            keep=cfg.train.keep_checkpoints,
+            async_save=cfg.checkpoint.async_save,
+            emit=events,
+        )
+    else:
         checkpointer = Checkpointer(
             root / "checkpoints",  # one directory that every process writes its shards into
             keep=cfg.train.keep_checkpoints,
             async_save=cfg.checkpoint.async_save,
             emit=events,
         )
-    else:
-        log.warning(
-            "multi-process pipeline run: no checkpoints are written (each process holds only "
-            "its own stages' arrays)"
-        )
-        checkpointer = _NoCheckpoints()
 
     def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
         """Where a checkpoint's arrays go: the resumed Plan's shardings (refused first if the
@@ -201,8 +207,7 @@ def train(
         check_resumable(changes, workdir)
         return exp.restore_target(exp.resumed_plan(Plan.from_dict(meta["plan"]), changes))
 
-    restored = checkpointer.restore_latest(restore_target)
-    peers = None if single else Peers()
+    restored = _restore(checkpointer, root / "checkpoints", restore_target, peers, events)
     if restored is None:
         plan, start = exp.initial_plan(), 0
         runtime = exp.runtime(plan, peers=peers)
@@ -215,7 +220,8 @@ def train(
         runtime = exp.runtime(plan, state, peers)
         events(resume_event(start, changes, saved, plan))
         log.info("resumed from step %d of %s", start, workdir)
-        ledger = expert_ledger(cfg, exp, meta, changes, events)
+        # Parts hold whole experts only (`checkpoint.parts`): no ledger of partial saves.
+        ledger = None if parted else expert_ledger(cfg, exp, meta, changes, events)
     twolevel = None
     if cfg.checkpoint.snapshot_every:  # single-process only (_check_multi_process)
         twolevel = TwoLevel(
@@ -449,7 +455,7 @@ def train(
                 if eval_loss is not None:
                     writer.write(done, {"eval_loss": eval_loss})
             every = twolevel is None and done % cfg.train.checkpoint_every == 0
-            if saves and (every or done == steps):
+            if every or done == steps:
                 meta, experts = {"plan": plan.to_dict(), "config": cfg.to_dict()}, None
                 if ledger is not None:  # its metadata counts every step up to this one
                     observe(monitor.drain())
@@ -567,8 +573,14 @@ def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list
     return out
 
 
-def _check_multi_process(cfg: ml_collections.ConfigDict) -> None:
+def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None:
     """What a multi-process run cannot do yet, refused before any work."""
+    if pipeline and cfg.checkpoint.experts_per_save:
+        raise config_lib.ConfigError(
+            f"checkpoint.experts_per_save={cfg.checkpoint.experts_per_save}: partial expert "
+            "checkpoints of a pipeline over processes are not supported yet (each process "
+            "saves its own stages whole); set checkpoint.experts_per_save=0"
+        )
     if cfg.balance.repack:
         raise config_lib.ConfigError(
             "balance.repack: a multi-process run keeps its pipeline stages (a re-pack that "
@@ -587,17 +599,24 @@ def _check_multi_process(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
-class _NoCheckpoints:
-    """The checkpointer of a multi-process pipeline run: nothing to restore, nothing saved."""
-
-    def restore_latest(self, target):
-        return None
-
-    def all_steps(self) -> list[int]:
-        return []
-
-    def close(self) -> None:
-        pass
+def _restore(
+    checkpointer: Checkpointer | PartedCheckpointer,
+    directory: Path,
+    target: Any,
+    peers: Peers | None,
+    events: EventLog,
+) -> tuple[Any, dict[str, Any]] | None:
+    """The newest checkpoint the run restores: a run of one program reads its own kind unless a
+    pipeline over processes saved a newer step in parts (then it reads those, on this process
+    count: `checkpoint.parts`)."""
+    if isinstance(checkpointer, PartedCheckpointer):
+        return checkpointer.restore_latest(target)
+    newest = Sources(directory, jax.process_index()).newest_in_parts()
+    if newest is not None and newest > max(checkpointer.all_steps(), default=-1):
+        return restore_parts(
+            directory, target, peers, emit=events, reload=checkpointer.reload
+        )
+    return checkpointer.restore_latest(target)
 
 
 class _Logger:

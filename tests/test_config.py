@@ -2,6 +2,7 @@
 
 import pytest
 
+from dynjax import config as config_lib
 from dynjax import train as train_module
 from dynjax.config import ConfigError, load_config, set_value, validate_config
 from dynjax.train import main, parse_args
@@ -175,7 +176,7 @@ def test_cli_reports_bad_values_with_the_key_and_exits_2(capsys, overrides, mess
 def test_cli_reports_config_errors_found_once_devices_are_known(capsys, monkeypatch):
     """Multi-process checks run inside `train` (they need the processes): exit 2 as well."""
     monkeypatch.setattr(
-        "dynjax.train.train", lambda cfg, *a, **k: train_module._check_multi_process(cfg)
+        "dynjax.train.train", lambda cfg, *a, **k: _check_multi_process(cfg)
     )
     repack = ["--config.balance.repack=True", "--config.mesh.stage=2"]
     assert main(["--config", "tests/tiny.py", *repack]) == 2
@@ -185,13 +186,25 @@ def test_cli_reports_config_errors_found_once_devices_are_known(capsys, monkeypa
     caching = ["--config.moe.caching.enabled=True", "--config.moe.every=2"]
     assert main(["--config", "tests/tiny.py", *caching]) == 2
     assert "moe.caching.enabled: the routing cache" in capsys.readouterr().err
+    pec = ["--config.checkpoint.experts_per_save=1", "--config.moe.every=2"]
+    # One program over the processes saves global arrays: its PEC is allowed.
+    _check_multi_process(tiny_config(checkpoint__experts_per_save=1, moe__every=2))
+    assert main(["--config", "tests/tiny.py", *pec, "--config.mesh.stage=2"]) == 2
+    assert "checkpoint.experts_per_save=1: partial expert checkpoints of a pipeline over" in (
+        capsys.readouterr().err
+    )
+
+
+def _check_multi_process(cfg) -> None:
+    """`train`'s checks of a multi-process run, with a pipeline if the config has one."""
+    train_module._check_multi_process(cfg, pipeline=bool(config_lib.num_stages(cfg)))
 
 
 def test_multi_process_runs_refuse_two_level_snapshots(capsys, monkeypatch):
     """Snapshots live in one process's memory: a multi-process run says so before any work
     instead of silently checkpointing on `train.checkpoint_every` alone."""
     monkeypatch.setattr(
-        "dynjax.train.train", lambda cfg, *a, **k: train_module._check_multi_process(cfg)
+        "dynjax.train.train", lambda cfg, *a, **k: _check_multi_process(cfg)
     )
     two_level = [
         "--config.checkpoint.snapshot_every=2",

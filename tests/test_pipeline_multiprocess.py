@@ -1,5 +1,8 @@
 """Two local processes (jax.distributed, gloo on CPU) run the pipeline: same losses as one."""
 
+import json
+import shutil
+
 import pytest
 
 from dynjax.train import train
@@ -93,3 +96,70 @@ def test_the_balancer_decides_from_every_process_stages_and_moves_layers_between
     step, moves = migrations[0][0]
     assert moves == layer_moves([4, 1], first["new"]) and 0 < step < 200
     assert losses(workdir) == losses(workdir / "process_1")
+
+
+@pytest.mark.slow
+def test_each_process_checkpoints_its_stages_and_a_rerun_on_any_process_count_resumes(tmp_path):
+    """Issue 15 §4: each process saves its own stage's part; a step one process never finished
+    is set aside, and the rerun resumes from the last complete step with the losses of the run
+    that was not interrupted, on two processes and on one."""
+    run = {**OVERRIDES, "train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 6}
+    workdir = tmp_path / "multi"
+    two_processes(workdir, run, devices=1)
+    want = losses(workdir)
+    parts = [workdir / "checkpoints" / f"process_{p}" for p in range(2)]
+    assert [sorted(int(s.name) for s in p.iterdir() if s.name.isdigit()) for p in parts] == [
+        [2, 4, 6],
+        [2, 4, 6],
+    ]
+    # Process 0 holds the embedding and layer 0, process 1 the rest: no process saves it all.
+    held = [json.loads((p / "6" / "meta" / "metadata").read_text())["checksums"] for p in parts]
+    assert "params/embed/embedding" in held[0] and "params/embed/embedding" not in held[1]
+    assert "params/head/kernel" in held[1] and "params/head/kernel" not in held[0]
+    assert {"params/layers/0/attn/qkv/kernel", "params/layers/2/attn/qkv/kernel"} <= (
+        set(held[0]) | set(held[1])
+    )
+
+    # As if process 1 died while saving step 6: the step is incomplete.
+    one_process = tmp_path / "one"
+    shutil.copytree(workdir, one_process)
+    shutil.rmtree(parts[1] / "6")
+    two_processes(workdir, run, devices=1)  # the rerun's losses of steps 5, 6 replace the first
+    events = read_jsonl(workdir / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [4]
+    incomplete = [e for e in events if e["event"] == "checkpoint_incomplete"]
+    assert [e["step"] for e in incomplete] == [6]
+    assert [c.name.split("-")[0] for c in (parts[0] / "corrupt").iterdir()] == ["6"]  # kept
+    assert losses(workdir) == want  # steps 5 and 6 again, as the run that was not interrupted
+    assert sorted(int(s.name) for s in parts[1].iterdir() if s.name.isdigit()) == [2, 4, 6]
+
+    # One process with both stages reads the parts (of step 4, with step 6 gone from both).
+    for p in range(2):
+        shutil.rmtree(one_process / "checkpoints" / f"process_{p}" / "6")
+    config = tiny_config(**{k.replace(".", "__"): v for k, v in run.items()})
+    train(config, one_process, progress=False)
+    resumed = [e for e in read_jsonl(one_process / "events.jsonl") if e["event"] == "resume"]
+    assert [e["step"] for e in resumed] == [4]
+    got = losses(one_process)
+    assert {s: got[s] for s in (5, 6)} == {s: want[s] for s in (5, 6)}
+
+
+@pytest.mark.slow
+def test_a_pipeline_over_two_processes_resumes_a_checkpoint_of_one_process(tmp_path):
+    """The other way round: one process wrote the whole state; each of two processes reads
+    its stage's leaves from it and goes on with the losses of the uninterrupted run."""
+    run = {**OVERRIDES, "train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 6}
+    workdir = tmp_path / "run"
+    train(tiny_config(**{k.replace(".", "__"): v for k, v in run.items()}), workdir,
+          progress=False)
+    want = losses(workdir)
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    two_processes(workdir, run, devices=1)
+    for w in (workdir, workdir / "process_1"):
+        resumed = [e for e in read_jsonl(w / "events.jsonl") if e["event"] == "resume"]
+        assert [e["step"] for e in resumed] == [4]
+    assert losses(workdir) == want
+    assert {s: losses(workdir / "process_1")[s] for s in (5, 6)} == {s: want[s] for s in (5, 6)}
+    # From now on the run saves in parts, beside the whole checkpoints it resumed from.
+    saved = [workdir / "checkpoints" / f"process_{p}" / "6" for p in range(2)]
+    assert all(s.is_dir() for s in saved)

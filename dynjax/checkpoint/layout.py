@@ -268,6 +268,15 @@ def read_rows(item_dir: Path, key: str, rows: Sequence[int]) -> np.ndarray:
     """Rows ``rows`` of the array ``key`` of an Orbax item, [len(rows), ...], read through
     tensorstore from Orbax's own spec of that array: only the chunks holding those rows are
     read (one chunk per expert in ``experts``)."""
+    return np.asarray(_open_array(item_dir, key)[list(rows)].read().result())
+
+
+def read_array(item_dir: Path, key: str) -> np.ndarray:
+    """The whole array ``key`` of an Orbax item (`read_rows`' way), as a host array."""
+    return np.asarray(_open_array(item_dir, key).read().result())
+
+
+def _open_array(item_dir: Path, key: str) -> ts.TensorStore:
     stored = json.loads((item_dir / "_METADATA").read_text())
     context = ocp.type_handlers.get_ts_context(use_ocdbt=stored["use_ocdbt"])
     info = ocp.type_handlers.ParamInfo(
@@ -277,8 +286,7 @@ def read_rows(item_dir: Path, key: str, rows: Sequence[int]) -> np.ndarray:
         ts_context=context,
     )
     spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=stored["use_ocdbt"])
-    array = ts.open(spec, open=True, context=context).result()
-    return np.asarray(array[list(rows)].read().result())
+    return ts.open(spec, open=True, context=context).result()
 
 
 # -- layout 1: one item per (MoE layer, expert), host Adler-32 checksums ----------------------

@@ -31,7 +31,8 @@ count divides (Orbax's ``use_replica_parallel``, which Orbax leaves off on GPUs)
 write disjoint, nearly equal byte shares instead of replica 0 writing it all. The processes
 agree on whether a step restored before any of them moves it aside, and only process 0 moves
 it. A restore reads into the current run's shardings, so a checkpoint written by N processes
-restores on any other process count.
+restores on any other process count. A pipeline over processes saves one part per process
+instead (``part``, `dynjax.checkpoint.parts`).
 """
 
 from __future__ import annotations
@@ -126,15 +127,32 @@ class Checkpointer:
         keep: int,
         async_save: bool = True,
         emit: Callable[[dict[str, Any]], None] = lambda event: None,
+        part: int | None = None,
     ):
-        self.emit = emit
+        """``part``: this process's part of a pipeline over processes (`dynjax.checkpoint.parts`),
+        written by this process alone (`_lift`); `parts.Sources` reads it back."""
+        self.emit, self.part = emit, part
         self._copies: dict[int, Copies] = {}
+        extra, handlers = {}, None
+        if part is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)  # Orbax creates none for a subset
+            if jax.process_count() > 1:
+                alone = ocp.options.MultiprocessingOptions(
+                    primary_host=part,
+                    active_processes={part},
+                    barrier_sync_key_prefix=f"part_{part}",
+                )
+                extra, handlers = {"multiprocessing_options": alone}, _part_handlers(alone)
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
-            create=True,
+            create=part is None,
             preservation_policy=_NewestCopies(keep, lambda step: self._copies.get(step, {})),
+            **extra,
         )
-        self._manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+        self._lifted = handlers is not None
+        self._manager = ocp.CheckpointManager(
+            Path(directory).absolute(), options=options, item_handlers=handlers
+        )
         for step in self.all_steps():
             try:
                 self._copies[step] = layout.held_rows(self._read_meta(step))
@@ -189,8 +207,13 @@ class Checkpointer:
         # One storage chunk per expert: a later read of a few experts touches only theirs.
         per_expert = ocp.SaveArgs(shard_axes=(0,))
         chunks = {layout.EXPERTS: layout.nest({k: per_expert for k in items[layout.EXPERTS]})}
+        save = ocp.args.StandardSave
+        if self._lifted:
+            others = [d for d in jax.devices() if d.process_index != jax.process_index()]
+            items = {n: {k: _lift(a, others) for k, a in i.items()} for n, i in items.items()}
+            save = ocp.args.PyTreeSave
         args = {
-            name: ocp.args.StandardSave(layout.nest(item), save_args=chunks.get(name))
+            name: save(layout.nest(item), save_args=chunks.get(name))
             for name, item in items.items()
             if item  # a model without MoE layers has no ``experts`` item
         }
@@ -657,6 +680,12 @@ class Checkpointer:
             }
         )
 
+    def reload(self) -> None:
+        """Re-list the steps on disk after another process moved some aside (`parts`)."""
+        self._manager.reload()
+        steps = set(self.all_steps())
+        self._copies = {s: c for s, c in self._copies.items() if s in steps}
+
     def wait(self) -> None:
         self._manager.wait_until_finished()
 
@@ -667,6 +696,48 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _part_handlers(alone: ocp.options.MultiprocessingOptions) -> dict[str, Any]:
+    """Orbax handlers of a part: its process is the primary host and writes every shard of
+    replica 0 itself (no replica-parallel split with processes that take no part)."""
+    arrays = ocp.type_handlers.create_type_handler_registry(
+        (
+            jax.Array,
+            ocp.type_handlers.ArrayHandler(
+                primary_host=alone.primary_host, replica_id=0, use_replica_parallel=False
+            ),
+        )
+    )
+    tree = lambda: ocp.PyTreeCheckpointHandler(
+        multiprocessing_options=alone, type_handler_registry=arrays
+    )
+    return {
+        layout.DENSE: tree(),
+        layout.EXPERTS: tree(),
+        META: ocp.JsonCheckpointHandler(multiprocessing_options=alone),
+    }
+
+
+def _lift(array: jax.Array, others: Sequence[jax.Device]) -> jax.Array:
+    """``array`` (on this process's devices only) as an array Orbax saves in a run of several
+    processes, with no copy.
+
+    Orbax's ``ArrayHandler`` refuses an array one process holds whole when several processes
+    run (it takes it for a pmap-style host-local value), and a pipeline stage's arrays are
+    such. Here the array's mesh gains a leading ``part`` axis of 2 whose second row is other
+    processes' devices: the array now spans processes, this process holds replica 0 of every
+    shard (what `_part_handlers` writes), and the other row is never materialised or read."""
+    sharding = array.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise TypeError(f"a part saves arrays on named shardings, not {sharding}")
+    devices = sharding.mesh.devices
+    row = np.asarray(others[: devices.size], dtype=object).reshape(devices.shape)
+    mesh = jax.sharding.Mesh(np.stack([devices, row]), ("part", *sharding.mesh.axis_names))
+    lifted = jax.sharding.NamedSharding(mesh, sharding.spec)
+    return jax.make_array_from_single_device_arrays(
+        array.shape, lifted, [shard.data for shard in array.addressable_shards]
+    )
 
 
 def _everywhere(ok: bool) -> bool:

@@ -37,22 +37,24 @@ def by_path(tree: Any) -> dict[KeyPath, Any]:
     return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
-def fill(template: Any, values: Mapping[KeyPath, Any]) -> Any:
-    """``template``'s tree with each leaf taken from ``values`` at the same path."""
+def fill(template: Any, values: Mapping[KeyPath, Any], partial: bool = False) -> Any:
+    """``template``'s tree with each leaf taken from ``values`` at the same path (``partial``:
+    None where ``values`` has none, a leaf that flattens away)."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(template)
     missing = [jax.tree_util.keystr(p) for p, _ in paths if p not in values]
-    if missing:
+    if missing and not partial:
         raise KeyError(f"no value for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    return jax.tree_util.tree_unflatten(treedef, [values[p] for p, _ in paths])
+    return jax.tree_util.tree_unflatten(treedef, [values.get(p) for p, _ in paths])
 
 
-def join(full_template: Any, stage_trees: Iterable[Any]) -> Any:
-    """The full tree from per-stage trees; a shared leaf comes from the first stage holding it."""
+def join(full_template: Any, stage_trees: Iterable[Any], partial: bool = False) -> Any:
+    """The full tree from per-stage trees; a shared leaf comes from the first stage holding it.
+    ``partial``: the trees of some stages only (a process's), None where none holds a leaf."""
     values: dict[KeyPath, Any] = {}
     for tree in stage_trees:
         for path, leaf in by_path(tree).items():
             values.setdefault(path, leaf)
-    return fill(full_template, values)
+    return fill(full_template, values, partial)
 
 
 Move = Callable[[Any, int, int, Any], Any]  # (array, from stage, to stage, sharding) -> array

@@ -333,6 +333,11 @@ class Pipeline:
         self._single_process("saving the full state")
         return join(self.full_template, [self.state[s] for s in sorted(self.state)])
 
+    def local_state(self) -> Any:
+        """`full_state` of this process's stages: None where only another process's stage
+        holds a leaf (the tree flattens to the part of a checkpoint this process writes)."""
+        return join(self.full_template, [self.state[s] for s in sorted(self.state)], True)
+
     def host_state(self) -> Any:
         """The full ``{"params", "opt_state"}`` tree as host arrays."""
         return jax.device_get(self.full_state())

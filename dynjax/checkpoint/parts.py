@@ -1,0 +1,356 @@
+"""Checkpoints of a pipeline over processes: one part per process (issue 15 §4).
+
+Across processes Orbax saves only global arrays (its ``ArrayHandler`` refuses an array that one
+process holds whole), and a pipeline stage's arrays live on its own process's devices only. So
+each process writes the leaves of its own stages as host arrays into its own part,
+``checkpoints/process_<p>/`` (a `Checkpointer` in part mode: an Orbax manager of that process
+alone, with the same atomic commit, checksums and ``keep``), and records ``parts`` (the process
+count) in the step's metadata. A step is complete when every part holds it; no process waits
+for another to save.
+
+A restore (`Sources`) reads each leaf it needs from whichever source of a step holds it: a part
+of a complete step, or a whole checkpoint written by one program (``checkpoints/<step>``,
+`Checkpointer`), so a run resumes on another process, stage or device count; each leaf is
+verified against the checksum its writer recorded. The processes agree on every step they try
+(`Peers`); an unusable step, and the parts of a step some process never finished, are moved
+aside to ``corrupt/`` (never deleted), which also frees their step numbers for later saves.
+
+Not covered: partial expert saves (seed 004 §3) of a pipeline over processes, which
+``_check_multi_process`` refuses; a restore reads whole expert arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from dynjax.checkpoint import layout
+from dynjax.checkpoint.manager import (
+    META,
+    QUARANTINE,
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatch,
+)
+from dynjax.parallel.peers import Peers
+
+log = logging.getLogger(__name__)
+PART = "process_{}"
+
+
+def part_dir(root: Path, process: int) -> Path:
+    return Path(root) / PART.format(process)
+
+
+class Sources:
+    """The checkpoints under ``root`` that a restore can read: whole ones (``root/<step>``) and
+    complete steps of parts (``root/process_<p>/<step>``), newest first, read leaf by leaf."""
+
+    def __init__(self, root: Path, process: int = 0):
+        self.root, self.process = Path(root), process
+        self._metas: dict[Path, dict[int, dict[str, Any]]] = {}
+
+    def _reader(self, directory: Path) -> ocp.CheckpointManager:
+        """A read-only Orbax manager of one directory, of this process alone (no barriers)."""
+        alone = ocp.options.MultiprocessingOptions(
+            primary_host=self.process,
+            active_processes={self.process},
+            barrier_sync_key_prefix=f"read_{self.process}",
+        )
+        options = ocp.CheckpointManagerOptions(read_only=True, multiprocessing_options=alone)
+        return ocp.CheckpointManager(directory.absolute(), options=options)
+
+    def _listing(self, directory: Path) -> list[int]:
+        if not directory.is_dir():
+            return []
+        reader = self._reader(directory)
+        try:
+            return sorted(reader.all_steps())
+        finally:
+            reader.close()
+
+    def meta(self, directory: Path, step: int) -> dict[str, Any]:
+        """The metadata a source wrote for ``step`` (read once)."""
+        known = self._metas.setdefault(directory, {})
+        if step not in known:
+            reader = self._reader(directory)
+            try:
+                meta = reader.restore(
+                    step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+                )[META]
+            finally:
+                reader.close()
+            if not isinstance(meta, dict):
+                raise CheckpointError(f"{directory / str(step)}: metadata is not a dict")
+            known[step] = meta
+        return known[step]
+
+    def parts(self) -> list[Path]:
+        out = []
+        while part_dir(self.root, len(out)).is_dir():
+            out.append(part_dir(self.root, len(out)))
+        return out
+
+    def part_steps(self) -> dict[int, list[Path]]:
+        """Every step some part holds -> the part directories holding it."""
+        out: dict[int, list[Path]] = {}
+        for directory in self.parts():
+            for step in self._listing(directory):
+                out.setdefault(step, []).append(directory)
+        return out
+
+    def complete(self) -> dict[int, list[Path]]:
+        """Step -> its sources: the parts of steps every part of which is there (as many as
+        part 0's metadata says), and whole checkpoints (a step of both: its parts)."""
+        out = {step: [self.root] for step in self._listing(self.root)}
+        for step, held in self.part_steps().items():
+            first = part_dir(self.root, 0)
+            if first not in held:
+                continue
+            try:
+                count = int(self.meta(first, step).get("parts", 0))
+            except Exception:  # noqa: BLE001 - unreadable: incomplete for restoring
+                continue
+            wanted = [part_dir(self.root, p) for p in range(count)]
+            if count and all(p in held for p in wanted):
+                out[step] = wanted
+        return out
+
+    def newest_in_parts(self) -> int | None:
+        """The newest complete step of parts, if any."""
+        steps = [s for s, held in self.complete().items() if held != [self.root]]
+        return max(steps, default=None)
+
+    def read(
+        self, step: int, sources: list[Path], template: dict[str, Any]
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The leaves ``template`` names (key -> ShapeDtypeStruct) as of ``step``, host arrays
+        each verified against its writer's checksum, and the step's metadata (the first
+        source's). A leaf no source holds, or holds in another shape, is `CheckpointMismatch`;
+        an unreadable or corrupted one raises (the step is unusable)."""
+        metas = [self.meta(directory, step) for directory in sources]
+        holder: dict[str, tuple[Path, dict[str, Any]]] = {}
+        for directory, meta in zip(sources, metas, strict=True):
+            if meta.get("layout") != layout.LAYOUT:
+                raise CheckpointMismatch(
+                    f"step {step} in {directory} is of layout {meta.get('layout', 1)}: resume it "
+                    "in a run whose pipeline stages are in one process"
+                )
+            for key in meta.get("checksums", {}):
+                # This process's own part first, the others in process order.
+                if key not in holder or directory == part_dir(self.root, self.process):
+                    holder[key] = (directory, meta)
+        out = {}
+        for key, leaf in template.items():
+            if key not in holder:
+                raise CheckpointMismatch(
+                    f"step {step} holds no {key!r}: the checkpoint is from a different model "
+                    "configuration; train it with that configuration or start from a new workdir"
+                )
+            directory, meta = holder[key]
+            saved = meta["checksums"][key]
+            expert = isinstance(saved, list)
+            want = layout.shapes({key: leaf})[key]
+            if str(saved[0] if expert else saved).split(":")[0] != want:
+                raise CheckpointMismatch(
+                    f"step {step} {key}: saved {str(saved[0] if expert else saved).split(':')[0]}"
+                    f", model {want}: the checkpoint is from a different model configuration"
+                )
+            held = layout.held_rows(meta).get(key)
+            if expert and held is not None and len(held) != leaf.shape[0]:
+                raise CheckpointMismatch(
+                    f"step {step} {key} holds experts {list(held)} of {leaf.shape[0]} (a partial "
+                    "expert checkpoint): resume it in a run whose pipeline stages are in one "
+                    "process"
+                )
+            item = layout.EXPERTS if expert else layout.DENSE
+            array = layout.read_array(directory / str(step) / item, key)
+            if layout.checksums({key: jnp.asarray(array)})[key] != saved:
+                raise CheckpointError(f"step {step} {key}: checksum mismatch (corrupted data)")
+            out[key] = array
+        return out, metas[0]
+
+    def set_aside(self, step: int, directories: list[Path]) -> list[Path]:
+        """Move ``step`` of each directory to its ``corrupt/<step>-<time>`` (kept for a person,
+        never deleted); returns where. One process calls it."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        moved = []
+        for directory in directories:
+            target = directory / QUARANTINE / f"{step}-{stamp}"
+            n = 1
+            while target.exists():
+                n, target = n + 1, directory / QUARANTINE / f"{step}-{stamp}-{n}"
+            if (directory / str(step)).exists():
+                target.parent.mkdir(exist_ok=True)
+                shutil.move(str(directory / str(step)), str(target))
+                moved.append(target)
+            self._metas.get(directory, {}).pop(step, None)
+        return moved
+
+
+def restore_parts(
+    root: Path,
+    target: Callable[[dict[str, Any]], Any],
+    peers: Peers | None,
+    *,
+    emit: Callable[[dict[str, Any]], None] = lambda event: None,
+    reload: Callable[[], None] = lambda: None,
+) -> tuple[Any, dict[str, Any]] | None:
+    """Newest step under ``root`` (whole, or complete in parts) that every process restores and
+    verifies, as (state, meta); None if there is none.
+
+    ``target(meta)`` gives the tree to restore: ShapeDtypeStructs where this process needs a
+    leaf, None elsewhere (`Experiment.restore_target`); the state holds host arrays there. What
+    it raises propagates and moves nothing. A step that does not read or verify in some
+    process is moved aside and the previous one tried; the parts of steps newer than the one
+    restored (never completed) are moved aside too. ``reload`` re-lists the caller's own
+    checkpoints once steps moved. The processes agree through ``peers`` (None: one process).
+    """
+    sources, agreed = Sources(root, peers.index if peers else 0), _Agreement(peers)
+    # Process 0's listing: every process tries the same steps in the same order, and a step
+    # another host's view of shared storage lists late is not taken for a broken one.
+    complete = agreed.first("steps", sources.complete())
+    steps = sorted(complete)
+    restored = None
+    for step in reversed(steps):
+        held = complete.get(step, [])
+        template = flat = None
+        try:
+            meta = sources.meta(held[0], step) if held else None
+            error = None if meta else CheckpointError(f"step {step} is not complete here")
+        except Exception as err:  # noqa: BLE001 - unreadable metadata: a broken step
+            meta, error = None, err
+        if error is None:
+            template = target(meta)
+            try:
+                flat, meta = sources.read(step, held, layout.flatten(template))
+            except CheckpointMismatch:
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure: try an older step
+                error = err
+        if agreed.everywhere(error is None):
+            restored = step, (layout.unflatten_like(template, flat), meta)
+            break
+        _set_aside(sources, agreed, step, held, error, emit, reload)
+    newer = [s for s in sources.part_steps() if restored is None or s > restored[0]]
+    for step in agreed.first("incomplete", sorted(newer)):
+        _set_aside(sources, agreed, step, sources.parts(), None, emit, reload)
+    if restored is not None:
+        return restored[1]
+    if steps:
+        raise CheckpointError(
+            f"none of the checkpoints {steps} in {root} could be restored; they are kept in "
+            "its corrupt/ directories: see the warnings above, or start from a new workdir"
+        )
+    return None
+
+
+class _Agreement:
+    """Small values every process contributes and all read (`Peers`), under fresh keys."""
+
+    def __init__(self, peers: Peers | None):
+        self.peers, self.count = peers, 0
+
+    def all(self, name: str, value: Any) -> list[Any]:
+        if self.peers is None:
+            return [value]
+        self.count += 1
+        key = f"checkpoint/{name}/{self.count}"
+        self.peers.publish(key, value)
+        return self.peers.collect(key)
+
+    def first(self, name: str, value: Any) -> Any:
+        """Process 0's ``value``."""
+        return self.all(name, value)[0]
+
+    def everywhere(self, ok: bool) -> bool:
+        return all(self.all("ok", ok))
+
+
+def _set_aside(
+    sources: Sources,
+    agreed: _Agreement,
+    step: int,
+    directories: list[Path],
+    error: BaseException | None,
+    emit: Callable[[dict[str, Any]], None],
+    reload: Callable[[], None],
+) -> None:
+    """Process 0 moves ``step`` of ``directories`` aside (error None: a step some process never
+    finished saving); every process waits for it and re-lists its own checkpoints."""
+    first = sources.process == 0
+    moved = [str(m) for m in sources.set_aside(step, directories)] if first else []
+    agreed.all("moved", True)
+    reload()
+    reason = "not every process finished saving it" if error is None else (
+        f"{type(error).__name__}: {error}"
+    )
+    if first:
+        log.warning("checkpoint at step %d: %s; moved it to %s", step, reason, moved)
+    emit(
+        {
+            "event": "checkpoint_incomplete" if error is None else "checkpoint_restore_failed",
+            "step": step,
+            "error": reason,
+            "moved_to": moved,
+        }
+    )
+
+
+class PartedCheckpointer:
+    """The checkpointer of a pipeline over processes: saves this process's part, restores from
+    every source (module docstring). The training loop's interface of `Checkpointer`."""
+
+    def __init__(
+        self,
+        root: Path,
+        peers: Peers,
+        *,
+        keep: int,
+        async_save: bool = True,
+        emit: Callable[[dict[str, Any]], None] = lambda event: None,
+    ):
+        self.root, self.peers, self.emit = Path(root), peers, emit
+        self.own = Checkpointer(
+            part_dir(self.root, peers.index),
+            keep=keep,
+            async_save=async_save,
+            emit=emit,
+            part=peers.index,
+        )
+
+    def all_steps(self) -> list[int]:
+        """This process's saved steps (the other parts are their processes' to list)."""
+        return self.own.all_steps()
+
+    def save(self, step: int, state: Any, meta: dict[str, Any], **pec: Any) -> bool:
+        """Start saving this process's leaves of ``state`` (None elsewhere) at ``step``;
+        `Checkpointer.save`. Partial expert saves are refused before the run (`train.py`)."""
+        if pec.get("experts") is not None:
+            raise ValueError("partial expert saves of a pipeline over processes are not built")
+        parts = {"parts": self.peers.count, "part": self.peers.index}
+        return self.own.save(step, state, {**meta, **parts})
+
+    def restore_latest(
+        self, target: Callable[[dict[str, Any]], Any]
+    ) -> tuple[Any, dict[str, Any]] | None:
+        return restore_parts(
+            self.root, target, self.peers, emit=self.emit, reload=self.own.reload
+        )
+
+    def wait(self) -> None:
+        self.own.wait()
+
+    def saving(self) -> bool:
+        return self.own.saving()
+
+    def close(self) -> None:
+        self.own.close()
