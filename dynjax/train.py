@@ -49,7 +49,6 @@ from dynjax.recompile import (
     EventLog,
     Monitor,
     Plan,
-    PlanError,
     Policy,
     Rebalance,
     Repack,
@@ -284,12 +283,6 @@ def train(
 
     def validate(proposed: Plan) -> None:
         proposed.validate(runtime.plan_context(controller.plan))
-        stages = len(controller.plan.stage_layers)
-        if not single and len(proposed.stage_layers) != stages:
-            raise PlanError(
-                f"a multi-process run keeps its {stages} pipeline stages (no re-pack that "
-                "releases a process's devices yet)"
-            )
 
     controller = Controller(
         plan,
@@ -358,14 +351,14 @@ def train(
 
     release_unused(start, "resumed re-packed")
 
-    # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
-    # They stay the same: a multi-process run keeps its stages (`validate`; the first stage reads
-    # the inputs, the last the targets), and in one process every Plan's devices are this one's.
+    # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead. In
+    # one process every Plan's devices are this one's; over several, a re-pack may move the
+    # last stage (which reads the targets) to another process: read again from the swap on.
     rows = runtime.batch_rows()
     controller.start()
     read = functools.partial(exp.order.batch, rows=rows)
     batches = Prefetcher(read, start, steps, cfg.data.prefetch)
-    read_before = np.zeros(2)  # build and wait seconds of prefetchers replaced by a rollback
+    read_before = np.zeros(2)  # build and wait seconds of prefetchers replaced since
     c = cfg.checkpoint
     fault_at = c.inject_fault_at
     try:
@@ -381,6 +374,12 @@ def train(
                 controller.swap_done(swap)
                 release_unused(step, swap.reason)
                 profile_next = profile_next or profile_on_change
+                if not np.array_equal(runtime.batch_rows(), rows):
+                    rows = runtime.batch_rows()
+                    batches.close()
+                    read_before += (batches.build_seconds, batches.wait_seconds)
+                    read = functools.partial(exp.order.batch, rows=rows)
+                    batches = Prefetcher(read, step, steps, cfg.data.prefetch)
             states = runtime.stage_states() if plugins else []  # live dicts, changed in place
             for plugin in plugins:  # e.g. a pruning event, on the state this step will use
                 for event in plugin.before_step(step, states, plan, exp):
@@ -580,11 +579,6 @@ def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None
             f"checkpoint.experts_per_save={cfg.checkpoint.experts_per_save}: partial expert "
             "checkpoints of a pipeline over processes are not supported yet (each process "
             "saves its own stages whole); set checkpoint.experts_per_save=0"
-        )
-    if cfg.balance.repack:
-        raise config_lib.ConfigError(
-            "balance.repack: a multi-process run keeps its pipeline stages (a re-pack that "
-            "releases a whole process's devices is not supported yet); set balance.repack=False"
         )
     if cfg.moe.caching.enabled:
         raise config_lib.ConfigError(

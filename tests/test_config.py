@@ -178,11 +178,6 @@ def test_cli_reports_config_errors_found_once_devices_are_known(capsys, monkeypa
     monkeypatch.setattr(
         "dynjax.train.train", lambda cfg, *a, **k: _check_multi_process(cfg)
     )
-    repack = ["--config.balance.repack=True", "--config.mesh.stage=2"]
-    assert main(["--config", "tests/tiny.py", *repack]) == 2
-    assert "balance.repack: a multi-process run keeps its pipeline stages" in (
-        capsys.readouterr().err
-    )
     caching = ["--config.moe.caching.enabled=True", "--config.moe.every=2"]
     assert main(["--config", "tests/tiny.py", *caching]) == 2
     assert "moe.caching.enabled: the routing cache" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from dynjax.train import train
@@ -163,3 +164,69 @@ def test_a_pipeline_over_two_processes_resumes_a_checkpoint_of_one_process(tmp_p
     # From now on the run saves in parts, beside the whole checkpoints it resumed from.
     saved = [workdir / "checkpoints" / f"process_{p}" / "6" for p in range(2)]
     assert all(s.is_dir() for s in saved)
+
+
+@pytest.mark.slow
+def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
+    tmp_path, monkeypatch
+):
+    """Issue 15 §4 and seed 000 §3.4: process 0 decides to pack the two stages into one; both
+    processes move process 1's layers to process 0 at the same step, process 1 gives its
+    device back through the release hook and keeps taking part (its metrics, the profiles and
+    its empty part of each checkpoint), and the losses stay those of the two-stage run."""
+    run = {
+        **OVERRIDES,
+        "pipeline.profile_on_change": True,
+        "balance.repack": True,
+        "balance.repack_every": 5,
+        "balance.repack_target": 1,
+        "balance.repack_max_slowdown": 100.0,
+        "balance.memory_bytes": 1e12,
+        "balance.release_hook": "dynjax.launch.release:append_to_file",
+        "recompile.delta_launch": 1,
+        # Steps enough for the one-stage program to compile in the background from a cold
+        # cache on a loaded machine (swapped at step 38 warm, 175 cold and loaded, of 15 a second).
+        "train.steps": 600,
+        "train.log_every": 10,
+        "train.eval_every": 600,
+        "train.checkpoint_every": 600,
+    }
+    released = tmp_path / "released.jsonl"
+    monkeypatch.setenv("DYNJAX_RELEASED_FILE", str(released))
+    reference = tmp_path / "reference"
+    two_stages = {k: v for k, v in run.items() if not k.startswith("balance.")}
+    train(tiny_config(**{k.replace(".", "__"): v for k, v in two_stages.items()}), reference,
+          progress=False)
+    workdir = tmp_path / "multi"
+    two_processes(workdir, run, devices=1)
+    events = [read_jsonl(w / "events.jsonl") for w in (workdir, workdir / "process_1")]
+    decision = next(e for e in events[0] if e["event"] == "repack")
+    assert decision["old"] == [2, 1] and decision["new"] == [3] and decision["accepted"]
+    migrations = [[e for e in ev if e["event"] == "migrate"] for ev in events]
+    assert [(e["step"], e["moves"]) for e in migrations[0]] == [
+        (e["step"], e["moves"]) for e in migrations[1]
+    ]
+    (migrate,) = migrations[0]
+    assert migrate["moves"] == layer_moves([2, 1], [3])
+    releases = [[e for e in ev if e["event"] == "release"] for ev in events]
+    for (release,) in releases:
+        assert release["step"] == migrate["step"] and release["stages"] == [1]
+        assert [d["process"] for d in release["devices"]] == [1]
+    assert releases[0][0]["hook"] is None  # process 0 gave nothing back: its own hook is idle
+    assert releases[1][0]["hook"].endswith("append_to_file")
+    (line,) = read_jsonl(released)  # one hook call, by process 1, with its one device
+    assert line["devices"] == releases[1][0]["devices"]
+    want = losses(reference)
+    for w in (workdir, workdir / "process_1"):
+        got = losses(w)
+        assert sorted(got) == sorted(want)  # process 1 logs every step after its release too
+        np.testing.assert_allclose([got[s] for s in sorted(want)],
+                                   [want[s] for s in sorted(want)], rtol=1e-5)
+    # The last checkpoint: process 0's part holds every leaf, process 1's none.
+    held = [
+        json.loads((workdir / "checkpoints" / f"process_{p}" / "600" / "meta" / "metadata")
+                   .read_text())["checksums"]
+        for p in range(2)
+    ]
+    assert "params/head/kernel" in held[0] and "params/layers/2/attn/qkv/kernel" in held[0]
+    assert held[1] == {}

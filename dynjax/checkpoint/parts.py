@@ -59,14 +59,21 @@ class Sources:
         self._metas: dict[Path, dict[int, dict[str, Any]]] = {}
 
     def _reader(self, directory: Path) -> ocp.CheckpointManager:
-        """A read-only Orbax manager of one directory, of this process alone (no barriers)."""
+        """A read-only Orbax manager of one directory, of this process alone (no barriers).
+        Orbax warns on stderr that it is read-only, as asked: quiet while it is made."""
         alone = ocp.options.MultiprocessingOptions(
             primary_host=self.process,
             active_processes={self.process},
             barrier_sync_key_prefix=f"read_{self.process}",
         )
-        options = ocp.CheckpointManagerOptions(read_only=True, multiprocessing_options=alone)
-        return ocp.CheckpointManager(directory.absolute(), options=options)
+        absl = logging.getLogger("absl")
+        level = absl.level
+        absl.setLevel(logging.ERROR)
+        try:
+            options = ocp.CheckpointManagerOptions(read_only=True, multiprocessing_options=alone)
+            return ocp.CheckpointManager(directory.absolute(), options=options)
+        finally:
+            absl.setLevel(level)
 
     def _listing(self, directory: Path) -> list[int]:
         if not directory.is_dir():

@@ -75,9 +75,13 @@ def release(
     step: int,
     reason: str,
 ) -> dict[str, Any]:
-    """Call ``hook`` with ``devices`` (freed stage sub-meshes ``stages``); returns the
-    ``release`` event. A failing hook is logged, not raised: training goes on without the
-    devices either way."""
+    """Call ``hook`` with this process's ``devices`` (freed stage sub-meshes ``stages``);
+    returns the ``release`` event, which names them all. Over several processes each process
+    gives back its own devices (a process whose stages are all freed gives back all of its);
+    one with none among them calls no hook. A failing hook is logged, not raised: training goes
+    on without the devices either way."""
+    own = [d for d in devices if d.process_index == jax.process_index()]
+    hook = hook if own else None
     event: dict[str, Any] = {
         "event": "release",
         "step": step,
@@ -89,7 +93,7 @@ def release(
     start = time.perf_counter()
     if hook is not None:
         try:
-            hook(list(devices))
+            hook(own)
         except Exception as e:  # the run must not die for a scheduler's sake
             event["hook_error"] = f"{type(e).__name__}: {e}"
             log.warning("release hook %s failed: %s", event["hook"], e)

@@ -107,7 +107,9 @@ class PipelineExecutable:
     programs: Mapping[ProgramKey, Any]  # (kind, stage) -> jax.stages.Compiled
     compiled: tuple[ProgramKey, ...]  # compiled for this spec; the others came from the cache
     order: tuple[tuple[int, Any], ...]  # global dispatch order of (stage, task)
-    profiling: Mapping[UnitKey, Any]  # `profile.unit_programs`; empty: lowered without them
+    # `profile.unit_programs` of this process's stages (none: it has none); None: lowered
+    # without them
+    profiling: Mapping[UnitKey, Any] | None
 
 
 @dataclasses.dataclass
@@ -118,14 +120,14 @@ class LoweredPipeline:
     programs: PipelinePrograms
     ready: dict[ProgramKey, Any]
     lowered: dict[ProgramKey, tuple[StageSpec, jax.stages.Lowered]]
-    profiling_ready: dict[UnitKey, Any]
+    profiling_ready: dict[UnitKey, Any] | None  # None: lowered without the one-unit programs
     profiling_lowered: dict[UnitKey, jax.stages.Lowered]
 
     def compile(self) -> PipelineExecutable:
         programs = dict(self.ready)
         for key, (stage, lowered) in self.lowered.items():
             programs[key] = self.programs.store(key[0], stage, lowered.compile())
-        profiling = dict(self.profiling_ready)
+        profiling = None if self.profiling_ready is None else dict(self.profiling_ready)
         for (kind, one), lowered in self.profiling_lowered.items():
             profiling[kind, one] = self.programs.store(kind, one, lowered.compile())
         return PipelineExecutable(
@@ -192,7 +194,9 @@ class PipelinePrograms:
                 units_ready[kind, one] = hit
             else:
                 units_lowered[kind, one] = self.lower_one(kind, one)
-        return LoweredPipeline(spec, self, ready, lowered, units_ready, units_lowered)
+        return LoweredPipeline(
+            spec, self, ready, lowered, units_ready if profiling else None, units_lowered
+        )
 
     def _cached(self, kind: str, stage: StageSpec) -> Any:
         """A compiled program (now the most recently used), or None."""
@@ -557,7 +561,7 @@ class Pipeline:
         must profile the same steps and ask for their `Profile`s in the same order: each then
         exchanges its part with the others' (`merged`), and all hold the same `Profile`.
         """
-        if not exe.profiling:
+        if exe.profiling is None:
             raise ValueError(
                 "profiling a step needs its one-unit programs: lower the spec with "
                 "PipelinePrograms.lower(spec, profiling=True)"
