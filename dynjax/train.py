@@ -580,10 +580,11 @@ def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None
             "checkpoints of a pipeline over processes are not supported yet (each process "
             "saves its own stages whole); set checkpoint.experts_per_save=0"
         )
-    if cfg.moe.caching.enabled:
+    if cfg.moe.caching.enabled and not pipeline:
         raise config_lib.ConfigError(
             "moe.caching.enabled: the routing cache reads every sample's assignment on one "
-            "host, which a multi-process run does not have; set moe.caching.enabled=False"
+            "host, which one program over several processes does not gather (a pipeline over "
+            "processes does); set moe.caching.enabled=False"
         )
     if cfg.checkpoint.snapshot_every:
         raise config_lib.ConfigError(

@@ -230,3 +230,53 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
     ]
     assert "params/head/kernel" in held[0] and "params/layers/2/attn/qkv/kernel" in held[0]
     assert held[1] == {}
+
+
+@pytest.mark.slow
+def test_the_routing_cache_switches_on_in_every_process_at_the_same_step(tmp_path):
+    """Seed 001 §4.2 across processes: each process caches every stage's assignments (they come
+    with the stages' metrics), process 0's policy switches cached routing on, all swap at the
+    same step and route from their caches from there."""
+    run = {
+        **OVERRIDES,
+        # 48 training windows and a batch of 8: every sample comes back every 6 steps.
+        "train.steps": 300,
+        "data.max_tokens": 1600,
+        "data.val_fraction": 0.05,
+        "moe.caching.enabled": True,
+        "moe.caching.warmup_steps": 0,
+        "moe.caching.window": 2,
+        "moe.caching.on_threshold": 0.5,
+        "moe.caching.off_threshold": 0.1,
+        "train.learning_rate": 1e-4,
+        "train.checkpoint_every": 300,
+        "train.eval_every": 300,
+        "train.log_every": 1,
+        "recompile.delta_launch": 1,
+    }
+    single = tmp_path / "single"
+    train(tiny_config(**{k.replace(".", "__"): v for k, v in run.items()}), single,
+          progress=False)
+    workdir = tmp_path / "multi"
+    two_processes(workdir, run, devices=1)
+    workdirs = (workdir, workdir / "process_1")
+    swaps = [
+        [(e["swap_step"], e["plan_diff"]) for e in read_jsonl(w / "events.jsonl")
+         if e["event"] == "recompile"]
+        for w in workdirs
+    ]
+    assert swaps[0] == swaps[1] and swaps[0][0][1] == {"cached_routing": [False, True]}
+    switched = swaps[0][0][0]
+    records = [[r for r in read_jsonl(w / "metrics.jsonl") if "routing_stability" in r]
+               for w in workdirs]
+    assert [r["routing_stability"] for r in records[0]] == [
+        r["routing_stability"] for r in records[1]
+    ]
+    assert all(r["cached_routing"] == (r["step"] > switched) for r in records[0])
+    want, got = losses(single), losses(workdir)
+    assert got == losses(workdir / "process_1") and len(got) == 300
+    # Until either switched (the one process compiles sooner), two compute what one does.
+    alone = next(e["swap_step"] for e in read_jsonl(single / "events.jsonl")
+                 if e["event"] == "recompile")
+    before = [s for s in got if s <= min(switched, alone)]
+    assert before and [got[s] for s in before] == [want[s] for s in before]
