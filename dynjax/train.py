@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from dynjax import config as config_lib
 from dynjax.checkpoint import Checkpointer, layout
-from dynjax.checkpoint.parts import PartedCheckpointer, Sources, restore_parts
+from dynjax.checkpoint.parts import PartedCheckpointer, parts_are_newer, restore_parts
 from dynjax.checkpoint.pec import ExpertLedger
 from dynjax.checkpoint.snapshot import InjectedFault, TwoLevel
 from dynjax.data import Prefetcher
@@ -574,6 +574,12 @@ def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list
 
 def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None:
     """What a multi-process run cannot do yet, refused before any work."""
+    if pipeline and cfg.train.keep_checkpoints < 2:
+        raise config_lib.ConfigError(
+            f"train.keep_checkpoints={cfg.train.keep_checkpoints}: a pipeline over processes "
+            "saves one part per process, and a process that dies while saving leaves the "
+            "newest step incomplete; keep at least 2 so that the step before it is complete"
+        )
     if pipeline and cfg.checkpoint.experts_per_save:
         raise config_lib.ConfigError(
             f"checkpoint.experts_per_save={cfg.checkpoint.experts_per_save}: partial expert "
@@ -606,8 +612,7 @@ def _restore(
     count: `checkpoint.parts`)."""
     if isinstance(checkpointer, PartedCheckpointer):
         return checkpointer.restore_latest(target)
-    newest = Sources(directory, jax.process_index()).newest_in_parts()
-    if newest is not None and newest > max(checkpointer.all_steps(), default=-1):
+    if parts_are_newer(directory, checkpointer.all_steps(), peers):
         return restore_parts(
             directory, target, peers, emit=events, reload=checkpointer.reload
         )

@@ -3,6 +3,8 @@ playing both: each part holds some leaves, a restore reads each leaf from the pa
 and verifies it, and unusable or incomplete steps are set aside, never deleted."""
 
 import dataclasses
+import shutil
+import threading
 
 import jax
 import numpy as np
@@ -13,6 +15,7 @@ from dynjax.checkpoint.parts import PartedCheckpointer, Sources, part_dir, resto
 from dynjax.experiment import Experiment
 
 from .test_checkpoint import _corrupt, _overwrite_expert, assert_bitwise_equal, one_step
+from .test_recompile_agreement import Store
 from .tiny import tiny_config
 
 
@@ -134,7 +137,7 @@ def test_no_usable_step_is_an_error_that_says_where_they_are(trained, tmp_path):
     exp, state = trained
     save(tmp_path, 2, state)
     _corrupt(part_dir(tmp_path, 0) / "2")
-    with pytest.raises(CheckpointError, match="none of the checkpoints \\[2\\]"):
+    with pytest.raises(CheckpointError, match="unusable: \\[2\\]"):
         restore_parts(tmp_path, target(exp), None)
     assert (part_dir(tmp_path, 0) / "corrupt").is_dir()
 
@@ -147,3 +150,80 @@ def test_a_checkpoint_of_another_model_is_an_error_and_moves_nothing(trained, tm
     with pytest.raises(CheckpointMismatch, match="different model configuration"):
         restore_parts(tmp_path, target(other), None)
     assert Sources(tmp_path).part_steps() == {2: [part_dir(tmp_path, p) for p in (0, 1)]}
+
+
+def both_processes(restore):
+    """``restore(peers)`` in two threads standing for two processes; their results (or the
+    exceptions they raised), by process."""
+    store, out = Store(2), [None, None]
+
+    def process(index):
+        try:
+            out[index] = restore(store.peers(index))
+        except Exception as err:  # noqa: BLE001 - returned for the test to look at
+            out[index] = err
+
+    threads = [threading.Thread(target=process, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_a_step_only_one_process_cannot_read_is_set_aside_for_all(trained, tmp_path):
+    """Process 1's leaf of step 4 is corrupt; process 0 reads its own leaves fine. Both agree
+    that step 4 is unusable, process 0 moves it aside in both parts, and both restore step 2."""
+    exp, state = trained
+    save(tmp_path, 2, state)
+    save(tmp_path, 4, later(state))
+    held = Sources(tmp_path).meta(part_dir(tmp_path, 1), 4)["checksums"]
+    key = next(k for k in held if layout.expert_layer(k) is not None)
+    _overwrite_expert(part_dir(tmp_path, 1) / "4", key, expert=0)
+    events = [[], []]
+    got = both_processes(lambda peers: restore_parts(
+        tmp_path, lambda meta: part_of(exp.abstract_state, peers.index), peers,
+        emit=events[peers.index].append,
+    ))
+    for p, (restored, meta) in enumerate(got):
+        assert meta["step"] == 2
+        assert_bitwise_equal(jax.device_get(part_of(state, p)), restored)
+        (failed,) = [e for e in events[p] if e["event"] == "checkpoint_restore_failed"]
+        assert failed["step"] == 4 and len(failed["moved_to"]) == 2
+        assert failed["error"].startswith("in process 1: CheckpointError")
+    assert Sources(tmp_path).part_steps() == {2: [part_dir(tmp_path, p) for p in (0, 1)]}
+
+
+def test_another_model_seen_by_one_process_is_an_error_in_both(trained, tmp_path):
+    """Only process 1's leaves differ from the checkpoint's: both raise the mismatch (none
+    waits for the other) and nothing is moved."""
+    exp, state = trained
+    save(tmp_path, 2, state)
+    narrower = Experiment.from_config(
+        tiny_config(moe__every=2, model__num_layers=3, model__d_model=16)
+    )
+
+    def target(index):
+        which = exp if index == 0 else narrower
+        return lambda meta: part_of(which.abstract_state, index)
+
+    got = both_processes(lambda peers: restore_parts(tmp_path, target(peers.index), peers))
+    assert all(isinstance(e, CheckpointMismatch) for e in got), got
+    assert Sources(tmp_path).part_steps() == {2: [part_dir(tmp_path, p) for p in (0, 1)]}
+
+
+def test_unreadable_metadata_of_part_0_is_a_broken_step_not_a_fresh_start(trained, tmp_path):
+    exp, state = trained
+    save(tmp_path, 2, state)
+    save(tmp_path, 4, later(state))
+    (part_dir(tmp_path, 0) / "4" / "meta" / "metadata").write_text("{not json")
+    events = []
+    restored, meta = restore_parts(tmp_path, target(exp), None, emit=events.append)
+    assert meta["step"] == 2
+    assert [e["step"] for e in events if e["event"] == "checkpoint_restore_failed"] == [4]
+    # Only incomplete steps left: an error that says so, never a silent start from scratch.
+    save(tmp_path, 6, later(state), parts=(0,))
+    for p in (0, 1):
+        shutil.rmtree(part_dir(tmp_path, p) / "2")
+    with pytest.raises(CheckpointError, match="not saved by every process: \\[6\\]"):
+        restore_parts(tmp_path, target(exp), None)

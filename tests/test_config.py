@@ -188,6 +188,9 @@ def test_cli_reports_config_errors_found_once_devices_are_known(capsys, monkeypa
     assert "checkpoint.experts_per_save=1: partial expert checkpoints of a pipeline over" in (
         capsys.readouterr().err
     )
+    one = ["--config.train.keep_checkpoints=1", "--config.mesh.stage=2"]
+    assert main(["--config", "tests/tiny.py", *one]) == 2
+    assert "train.keep_checkpoints=1: a pipeline over processes" in capsys.readouterr().err
 
 
 def _check_multi_process(cfg) -> None:

@@ -204,22 +204,10 @@ class Checkpointer:
             "checksums": layout.checksums(flat),
             "expert_rows": expert_rows,
         }
-        # One storage chunk per expert: a later read of a few experts touches only theirs.
-        per_expert = ocp.SaveArgs(shard_axes=(0,))
-        chunks = {layout.EXPERTS: layout.nest({k: per_expert for k in items[layout.EXPERTS]})}
-        save = ocp.args.StandardSave
-        if self._lifted:
-            others = [d for d in jax.devices() if d.process_index != jax.process_index()]
-            items = {n: {k: _lift(a, others) for k, a in i.items()} for n, i in items.items()}
-            save = ocp.args.PyTreeSave
-        args = {
-            name: save(layout.nest(item), save_args=chunks.get(name))
-            for name, item in items.items()
-            if item  # a model without MoE layers has no ``experts`` item
-        }
-        previous = self._copies.get(step)
+        previous, args = self._copies.get(step), {}
         self._copies[step] = rows  # what the preservation policy weighs during the save
         try:
+            args = self._save_args(items)
             started = self._manager.save(
                 step, args=ocp.args.Composite(**args, **{META: ocp.args.JsonSave(meta)})
             )
@@ -253,6 +241,23 @@ class Checkpointer:
             }
         )
         return True
+
+    def _save_args(self, items: dict[str, dict[str, jax.Array]]) -> dict[str, Any]:
+        """Orbax's arguments for each non-empty item (a model without MoE layers has no
+        ``experts`` item; a part of a process with no stage has neither)."""
+        # One storage chunk per expert: a later read of a few experts touches only theirs.
+        per_expert = ocp.SaveArgs(shard_axes=(0,))
+        chunks = {layout.EXPERTS: layout.nest({k: per_expert for k in items[layout.EXPERTS]})}
+        save = ocp.args.StandardSave
+        if self._lifted:
+            others = [d for d in jax.devices() if d.process_index != jax.process_index()]
+            items = {n: {k: _lift(a, others) for k, a in i.items()} for n, i in items.items()}
+            save = ocp.args.PyTreeSave
+        return {
+            name: save(layout.nest(item), save_args=chunks.get(name))
+            for name, item in items.items()
+            if item
+        }
 
     def _rows_to_save(
         self,

@@ -116,7 +116,9 @@ class Sources:
 
     def complete(self) -> dict[int, list[Path]]:
         """Step -> its sources: the parts of steps every part of which is there (as many as
-        part 0's metadata says), and whole checkpoints (a step of both: its parts)."""
+        part 0's metadata says), and whole checkpoints (a step of both: its parts, then the
+        whole one). A step whose part 0 holds unreadable metadata is listed with the parts
+        holding it: trying it fails, and it is set aside as unusable, not as incomplete."""
         out = {step: [self.root] for step in self._listing(self.root)}
         for step, held in self.part_steps().items():
             first = part_dir(self.root, 0)
@@ -124,11 +126,12 @@ class Sources:
                 continue
             try:
                 count = int(self.meta(first, step).get("parts", 0))
-            except Exception:  # noqa: BLE001 - unreadable: incomplete for restoring
+            except Exception:  # noqa: BLE001 - tried (and set aside) with what holds it
+                out[step] = held + out.get(step, [])
                 continue
             wanted = [part_dir(self.root, p) for p in range(count)]
             if count and all(p in held for p in wanted):
-                out[step] = wanted
+                out[step] = wanted + out.get(step, [])
         return out
 
     def newest_in_parts(self) -> int | None:
@@ -175,8 +178,9 @@ class Sources:
             if expert and held is not None and len(held) != leaf.shape[0]:
                 raise CheckpointMismatch(
                     f"step {step} {key} holds experts {list(held)} of {leaf.shape[0]} (a partial "
-                    "expert checkpoint): resume it in a run whose pipeline stages are in one "
-                    "process"
+                    "expert checkpoint, which only a restore of whole checkpoints assembles): "
+                    "resume it in a run whose pipeline stages are in one process, with no "
+                    "newer checkpoint in parts beside it"
                 )
             item = layout.EXPERTS if expert else layout.DENSE
             array = layout.read_array(directory / str(step) / item, key)
@@ -228,36 +232,55 @@ def restore_parts(
     steps = sorted(complete)
     restored = None
     for step in reversed(steps):
-        held = complete.get(step, [])
-        template = flat = None
+        held = complete[step]
+        whole = [d for d in held if d == root]
+        template = flat = mismatch = None
         try:
-            meta = sources.meta(held[0], step) if held else None
-            error = None if meta else CheckpointError(f"step {step} is not complete here")
+            meta, error = sources.meta(held[0], step), None
         except Exception as err:  # noqa: BLE001 - unreadable metadata: a broken step
             meta, error = None, err
         if error is None:
-            template = target(meta)
+            template = target(meta)  # what it raises (the config's errors) moves nothing
             try:
-                flat, meta = sources.read(step, held, layout.flatten(template))
-            except CheckpointMismatch:
-                raise
+                parts = [d for d in held if d != root] or whole
+                flat, meta = sources.read(step, parts, layout.flatten(template))
+            except CheckpointMismatch as err:  # the model's, not the data's: raised everywhere
+                error, mismatch = err, str(err)
             except Exception as err:  # noqa: BLE001 - any failure: try an older step
                 error = err
-        if agreed.everywhere(error is None):
+        mismatches = [m for m in agreed.all("mismatch", mismatch) if m is not None]
+        if mismatches:
+            raise CheckpointMismatch(mismatches[0])
+        failed = agreed.all("failed", None if error is None else f"{type(error).__name__}: {error}")
+        if all(f is None for f in failed):
             restored = step, (layout.unflatten_like(template, flat), meta)
             break
-        _set_aside(sources, agreed, step, held, error, emit, reload)
+        reason = next(
+            f if peers is None else f"in process {p}: {f}" for p, f in enumerate(failed) if f
+        )
+        _set_aside(sources, agreed, step, held, reason, emit, reload)
     newer = [s for s in sources.part_steps() if restored is None or s > restored[0]]
-    for step in agreed.first("incomplete", sorted(newer)):
+    incomplete = agreed.first("incomplete", sorted(newer))
+    for step in incomplete:
         _set_aside(sources, agreed, step, sources.parts(), None, emit, reload)
     if restored is not None:
         return restored[1]
-    if steps:
+    if steps or incomplete:
         raise CheckpointError(
-            f"none of the checkpoints {steps} in {root} could be restored; they are kept in "
-            "its corrupt/ directories: see the warnings above, or start from a new workdir"
+            f"no checkpoint in {root} could be restored (unusable: {steps}, not saved by every "
+            f"process: {incomplete}); they are kept in its corrupt/ directories: see the "
+            "warnings above, or start from a new workdir"
         )
     return None
+
+
+def parts_are_newer(root: Path, whole: list[int], peers: Peers | None) -> bool:
+    """Whether, as process 0 sees ``root``, a step complete in parts is newer than every whole
+    checkpoint (steps ``whole``): then a run of one program restores from the parts. Every
+    process takes process 0's answer, so all restore the same way."""
+    newest = Sources(root, peers.index if peers else 0).newest_in_parts()
+    newer = newest is not None and newest > max(whole, default=-1)
+    return bool(_Agreement(peers).first("parts_newer", newer))
 
 
 class _Agreement:
@@ -278,33 +301,28 @@ class _Agreement:
         """Process 0's ``value``."""
         return self.all(name, value)[0]
 
-    def everywhere(self, ok: bool) -> bool:
-        return all(self.all("ok", ok))
-
 
 def _set_aside(
     sources: Sources,
     agreed: _Agreement,
     step: int,
     directories: list[Path],
-    error: BaseException | None,
+    failure: str | None,
     emit: Callable[[dict[str, Any]], None],
     reload: Callable[[], None],
 ) -> None:
-    """Process 0 moves ``step`` of ``directories`` aside (error None: a step some process never
-    finished saving); every process waits for it and re-lists its own checkpoints."""
+    """Process 0 moves ``step`` of ``directories`` aside (``failure`` None: a step some process
+    never finished saving); every process waits for it and re-lists its own checkpoints."""
     first = sources.process == 0
     moved = [str(m) for m in sources.set_aside(step, directories)] if first else []
-    agreed.all("moved", True)
+    moved = agreed.first("moved", moved)  # where process 0 moved it, in every process's event
     reload()
-    reason = "not every process finished saving it" if error is None else (
-        f"{type(error).__name__}: {error}"
-    )
+    reason = failure or "not every process finished saving it"
     if first:
         log.warning("checkpoint at step %d: %s; moved it to %s", step, reason, moved)
     emit(
         {
-            "event": "checkpoint_incomplete" if error is None else "checkpoint_restore_failed",
+            "event": "checkpoint_incomplete" if failure is None else "checkpoint_restore_failed",
             "step": step,
             "error": reason,
             "moved_to": moved,

@@ -340,7 +340,8 @@ class Pipeline:
     def local_state(self) -> Any:
         """`full_state` of this process's stages: None where only another process's stage
         holds a leaf (the tree flattens to the part of a checkpoint this process writes)."""
-        return join(self.full_template, [self.state[s] for s in sorted(self.state)], True)
+        partial = len(self.transport.local_stages) < self.transport.num_stages
+        return join(self.full_template, [self.state[s] for s in sorted(self.state)], partial)
 
     def host_state(self) -> Any:
         """The full ``{"params", "opt_state"}`` tree as host arrays."""
@@ -693,18 +694,30 @@ class Pipeline:
                 return ()  # the last stage's forward runs inside its backward
             y = carry = None
             if local:
-                x, ctx = run.stage_in[s][m]
+                x, ctx = run.take(run.stage_in, s, m, pop=False)
                 y, carry, run.metrics[s][m] = programs["fwd", s](
                     params, x, {**ctx, **run.readout_of(s)}, run.routes(s, m)
                 )
             after = self.programs.shapes(spec.stages[s + 1])
+            carry_like, carry_def = jax.tree.flatten(after.ctx.get("carry", {}))
+
+            def arrive(moved: jax.Array, moved_carry: Any, dst: StageSpec = spec.stages[s + 1]):
+                ctx = self._context(dst, moved_carry or None, run, m, m_count)
+                run.stage_in[dst.index][m] = (moved, ctx)
+
+            if local and self.transport.is_local(s + 1):  # one copy call with others (`defer`)
+                run.defer(
+                    [y, *jax.tree.leaves(carry)],
+                    [after.x.sharding, *(c.sharding for c in carry_like)],
+                    lambda a: arrive(a[0], jax.tree.unflatten(carry_def, a[1:])),
+                )
+                return _present(y, carry)
             moved = self.transport.send(y, s, s + 1, after.x)
             moved_carry = self.transport.send_tree(carry, s, s + 1, after.ctx.get("carry", {}))
             if moved is not None:
-                ctx = self._context(spec.stages[s + 1], moved_carry or None, run, m, m_count)
-                run.stage_in[s + 1][m] = (moved, ctx)
+                arrive(moved, moved_carry)
             return _present(y, carry)
-        x, ctx = run.stage_in[s].pop(m) if local else (None, None)
+        x, ctx = run.take(run.stage_in, s, m, pop=True) if local else (None, None)
         if not stage.has_backward:
             return ()
         out = None
@@ -712,7 +725,7 @@ class Pipeline:
             if stage.last:
                 seed = run.place("targets", m, m_count, self._rows(s))
             else:
-                seed = run.grad_in[s].pop(m)
+                seed = run.take(run.grad_in, s, m, pop=True)
             out = programs["bwd", s](
                 params, self.acc[s], self.racc[s], x, {**ctx, **run.readout_of(s)}, seed,
                 run.routes(s, m),
@@ -725,6 +738,13 @@ class Pipeline:
         if not stage.input_grads:
             return done
         like = self.programs.shapes(spec.stages[s - 1]).y
+        if local and self.transport.is_local(s - 1):
+
+            def arrive(moved: list[jax.Array], dst: int = s - 1) -> None:
+                run.grad_in[dst][m] = moved[0]
+
+            run.defer([out[1]], [like.sharding], arrive)
+            return done
         moved = self.transport.send(out[1] if local else None, s, s - 1, like)
         if moved is not None:
             run.grad_in[s - 1][m] = moved
@@ -734,6 +754,7 @@ class Pipeline:
         """Global gradient norm and the update of every stage of this process."""
         stages, programs = run.exe.spec.stages, run.exe.programs
         local = [s.index for s in stages if self.transport.is_local(s.index)]
+        run.flush()  # none left unless a schedule sent what no task reads
         self._gather_readout_grads(run.exe.spec)
         sq = {s: programs["sqnorm", s](self.acc[s]) for s in local}
         sq_all = self.transport.gather(sq, (1,), jnp.float32, len(stages))
@@ -832,6 +853,39 @@ class _Run:
     placed: dict[tuple[str, int, NamedSharding], list[jax.Array]] = dataclasses.field(
         default_factory=dict
     )
+
+    # copies between this process's stages not made yet: (arrays, target shardings, what
+    # receives the copies), made together by `flush` (`defer`)
+    deferred: list[tuple[list[jax.Array], list[NamedSharding], Callable[[list], None]]] = (
+        dataclasses.field(default_factory=list)
+    )
+
+    def defer(
+        self, arrays: list[jax.Array], shardings: list[NamedSharding], land: Callable[[list], None]
+    ) -> None:
+        """Copy ``arrays`` to ``shardings`` (another stage of this process) when a task first
+        needs a copy not made yet: each ``jax.device_put`` call costs about 0.2 ms of host time
+        on CPU whatever it moves, so the sends of the stages dispatched in between share one
+        call (issue 15 §7). The copies are only enqueued later, never made to wait for."""
+        self.deferred.append((arrays, shardings, land))
+
+    def flush(self) -> None:
+        if not self.deferred:
+            return
+        arrays = [a for arrays, _, _ in self.deferred for a in arrays]
+        shardings = [sh for _, shardings, _ in self.deferred for sh in shardings]
+        moved, start = jax.device_put(arrays, shardings), 0
+        for some, _, land in self.deferred:
+            land(moved[start : start + len(some)])
+            start += len(some)
+        self.deferred = []
+
+    def take(self, table: list[dict[int, Any]], s: int, m: int, pop: bool) -> Any:
+        """``table[s][m]`` (a stage input or output gradient) once its deferred copy is made;
+        ``pop``: removed (its last use frees it)."""
+        if m not in table[s]:
+            self.flush()
+        return table[s].pop(m) if pop else table[s][m]
 
     def readout_of(self, s: int) -> dict[str, Any]:
         return {"readout": self.readout[s]} if s in self.readout else {}
