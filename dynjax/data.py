@@ -234,17 +234,28 @@ class Prefetcher:
     """
 
     def __init__(self, build: Callable[[int], Batch], start: int, stop: int, depth: int):
-        self.build, self.next_step, self.stop = build, start, stop
+        self.stop, self.depth = stop, depth
         self.build_seconds = 0.0  # spent building batches, on whichever thread
         self.wait_seconds = 0.0  # the caller spent in `get` (building, with depth 0)
-        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        self._closed = threading.Event()
         self._thread = None
-        if depth > 0:
+        self._begin(build, start)
+
+    def _begin(self, build: Callable[[int], Batch], start: int) -> None:
+        self.build, self.next_step = build, start
+        self._queue: queue.Queue = queue.Queue(maxsize=max(self.depth, 1))
+        self._closed = threading.Event()
+        if self.depth > 0:
             self._thread = threading.Thread(
                 target=self._work, args=(start,), name="dynjax-prefetch", daemon=True
             )
             self._thread.start()
+
+    def restart(self, start: int, build: Callable[[int], Batch] | None = None) -> None:
+        """Read from ``start`` on, with ``build`` if given: after a rollback to an earlier
+        step, or when the rows this process reads change. The batches read ahead are dropped;
+        the time counters go on."""
+        self.close()
+        self._begin(build or self.build, start)
 
     def _timed_build(self, step: int) -> Batch:
         began = time.perf_counter()

@@ -564,8 +564,8 @@ class PipelineRuntime:
         return migration if migration is not None and migration.layers else None
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """This process's stages' leaves (`Pipeline.local_state`): all of them in one process."""
-        return self.pipeline.local_state()
+        """This process's stages' leaves (`Pipeline.full_state`): all of them in one process."""
+        return self.pipeline.full_state()
 
     def stage_states(self) -> list[dict[str, Any]]:
         """The live ``{"params", "opt_state"}`` dict of each stage of this process, in stage

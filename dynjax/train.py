@@ -181,23 +181,16 @@ def train(
     if not single:
         _check_multi_process(cfg, pipeline=bool(exp.ctx.pipeline_stages))
     peers = None if single else Peers()
-    # A pipeline over processes: each process saves its own stages' part (`checkpoint.parts`).
+    # A pipeline over processes: each process saves its own stages' part (`checkpoint.parts`);
+    # otherwise one directory that every process writes its shards into.
     parted = not single and bool(exp.ctx.pipeline_stages)
+    saving = dict(
+        keep=cfg.train.keep_checkpoints, async_save=cfg.checkpoint.async_save, emit=events
+    )
     if parted:
-        checkpointer = PartedCheckpointer(
-            root / "checkpoints",
-            peers,
-            keep=cfg.train.keep_checkpoints,
-            async_save=cfg.checkpoint.async_save,
-            emit=events,
-        )
+        checkpointer = PartedCheckpointer(root / "checkpoints", peers, **saving)
     else:
-        checkpointer = Checkpointer(
-            root / "checkpoints",  # one directory that every process writes its shards into
-            keep=cfg.train.keep_checkpoints,
-            async_save=cfg.checkpoint.async_save,
-            emit=events,
-        )
+        checkpointer = Checkpointer(root / "checkpoints", **saving)
 
     def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
         """Where a checkpoint's arrays go: the resumed Plan's shardings (refused first if the
@@ -206,7 +199,12 @@ def train(
         check_resumable(changes, workdir)
         return exp.restore_target(exp.resumed_plan(Plan.from_dict(meta["plan"]), changes))
 
-    restored = _restore(checkpointer, root / "checkpoints", restore_target, peers, events)
+    if parted:
+        restored = checkpointer.restore_latest(restore_target)
+    else:
+        restored = _restore_whole_or_parts(
+            checkpointer, root / "checkpoints", restore_target, peers, events
+        )
     if restored is None:
         plan, start = exp.initial_plan(), 0
         runtime = exp.runtime(plan, peers=peers)
@@ -356,9 +354,9 @@ def train(
     # last stage (which reads the targets) to another process: read again from the swap on.
     rows = runtime.batch_rows()
     controller.start()
-    read = functools.partial(exp.order.batch, rows=rows)
-    batches = Prefetcher(read, start, steps, cfg.data.prefetch)
-    read_before = np.zeros(2)  # build and wait seconds of prefetchers replaced since
+    batches = Prefetcher(
+        functools.partial(exp.order.batch, rows=rows), start, steps, cfg.data.prefetch
+    )
     c = cfg.checkpoint
     fault_at = c.inject_fault_at
     try:
@@ -374,12 +372,10 @@ def train(
                 controller.swap_done(swap)
                 release_unused(step, swap.reason)
                 profile_next = profile_next or profile_on_change
-                if not np.array_equal(runtime.batch_rows(), rows):
-                    rows = runtime.batch_rows()
-                    batches.close()
-                    read_before += (batches.build_seconds, batches.wait_seconds)
-                    read = functools.partial(exp.order.batch, rows=rows)
-                    batches = Prefetcher(read, step, steps, cfg.data.prefetch)
+                now = runtime.batch_rows()
+                if not np.array_equal(now, rows):
+                    rows = now
+                    batches.restart(step, functools.partial(exp.order.batch, rows=rows))
             states = runtime.stage_states() if plugins else []  # live dicts, changed in place
             for plugin in plugins:  # e.g. a pruning event, on the state this step will use
                 for event in plugin.before_step(step, states, plan, exp):
@@ -422,9 +418,7 @@ def train(
                 events({**recovery, "source": "memory", "fault_step": step + 1})
                 twolevel.rolled_back(snap.step)
                 step = snap.step
-                batches.close()  # it reads ahead from the failed step: restart it at the snapshot
-                read_before += (batches.build_seconds, batches.wait_seconds)
-                batches = Prefetcher(read, step, steps, cfg.data.prefetch)
+                batches.restart(step)  # it read ahead from the failed step
                 bar.n = step
                 bar.refresh()
                 continue
@@ -495,8 +489,8 @@ def train(
         checkpointer.all_steps(),
         time.perf_counter() - began,
         len(rows),
-        (read_before[0] + batches.build_seconds) / (steps - start),
-        (read_before[1] + batches.wait_seconds) / (steps - start),
+        batches.build_seconds / (steps - start),
+        batches.wait_seconds / (steps - start),
         compiled,
     )
 
@@ -600,18 +594,16 @@ def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None
         )
 
 
-def _restore(
-    checkpointer: Checkpointer | PartedCheckpointer,
+def _restore_whole_or_parts(
+    checkpointer: Checkpointer,
     directory: Path,
     target: Any,
     peers: Peers | None,
     events: EventLog,
 ) -> tuple[Any, dict[str, Any]] | None:
-    """The newest checkpoint the run restores: a run of one program reads its own kind unless a
-    pipeline over processes saved a newer step in parts (then it reads those, on this process
-    count: `checkpoint.parts`)."""
-    if isinstance(checkpointer, PartedCheckpointer):
-        return checkpointer.restore_latest(target)
+    """The newest checkpoint a run of one program restores: its own kind, unless a pipeline
+    over processes saved a newer step in parts (then those, on this process count:
+    `checkpoint.parts`)."""
     if parts_are_newer(directory, checkpointer.all_steps(), peers):
         return restore_parts(
             directory, target, peers, emit=events, reload=checkpointer.reload

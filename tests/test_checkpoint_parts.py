@@ -62,6 +62,15 @@ def target(exp):
     return lambda meta: exp.abstract_state
 
 
+def restored_step_2(exp, state, root, event):
+    """Restore ``root``: step 2, holding ``state``, comes back; the ``event`` events logged."""
+    events = []
+    restored, meta = restore_parts(root, target(exp), None, emit=events.append)
+    assert meta["step"] == 2
+    assert_bitwise_equal(jax.device_get(state), restored)
+    return [e for e in events if e["event"] == event]
+
+
 def test_each_leaf_is_read_from_the_part_that_holds_it(trained, tmp_path):
     exp, state = trained
     save(tmp_path, 2, state)
@@ -90,11 +99,7 @@ def test_a_step_one_process_never_saved_is_set_aside_and_its_number_saved_again(
     exp, state = trained
     save(tmp_path, 2, state)
     save(tmp_path, 4, later(state), parts=(0,))  # process 1 died before saving step 4
-    events = []
-    restored, meta = restore_parts(tmp_path, target(exp), None, emit=events.append)
-    assert meta["step"] == 2
-    assert_bitwise_equal(jax.device_get(state), restored)
-    incomplete = [e for e in events if e["event"] == "checkpoint_incomplete"]
+    incomplete = restored_step_2(exp, state, tmp_path, "checkpoint_incomplete")
     assert [e["step"] for e in incomplete] == [4] and len(incomplete[0]["moved_to"]) == 1
     kept = list((part_dir(tmp_path, 0) / "corrupt").iterdir())
     assert [k.name.split("-")[0] for k in kept] == ["4"] and (kept[0] / "dense").is_dir()
@@ -109,11 +114,7 @@ def test_a_corrupted_part_sets_its_step_aside_in_every_part(trained, tmp_path):
     save(tmp_path, 2, state)
     save(tmp_path, 4, later(state))
     _corrupt(part_dir(tmp_path, 1) / "4")
-    events = []
-    restored, meta = restore_parts(tmp_path, target(exp), None, emit=events.append)
-    assert meta["step"] == 2
-    assert_bitwise_equal(jax.device_get(state), restored)
-    failed = [e for e in events if e["event"] == "checkpoint_restore_failed"]
+    failed = restored_step_2(exp, state, tmp_path, "checkpoint_restore_failed")
     assert [e["step"] for e in failed] == [4] and len(failed[0]["moved_to"]) == 2
     assert Sources(tmp_path).part_steps() == {2: [part_dir(tmp_path, p) for p in (0, 1)]}
 
@@ -125,12 +126,8 @@ def test_wrong_data_in_a_part_is_caught_by_its_checksum(trained, tmp_path):
     held = Sources(tmp_path).meta(part_dir(tmp_path, 1), 4)["checksums"]
     key = next(k for k in held if layout.expert_layer(k) is not None)
     _overwrite_expert(part_dir(tmp_path, 1) / "4", key, expert=1)  # reads back fine
-    events = []
-    restored, meta = restore_parts(tmp_path, target(exp), None, emit=events.append)
-    assert meta["step"] == 2
-    failed = [e for e in events if e["event"] == "checkpoint_restore_failed"]
+    failed = restored_step_2(exp, state, tmp_path, "checkpoint_restore_failed")
     assert [e["step"] for e in failed] == [4] and "checksum mismatch" in failed[0]["error"]
-    assert_bitwise_equal(jax.device_get(state), restored)
 
 
 def test_no_usable_step_is_an_error_that_says_where_they_are(trained, tmp_path):
@@ -217,10 +214,8 @@ def test_unreadable_metadata_of_part_0_is_a_broken_step_not_a_fresh_start(traine
     save(tmp_path, 2, state)
     save(tmp_path, 4, later(state))
     (part_dir(tmp_path, 0) / "4" / "meta" / "metadata").write_text("{not json")
-    events = []
-    restored, meta = restore_parts(tmp_path, target(exp), None, emit=events.append)
-    assert meta["step"] == 2
-    assert [e["step"] for e in events if e["event"] == "checkpoint_restore_failed"] == [4]
+    failed = restored_step_2(exp, state, tmp_path, "checkpoint_restore_failed")
+    assert [e["step"] for e in failed] == [4]
     # Only incomplete steps left: an error that says so, never a silent start from scratch.
     save(tmp_path, 6, later(state), parts=(0,))
     for p in (0, 1):

@@ -221,3 +221,24 @@ def test_bad_prefetch_depth_names_the_key():
         validate_config(tiny_config(data__prefetch=-1), 8)
     with pytest.raises(ConfigError, match="config key 'data.prefetch' expects int, got '1.5'"):
         load_config("tests/tiny.py", ["data.prefetch=1.5"])
+
+
+def test_a_restarted_prefetcher_reads_from_its_new_step_with_its_new_reader():
+    """A rollback reads again from an earlier step; a re-pack's new rows read other rows."""
+    order = windows_order()
+    some_rows = lambda step: order.batch(step, rows=np.arange(2))  # noqa: E731
+    for depth in (0, 2):
+        with Prefetcher(order.batch, 0, 10, depth) as batches:
+            for step in range(4):
+                batches.get(step)
+            built = batches.build_seconds
+            batches.restart(2)
+            np.testing.assert_array_equal(batches.get(2).inputs, order.batch(2).inputs)
+            batches.restart(3, some_rows)
+            got, want = batches.get(3), some_rows(3)
+            np.testing.assert_array_equal(got.inputs, want.inputs)
+            assert len(got.inputs) < len(order.batch(3).inputs)
+            assert batches.build_seconds > built  # the counters go on across restarts
+            with pytest.raises(ValueError, match="asked for step 5, expected 4"):
+                batches.get(5)
+        assert not prefetch_threads()

@@ -37,10 +37,11 @@ instead (``part``, `dynjax.checkpoint.parts`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +55,23 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 from dynjax.checkpoint import layout
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def quiet_orbax() -> Iterator[None]:
+    """Orbax's warnings off: for what it warns about although dynjax asks for it on purpose (a
+    user's `dynjax.train` would otherwise begin with them, before any `error:`)."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
 # Replica-parallel writes on every platform (module docstring); the rest as Orbax's default.
-# Orbax warns on stderr at every override; it is intended here, so quiet during registration
-# (a user's `dynjax.train` would otherwise begin with that warning, before any `error:`).
-_absl, _level = logging.getLogger("absl"), logging.getLogger("absl").level
-_absl.setLevel(logging.ERROR)
-try:
+with quiet_orbax():  # Orbax warns at every override
     ocp.type_handlers.register_type_handler(
         jax.Array,
         ocp.type_handlers.ArrayHandler(
@@ -67,8 +79,6 @@ try:
         ),
         override=True,
     )
-finally:
-    _absl.setLevel(_level)
 META = "meta"
 QUARANTINE = "corrupt"  # beside the steps; Orbax lists only integer step directories
 
@@ -417,7 +427,7 @@ class Checkpointer:
         expected = layout.split(template)
         saved_sums = meta.get("checksums", {})
         want = {**expected[layout.DENSE], **expected[layout.EXPERTS]}
-        _check_fits(step, saved_sums, layout.shapes(want))
+        check_fits(step, saved_sums, layout.shapes(want))
         for key, leaf in expected[layout.EXPERTS].items():
             if layout.expert_count(meta, key) != leaf.shape[0]:
                 raise CheckpointMismatch(
@@ -629,7 +639,7 @@ class Checkpointer:
         expected = layout.v1_items(template)
         saved_sums = meta.get("checksums", {})
         # Layout 1 recorded a scalar's shape as [1]: its shapes are checked once read.
-        _check_fits(
+        check_fits(
             step,
             {f"{name}/{k}": v for name, sums in saved_sums.items() for k, v in sums.items()},
             {f"{name}/{k}": None for name, item in expected.items() for k in item},
@@ -655,11 +665,7 @@ class Checkpointer:
         """Move the unusable checkpoint at ``step`` aside (never delete what a run trained):
         process 0 moves it, and the others wait for it."""
         root = Path(self._manager.directory)
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        target = root / QUARANTINE / f"{step}-{stamp}"
-        n = 1
-        while target.exists():
-            n, target = n + 1, root / QUARANTINE / f"{step}-{stamp}-{n}"
+        target = quarantine_target(root, step)
         if jax.process_index() == 0:
             target.parent.mkdir(exist_ok=True)
             shutil.move(str(root / str(step)), str(target))
@@ -745,6 +751,16 @@ def _lift(array: jax.Array, others: Sequence[jax.Device]) -> jax.Array:
     )
 
 
+def quarantine_target(directory: Path, step: int) -> Path:
+    """Where ``directory``'s unusable step goes: ``corrupt/<step>-<time>``, a free name."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    target = directory / QUARANTINE / f"{step}-{stamp}"
+    n = 1
+    while target.exists():
+        n, target = n + 1, directory / QUARANTINE / f"{step}-{stamp}-{n}"
+    return target
+
+
 def _everywhere(ok: bool) -> bool:
     """Whether ``ok`` holds in every process, so that all take the same branch: a read may fail
     in one process only, and the others must not go on to a collective it skips."""
@@ -759,7 +775,7 @@ def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     return sharding
 
 
-def _check_fits(step: int, saved: dict[str, Any], expected: dict[str, str | None]) -> None:
+def check_fits(step: int, saved: dict[str, Any], expected: dict[str, str | None]) -> None:
     """Raise CheckpointMismatch unless the saved leaves (key -> checksums) are the expected
     ones (key -> ``"<dtype>[shape]"`` as the checksums begin, or None: any)."""
     shapes = {k: (v[0] if isinstance(v, list) and v else v) for k, v in saved.items()}

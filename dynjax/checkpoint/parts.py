@@ -2,10 +2,10 @@
 
 Across processes Orbax saves only global arrays (its ``ArrayHandler`` refuses an array that one
 process holds whole), and a pipeline stage's arrays live on its own process's devices only. So
-each process writes the leaves of its own stages as host arrays into its own part,
-``checkpoints/process_<p>/`` (a `Checkpointer` in part mode: an Orbax manager of that process
-alone, with the same atomic commit, checksums and ``keep``), and records ``parts`` (the process
-count) in the step's metadata. A step is complete when every part holds it; no process waits
+each process writes the leaves of its own stages, shard by shard from its devices, into its own
+part, ``checkpoints/process_<p>/`` (a `Checkpointer` in part mode: an Orbax manager of that
+process alone, with the same atomic commit, checksums and ``keep``), and records ``parts`` (the
+process count) in the step's metadata. A step is complete when every part holds it; no process waits
 for another to save.
 
 A restore (`Sources`) reads each leaf it needs from whichever source of a step holds it: a part
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,12 @@ import orbax.checkpoint as ocp
 from dynjax.checkpoint import layout
 from dynjax.checkpoint.manager import (
     META,
-    QUARANTINE,
     Checkpointer,
     CheckpointError,
     CheckpointMismatch,
+    check_fits,
+    quarantine_target,
+    quiet_orbax,
 )
 from dynjax.parallel.peers import Peers
 
@@ -66,14 +67,9 @@ class Sources:
             active_processes={self.process},
             barrier_sync_key_prefix=f"read_{self.process}",
         )
-        absl = logging.getLogger("absl")
-        level = absl.level
-        absl.setLevel(logging.ERROR)
-        try:
+        with quiet_orbax():
             options = ocp.CheckpointManagerOptions(read_only=True, multiprocessing_options=alone)
             return ocp.CheckpointManager(directory.absolute(), options=options)
-        finally:
-            absl.setLevel(level)
 
     def _listing(self, directory: Path) -> list[int]:
         if not directory.is_dir():
@@ -158,22 +154,16 @@ class Sources:
                 # This process's own part first, the others in process order.
                 if key not in holder or directory == part_dir(self.root, self.process):
                     holder[key] = (directory, meta)
+        check_fits(
+            step,
+            {k: holder[k][1]["checksums"][k] for k in template if k in holder},
+            layout.shapes(template),
+        )
         out = {}
         for key, leaf in template.items():
-            if key not in holder:
-                raise CheckpointMismatch(
-                    f"step {step} holds no {key!r}: the checkpoint is from a different model "
-                    "configuration; train it with that configuration or start from a new workdir"
-                )
             directory, meta = holder[key]
             saved = meta["checksums"][key]
             expert = isinstance(saved, list)
-            want = layout.shapes({key: leaf})[key]
-            if str(saved[0] if expert else saved).split(":")[0] != want:
-                raise CheckpointMismatch(
-                    f"step {step} {key}: saved {str(saved[0] if expert else saved).split(':')[0]}"
-                    f", model {want}: the checkpoint is from a different model configuration"
-                )
             held = layout.held_rows(meta).get(key)
             if expert and held is not None and len(held) != leaf.shape[0]:
                 raise CheckpointMismatch(
@@ -192,13 +182,9 @@ class Sources:
     def set_aside(self, step: int, directories: list[Path]) -> list[Path]:
         """Move ``step`` of each directory to its ``corrupt/<step>-<time>`` (kept for a person,
         never deleted); returns where. One process calls it."""
-        stamp = time.strftime("%Y%m%dT%H%M%S")
         moved = []
         for directory in directories:
-            target = directory / QUARANTINE / f"{step}-{stamp}"
-            n = 1
-            while target.exists():
-                n, target = n + 1, directory / QUARANTINE / f"{step}-{stamp}-{n}"
+            target = quarantine_target(directory, step)
             if (directory / str(step)).exists():
                 target.parent.mkdir(exist_ok=True)
                 shutil.move(str(directory / str(step)), str(target))
