@@ -187,7 +187,7 @@ class Experiment:
         return join(
             self.abstract_state,
             [{"params": s.params, "opt_state": s.opt_state} for s in stages],
-            partial=len(transport.local_stages) < transport.num_stages,
+            partial=not transport.all_local,
         )
 
     # -- plans and steps ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from dynjax.train import train
 from dynjax.writers import read_jsonl
 
 from .test_data_multiprocess import ROOT, losses, two_processes
-from .tiny import tiny_config
+from .tiny import dotted_config
 
 BASE = {
     "mesh.data": 8,
@@ -33,7 +33,7 @@ BASE = {
 
 
 def config(**overrides):
-    return tiny_config(**{k.replace(".", "__"): v for k, v in {**BASE, **overrides}.items()})
+    return dotted_config({**BASE, **overrides})
 
 
 def written_bytes(item: Path, processes: int) -> tuple[list[int], int]:

@@ -11,7 +11,7 @@ import pytest
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from .tiny import tiny_config
+from .tiny import dotted_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"train.steps": 4, "train.eval_every": 4, "pipeline.profile_on_change": False}
@@ -49,8 +49,7 @@ def two_processes(workdir: Path, overrides: dict, devices: int = 4) -> str:
 def test_two_processes_reading_their_rows_match_one(tmp_path, mesh, reads):
     overrides = {**BASE, **mesh}
     single = tmp_path / "single"
-    train(tiny_config(**{k.replace(".", "__"): v for k, v in overrides.items()}), single,
-          progress=False)
+    train(dotted_config(overrides), single, progress=False)
     out = two_processes(tmp_path / "multi", overrides)
     for process, rows in enumerate(reads):
         assert f"[{process}]   batches (host)     {rows} rows of each read here" in out

@@ -10,7 +10,7 @@ from dynjax.train import train
 from dynjax.writers import read_jsonl
 
 from .test_data_multiprocess import losses, two_processes
-from .tiny import layer_moves, tiny_config
+from .tiny import dotted_config, layer_moves
 
 # Two stages of one device each, one per process: every activation and gradient crosses
 # processes (transfers inside a process are those of the single-process tests).
@@ -29,7 +29,7 @@ OVERRIDES = {
 
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
-    config = tiny_config(**{k.replace(".", "__"): v for k, v in OVERRIDES.items()})
+    config = dotted_config(OVERRIDES)
     single = tmp_path / "single"
     train(config, single, progress=False)
 
@@ -137,7 +137,7 @@ def test_each_process_checkpoints_its_stages_and_a_rerun_on_any_process_count_re
     # One process with both stages reads the parts (of step 4, with step 6 gone from both).
     for p in range(2):
         shutil.rmtree(one_process / "checkpoints" / f"process_{p}" / "6")
-    config = tiny_config(**{k.replace(".", "__"): v for k, v in run.items()})
+    config = dotted_config(run)
     train(config, one_process, progress=False)
     resumed = [e for e in read_jsonl(one_process / "events.jsonl") if e["event"] == "resume"]
     assert [e["step"] for e in resumed] == [4]
@@ -151,8 +151,7 @@ def test_a_pipeline_over_two_processes_resumes_a_checkpoint_of_one_process(tmp_p
     its stage's leaves from it and goes on with the losses of the uninterrupted run."""
     run = {**OVERRIDES, "train.steps": 6, "train.checkpoint_every": 2, "train.eval_every": 6}
     workdir = tmp_path / "run"
-    train(tiny_config(**{k.replace(".", "__"): v for k, v in run.items()}), workdir,
-          progress=False)
+    train(dotted_config(run), workdir, progress=False)
     want = losses(workdir)
     shutil.rmtree(workdir / "checkpoints" / "6")
     two_processes(workdir, run, devices=1)
@@ -195,8 +194,7 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
     monkeypatch.setenv("DYNJAX_RELEASED_FILE", str(released))
     reference = tmp_path / "reference"
     two_stages = {k: v for k, v in run.items() if not k.startswith("balance.")}
-    train(tiny_config(**{k.replace(".", "__"): v for k, v in two_stages.items()}), reference,
-          progress=False)
+    train(dotted_config(two_stages), reference, progress=False)
     workdir = tmp_path / "multi"
     two_processes(workdir, run, devices=1)
     events = [read_jsonl(w / "events.jsonl") for w in (workdir, workdir / "process_1")]
@@ -270,8 +268,7 @@ def test_the_routing_cache_switches_on_in_every_process_at_the_same_step(tmp_pat
         "recompile.delta_launch": 1,
     }
     single = tmp_path / "single"
-    train(tiny_config(**{k.replace(".", "__"): v for k, v in run.items()}), single,
-          progress=False)
+    train(dotted_config(run), single, progress=False)
     workdir = tmp_path / "multi"
     two_processes(workdir, run, devices=1)
     workdirs = (workdir, workdir / "process_1")

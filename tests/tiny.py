@@ -48,6 +48,12 @@ def tiny_config(**overrides):
     return c
 
 
+def dotted_config(overrides: dict):
+    """`tiny_config` with the command line's ``section.key`` overrides (the multi-process
+    tests pass the same dict to both)."""
+    return tiny_config(**{k.replace(".", "__"): v for k, v in overrides.items()})
+
+
 def layer_moves(old, new):
     """[layer, old stage, new stage] of each layer whose stage differs between two layouts (layers
     per stage): what a `migrate` event lists."""

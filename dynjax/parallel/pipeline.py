@@ -318,7 +318,7 @@ class Pipeline:
         }
 
     def _single_process(self, what: str) -> None:
-        if len(self.transport.local_stages) != self.transport.num_stages:
+        if not self.transport.all_local:
             raise ValueError(f"{what} needs every pipeline stage in this process")
 
     def place(self, state: Any, spec: PipelineSpec) -> None:
@@ -335,8 +335,8 @@ class Pipeline:
         leaf from the first stage holding it: nothing is copied (checkpoints save it shard by
         shard). Over several processes, this process's stages' leaves, and None where only
         another process's stage holds one (the part of a checkpoint this process writes)."""
-        partial = len(self.transport.local_stages) < self.transport.num_stages
-        return join(self.full_template, [self.state[s] for s in sorted(self.state)], partial)
+        stages = [self.state[s] for s in sorted(self.state)]
+        return join(self.full_template, stages, partial=not self.transport.all_local)
 
     def host_state(self) -> Any:
         """The full ``{"params", "opt_state"}`` tree as host arrays."""

@@ -55,6 +55,11 @@ class Transport:
     def num_stages(self) -> int:
         return len(self.stage_meshes)
 
+    @property
+    def all_local(self) -> bool:
+        """Whether every stage sub-mesh is this process's (always, in one process)."""
+        return len(self.local_stages) == self.num_stages
+
     def is_local(self, stage: int) -> bool:
         return stage in self.local_stages
 
