@@ -7,7 +7,8 @@ calls of one step and the host time per call (the step's dispatch time over its 
 and input placement included; issue target <= 0.3 ms at 4 stages, M = 8), the part of it spent
 inside the compiled programs' calls (XLA:CPU runs a cheap program inline, in the calling thread,
 so on a CPU this is the fake device's work, not dispatch) and the rest, the runtime's own host
-time per call (scheduling, transfers, input placement), the bubble ratio
+time per call (scheduling, transfers, input placement), against the same runtime with
+every copy between stages through ``jax.device_put`` (steps alternate), the bubble ratio
 measured from `Pipeline.timed_step`'s timeline (seed 003 §A: idle / (stages x iteration)), the
 bubble the pipeline simulator predicts from the measured mean task time of each stage, and the
 analytic (S-1)/(M+S-1) of equal stages. On one CPU the fake devices share the cores, so the
@@ -31,6 +32,7 @@ import time
 
 import jax
 
+from dynjax import jax_private
 from dynjax.balance import simulate
 from dynjax.config import load_config
 from dynjax.experiment import Experiment
@@ -50,9 +52,11 @@ def experiment(path: str, stages: int, data: int, layers: str = "", micro: int =
 def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
     stages = exp.ctx.pipeline_stages
     print(f"\n{stages} stages x {exp.cfg.mesh.data} data devices, {exp.cfg.model.num_layers} "
-          f"layers, batch {exp.cfg.train.batch_size} x {exp.cfg.data.seq_len}")
-    print(f"{'schedule':<9}{'M':>3}{'dispatch/mb ms':>16}{'device/mb ms':>14}{'calls':>7}"
-          f"{'ms/call':>9}{'in programs':>13}{'runtime':>9}"
+          f"layers, batch {exp.cfg.train.batch_size} x {exp.cfg.data.seq_len}; copies between "
+          "stages by jax.device_put or by JAX's batched copy directly (`copy_to`), the two "
+          "alternating step by step")
+    print(f"{'schedule':<9}{'M':>3}{'copies':>12}{'dispatch/mb ms':>16}{'device/mb ms':>14}"
+          f"{'calls':>7}{'ms/call':>9}{'in programs':>13}{'runtime':>9}{'/ device_put':>14}"
           f"{'bubble measured':>17}{'simulated':>11}{'analytic':>10}")
     for m in micro:
         plan = exp.initial_plan().replace(microbatches=m)
@@ -64,31 +68,56 @@ def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
             pipeline, batch = runtime.pipeline, exp.order.batch(0)
             jax.block_until_ready(pipeline.step(exe, batch.inputs, batch.targets))  # warm up
             calls = program_calls(pipeline, exe, batch)
-            dispatch, inside, device, measured, simulated = [], [], [], [], []
+            rows = {mode: {"dispatch": [], "inside": [], "device": []} for mode in COPIES}
+            measured, simulated = [], []
             for t in range(steps):
                 batch = exp.order.batch(t)
-                with timed_programs(exe) as in_programs:
-                    t0 = time.perf_counter()
-                    metrics = pipeline.step(exe, batch.inputs, batch.targets)
-                    t1 = time.perf_counter()
-                jax.block_until_ready(metrics)
-                dispatch.append((t1 - t0) / m)
-                inside.append(in_programs.seconds / m)
-                device.append((time.perf_counter() - t0) / m)
+                for mode, row in rows.items():
+                    with copies(mode), timed_programs(exe) as in_programs:
+                        t0 = time.perf_counter()
+                        metrics = pipeline.step(exe, batch.inputs, batch.targets)
+                        t1 = time.perf_counter()
+                    jax.block_until_ready(metrics)
+                    row["dispatch"].append((t1 - t0) / m)
+                    row["inside"].append(in_programs.seconds / m)
+                    row["device"].append((time.perf_counter() - t0) / m)
                 _, timeline = pipeline.timed_step(exe, batch.inputs, batch.targets)
                 measured.append(bubble_ratio(timeline))
                 fwd = [_mean(row, "F") for row in timeline]
                 bwd = [_mean(row, "B") for row in timeline]
                 simulated.append(simulate(fwd, bwd, m, schedule=schedule).bubble_ratio)
             analytic = (stages - 1) / (m + stages - 1)
-            runtime_own = [a - b for a, b in zip(dispatch, inside, strict=True)]
-            print(f"{schedule:<9}{m:>3}{1e3 * statistics.median(dispatch):>16.2f}"
-                  f"{1e3 * statistics.median(device):>14.2f}{calls:>7}"
-                  f"{1e3 * statistics.median(dispatch) * m / calls:>9.3f}"
-                  f"{1e3 * statistics.median(inside) * m / calls:>13.3f}"
-                  f"{1e3 * statistics.median(runtime_own) * m / calls:>9.3f}"
-                  f"{statistics.median(measured):>17.3f}{statistics.median(simulated):>11.3f}"
-                  f"{analytic:>10.3f}")
+            own = {
+                mode: statistics.median(
+                    a - b for a, b in zip(row["dispatch"], row["inside"], strict=True)
+                ) * m / calls
+                for mode, row in rows.items()
+            }
+            for mode, row in rows.items():
+                print(f"{schedule:<9}{m:>3}{mode:>12}"
+                      f"{1e3 * statistics.median(row['dispatch']):>16.2f}"
+                      f"{1e3 * statistics.median(row['device']):>14.2f}{calls:>7}"
+                      f"{1e3 * statistics.median(row['dispatch']) * m / calls:>9.3f}"
+                      f"{1e3 * statistics.median(row['inside']) * m / calls:>13.3f}"
+                      f"{1e3 * own[mode]:>9.3f}{own[mode] / own[COPIES[0]]:>14.2f}"
+                      f"{statistics.median(measured):>17.3f}"
+                      f"{statistics.median(simulated):>11.3f}{analytic:>10.3f}")
+
+
+COPIES = ("device_put", "direct")  # the baseline first
+
+
+@contextlib.contextmanager
+def copies(mode: str):
+    """Within the block, copies between stages go through ``jax.device_put`` ("device_put",
+    the runtime before issue 15 §7's direct copies) or as the runtime makes them ("direct")."""
+    saved = jax_private._BATCHED_COPY
+    if mode == "device_put":
+        jax_private._BATCHED_COPY = None
+    try:
+        yield
+    finally:
+        jax_private._BATCHED_COPY = saved
 
 
 def program_calls(pipeline, exe, batch) -> int:

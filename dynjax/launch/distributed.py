@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 import jax
 
+from dynjax.jax_private import distributed_client
 from dynjax.launch.cluster import heartbeat_seconds, process_env
 from dynjax.launch.watchdog import Watchdog
 
@@ -56,7 +57,7 @@ def initialize_from_env() -> bool:
         **options,
     )
     global _watchdog
-    _watchdog = Watchdog(_client(), found.process_id, found.num_processes, timeout)
+    _watchdog = Watchdog(distributed_client(), found.process_id, found.num_processes, timeout)
     _watchdog.start()
     # Registered after JAX's own exit handler, so it runs first: the peers learn that this
     # process finished before it waits for them in JAX's shutdown barrier.
@@ -77,16 +78,12 @@ def joined() -> bool:
     return _watchdog is not None
 
 
-def _client():
-    from jax._src.distributed import global_state  # the only private JAX import in dynjax
-
-    return global_state.client
-
-
 def publish(key: str, value: Any) -> None:
     """Store this process's ``value`` for ``key`` (a name all processes use once)."""
     if jax.process_count() > 1:
-        _client().key_value_set_bytes(f"dynjax/{key}/{jax.process_index()}", pickle.dumps(value))
+        distributed_client().key_value_set_bytes(
+            f"dynjax/{key}/{jax.process_index()}", pickle.dumps(value)
+        )
 
 
 def collect(key: str) -> list[Any]:
@@ -107,14 +104,14 @@ def exchange(key: str, value: Any) -> list[Any]:
 
 def _read(key: str, process: int) -> Any:
     return pickle.loads(
-        _client().blocking_key_value_get_bytes(f"dynjax/{key}/{process}", TIMEOUT_MS)
+        distributed_client().blocking_key_value_get_bytes(f"dynjax/{key}/{process}", TIMEOUT_MS)
     )
 
 
 def forget(key: str) -> None:
     """Delete this process's value of an exchange every process has read."""
     if jax.process_count() > 1:
-        _client().key_value_delete(f"dynjax/{key}/{jax.process_index()}")
+        distributed_client().key_value_delete(f"dynjax/{key}/{jax.process_index()}")
 
 
 class Peers:

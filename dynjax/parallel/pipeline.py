@@ -859,10 +859,10 @@ class _Run:
         self, arrays: list[jax.Array], shardings: list[NamedSharding], land: Callable[[list], None]
     ) -> None:
         """Copy ``arrays`` to ``shardings`` (another stage of this process) when a task first
-        needs a copy not made yet, together with every other copy pending then: one
-        ``jax.device_put`` call of many copies costs far less host time than one call each
-        (issue 15 §7; GPipe's 48 copies a step go in 6 calls). The copies are only enqueued
-        later, never made to wait for."""
+        needs a copy not made yet, together with every other copy pending then: one call of
+        many copies (`put_all`) costs far less host time than one call each (issue 15 §7;
+        GPipe's 48 copies a step go in 6 calls). The copies are only enqueued later, never
+        made to wait for."""
         self.deferred.append((arrays, shardings, land))
 
     def flush(self) -> None:

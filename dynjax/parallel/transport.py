@@ -1,10 +1,12 @@
 """Moving arrays between stage sub-meshes, inside one process or across processes.
 
-Inside one process an array crosses stages with ``jax.device_put`` to the other stage's
-sharding (DESIGN.md "Parallelism"): an asynchronous device-to-device copy that never blocks the
-host. Across processes (``jax.distributed``, each process owning the devices of some stages) it
-crosses through a transfer both neighbours take part in: a jitted ``jax.shard_map`` ``ppermute``
-over a mesh made of the two stages' devices, to which the sender contributes its shards and the
+Inside one process an array crosses stages as ``jax.device_put`` to the other stage's sharding
+would copy it (DESIGN.md "Parallelism"): an asynchronous device-to-device copy that never blocks
+the host, made by JAX's batched copy directly (`dynjax.jax_private.copy_to`), since
+``device_put``'s own Python costs more host time than the rest of a pipeline task's dispatch.
+Across processes (``jax.distributed``, each process owning the devices of some stages) it crosses
+through a transfer both neighbours take part in: a jitted ``jax.shard_map`` ``ppermute`` over a
+mesh made of the two stages' devices, to which the sender contributes its shards and the
 receiver a zero buffer of the same layout, each from its own devices only (the recipe checked in
 DESIGN.md "Known facts"). Both processes issue their transfers in the schedule's one global
 order (`dispatch`), so they meet.
@@ -26,6 +28,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dynjax.jax_private import copy_to
 from dynjax.parallel.mesh import STAGE_AXES, stage_mesh
 
 
@@ -73,7 +76,7 @@ class Transport:
         sharding). Call it in every process that owns either stage, with ``x`` None where
         ``src`` is not local; returns the array where ``dst`` is local, else None."""
         if self.is_local(src) and self.is_local(dst):
-            return jax.device_put(x, like.sharding)
+            return put_all([x], [like.sharding])[0]
         if not (self.is_local(src) or self.is_local(dst)):
             return None
         if not self.is_local(src):  # the receiver's half of the exchange: a zero buffer
@@ -164,5 +167,6 @@ class Transport:
 
 def put_all(arrays: list[Any], shardings: list[NamedSharding]) -> list[jax.Array]:
     """``jax.device_put`` of every array to its sharding in one call: on CPU one call of many
-    copies costs far less host time than one call each (issue 15 §7)."""
-    return list(jax.device_put(arrays, shardings)) if arrays else []
+    copies costs far less host time than one call each, and a copy between stage sub-meshes
+    skips ``device_put``'s Python (`copy_to`; issue 15 §7)."""
+    return copy_to(arrays, shardings) if arrays else []

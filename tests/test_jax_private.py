@@ -1,0 +1,80 @@
+"""`copy_to`: the same arrays as ``jax.device_put``, by JAX's own batched copy where it can."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dynjax import jax_private
+from dynjax.parallel import make_mesh
+from dynjax.parallel.mesh import stage_mesh
+
+MESH = make_mesh(4, 2, 1)
+STAGE = [stage_mesh(MESH, s) for s in range(4)]
+
+
+def on(stage: int, spec: P) -> NamedSharding:
+    return NamedSharding(STAGE[stage], spec)
+
+
+def arrays_and_targets():
+    """Stage-to-stage copies (rows split, replicated, a weakly typed scalar, bf16), a host
+    array, and a reshard (another spec), in one call."""
+    rows = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), on(0, P("data")))
+    whole = jax.device_put(np.arange(6, dtype=np.int32), on(1, P()))
+    scalar = jax.device_put(jnp.asarray(2.5), on(2, P()))  # weakly typed, as a Python float
+    half = jax.device_put(jnp.ones((4, 2), jnp.bfloat16), on(3, P("data")))
+    host = np.full((4, 2), 7.0, np.float32)
+    reshard = jax.device_put(np.arange(8.0).reshape(4, 2), on(0, P("data")))
+    arrays = [rows, whole, scalar, half, host, reshard]
+    targets = [on(3, P("data")), on(0, P()), on(1, P()), on(2, P("data")), on(1, P("data")),
+               on(2, P(None, "data"))]
+    return arrays, targets
+
+
+def test_copies_equal_device_put_in_values_shardings_and_types():
+    arrays, targets = arrays_and_targets()
+    got = jax_private.copy_to(arrays, targets)
+    want = jax.device_put(arrays, targets)
+    for g, w, t in zip(got, want, targets, strict=True):
+        assert g.sharding == t and g.sharding == w.sharding
+        assert g.aval == w.aval  # shape, dtype and weak type
+        assert g.committed and w.committed
+        for a, b in zip(g.addressable_shards, w.addressable_shards, strict=True):
+            assert a.device == b.device and a.index == b.index
+            np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
+def test_stage_to_stage_copies_skip_device_put_and_others_take_it_once(monkeypatch):
+    """Issue 15 §7: the copies between stage sub-meshes are one call of JAX's batched copy;
+    what cannot go there (the host array, the reshard) is one ``device_put`` call."""
+    assert jax_private.direct_copies_available()  # on every JAX dynjax is tested with
+    arrays, targets = arrays_and_targets()
+    calls, real = [], jax.device_put
+
+    def device_put(some, shardings):
+        calls.append(len(some))
+        return real(some, shardings)
+
+    monkeypatch.setattr(jax_private.jax, "device_put", device_put)
+    jax_private.copy_to(arrays[:4], targets[:4])
+    assert calls == []
+    jax_private.copy_to(arrays, targets)
+    assert calls == [2]
+
+
+def test_a_copy_outlives_its_source():
+    """A stage input copied from the previous stage stays valid once the source is freed
+    (donated to the next program or dropped): the devices differ, so nothing is shared."""
+    x = jax.device_put(np.arange(16.0).reshape(8, 2), on(0, P("data")))
+    (y,) = jax_private.copy_to([x], [on(1, P("data"))])
+    x.delete()
+    np.testing.assert_array_equal(np.asarray(y), np.arange(16.0).reshape(8, 2))
+
+
+def test_lengths_must_match():
+    x = jax.device_put(np.zeros(2), on(0, P()))
+    with pytest.raises(ValueError):
+        jax_private.copy_to([x, x], [on(1, P())])
