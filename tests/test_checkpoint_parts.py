@@ -4,6 +4,7 @@ and verifies it, and unusable or incomplete steps are set aside, never deleted."
 
 import dataclasses
 import shutil
+import tarfile
 import threading
 
 import jax
@@ -13,8 +14,15 @@ import pytest
 from dynjax.checkpoint import CheckpointError, CheckpointMismatch, layout
 from dynjax.checkpoint.parts import PartedCheckpointer, Sources, part_dir, restore_parts
 from dynjax.experiment import Experiment
+from dynjax.model.attention import qkv_per_head
 
-from .test_checkpoint import _corrupt, _overwrite_expert, assert_bitwise_equal, one_step
+from .test_checkpoint import (
+    QKV_BEFORE_PER_HEAD,
+    _corrupt,
+    _overwrite_expert,
+    assert_bitwise_equal,
+    one_step,
+)
 from .test_recompile_agreement import Store
 from .tiny import tiny_config
 
@@ -222,3 +230,19 @@ def test_unreadable_metadata_of_part_0_is_a_broken_step_not_a_fresh_start(traine
         shutil.rmtree(part_dir(tmp_path, p) / "2")
     with pytest.raises(CheckpointError, match="not saved by every process: \\[6\\]"):
         restore_parts(tmp_path, target(exp), None)
+
+
+def test_a_whole_checkpoint_from_before_the_per_head_columns_is_read_reordered(tmp_path):
+    """The reads of a pipeline over processes reorder the fused projection's columns of a
+    checkpoint written before they were per head, as a whole restore does."""
+    with tarfile.open(QKV_BEFORE_PER_HEAD) as tar:
+        tar.extractall(tmp_path, filter="data")
+    keys = ["params/layers/0/attn/qkv/kernel", "opt_state/1/0/mu/layers/1/attn/qkv/bias",
+            "params/layers/0/attn/out/kernel"]
+    saved = {k: layout.read_array(tmp_path / "1" / "dense", k) for k in keys}
+    template = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in saved.items()}
+    got, meta = Sources(tmp_path).read(1, [tmp_path], template)
+    assert "qkv_columns" not in meta
+    for key in keys[:2]:
+        np.testing.assert_array_equal(got[key], qkv_per_head(saved[key], 2))
+    np.testing.assert_array_equal(got[keys[2]], saved[keys[2]])

@@ -9,7 +9,11 @@ Layout 2 (written since issue 15 §2): a step directory holds
   storage chunk per expert (Orbax ``SaveArgs(shard_axes=(0,))`` splits the leading axis down to
   1), so reading experts i, j of layer l reads those experts' chunks only (`read_rows`:
   tensorstore reads chunk by chunk); any subset of experts of any layer can be restored;
-- ``meta``: JSON: step, Plan, config, ``layout`` (2) and the checksums.
+- ``meta``: JSON: step, Plan, config, ``layout`` (2), ``qkv_columns`` and the checksums.
+
+``qkv_columns`` ("per head", `QKV_COLUMNS`) says the fused attention projection's columns are
+stored per head (`dynjax.model.attention.qkv_per_head`); a checkpoint without it (written
+before) is reordered as it is restored (`manager.qkv_columns_per_head`).
 
 The item count is fixed (3; 2 without MoE layers, which have no ``experts``) and the array count
 is the state's leaf count (it grows with layers, never with experts): 50 layers x 64 experts is
@@ -61,6 +65,8 @@ from etils import epath
 from dynjax.parallel import is_expert_param
 
 LAYOUT = 2
+QKV_COLUMNS = "per head"  # meta["qkv_columns"]: the fused projection's columns, per head
+QKV_LEAVES = ("attn/qkv/kernel", "attn/qkv/bias")  # with their Adam moments and pruning masks
 DENSE, EXPERTS = "dense", "experts"
 WEIGHTS, OPTIMIZER = "weights", "optimizer"
 _V1_EXPERT_ITEM = re.compile(r"^expert_l(\d+)_e(\d+)$")

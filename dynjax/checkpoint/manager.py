@@ -53,6 +53,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint._src.metadata import array_metadata_store
 
 from dynjax.checkpoint import layout
+from dynjax.model.attention import qkv_per_head
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +212,7 @@ class Checkpointer:
             **meta,
             "step": step,
             "layout": layout.LAYOUT,
+            "qkv_columns": layout.QKV_COLUMNS,
             "checksums": layout.checksums(flat),
             "expert_rows": expert_rows,
         }
@@ -411,6 +413,10 @@ class Checkpointer:
         start = time.perf_counter()
         read = self._read_layout2 if meta.get("layout") == layout.LAYOUT else self._read_layout1
         state = read(step, template, meta)
+        flat = layout.flatten(state)
+        upgraded = qkv_columns_per_head(flat, meta, step)
+        if upgraded is not flat:
+            state = layout.unflatten_like(template, upgraded)
         self.emit(
             {
                 "event": "checkpoint_restore",
@@ -796,6 +802,43 @@ def check_fits(step: int, saved: dict[str, Any], expected: dict[str, str | None]
             "the checkpoint is from a different model configuration; train it with that "
             "configuration or start from a new workdir"
         )
+
+
+def qkv_columns_per_head(
+    flat: dict[str, Any], meta: Mapping[str, Any], step: int
+) -> dict[str, Any]:
+    """``flat`` (key -> restored array, on devices or host) as the model now stores it: a
+    checkpoint written before the fused attention projection's columns were per head (no
+    ``qkv_columns`` in its metadata) has them reordered (`qkv_per_head`), with every leaf of
+    the same path (Adam moments, pruning masks), so the restored model computes what the saved
+    one did. ``flat`` itself when there is nothing to reorder."""
+    keys = [k for k in flat if k.endswith(layout.QKV_LEAVES)]
+    if meta.get("qkv_columns") == layout.QKV_COLUMNS or not keys:
+        return flat
+    config = meta.get("config") or {}
+    model, pruning = config.get("model", {}), config.get("pruning", {})
+    if "num_heads" not in model:
+        raise CheckpointMismatch(
+            f"step {step} was written before the attention projection's columns were stored "
+            "per head, and its metadata has no model.num_heads to reorder them by: resume it "
+            "with the dynjax that wrote it, or start from a new workdir"
+        )
+    heads = model["num_heads"]
+    head_dim, block = model["d_model"] // heads, pruning.get("block_size", 0)
+    if pruning.get("enabled") and pruning.get("granularity") == "block" and head_dim % block:
+        raise CheckpointMismatch(
+            f"step {step} was written before the attention projection's columns were stored "
+            f"per head, and its attn/qkv is pruned in {block} x {block} blocks, which columns "
+            f"per head (head_dim {head_dim}) would split: resume it with the dynjax that "
+            "wrote it, or start from a new workdir"
+        )
+    return {**flat, **{k: _per_head(flat[k], heads) for k in keys}}
+
+
+def _per_head(x: Any, heads: int) -> Any:
+    if isinstance(x, jax.Array):  # reordered where it is, in its own sharding
+        return jax.jit(qkv_per_head, static_argnums=1, out_shardings=x.sharding)(x, heads)
+    return np.ascontiguousarray(qkv_per_head(np.asarray(x), heads))
 
 
 def _check_shapes(step: int, got: dict[str, Any], want: dict[str, Any]) -> None:

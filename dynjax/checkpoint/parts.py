@@ -38,6 +38,7 @@ from dynjax.checkpoint.manager import (
     CheckpointError,
     CheckpointMismatch,
     check_fits,
+    qkv_columns_per_head,
     quarantine_target,
     quiet_orbax,
 )
@@ -176,7 +177,7 @@ class Sources:
             array = layout.read_array(directory / str(step) / item, key)
             if layout.checksums({key: jnp.asarray(array)})[key] != saved:
                 raise CheckpointError(f"step {step} {key}: checksum mismatch (corrupted data)")
-            out[key] = array
+            out[key] = qkv_columns_per_head({key: array}, meta, step)[key]
         return out, metas[0]
 
     def set_aside(self, step: int, directories: list[Path]) -> list[Path]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.nn.initializers import Initializer
 
 from dynjax.model.hashed_attention import HashedAttention, hashed_attention
 from dynjax.model.moe import ExpertParallel
@@ -26,11 +29,34 @@ def rotary(
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
 
 
+def qkv_per_head(x: Any, num_heads: int) -> Any:
+    """The fused projection's columns (last axis) from (q/k/v, head, Dh) order to (head, q/k/v,
+    Dh): each head's query, key and value side by side, so that a contiguous split of the
+    columns over the ``tensor`` devices gives each device whole heads (Megatron-LM §3: a
+    head-aligned split needs no exchange between the projection and the attention). A NumPy
+    or jax array of any leading shape."""
+    *lead, n = x.shape
+    return x.reshape(*lead, 3, num_heads, n // (3 * num_heads)).swapaxes(-3, -2).reshape(*lead, n)
+
+
+def _per_head_init(init: Initializer, num_heads: int) -> Initializer:
+    """``init`` of the fused [D, 3D] kernel, drawn in (q/k/v, head, Dh) column order and stored
+    per head: a seed gives the model it gave when the columns were (q/k/v, head, Dh)."""
+
+    def draw(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        return qkv_per_head(init(key, shape, dtype), num_heads)
+
+    return draw
+
+
 class CausalSelfAttention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, rope: bool, out_std: float, rngs: nnx.Rngs):
         init = nnx.initializers.normal(0.02)
         self.num_heads, self.rope = num_heads, rope
-        self.qkv = nnx.Linear(d_model, 3 * d_model, kernel_init=init, rngs=rngs)
+        # Columns per head (`qkv_per_head`): [D, H x (q, k, v) x Dh].
+        self.qkv = nnx.Linear(
+            d_model, 3 * d_model, kernel_init=_per_head_init(init, num_heads), rngs=rngs
+        )
         self.out = nnx.Linear(
             d_model, d_model, kernel_init=nnx.initializers.normal(out_std), rngs=rngs
         )
@@ -54,8 +80,8 @@ class CausalSelfAttention(nnx.Module):
         ``parallel``: the mesh a hashed attention kernel splits the batch over."""
         b, s, d = x.shape
         if context is None:
-            qkv = linear(self.qkv, x, "attn/qkv", sparse)
-            q, k, v = jnp.split(qkv.reshape(b, s, 3 * self.num_heads, -1), 3, axis=2)
+            qkv = linear(self.qkv, x, "attn/qkv", sparse).reshape(b, s, self.num_heads, 3, -1)
+            q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
             key_positions = positions
         else:
             q, k, v = self._split_projection(x, context, sparse)
@@ -90,11 +116,11 @@ class CausalSelfAttention(nnx.Module):
         b, s, d = x.shape
         t, h = context.shape[1], self.num_heads
         if sparse is not None and sparse.width("attn/qkv") is not None:
-            q = linear(self.qkv, x, "attn/qkv", sparse)[..., :d]
-            kv = linear(self.qkv, context, "attn/qkv", sparse)[..., d:]
-        else:
-            w, bias = self.qkv.kernel[...], self.qkv.bias[...]
-            q = x @ w[:, :d] + bias[:d]
-            kv = context @ w[:, d:] + bias[d:]
-        k, v = jnp.split(kv.reshape(b, t, 2 * h, -1), 2, axis=2)
-        return q.reshape(b, s, h, -1), k, v
+            q = linear(self.qkv, x, "attn/qkv", sparse).reshape(b, s, h, 3, -1)[:, :, :, 0]
+            kv = linear(self.qkv, context, "attn/qkv", sparse).reshape(b, t, h, 3, -1)[:, :, :, 1:]
+        else:  # the columns per head (`qkv_per_head`): [D, H, (q, k, v), Dh]
+            w = self.qkv.kernel[...].reshape(d, h, 3, -1)
+            bias = self.qkv.bias[...].reshape(h, 3, -1)
+            q = jnp.einsum("bsd,dhe->bshe", x, w[:, :, 0]) + bias[:, 0]
+            kv = jnp.einsum("btd,dhce->bthce", context, w[:, :, 1:]) + bias[:, 1:]
+        return q, kv[:, :, :, 0], kv[:, :, :, 1]
