@@ -325,32 +325,38 @@ def test_all_checkpoints_corrupt_is_an_error_that_says_where_they_are(trained, t
     ckpt.close()
 
 
+def restore_old(archive, tmp_path, writer, exp):
+    """Restore ``archive`` (a checkpoint an older dynjax wrote: tests/data/README.md) onto
+    ``exp``'s mesh, and check it is the state ``writer``'s seed reaches one step in, recomputed
+    here on whatever jax is installed: the fixtures were written on jax 0.10, and a newer XLA
+    rounds the step's float32 arithmetic differently (relative 2e-5 seen on jax 0.12).
+    Returns (Checkpointer, state, meta)."""
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "old", filter="data")
+    want = jax.device_get(one_step(writer))  # what that run had (same seed, same step)
+    ckpt = Checkpointer(tmp_path / "old", keep=2)
+    restored, meta = ckpt.restore_latest(fixed(exp))
+    assert meta["step"] == 1
+    assert_placed_like(restored, exp.abstract_state)
+    for got, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-7)
+    return ckpt, restored, meta
+
+
+SMALL = {"model__d_model": 8, "model__num_heads": 2, "model__mlp_dim": 16, "data__seq_len": 8}
+
+
 @pytest.mark.slow
 def test_a_layout_1_checkpoint_still_restores(tmp_path):
     """``tests/data/old_layout_checkpoint.tar.gz``: step 1 of a run written by the code before
     layout 2 (one item per expert; tests/data/README.md), restored onto an expert-parallel mesh
-    and then saved again in layout 2."""
-    with tarfile.open(OLD_LAYOUT) as tar:
-        tar.extractall(tmp_path / "old", filter="data")
+    (the restore verified the layout-1 checksums) and then saved again in layout 2."""
+    writer = Experiment.from_config(tiny_config(moe__every=1, **SMALL))
+    exp = Experiment.from_config(tiny_config(moe__every=1, mesh__expert=2, mesh__data=2, **SMALL))
+    ckpt, restored, meta = restore_old(OLD_LAYOUT, tmp_path, writer, exp)
     items = sorted(p.name for p in (tmp_path / "old" / "1").iterdir() if p.is_dir())
     experts = [f"expert_l{i}_e{e}" for i in (0, 1) for e in range(4)]
-    assert items == sorted(["dense", "meta", *experts])
-    small = {"model__d_model": 8, "model__num_heads": 2, "model__mlp_dim": 16}
-    writer = Experiment.from_config(tiny_config(moe__every=1, data__seq_len=8, **small))
-    want = jax.device_get(one_step(writer))  # what that run had (same seed, same step)
-    exp = Experiment.from_config(
-        tiny_config(moe__every=1, data__seq_len=8, mesh__expert=2, mesh__data=2, **small)
-    )
-    ckpt = Checkpointer(tmp_path / "old", keep=2)
-    restored, meta = ckpt.restore_latest(fixed(exp))
-    assert meta["step"] == 1 and "layout" not in meta
-    assert_placed_like(restored, exp.abstract_state)
-    for got, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(want), strict=True):
-        # The restored bytes are the saved ones (the restore verified the layout-1 checksums);
-        # this checks they are the state this seed's run reaches, recomputed here on whatever
-        # jax is installed: the fixture was written on jax 0.10, and a newer XLA rounds the
-        # step's float32 arithmetic differently (relative 2e-5 seen on jax 0.12).
-        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-7)
+    assert items == sorted(["dense", "meta", *experts]) and "layout" not in meta
     ckpt.save(2, restored, meta)
     again, meta = ckpt.restore_latest(fixed(exp))
     ckpt.close()
@@ -365,20 +371,10 @@ def test_a_checkpoint_from_before_the_per_head_columns_restores_them_reordered(t
     Restored onto a tensor-parallel mesh it is the state this seed reaches now (the same model,
     its columns per head, as are its Adam moments), and saved again it is marked per head and
     restores unchanged."""
-    with tarfile.open(QKV_BEFORE_PER_HEAD) as tar:
-        tar.extractall(tmp_path / "old", filter="data")
-    small = {"model__d_model": 8, "model__num_heads": 2, "model__mlp_dim": 16,
-             "data__seq_len": 8}
-    want = jax.device_get(one_step(Experiment.from_config(tiny_config(**small))))
-    exp = Experiment.from_config(tiny_config(mesh__tensor=2, **small))
-    ckpt = Checkpointer(tmp_path / "old", keep=2)
-    restored, meta = ckpt.restore_latest(fixed(exp))
-    assert meta["step"] == 1 and "qkv_columns" not in meta
-    assert_placed_like(restored, exp.abstract_state)
-    for got, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(want), strict=True):
-        # Recomputed on the installed jax: the fixture was written on jax 0.10 (see the
-        # layout-1 test for the rounding a newer XLA brings).
-        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-7)
+    writer = Experiment.from_config(tiny_config(**SMALL))
+    exp = Experiment.from_config(tiny_config(mesh__tensor=2, **SMALL))
+    ckpt, restored, meta = restore_old(QKV_BEFORE_PER_HEAD, tmp_path, writer, exp)
+    assert "qkv_columns" not in meta
     saved = layout.read_array(tmp_path / "old" / "1" / "dense", "params/layers/0/attn/qkv/kernel")
     kernel = np.asarray(restored["params"]["layers"][0]["attn"]["qkv"]["kernel"])
     assert not np.array_equal(saved, kernel)
