@@ -11,13 +11,14 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-try:  # jax >= 0.4.36 (checked on 0.10.2 and 0.12.0.1)
+try:  # checked on jax 0.10.2 and 0.12.0.1
+    from jax._src.config import explicit_device_put_scope as _explicit_transfer
     from jax._src.lib import xla_client as _xc
 
     _BATCHED_COPY = _xc.batched_copy_array_to_devices_with_sharding
     _REUSE_INPUT = _xc.ArrayCopySemantics.REUSE_INPUT
 except (ImportError, AttributeError):  # another JAX: every copy through jax.device_put
-    _BATCHED_COPY = _REUSE_INPUT = None
+    _BATCHED_COPY = _REUSE_INPUT = _explicit_transfer = None
 
 
 def distributed_client() -> Any:
@@ -40,21 +41,24 @@ def copy_to(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> 
     A copy whose shards keep their positions (the same partition spec over a mesh of the same
     axes on other devices: one pipeline stage's sub-mesh to another's) ends inside
     ``jax.device_put`` in one C++ call, ``batched_copy_array_to_devices_with_sharding``, after
-    0.2-0.5 ms of Python per ``device_put`` on CPU (issue 15 §7). Such copies go to that call
-    directly, with the copy semantics ``device_put`` uses (``REUSE_INPUT``); every other array
-    (host values, a reshard, an array of other processes' devices) goes through
-    ``jax.device_put``, in one call. Both are asynchronous: nothing waits for the copies."""
+    0.2-0.5 ms of Python per ``device_put`` on CPU (issue 15 §7). Such copies of committed
+    arrays go to that call directly, with the copy semantics ``device_put`` uses
+    (``REUSE_INPUT``) and as explicit transfers (what the transfer guard allows of
+    ``device_put``); every other array (host values, a reshard, an uncommitted array, an array
+    of other processes' devices) goes through ``jax.device_put``, in one call. Both are
+    asynchronous: nothing waits for the copies."""
     direct, rest = [], []
     for i, (x, sharding) in enumerate(zip(arrays, shardings, strict=True)):
         (direct if _keeps_positions(x, sharding) else rest).append(i)
     out: list[Any] = [None] * len(arrays)
     if direct:
-        copied = _BATCHED_COPY(
-            [arrays[i] for i in direct],
-            [shardings[i]._internal_device_list.addressable_device_list for i in direct],
-            [shardings[i] for i in direct],
-            [_REUSE_INPUT] * len(direct),
-        )
+        with _explicit_transfer():
+            copied = _BATCHED_COPY(
+                [arrays[i] for i in direct],
+                [shardings[i]._internal_device_list.addressable_device_list for i in direct],
+                [shardings[i] for i in direct],
+                [_REUSE_INPUT] * len(direct),
+            )
         for i, y in zip(direct, copied, strict=True):
             out[i] = y
     if rest:
@@ -66,15 +70,23 @@ def copy_to(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> 
 
 def _keeps_positions(x: Any, sharding: NamedSharding) -> bool:
     """Whether ``x`` reaches ``sharding`` by copying each shard to the device at its position
-    (what ``jax.device_put`` checks before its batched copy, for the case dynjax makes)."""
-    if _BATCHED_COPY is None or not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    on devices it is not on, and the copy is what ``jax.device_put`` returns: the C++ call
+    takes the result's type and committed flag from ``x``, so the meshes' axis types must
+    match and ``x`` be committed; no logical device order may reorder the shards."""
+    if _BATCHED_COPY is None or not isinstance(x, jax.Array):
         return False
     here = x.sharding
     return (
-        isinstance(here, NamedSharding)
+        x.committed
+        and x.is_fully_addressable
+        and sharding.is_fully_addressable
+        and isinstance(here, NamedSharding)
         and isinstance(sharding, NamedSharding)
         and here.spec == sharding.spec
         and tuple(here.mesh.shape.items()) == tuple(sharding.mesh.shape.items())
+        and here.mesh.axis_types == sharding.mesh.axis_types
+        and getattr(here, "_logical_device_ids", None) is None
+        and getattr(sharding, "_logical_device_ids", None) is None
         and here.memory_kind == sharding.memory_kind
-        and sharding.is_fully_addressable
+        and here.device_set.isdisjoint(sharding.device_set)
     )

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax import jax_private
@@ -65,13 +65,49 @@ def test_stage_to_stage_copies_skip_device_put_and_others_take_it_once(monkeypat
     assert calls == [2]
 
 
-def test_a_copy_outlives_its_source():
-    """A stage input copied from the previous stage stays valid once the source is freed
-    (donated to the next program or dropped): the devices differ, so nothing is shared."""
+def other_cases():
+    """Copies the direct call would get wrong (it takes the result's type and committed flag
+    from the source, and copies each shard to the same position): each must go through
+    ``jax.device_put``."""
     x = jax.device_put(np.arange(16.0).reshape(8, 2), on(0, P("data")))
-    (y,) = jax_private.copy_to([x], [on(1, P("data"))])
-    x.delete()
-    np.testing.assert_array_equal(np.asarray(y), np.arange(16.0).reshape(8, 2))
+    axes = STAGE[1].axis_names
+    explicit = Mesh(STAGE[1].devices, axes, axis_types=(AxisType.Explicit,) * len(axes))
+    reversed_here = Mesh(STAGE[0].devices[::-1], axes, axis_types=STAGE[0].axis_types)
+    return {
+        "logical device order": (x, NamedSharding(STAGE[1], P("data"),
+                                                  _logical_device_ids=(1, 0))),
+        "explicit axis types": (x, NamedSharding(explicit, P("data"))),
+        "the devices it is on, reordered": (x, NamedSharding(reversed_here, P("data"))),
+        # on the default device, not committed to it
+        "uncommitted source": (jnp.arange(8.0), NamedSharding(STAGE[1], P())),
+    }
+
+
+@pytest.mark.parametrize("case", list(other_cases()))
+def test_what_the_direct_copy_would_get_wrong_goes_through_device_put(case, monkeypatch):
+    x, target = other_cases()[case]
+    calls, real = [], jax.device_put
+
+    def device_put(some, shardings):
+        calls.append(len(some))
+        return real(some, shardings)
+
+    monkeypatch.setattr(jax_private.jax, "device_put", device_put)
+    (got,) = jax_private.copy_to([x], [target])
+    assert calls == [1]
+    want = real(x, target)
+    assert got.sharding == want.sharding and got.aval == want.aval
+    assert got.committed == want.committed
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_direct_copies_are_explicit_transfers_as_device_puts_are():
+    """The transfer guard treats them as ``jax.device_put``: allowed where implicit
+    device-to-device transfers are not."""
+    arrays, targets = arrays_and_targets()
+    with jax.transfer_guard_device_to_device("disallow"):
+        got = jax_private.copy_to(arrays[:4], targets[:4])
+    assert [g.sharding for g in got] == targets[:4]
 
 
 def test_lengths_must_match():
