@@ -416,6 +416,7 @@ def test_only_a_checkpoint_from_before_the_per_head_columns_is_reordered():
 
 @pytest.mark.parametrize("meta, match", [
     ({"config": {}}, "no model.num_heads"),
+    ({"config": {"model": {"num_heads": 2}}}, "no model.num_heads and model.d_model"),
     # head_dim 4: 8 x 8 blocks would be split by the reordering
     (old_meta(enabled=True, granularity="block", block_size=8), "pruned in 8 x 8 blocks"),
 ])
@@ -423,5 +424,7 @@ def test_a_checkpoint_that_cannot_be_reordered_is_refused_by_name(meta, match):
     flat = {"params/layers/0/attn/qkv/kernel": np.zeros((8, 24))}
     with pytest.raises(CheckpointMismatch, match=match):
         qkv_columns_per_head(flat, meta, 3)
-    assert qkv_columns_per_head(flat, old_meta(enabled=True, granularity="block", block_size=4),
-                                3)  # blocks of 4 stay whole
+    whole = qkv_columns_per_head(flat, old_meta(enabled=True, granularity="block", block_size=4),
+                                 3)  # blocks of 4 stay whole: reordered
+    key = "params/layers/0/attn/qkv/kernel"
+    np.testing.assert_array_equal(whole[key], qkv_per_head(flat[key], 2))

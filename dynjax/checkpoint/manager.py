@@ -817,11 +817,11 @@ def qkv_columns_per_head(
         return flat
     config = meta.get("config") or {}
     model, pruning = config.get("model", {}), config.get("pruning", {})
-    if "num_heads" not in model:
+    if "num_heads" not in model or "d_model" not in model:
         raise CheckpointMismatch(
             f"step {step} was written before the attention projection's columns were stored "
-            "per head, and its metadata has no model.num_heads to reorder them by: resume it "
-            "with the dynjax that wrote it, or start from a new workdir"
+            "per head, and its metadata has no model.num_heads and model.d_model to reorder "
+            "them by: resume it with the dynjax that wrote it, or start from a new workdir"
         )
     heads = model["num_heads"]
     head_dim, block = model["d_model"] // heads, pruning.get("block_size", 0)
