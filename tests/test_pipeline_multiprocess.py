@@ -173,6 +173,7 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
     processes move process 1's layers to process 0 at the same step, process 1 gives its
     device back through the release hook and keeps taking part (its metrics, the profiles and
     its empty part of each checkpoint), and the losses stay those of the two-stage run."""
+    steps = 900
     run = {
         **OVERRIDES,
         "pipeline.profile_on_change": True,
@@ -184,14 +185,15 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
         "balance.release_hook": "dynjax.launch.release:append_to_file",
         "recompile.delta_launch": 1,
         # Steps enough for the one-stage program to compile in the background from a cold
-        # cache on a loaded machine (swapped at step 38 warm, 175 cold and loaded, of 15 a
-        # second; after step 300 in one CI run). The swap step depends on the machine's load,
-        # so a checkpoint every 50 steps, all kept, leaves one after it to resume from.
-        "train.steps": 600,
+        # cache on a loaded machine (swapped at step 38 warm, 175 cold and 224 cold beside the
+        # fast suite, of 15 a second; after step 300 in one CI run). The swap step depends on
+        # the machine's load, so a checkpoint every 50 steps, all kept, leaves one after it
+        # to resume from.
+        "train.steps": steps,
         "train.log_every": 10,
-        "train.eval_every": 600,
+        "train.eval_every": steps,
         "train.checkpoint_every": 50,
-        "train.keep_checkpoints": 12,
+        "train.keep_checkpoints": steps // 50,
     }
     released = tmp_path / "released.jsonl"
     monkeypatch.setenv("DYNJAX_RELEASED_FILE", str(released))
@@ -225,7 +227,7 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
                                    [want[s] for s in sorted(want)], rtol=1e-5)
     # The last checkpoint: process 0's part holds every leaf, process 1's none.
     held = [
-        json.loads((workdir / "checkpoints" / f"process_{p}" / "600" / "meta" / "metadata")
+        json.loads((workdir / "checkpoints" / f"process_{p}" / str(steps) / "meta" / "metadata")
                    .read_text())["checksums"]
         for p in range(2)
     ]
@@ -234,11 +236,11 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
 
     # Resumed from the first checkpoint after the swap, the run stays packed: process 1 is
     # released again at once, and the steps after it repeat the first run's losses.
-    packed = next((s for s in range(50, 600, 50) if s > migrate["step"]), None)
+    packed = next((s for s in range(50, steps, 50) if s > migrate["step"]), None)
     assert packed is not None, f"swapped at step {migrate['step']}: no packed step to resume from"
     first = losses(workdir)
     for p in range(2):
-        for step in range(packed + 50, 650, 50):
+        for step in range(packed + 50, steps + 50, 50):
             shutil.rmtree(workdir / "checkpoints" / f"process_{p}" / str(step))
     two_processes(workdir, run, devices=1)
     for w in (workdir, workdir / "process_1"):
