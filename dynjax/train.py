@@ -580,12 +580,6 @@ def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None
             "checkpoints of a pipeline over processes are not supported yet (each process "
             "saves its own stages whole); set checkpoint.experts_per_save=0"
         )
-    if cfg.moe.caching.enabled and not pipeline:
-        raise config_lib.ConfigError(
-            "moe.caching.enabled: the routing cache reads every sample's assignment on one "
-            "host, which one program over several processes does not gather (a pipeline over "
-            "processes does); set moe.caching.enabled=False"
-        )
     if cfg.checkpoint.snapshot_every:
         raise config_lib.ConfigError(
             f"checkpoint.snapshot_every={cfg.checkpoint.snapshot_every}: two-level checkpoints "
