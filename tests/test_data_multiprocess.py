@@ -59,3 +59,87 @@ def test_two_processes_reading_their_rows_match_one(tmp_path, mesh, reads):
     # (main's pipeline gives the same last-bit difference); other data would differ by ~1e-2.
     assert losses(tmp_path / "multi") == pytest.approx(want, rel=1e-6, abs=0)
     assert losses(tmp_path / "multi" / "process_1") == losses(tmp_path / "multi")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("granularity", ["element", "block"])
+def test_one_program_over_two_processes_prunes_as_one_process(tmp_path, granularity):
+    """Gradual global magnitude pruning (seed 000 Alg. 1) in a data-parallel program over 2
+    processes x 4 devices: the scores, the bisection's counts and the masks are global
+    arrays, so both processes make the same selection as one process of 8 devices (the same
+    kept counts and layer densities at every event) and train alike."""
+    run = {
+        **BASE,
+        "mesh.data": 8,
+        "train.steps": 12,
+        "train.eval_every": 12,
+        "pruning.enabled": True,
+        "pruning.start_step": 2,
+        "pruning.every": 3,
+        "pruning.steps": 3,
+        "pruning.final_sparsity": 0.6,
+        "pruning.granularity": granularity,
+        "pruning.block_size": 16,
+    }
+    single = tmp_path / "single"
+    train(dotted_config(run), single, progress=False)
+    two_processes(tmp_path / "multi", run)
+    workdirs = (single, tmp_path / "multi", tmp_path / "multi" / "process_1")
+    prunes = [
+        [(e["step"], e["kept"], e["layer_density"]) for e in read_jsonl(w / "events.jsonl")
+         if e["event"] == "prune"]
+        for w in workdirs
+    ]
+    assert len(prunes[0]) == 4 and prunes[0][-1][1] < prunes[0][0][1]
+    assert prunes[1] == prunes[0] and prunes[2] == prunes[0]
+    want = losses(single)
+    # Within float32 rounding: a data shard of 4 devices adds up across processes in another
+    # order (as in test_two_processes_reading_their_rows_match_one).
+    assert losses(tmp_path / "multi") == pytest.approx(want, rel=1e-6, abs=0)
+    assert losses(tmp_path / "multi" / "process_1") == losses(tmp_path / "multi")
+
+
+@pytest.mark.slow
+def test_one_program_over_two_processes_measures_plasticity_as_one_process(tmp_path):
+    """Egeria's plasticity probe (seed 000 §2.3) in a data-parallel program over 2 processes x
+    4 devices: the probe runs the layers on global arrays, so both processes measure what one
+    process of 8 devices does, process 0 freezes the prefix one process freezes at the same
+    step, both swap it in together, and until either run swaps, they train alike."""
+    run = {
+        **BASE,
+        "mesh.data": 8,
+        "model.num_layers": 4,
+        "train.steps": 16,
+        "train.eval_every": 16,
+        "freezing.enabled": True,
+        "freezing.metric": "plasticity",
+        "freezing.every": 2,
+        "freezing.reference_every": 4,
+        "freezing.start_step": 4,
+        "freezing.threshold": 0.5,
+        "freezing.patience": 1,
+        "recompile.delta_launch": 1,
+    }
+    single = tmp_path / "single"
+    train(dotted_config(run), single, progress=False)
+    two_processes(tmp_path / "multi", run)
+    workdirs = (single, tmp_path / "multi", tmp_path / "multi" / "process_1")
+    events = [read_jsonl(w / "events.jsonl") for w in workdirs]
+    alone, decided = (next(e for e in ev if e["event"] == "freeze") for ev in events[:2])
+    assert not [e for e in events[2] if e["event"] == "freeze"]  # process 0 decides
+    assert (decided["step"], decided["frozen_prefix"]) == (alone["step"], alone["frozen_prefix"])
+    assert decided["plasticity"] == pytest.approx(alone["plasticity"], rel=1e-5)
+    measured = [[r["freezing/plasticity"] for r in read_jsonl(w / "metrics.jsonl")
+                 if "freezing/plasticity" in r] for w in workdirs[1:]]
+    assert measured[0] and measured[0] == measured[1]
+    recompiles = [[(e["swap_step"], e["plan_diff"]) for e in ev if e["event"] == "recompile"]
+                  for ev in events[1:]]
+    assert recompiles[0] and recompiles[0] == recompiles[1]
+    swaps = [next((e["swap_step"] for e in ev if e["event"] == "recompile"), run["train.steps"])
+             for ev in events]
+    want, got = losses(single), losses(tmp_path / "multi")
+    before = [s for s in want if s <= min(swaps)]
+    assert before and [got[s] for s in before] == pytest.approx(
+        [want[s] for s in before], rel=1e-6, abs=0
+    )
+    assert losses(tmp_path / "multi" / "process_1") == got

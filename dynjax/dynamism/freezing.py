@@ -25,7 +25,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from dynjax.config import ConfigError, gpt_config
+from dynjax.config import ConfigError, gpt_config, num_stages
 from dynjax.dynamism import freezing_math as fm
 from dynjax.dynamism.base import Plugin, register
 from dynjax.dynamism.plasticity import PlasticityProbe
@@ -89,10 +89,10 @@ class FreezingPlugin(Plugin):
             )
         if f.metric == "plasticity":
             self._check_plasticity(cfg)
-            if jax.process_count() > 1:
+            if jax.process_count() > 1 and num_stages(cfg):
                 raise ConfigError(
-                    "freezing.metric='plasticity': the probe runs every layer's weights on one "
-                    f"host, but this run has {jax.process_count()} processes; use "
+                    "freezing.metric='plasticity': the probe runs every layer in one process, "
+                    f"but this pipeline runs over {jax.process_count()} processes; use "
                     "freezing.metric='gradient'"
                 )
         if fm.max_frozen_layers(cfg.model.num_layers, f.max_fraction) < 1:

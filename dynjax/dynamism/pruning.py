@@ -61,7 +61,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from dynjax.config import ConfigError, at_least, gpt_config
+from dynjax.config import ConfigError, at_least, gpt_config, num_stages
 from dynjax.dynamism import pruning_math as pm
 from dynjax.dynamism.base import Plugin, register
 from dynjax.model import fresh_params
@@ -343,10 +343,10 @@ class PruningPlugin(Plugin):
                 f"pruning.sparse_below={p.sparse_below} needs pruning.granularity='block': a "
                 "block-sparse matmul skips whole blocks only"
             )
-        if jax.process_count() > 1:
+        if jax.process_count() > 1 and num_stages(cfg):
             raise ConfigError(
-                "pruning.enabled: the global selection reads every pipeline stage's weights on "
-                f"one host, but this run has {jax.process_count()} processes"
+                "pruning.enabled: the global selection reads every pipeline stage's weights in "
+                f"one process, but this pipeline runs over {jax.process_count()} processes"
             )
 
     def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
