@@ -9,7 +9,7 @@ import pytest
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from .test_data_multiprocess import losses, two_processes
+from .test_data_multiprocess import losses, one_and_two, two_processes
 from .tiny import dotted_config, layer_moves
 
 # Two stages of one device each, one per process: every activation and gradient crosses
@@ -290,10 +290,7 @@ def test_the_routing_cache_switches_on_in_every_process_at_the_same_step(
         "train.log_every": 1,
         "recompile.delta_launch": 1,
     }
-    single = tmp_path / "single"
-    train(dotted_config(run), single, progress=False)
-    workdir = tmp_path / "multi"
-    two_processes(workdir, run, devices=devices)
+    single, workdir = one_and_two(tmp_path, run, devices)
     workdirs = (workdir, workdir / "process_1")
     swaps = [
         [(e["swap_step"], e["plan_diff"]) for e in read_jsonl(w / "events.jsonl")
