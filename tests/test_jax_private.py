@@ -47,18 +47,30 @@ def test_copies_equal_device_put_in_values_shardings_and_types():
             np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
 
 
-def test_stage_to_stage_copies_skip_device_put_and_others_take_it_once(monkeypatch):
+@pytest.fixture
+def count_device_puts(monkeypatch):
+    """Call it to start counting: it returns the list of the lengths of every later
+    ``jax.device_put`` call's list of arrays, in order."""
+
+    def start() -> list[int]:
+        calls, real = [], jax.device_put
+
+        def device_put(some, shardings):
+            calls.append(len(some))
+            return real(some, shardings)
+
+        monkeypatch.setattr(jax_private.jax, "device_put", device_put)
+        return calls
+
+    return start
+
+
+def test_stage_to_stage_copies_skip_device_put_and_others_take_it_once(count_device_puts):
     """Issue 15 §7: the copies between stage sub-meshes are one call of JAX's batched copy;
     what cannot go there (the host array, the reshard) is one ``device_put`` call."""
     assert jax_private.direct_copies_available()  # on every JAX dynjax is tested with
     arrays, targets = arrays_and_targets()
-    calls, real = [], jax.device_put
-
-    def device_put(some, shardings):
-        calls.append(len(some))
-        return real(some, shardings)
-
-    monkeypatch.setattr(jax_private.jax, "device_put", device_put)
+    calls = count_device_puts()
     jax_private.copy_to(arrays[:4], targets[:4])
     assert calls == []
     jax_private.copy_to(arrays, targets)
@@ -84,18 +96,12 @@ def other_cases():
 
 
 @pytest.mark.parametrize("case", list(other_cases()))
-def test_what_the_direct_copy_would_get_wrong_goes_through_device_put(case, monkeypatch):
+def test_what_the_direct_copy_would_get_wrong_goes_through_device_put(case, count_device_puts):
     x, target = other_cases()[case]
-    calls, real = [], jax.device_put
-
-    def device_put(some, shardings):
-        calls.append(len(some))
-        return real(some, shardings)
-
-    monkeypatch.setattr(jax_private.jax, "device_put", device_put)
+    want = jax.device_put(x, target)
+    calls = count_device_puts()
     (got,) = jax_private.copy_to([x], [target])
     assert calls == [1]
-    want = real(x, target)
     assert got.sharding == want.sharding and got.aval == want.aval
     assert got.committed == want.committed
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

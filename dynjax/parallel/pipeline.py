@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dynjax.jax_private import copy_to
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.feed import Placement, place_microbatches
 from dynjax.parallel.layout import join, relayout
@@ -64,7 +65,7 @@ from dynjax.parallel.stage_programs import (
     stage_shapes,
 )
 from dynjax.parallel.stages import PipelineSpec, StageSpec
-from dynjax.parallel.transport import Transport, put_all
+from dynjax.parallel.transport import Transport
 
 ProgramKey = tuple[str, int]  # (kind, stage)
 UnitKey = tuple[str, StageSpec]  # (kind, one-unit spec): a profiling program
@@ -860,7 +861,7 @@ class _Run:
     ) -> None:
         """Copy ``arrays`` to ``shardings`` (another stage of this process) when a task first
         needs a copy not made yet, together with every other copy pending then: one call of
-        many copies (`put_all`) costs far less host time than one call each (issue 15 §7;
+        many copies (`copy_to`) costs far less host time than one call each (issue 15 §7;
         GPipe's 48 copies a step go in 6 calls). The copies are only enqueued later, never
         made to wait for."""
         self.deferred.append((arrays, shardings, land))
@@ -870,7 +871,7 @@ class _Run:
             return
         arrays = [a for arrays, _, _ in self.deferred for a in arrays]
         shardings = [sh for _, shardings, _ in self.deferred for sh in shardings]
-        moved, start = put_all(arrays, shardings), 0
+        moved, start = copy_to(arrays, shardings), 0
         for some, _, land in self.deferred:
             land(moved[start : start + len(some)])
             start += len(some)

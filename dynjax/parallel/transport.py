@@ -76,7 +76,7 @@ class Transport:
         sharding). Call it in every process that owns either stage, with ``x`` None where
         ``src`` is not local; returns the array where ``dst`` is local, else None."""
         if self.is_local(src) and self.is_local(dst):
-            return put_all([x], [like.sharding])[0]
+            return copy_to([x], [like.sharding])[0]
         if not (self.is_local(src) or self.is_local(dst)):
             return None
         if not self.is_local(src):  # the receiver's half of the exchange: a zero buffer
@@ -100,8 +100,8 @@ class Transport:
         ``jax.ShapeDtypeStruct``; ``tree`` None where ``src`` is not local); returns the tree
         where ``dst`` is local, else None."""
         shapes, treedef = jax.tree.flatten(like)
-        if self.is_local(src) and self.is_local(dst):  # one call for all leaves (`put_all`)
-            leaves = put_all(jax.tree.leaves(tree), [s.sharding for s in shapes])
+        if self.is_local(src) and self.is_local(dst):  # one call for all leaves (`copy_to`)
+            leaves = copy_to(jax.tree.leaves(tree), [s.sharding for s in shapes])
             return jax.tree.unflatten(treedef, leaves)
         leaves = jax.tree.leaves(tree) if tree is not None else [None] * len(shapes)
         moved = [self.send(x, src, dst, s) for x, s in zip(leaves, shapes, strict=True)]
@@ -143,7 +143,7 @@ class Transport:
         small per-stage values that each stage sums to the same total. ``stages``: how many
         stage sub-meshes the current Plan uses (fewer than the mesh's after a re-pack)."""
         out: dict[int, list[Any]] = {s: [None] * stages for s in self.local_stages if s < stages}
-        between_local: list[tuple[int, int]] = []  # copied in one call (`put_all`) at the end
+        between_local: list[tuple[int, int]] = []  # copied in one call (`copy_to`) at the end
         for src in range(stages):
             for dst in range(stages):
                 if src == dst:
@@ -156,17 +156,10 @@ class Transport:
                     moved = self.send(parts.get(src), src, dst, target)
                     if moved is not None:
                         out[dst][src] = moved
-        moved = put_all(
+        moved = copy_to(
             [parts[src] for src, _ in between_local],
             [self.sharding(dst, P()) for _, dst in between_local],
         )
         for (src, dst), array in zip(between_local, moved, strict=True):
             out[dst][src] = array
         return {s: tuple(v) for s, v in sorted(out.items())}
-
-
-def put_all(arrays: list[Any], shardings: list[NamedSharding]) -> list[jax.Array]:
-    """``jax.device_put`` of every array to its sharding in one call: on CPU one call of many
-    copies costs far less host time than one call each, and a copy between stage sub-meshes
-    skips ``device_put``'s Python (`copy_to`; issue 15 §7)."""
-    return copy_to(arrays, shardings) if arrays else []
