@@ -28,6 +28,7 @@ from dynjax import resume
 from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
 from dynjax.dynamism import enabled_plugins, plan_layer_options
+from dynjax.launch.distributed import Peers as ProcessPeers
 from dynjax.launch.distributed import exchange, forget
 from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
 from dynjax.model.hooks import LayerOptions
@@ -44,7 +45,7 @@ from dynjax.parallel import (
 )
 from dynjax.parallel.feed import local_devices, place_rows, process_rows
 from dynjax.parallel.layout import join, layer_sizes
-from dynjax.parallel.peers import Peers
+from dynjax.parallel.peers import Peers, Rounds
 from dynjax.parallel.pipeline import (
     Migration,
     PendingProfile,
@@ -81,6 +82,7 @@ class Experiment:
     val_batches: list[Batch]
     _eval_steps: OrderedDict = dataclasses.field(default_factory=OrderedDict, repr=False)
     _layer_options: dict = dataclasses.field(default_factory=dict, repr=False)
+    _rounds: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ml_collections.ConfigDict) -> Experiment:
@@ -392,6 +394,17 @@ class Experiment:
             return PipelineRuntime(self, pipeline)
         state = self.init_state() if state is None else self.place_state(state)
         return SingleProgramRuntime(self, state, plan)
+
+    def stage_rounds(self, name: str) -> Rounds:
+        """The exchange by which a plugin combines what each process computed from its own
+        stages (`Plugin.before_step`'s ``states`` are this process's): over the processes of a
+        pipeline over several, whose stages they hold in process order; this process alone
+        otherwise (one process, or one program whose arrays are global). One per ``name``:
+        every process makes the same calls."""
+        if name not in self._rounds:
+            split = jax.process_count() > 1 and bool(self.ctx.pipeline_stages)
+            self._rounds[name] = Rounds(ProcessPeers() if split else None, name)
+        return self._rounds[name]
 
     def eval_step(self, plan: Plan):
         """Jitted mean validation loss of one batch under ``plan``'s capacities. The last

@@ -70,16 +70,26 @@ def test_two_processes_reading_their_rows_match_one(tmp_path, mesh, reads):
     assert losses(tmp_path / "multi" / "process_1") == losses(tmp_path / "multi")
 
 
+# One program over both processes (its arrays global), or one stage per process (each holds its
+# own stages' weights and exchanges what it computed from them: `Experiment.stage_rounds`).
+LAYOUTS = {
+    "one-program": {"mesh.data": 8},
+    "stage-per-process": {"mesh.stage": 2, "mesh.data": 4, "train.microbatches": 2},
+}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("granularity", ["element", "block"])
-def test_one_program_over_two_processes_prunes_as_one_process(tmp_path, granularity):
-    """Gradual global magnitude pruning (seed 000 Alg. 1) in a data-parallel program over 2
-    processes x 4 devices: the scores, the bisection's counts and the masks are global
-    arrays, so both processes make the same selection as one process of 8 devices (the same
-    kept counts and layer densities at every event) and train alike."""
+def test_two_processes_prune_as_one_process(tmp_path, granularity, layout):
+    """Gradual global magnitude pruning (seed 000 Alg. 1) over 2 processes x 4 devices makes
+    the selection one process of 8 devices makes (the same kept counts and layer densities
+    at every event) and trains alike. In one program the scores, the bisection's counts and
+    the masks are global arrays; in a pipeline each process counts its own stage and the
+    counts are summed through the coordinator."""
     run = {
         **BASE,
-        "mesh.data": 8,
+        **LAYOUTS[layout],
         "train.steps": 12,
         "train.eval_every": 12,
         "pruning.enabled": True,
@@ -106,16 +116,18 @@ def test_one_program_over_two_processes_prunes_as_one_process(tmp_path, granular
 
 
 @pytest.mark.slow
-def test_one_program_over_two_processes_measures_plasticity_as_one_process(tmp_path):
-    """Egeria's plasticity probe (seed 000 §2.3) in a data-parallel program over 2 processes x
-    4 devices: the probe runs the layers on global arrays, so both processes measure what one
-    process of 8 devices does; process 0 decides (from a step's measurements, the prefix one
-    process freezes from them) and both swap the frozen layers in at the same step. When the
-    Controller decides and a swap lands depend on the machine's load, so the runs are
-    compared step by step until either swapped."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_processes_measure_plasticity_as_one_process(tmp_path, layout):
+    """Egeria's plasticity probe (seed 000 §2.3) over 2 processes x 4 devices: both processes
+    measure what one process of 8 devices does (in one program the probe runs the layers on
+    global arrays; in a pipeline the activation passes from process 0's stage to process 1's
+    and the per-layer values are exchanged); process 0 decides (from a step's measurements,
+    the prefix one process freezes from them) and both swap the frozen layers in at the same
+    step. When the Controller decides and a swap lands depend on the machine's load, so the
+    runs are compared step by step until either swapped."""
     run = {
         **BASE,
-        "mesh.data": 8,
+        **LAYOUTS[layout],
         "model.num_layers": 4,
         "train.steps": 16,
         "train.eval_every": 16,

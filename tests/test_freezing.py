@@ -107,17 +107,3 @@ def test_a_run_freezes_layers_and_their_parameters_stop_changing(tmp_path, mesh)
     assert embed_kept == (0 in frozen)  # layer 0 freezes the embedding with it
     costs = read_jsonl(run / "layer_costs.jsonl")
     assert costs[-1]["layer_cost"] == pytest.approx([1 / 3, 1, 1, 1])
-
-
-def test_the_plasticity_probe_is_refused_in_a_pipeline_over_processes(monkeypatch):
-    """The probe runs every layer in one process: one program over several processes does
-    (its weights are global arrays: tests/test_data_multiprocess.py), a pipeline's stages
-    over processes would not; the gradient metric comes from the step's metrics, which every
-    process has."""
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    plasticity = {"freezing__enabled": True, "freezing__metric": "plasticity"}
-    with pytest.raises(ConfigError, match="freezing.metric='plasticity'.*over 2 processes"):
-        validate_config(tiny_config(mesh__stage=2, **plasticity), 2)
-    validate_config(tiny_config(mesh__data=2, **plasticity), 2)
-    validate_config(tiny_config(freezing__enabled=True, freezing__metric="gradient",
-                                mesh__stage=2), 2)

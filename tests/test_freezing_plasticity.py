@@ -2,6 +2,8 @@
 plasticity is the relative change of each layer's output and the same over pipeline stages as
 in one program, and a run freezes a prefix by it within its limits; bad settings are named."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -11,9 +13,11 @@ from dynjax.config import ConfigError, gpt_config, validate_config
 from dynjax.dynamism.freezing import PLASTICITY
 from dynjax.dynamism.plasticity import PlasticityProbe
 from dynjax.experiment import Experiment
+from dynjax.parallel.peers import Rounds
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from .test_recompile_agreement import Store
 from .tiny import tiny_config
 
 
@@ -28,7 +32,9 @@ def test_the_probe_forward_is_the_model_forward():
     exp = Experiment.from_config(tiny_config(model__num_layers=4, moe__every=2))
     host = exp.init_host_state()
     probe = probe_of(exp)
-    [h0, h1, h2, h3] = probe.outputs(exp.runtime(exp.initial_plan(), host).stage_states())
+    outputs = probe.outputs(exp.runtime(exp.initial_plan(), host).stage_states())
+    assert sorted(outputs) == [0, 1, 2, 3]
+    h0, h3 = outputs[0], outputs[3]
     model = nnx.merge(exp.graphdef, host["params"])
     seq = probe.tokens.shape[1]
     want, _ = model(probe.tokens, capacities=((seq,) * 4, (seq,) * 4))
@@ -54,16 +60,60 @@ def test_plasticity_is_each_layers_relative_change_in_both_runtimes():
         before = exp.runtime(exp.initial_plan(), host)
         assert len(before.stage_states()) == (4 if mesh else 1)
         probe.refresh(before.stage_states())
-        ref = [np.asarray(h) for h in probe.reference]
+        ref = [probe.reference[i] for i in range(4)]
         after = exp.runtime(exp.initial_plan(), perturbed(host, 2)).stage_states()
         measured[name] = probe.plasticity(after)
-        now = [np.asarray(h) for h in probe.outputs(after)]
+        now = [np.asarray(probe.outputs(after)[i]) for i in range(4)]
         want = [np.linalg.norm(h - r) / np.linalg.norm(r) for h, r in zip(now, ref, strict=True)]
         np.testing.assert_allclose(measured[name], want, rtol=1e-4)
     np.testing.assert_allclose(measured["pipeline"], measured["single"], rtol=1e-4, atol=1e-7)
     single = measured["single"]
     assert single[0] == 0 and single[1] == 0  # before the changed layer, nothing moves
     assert single[2] > 1e-3 and single[3] > 1e-3
+
+
+def probe_over_processes(exp, owners, refresh_plan, measure_plan, host):
+    """Refresh a probe under ``refresh_plan`` and measure it under ``measure_plan`` with the
+    stages held by thread 'processes' (``owners[p]``: process p's stages), as in a pipeline
+    over processes (`Experiment.stage_rounds`); each process's plasticity array."""
+    states = {}
+    for when, plan in (("refresh", refresh_plan), ("measure", measure_plan)):
+        states[when] = exp.runtime(plan, perturbed(host, 2) if when == "measure" else host)
+    store = Store(len(owners))
+    got = [None] * len(owners)
+
+    def process(p):
+        probe, rounds = probe_of(exp), Rounds(store.peers(p), "plasticity")
+        mine = lambda when: [states[when].stage_states()[s] for s in owners[p]]
+        probe.refresh(mine("refresh"), rounds)
+        got[p] = probe.plasticity(mine("measure"), rounds)
+
+    threads = [threading.Thread(target=process, args=(p,)) for p in range(len(owners))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return got
+
+
+@pytest.mark.parametrize("owners", [[[0, 1]], [[0], [1]], [[], [0, 1]]],
+                         ids=["one-process", "stage-per-process", "first-holds-none"])
+def test_a_layer_that_moved_since_the_refresh_is_measured_against_its_reference(owners):
+    """Layer 2 moves from stage 1 to stage 0 between the refresh and the measurement (a
+    rebalance), on one process or across two: every process measures what the unmoved
+    layout does, and the same array (the reference stays on the host and the moved layer's
+    output goes where its reference is)."""
+    exp = Experiment.from_config(
+        tiny_config(model__num_layers=4, moe__every=2, mesh__stage=2, mesh__data=4)
+    )
+    host = exp.init_host_state()
+    plan = exp.initial_plan()
+    assert plan.stage_layers == (2, 2)
+    [want] = probe_over_processes(exp, [[0, 1]], plan, plan, host)
+    assert want[:2].tolist() == [0, 0] and (want[2:] > 1e-3).all()
+    moved = plan.replace(stage_layers=(3, 1))
+    for got in probe_over_processes(exp, owners, plan, moved, host):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -278,16 +278,6 @@ def test_block_sizes_are_checked_against_the_real_matrices():
                                     moe__expert_mlp_dim=40), 1)
 
 
-def test_only_a_pipeline_over_processes_is_refused(monkeypatch):
-    """One program over several processes prunes as one process does (its scores and counts
-    are global arrays: tests/test_data_multiprocess.py); a pipeline's stages over processes
-    would need their counts exchanged."""
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    validate_config(tiny_config(pruning__enabled=True, mesh__data=2), 2)
-    with pytest.raises(ConfigError, match="pruning.enabled.*over 2 processes"):
-        validate_config(tiny_config(pruning__enabled=True, mesh__stage=2), 2)
-
-
 # --- block granularity: the block-sparse matmul the Plan switches to -------------------------
 
 

@@ -4,6 +4,7 @@ single-device NumPy top-k with the same tie rule."""
 
 import doctest
 import re
+import threading
 
 import jax
 import numpy as np
@@ -12,6 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynjax.dynamism import pruning_math as pm
+from dynjax.parallel.peers import Rounds
+
+from .test_recompile_agreement import Store
 
 PAPER = dict(initial=0.0, final=0.9, start=3000, every=1000, steps=4)
 
@@ -217,6 +221,47 @@ def test_global_not_per_layer():
     )
     masks = pm.global_masks(stages, pm.keep_count(20, 0.5))
     assert np.asarray(masks[0]["big"]).all() and not np.asarray(masks[1]["small"]).any()
+
+
+def over_processes(stages, owners, keep):
+    """`global_masks` with ``stages`` held by thread 'processes' (``owners[p]``: process p's
+    stages, in order), each counting its own and exchanging through an in-memory store with
+    the coordinator's semantics; every stage's masks in stage order, and each process's
+    exchanges."""
+    store = Store(len(owners))
+    got, rounds = [None] * len(owners), [None] * len(owners)
+
+    def process(p):
+        rounds[p] = Rounds(store.peers(p), "prune")
+        got[p] = pm.global_masks([stages[s] for s in owners[p]], keep, rounds[p])
+
+    threads = [threading.Thread(target=process, args=(p,)) for p in range(len(owners))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(g is not None for g in got)
+    return [m for part in got for m in part], [r.rounds for r in rounds]
+
+
+@pytest.mark.parametrize(
+    "owners", [[[0], [1, 2, 3]], [[0, 1], [2, 3]], [[0], [], [1, 2], [3]], [[], [0, 1, 2, 3]]]
+)
+def test_stages_over_processes_select_as_one_process(owners):
+    """A pipeline over processes: each process counts its own stages and the counts of every
+    bisection round are summed through the peers, so the masks are the single-device top-k
+    with the global tie rule (ties across the processes' boundary included), a process with
+    no stage taking part; about 33 exchanges of a few bytes each."""
+    rng = np.random.default_rng(0)
+    shapes = [{"a": (3, 4)}, {"b": (5,), "c": (2, 2)}, {}, {"d": (6,)}]
+    stages = [{n: rng.integers(0, 4, s).astype(np.float32) for n, s in sh.items()}
+              for sh in shapes]  # few values: ties everywhere
+    placed = on_devices(stages)
+    total = sum(a.size for s in stages for a in s.values())
+    for keep in (0, 1, 7, total // 2, total - 1, total):
+        got, exchanges = over_processes(placed, owners, keep)
+        assert_same(got, reference_masks(stages, keep), placed)
+        assert len(set(exchanges)) == 1 and exchanges[0] <= 34
 
 
 DIMS = st.sampled_from([1, 3, 8])

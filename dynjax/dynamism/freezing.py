@@ -21,11 +21,10 @@ import math
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
-import jax
 import ml_collections
 import numpy as np
 
-from dynjax.config import ConfigError, gpt_config, num_stages
+from dynjax.config import ConfigError, gpt_config
 from dynjax.dynamism import freezing_math as fm
 from dynjax.dynamism.base import Plugin, register
 from dynjax.dynamism.plasticity import PlasticityProbe
@@ -89,12 +88,6 @@ class FreezingPlugin(Plugin):
             )
         if f.metric == "plasticity":
             self._check_plasticity(cfg)
-            if jax.process_count() > 1 and num_stages(cfg):
-                raise ConfigError(
-                    "freezing.metric='plasticity': the probe runs every layer in one process, "
-                    f"but this pipeline runs over {jax.process_count()} processes; use "
-                    "freezing.metric='gradient'"
-                )
         if fm.max_frozen_layers(cfg.model.num_layers, f.max_fraction) < 1:
             raise ConfigError(
                 f"freezing.max_fraction={f.max_fraction} of model.num_layers="
@@ -154,13 +147,13 @@ class FreezingPlugin(Plugin):
         f = exp.cfg.freezing
         if f.metric != "plasticity" or step % f.every and step % f.reference_every:
             return {}
-        probe = self._run_probe(exp)
+        probe, rounds = self._run_probe(exp), exp.stage_rounds("plasticity")
         if step % f.reference_every == 0:
-            probe.refresh(states)
+            probe.refresh(states, rounds)
             return {}
         if probe.reference is None:
             return {}
-        values = probe.plasticity(states)
+        values = probe.plasticity(states, rounds)
         values[: fm.prefix_length(plan.frozen_layers)] = np.nan
         return {PLASTICITY: values}
 

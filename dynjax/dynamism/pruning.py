@@ -61,7 +61,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from dynjax.config import ConfigError, at_least, gpt_config, num_stages
+from dynjax.config import ConfigError, at_least, gpt_config
 from dynjax.dynamism import pruning_math as pm
 from dynjax.dynamism.base import Plugin, register
 from dynjax.model import fresh_params
@@ -69,6 +69,7 @@ from dynjax.model.gpt import init_std
 from dynjax.model.hooks import register_weight_hook
 from dynjax.model.pruned import LINEARS, SparseLinears, column_blocks
 from dynjax.model.sparse_linear import bucket_blocks
+from dynjax.parallel.peers import ALONE, Rounds
 from dynjax.recompile import History, Proposal
 
 if TYPE_CHECKING:
@@ -343,11 +344,6 @@ class PruningPlugin(Plugin):
                 f"pruning.sparse_below={p.sparse_below} needs pruning.granularity='block': a "
                 "block-sparse matmul skips whole blocks only"
             )
-        if jax.process_count() > 1 and num_stages(cfg):
-            raise ConfigError(
-                "pruning.enabled: the global selection reads every pipeline stage's weights in "
-                f"one process, but this pipeline runs over {jax.process_count()} processes"
-            )
 
     def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
         """The masks live in the state; the Plan part (which linears multiply block-sparsely)
@@ -412,6 +408,7 @@ class PruningPlugin(Plugin):
             granularity=p.granularity,
             block_size=p.block_size,
             scales=ranking_scales(exp.cfg, shapes),
+            rounds=exp.stage_rounds(NAME),
         )
         return [
             {
@@ -505,11 +502,15 @@ def prune(
     granularity: str = "element",
     block_size: int = 32,
     scales: Mapping[str, float] | None = None,
+    rounds: Rounds = ALONE,
 ) -> tuple[int, int, dict[str, int]]:
     """Prune the stages' states (in stage order, replaced in place) to ``sparsity`` of their
     prunable elements or blocks, ranked globally by magnitude (seed 000 Alg. 1), each matrix's
     magnitudes divided by its entry of ``scales`` (by path; None: raw magnitudes); returns
-    (kept, total) in elements or blocks, and the kept elements of each matrix by path."""
+    (kept, total) in elements or blocks, and the kept elements of each matrix by path.
+
+    ``rounds``: the other processes of a pipeline over several, which hold the other stages
+    and make the same call (`pruning_math.global_masks`); totals and counts cover all."""
     weights = [pm.prunable_leaves(st["params"], include) for st in states]
     current = [named_masks(st["opt_state"]) for st in states]
     if granularity == "element":
@@ -521,15 +522,16 @@ def prune(
         {n: score(w, cur[n]) / unit(n) for n, w in ws.items()}
         for ws, cur in zip(weights, current, strict=True)
     ]
-    total = sum(math.prod(s.shape) for stage in scores for s in stage.values())
+    local = sum(math.prod(s.shape) for stage in scores for s in stage.values())
+    total = sum(rounds.all(local))
     keep = pm.keep_count(total, sparsity)
-    masks = pm.global_masks(scores, keep)
+    masks = pm.global_masks(scores, keep, rounds)
     if granularity == "block":
         masks = [{n: pm.expand_blocks(m, block_size) for n, m in s.items()} for s in masks]
     counts: dict[str, int] = {}
     for st, m in zip(states, masks, strict=True):
         counts.update(prune_stage(st, m))
-    return keep, total, counts
+    return keep, total, {n: c for part in rounds.all(counts) for n, c in part.items()}
 
 
 @functools.partial(jax.jit, static_argnames="block_size")

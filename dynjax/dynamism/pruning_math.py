@@ -13,6 +13,10 @@ onto rank 0. Here each pipeline stage only ever sends the host a few counts per 
    index);
 3. each stage builds its masks locally from ``t`` and its per-array quota.
 
+In a pipeline over several processes, each process counts its own stages and the per-round
+counts (one integer; the tie vectors once) are summed through the coordinator's key-value store
+(`Experiment.stage_rounds`): about 33 exchanges of a few bytes per pruning event.
+
 The kept set is exactly what a single-device top-k with that tie rule keeps. Pipeline stages hold
 consecutive layers in order, so the global order is the model's layer order whatever the layout.
 
@@ -38,6 +42,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dynjax.parallel.peers import ALONE, Rounds
 
 # The matrices of attention (fused q/k/v and the output projection), of the dense MLP and of the
 # experts (dynjax/model/{attention,mlp,moe}.py); not embeddings, positions, norms, biases, the
@@ -190,19 +196,22 @@ def mask_for(scores: Sequence[jax.Array], t: jax.Array, quota: jax.Array) -> tup
     return tuple(masks)
 
 
-# ... and the host driver, which sees only counts.
+# ... and the host driver, which sees only counts (and, over several processes, exchanges them).
 
 
 def _fetch(arrays: list[jax.Array]) -> list[np.ndarray]:
-    """The one device-to-host transfer of a round: every stage's small count vector."""
+    """The one device-to-host transfer of a round: every local stage's small count vector."""
     return [np.asarray(a, dtype=np.int64) for a in jax.device_get(arrays)]
 
 
-def _counts_above(stages: list[tuple[jax.Array, ...]], t: int) -> int:
-    return int(sum(c.sum() for c in _fetch([count_above(s, np.int32(t)) for s in stages])))
+def _counts_above(stages: list[tuple[jax.Array, ...]], t: int, rounds: Rounds) -> int:
+    local = int(sum(c.sum() for c in _fetch([count_above(s, np.int32(t)) for s in stages])))
+    return sum(rounds.all(local))
 
 
-def _kth_key(stages: list[tuple[jax.Array, ...]], keep: int) -> tuple[int, int]:
+def _kth_key(
+    stages: list[tuple[jax.Array, ...]], keep: int, rounds: Rounds
+) -> tuple[int, int]:
     """The key ``t`` of the ``keep``-th largest score (``keep >= 1``) and how many lie above it.
 
     Bisection for the smallest ``t`` with fewer than ``keep`` scores above it; that ``t`` is a
@@ -210,7 +219,7 @@ def _kth_key(stages: list[tuple[jax.Array, ...]], keep: int) -> tuple[int, int]:
     lo, hi, above_hi = -1, _INF_KEY, 0  # count_above(lo) = total >= keep > count_above(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        above = _counts_above(stages, mid)
+        above = _counts_above(stages, mid, rounds)
         if above < keep:
             hi, above_hi = mid, above
         else:
@@ -231,7 +240,9 @@ def _tie_quotas(ties: list[np.ndarray], remaining: int) -> list[np.ndarray]:
 
 
 def global_masks(
-    stage_scores: Sequence[Mapping[str, jax.Array]], keep: int
+    stage_scores: Sequence[Mapping[str, jax.Array]],
+    keep: int,
+    rounds: Rounds = ALONE,
 ) -> list[dict[str, jax.Array]]:
     """Keep masks of the ``keep`` largest scores over all stages (seed 000 §3.2 Alg. 1), ties
     broken by the global order (stages in order, names in each mapping's order, flat C index).
@@ -240,17 +251,24 @@ def global_masks(
     ``block_scores``) that may live on stage ``s``'s devices; the masks are computed there, with
     the same shapes and placement. Only per-array counts cross to the host: about 32 rounds of one
     int32 vector per stage. Each array must hold fewer than 2**31 entries.
+
+    ``rounds``: where other processes hold further stages (a pipeline over processes,
+    `Experiment.stage_rounds`), ``stage_scores`` are this process's; each round's counts are
+    summed over the processes, whose stages come in process order, and ``keep`` counts over all.
+    Every process makes the same call.
     """
     names = [list(s) for s in stage_scores]
     stages = [tuple(s[n] for n in ns) for s, ns in zip(stage_scores, names, strict=True)]
-    total = sum(int(np.prod(a.shape)) for s in stages for a in s)
+    total = sum(rounds.all(sum(int(np.prod(a.shape)) for s in stages for a in s)))
     if not 0 <= keep <= total:
         raise ValueError(f"keep must be in [0, {total}]; got {keep}")
     if keep == 0:  # no k-th largest to search for
         t, quotas = _INF_KEY + 1, [np.zeros(len(s), np.int32) for s in stages]
     else:
-        t, above = _kth_key(stages, keep)
-        ties = _fetch([count_equal(s, np.int32(t)) for s in stages])
-        quotas = _tie_quotas(ties, keep - above)
+        t, above = _kth_key(stages, keep, rounds)
+        ties = rounds.all(_fetch([count_equal(s, np.int32(t)) for s in stages]))
+        mine = sum(len(per) for per in ties[: rounds.index])
+        quotas = _tie_quotas([v for per in ties for v in per], keep - above)
+        quotas = quotas[mine : mine + len(stages)]
     masks = [mask_for(s, np.int32(t), q) for s, q in zip(stages, quotas, strict=True)]
     return [dict(zip(ns, m, strict=True)) for ns, m in zip(names, masks, strict=True)]
