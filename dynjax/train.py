@@ -217,8 +217,7 @@ def train(
         runtime = exp.runtime(plan, state, peers)
         events(resume_event(start, changes, saved, plan))
         log.info("resumed from step %d of %s", start, workdir)
-        # Parts hold whole experts only (`checkpoint.parts`): no ledger of partial saves.
-        ledger = None if parted else expert_ledger(cfg, exp, meta, changes, events)
+        ledger = expert_ledger(cfg, exp, meta, changes, events)
     twolevel = None
     if cfg.checkpoint.snapshot_every:  # single-process only (_check_multi_process)
         twolevel = TwoLevel(
@@ -573,12 +572,6 @@ def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None
             f"train.keep_checkpoints={cfg.train.keep_checkpoints}: a pipeline over processes "
             "saves one part per process, and a process that dies while saving leaves the "
             "newest step incomplete; keep at least 2 so that the step before it is complete"
-        )
-    if pipeline and cfg.checkpoint.experts_per_save:
-        raise config_lib.ConfigError(
-            f"checkpoint.experts_per_save={cfg.checkpoint.experts_per_save}: partial expert "
-            "checkpoints of a pipeline over processes are not supported yet (each process "
-            "saves its own stages whole); set checkpoint.experts_per_save=0"
         )
     if cfg.checkpoint.snapshot_every:
         raise config_lib.ConfigError(

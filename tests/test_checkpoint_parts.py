@@ -41,25 +41,31 @@ def trained():
     return exp, one_step(exp)
 
 
-def part_of(state, p: int):
+def part_of(state, p: int, first_layers=(0,)):
     """Process ``p``'s leaves as a pipeline over two processes would hold them: the embedding
-    and layer 0 on process 0, the rest on process 1, optimizer scalars on both; None
+    and ``first_layers`` on process 0, the rest on process 1, optimizer scalars on both; None
     elsewhere."""
+    first_keys = ("embed", *(f"/layers/{i}/" for i in first_layers))
 
     def mine(path, leaf):
         key = layout.key_of(path)
-        first = "embed" in key or "/layers/0/" in key
+        first = any(k in key for k in first_keys)
         shared = leaf.ndim == 0
         return leaf if shared or first == (p == 0) else None
 
     return jax.tree_util.tree_map_with_path(mine, state)
 
 
-def save(root, step, state, parts=(0, 1)):
+def save(root, step, state, parts=(0, 1), experts=None, first_layers=(0,)):
+    """Each of ``parts`` saves its leaves of ``state`` at ``step`` (``experts``: every MoE
+    layer's experts to save, as the ledger gives them to every process)."""
+    saved = []
     for p in parts:
-        ckpt = PartedCheckpointer(root, Writer(p), keep=3)
-        assert ckpt.save(step, part_of(state, p), {"plan": {}, "config": {}})
+        ckpt = PartedCheckpointer(root, Writer(p), keep=3, emit=saved.append)
+        assert ckpt.save(step, part_of(state, p, first_layers), {"plan": {}, "config": {}},
+                         experts=experts)
         ckpt.close()
+    return [e["experts_saved"] for e in saved if e["event"] == "checkpoint"]
 
 
 def later(state, by=1.0):
@@ -90,6 +96,71 @@ def test_each_leaf_is_read_from_the_part_that_holds_it(trained, tmp_path):
     assert meta["step"] == 4 and meta["parts"] == 2
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(restored))
     assert_bitwise_equal(jax.device_get(later(state)), restored)
+
+
+def expert_rows(tree, rows, group=None):
+    """Each expert leaf of ``tree`` (host arrays; of expert ``group`` only, if given) with row e
+    taken from ``rows[e]``'s tree."""
+    flat = layout.flatten(tree)
+    for key in layout.split(tree)[layout.EXPERTS]:
+        if group in (None, layout.expert_group(key)):
+            rows_of = [np.asarray(layout.flatten(r)[key][e]) for e, r in enumerate(rows)]
+            flat[key] = np.stack(rows_of)
+    return layout.unflatten_like(tree, flat)
+
+
+def test_partial_expert_saves_in_parts_restore_each_expert_from_its_newest_copy(
+    trained, tmp_path
+):
+    """PEC (seed 004 §3) over parts: the part holding the MoE layer saves the ledger's experts
+    of it, the other part none; a restore takes each expert from the newest step whose
+    part holds it, says so in ``expert_sources``, and falls back past a corrupted copy."""
+    exp, state = trained
+    [moe] = exp.model_cfg.moe_layers
+    b, c = later(state), later(state, 2.0)
+    assert save(tmp_path, 2, state) == [{}, {str(moe): [0, 1, 2, 3]}]
+    assert save(tmp_path, 4, b, experts={moe: [1]}) == [{}, {str(moe): [1]}]
+    assert save(tmp_path, 6, c, experts={moe: [2, 3]}) == [{}, {str(moe): [2, 3]}]
+    restored, meta = restore_parts(tmp_path, target(exp), None)
+    assert meta["step"] == 6
+    assert meta["expert_sources"] == {moe: {"weights": [2, 4, 6, 6], "optimizer": [2, 4, 6, 6]}}
+    host = [jax.device_get(t) for t in (state, b, c)]
+    assert_bitwise_equal(expert_rows(host[2], [host[0], host[1], host[2], host[2]]), restored)
+
+    key = f"params/layers/{moe}/moe/w_in"
+    _overwrite_expert(part_dir(tmp_path, 1) / "4", key, 0)  # its only row: expert 1
+    events = []
+    restored, meta = restore_parts(tmp_path, target(exp), None, emit=events.append)
+    assert meta["expert_sources"][moe]["weights"] == [2, 2, 6, 6]
+    [fallback] = [e for e in events if e["event"] == "checkpoint_expert_fallback"]
+    assert (fallback["step"], fallback["expert"], fallback["fallback_step"]) == (4, 1, 2)
+    # Expert 1's weights from step 2; its optimizer state, which verified, still from step 4.
+    want = expert_rows(host[2], [host[0], host[1], host[2], host[2]])
+    want = expert_rows(want, [host[0], host[0], host[2], host[2]], group="weights")
+    assert meta["expert_sources"][moe]["optimizer"] == [2, 4, 6, 6]
+    assert_bitwise_equal(want, restored)
+
+
+def test_an_expert_layer_that_moved_between_processes_is_assembled_across_parts(
+    trained, tmp_path
+):
+    """The MoE layer is on process 0 at step 2, on process 1 at step 4 (a rebalance), back on
+    process 0 at step 6. A part that has no copy of some expert saves it whole; process 0's
+    part, which has copies from step 2, saves only expert 0 at step 6, and the restore takes
+    the others from process 1's part of step 4, the newest."""
+    exp, state = trained
+    [moe] = exp.model_cfg.moe_layers
+    b, c = later(state), later(state, 2.0)
+    on_0 = (0, moe)
+    assert save(tmp_path, 2, state, experts={moe: [0]}, first_layers=on_0) == [
+        {str(moe): [0, 1, 2, 3]}, {}
+    ]
+    assert save(tmp_path, 4, b, experts={moe: [0]}) == [{}, {str(moe): [0, 1, 2, 3]}]
+    assert save(tmp_path, 6, c, experts={moe: [0]}, first_layers=on_0) == [{str(moe): [0]}, {}]
+    restored, meta = restore_parts(tmp_path, target(exp), None)
+    assert meta["expert_sources"] == {moe: {"weights": [6, 4, 4, 4], "optimizer": [6, 4, 4, 4]}}
+    host = [jax.device_get(t) for t in (state, b, c)]
+    assert_bitwise_equal(expert_rows(host[2], [host[2], host[1], host[1], host[1]]), restored)
 
 
 def test_a_process_reads_only_the_leaves_its_stages_need(trained, tmp_path):

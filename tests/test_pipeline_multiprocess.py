@@ -146,6 +146,48 @@ def test_each_process_checkpoints_its_stages_and_a_rerun_on_any_process_count_re
 
 
 @pytest.mark.slow
+def test_partial_expert_checkpoints_of_two_processes_resume_as_one_process(tmp_path):
+    """PEC (seed 004 §3) in a pipeline over processes: every process's ledger picks the same
+    experts and the part of the MoE layer's process saves them. After the newest step is
+    lost, the rerun assembles every expert from its newest copy (the steps before the one it
+    resumes from) with the sources, recovery accounting (PLT) and losses one process of the
+    same pipeline gets."""
+    run = {
+        **OVERRIDES,
+        "train.steps": 8,
+        "train.checkpoint_every": 2,
+        "train.eval_every": 8,
+        "train.keep_checkpoints": 4,
+        "checkpoint.experts_per_save": 1,
+    }
+    single, multi = one_and_two(tmp_path, run, devices=1)
+    saved = lambda w: [(e["step"], e["experts_saved"]) for e in read_jsonl(w / "events.jsonl")
+                       if e["event"] == "checkpoint"]
+    want = saved(single)
+    assert [s for s, _ in want] == [2, 4, 6, 8] and want[1][1] == {"1": [0]}  # K=1 of 4
+    by_step = [{s: e for s, e in saved(w)} for w in (multi, multi / "process_1")]
+    assert [{**by_step[0][s], **by_step[1][s]} for s, _ in want] == [e for _, e in want]
+    assert losses(multi) == losses(single)
+
+    shutil.rmtree(single / "checkpoints" / "8")
+    for p in range(2):
+        shutil.rmtree(multi / "checkpoints" / f"process_{p}" / "8")
+    train(dotted_config(run), single, progress=False)
+    two_processes(multi, run, devices=1)
+    recoveries = [
+        [{k: v for k, v in e.items() if k != "time"} for e in read_jsonl(w / "events.jsonl")
+         if e["event"] == "checkpoint_recovery"]
+        for w in (single, multi, multi / "process_1")
+    ]
+    [alone] = recoveries[0]
+    assert alone["step"] == 6 and alone["lost_tokens"] > 0  # experts from steps 2 to 6
+    assert {s for layer in alone["layers"].values() for s in layer["sources"]} > {6}
+    assert recoveries[1] == [alone] and recoveries[2] == [alone]
+    assert losses(multi) == losses(single)
+    assert losses(multi / "process_1") == losses(single)
+
+
+@pytest.mark.slow
 def test_a_pipeline_over_two_processes_resumes_a_checkpoint_of_one_process(tmp_path):
     """The other way round: one process wrote the whole state; each of two processes reads
     its stage's leaves from it and goes on with the losses of the uninterrupted run."""

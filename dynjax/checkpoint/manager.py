@@ -494,8 +494,9 @@ class Checkpointer:
         for (moe_layer, group), keys in sorted(slots.items()):
             n = want[keys[0]].shape[0]
             rows: dict[str, list[Any]] = {k: [None] * n for k in keys}
-            chosen = self._resolve_slot(
-                (moe_layer, group), keys, n, metas, copies, here_sums, rows
+            chosen = resolve_slot(
+                (moe_layer, group), keys, n, metas, copies, here_sums, rows,
+                item_of=lambda s: self._step_dir(s) / layout.EXPERTS, emit=self.emit,
             )
             sources.setdefault(moe_layer, {})[group] = chosen
             for key in keys:
@@ -535,109 +536,6 @@ class Checkpointer:
             )
             return {}
         return arrays
-
-    def _resolve_slot(
-        self,
-        slot: Slot,
-        keys: list[str],
-        n: int,
-        metas: dict[int, dict[str, Any]],
-        copies: dict[int, Copies],
-        here_sums: dict[str, Any],
-        rows: dict[str, list[Any]],
-    ) -> list[int]:
-        """For each expert of ``slot``, the newest step of ``metas`` whose copy of its rows of
-        all ``keys`` reads and verifies; fills ``rows[key][expert]`` with the row (a host
-        array, or its position in the newest step's device array). A bad copy is a warning
-        and a ``checkpoint_expert_fallback`` event, and the copy before it is tried; none
-        left is `ExpertsMissing`."""
-        newest = max(metas)
-        holders = [
-            [s for s in sorted(metas, reverse=True) if all(e in copies[s].get(k, ()) for k in keys)]
-            for e in range(n)
-        ]
-        tried, chosen = [0] * n, [-1] * n
-        pending = set(range(n))
-        while pending:
-            by_step: dict[int, list[int]] = {}
-            for e in sorted(pending):
-                if tried[e] == len(holders[e]):
-                    raise ExpertsMissing(
-                        f"expert {e} of layer {slot[0]} ({slot[1]}) has no usable copy in the "
-                        f"checkpoints up to step {newest} (held by steps {holders[e]}): restore "
-                        "an older workdir, or train from scratch"
-                    )
-                by_step.setdefault(holders[e][tried[e]], []).append(e)
-            for s, experts in by_step.items():
-                verified = here_sums if s == newest else {}
-                got, bad = self._read_copies(s, keys, experts, metas[s], copies[s], verified)
-                for e in experts:
-                    if e in bad:
-                        tried[e] += 1
-                        fallback = holders[e][tried[e]] if tried[e] < len(holders[e]) else None
-                        log.warning(
-                            "checkpoint at step %d: %s of expert %d of layer %d unusable (%s); "
-                            "using the copy at step %s",
-                            s, slot[1], e, slot[0], bad[e], fallback,
-                        )
-                        self.emit(
-                            {
-                                "event": "checkpoint_expert_fallback",
-                                "step": s,
-                                "layer": slot[0],
-                                "expert": e,
-                                "group": slot[1],
-                                "error": bad[e],
-                                "fallback_step": fallback,
-                            }
-                        )
-                        continue
-                    for key in keys:
-                        rows[key][e] = got[key][e]
-                    chosen[e] = s
-                    pending.discard(e)
-        return chosen
-
-    def _read_copies(
-        self,
-        step: int,
-        keys: list[str],
-        experts: list[int],
-        meta: dict[str, Any],
-        held: Copies,
-        here_sums: dict[str, Any],
-    ) -> tuple[dict[str, dict[int, Any]], dict[int, str]]:
-        """Rows ``experts`` of ``keys`` at ``step`` (``{key: {expert: row}}``; a row already
-        on the devices, verified by ``here_sums``, is its position there) and the experts whose
-        copy failed, with why. One read per key; a read that raises is retried row by row."""
-        item = self._step_dir(step) / layout.EXPERTS
-        got: dict[str, dict[int, Any]] = {k: {} for k in keys}
-        bad: dict[int, str] = {}
-        for key in keys:
-            positions = [held[key].index(e) for e in experts]
-            saved = meta["checksums"][key]
-            if key in here_sums:
-                for e, pos in zip(experts, positions, strict=True):
-                    got[key][e] = pos
-                    if here_sums[key][pos] != saved[pos]:
-                        bad.setdefault(e, f"{key}: checksum mismatch (corrupted data)")
-                continue
-            try:
-                parts = [(experts, positions, layout.read_rows(item, key, positions))]
-            except Exception:  # noqa: BLE001 - find which rows do not read
-                parts = []
-                for e, pos in zip(experts, positions, strict=True):
-                    try:
-                        parts.append(([e], [pos], layout.read_rows(item, key, [pos])))
-                    except Exception as err:  # noqa: BLE001 - this row falls back
-                        bad.setdefault(e, f"{key}: {type(err).__name__}: {err}")
-            for es, ps, data in parts:
-                sums = layout.checksums({key: jnp.asarray(data)})[key]
-                for i, (e, pos) in enumerate(zip(es, ps, strict=True)):
-                    got[key][e] = data[i]
-                    if sums[i] != saved[pos]:
-                        bad.setdefault(e, f"{key}: checksum mismatch (corrupted data)")
-        return got, bad
 
     def _read_layout1(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
         """A checkpoint written before layout 2 (one item per expert): read to host, verified
@@ -713,6 +611,113 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def resolve_slot(
+    slot: Slot,
+    keys: list[str],
+    n: int,
+    metas: dict[int, dict[str, Any]],
+    copies: dict[int, Copies],
+    here_sums: dict[str, Any],
+    rows: dict[str, list[Any]],
+    *,
+    item_of: Callable[[int], Path],
+    emit: Callable[[dict[str, Any]], None],
+) -> list[int]:
+    """For each expert of ``slot``, the newest step of ``metas`` whose copy of its rows of
+    all ``keys`` reads and verifies; fills ``rows[key][expert]`` with the row (a host
+    array, or its position in the newest step's device array). A bad copy is a warning
+    and a ``checkpoint_expert_fallback`` event, and the copy before it is tried; none
+    left is `ExpertsMissing`. ``item_of(step)``: the experts item holding the step's copies
+    (`Checkpointer`'s own, or the part that saved the slot's layer: `parts.Sources`)."""
+    newest = max(metas)
+    holders = [
+        [s for s in sorted(metas, reverse=True) if all(e in copies[s].get(k, ()) for k in keys)]
+        for e in range(n)
+    ]
+    tried, chosen = [0] * n, [-1] * n
+    pending = set(range(n))
+    while pending:
+        by_step: dict[int, list[int]] = {}
+        for e in sorted(pending):
+            if tried[e] == len(holders[e]):
+                raise ExpertsMissing(
+                    f"expert {e} of layer {slot[0]} ({slot[1]}) has no usable copy in the "
+                    f"checkpoints up to step {newest} (held by steps {holders[e]}): restore "
+                    "an older workdir, or train from scratch"
+                )
+            by_step.setdefault(holders[e][tried[e]], []).append(e)
+        for s, experts in by_step.items():
+            verified = here_sums if s == newest else {}
+            got, bad = _read_copies(item_of(s), keys, experts, metas[s], copies[s], verified)
+            for e in experts:
+                if e in bad:
+                    tried[e] += 1
+                    fallback = holders[e][tried[e]] if tried[e] < len(holders[e]) else None
+                    log.warning(
+                        "checkpoint at step %d: %s of expert %d of layer %d unusable (%s); "
+                        "using the copy at step %s",
+                        s, slot[1], e, slot[0], bad[e], fallback,
+                    )
+                    emit(
+                        {
+                            "event": "checkpoint_expert_fallback",
+                            "step": s,
+                            "layer": slot[0],
+                            "expert": e,
+                            "group": slot[1],
+                            "error": bad[e],
+                            "fallback_step": fallback,
+                        }
+                    )
+                    continue
+                for key in keys:
+                    rows[key][e] = got[key][e]
+                chosen[e] = s
+                pending.discard(e)
+    return chosen
+
+
+def _read_copies(
+    item: Path,
+    keys: list[str],
+    experts: list[int],
+    meta: dict[str, Any],
+    held: Copies,
+    here_sums: dict[str, Any],
+) -> tuple[dict[str, dict[int, Any]], dict[int, str]]:
+    """Rows ``experts`` of ``keys`` in the experts ``item`` of a step (``{key: {expert:
+    row}}``; a row already on the devices, verified by ``here_sums``, is its position there)
+    and the experts whose copy failed, with why. One read per key; a read that raises is
+    retried row by row."""
+    got: dict[str, dict[int, Any]] = {k: {} for k in keys}
+    bad: dict[int, str] = {}
+    for key in keys:
+        positions = [held[key].index(e) for e in experts]
+        saved = meta["checksums"][key]
+        if key in here_sums:
+            for e, pos in zip(experts, positions, strict=True):
+                got[key][e] = pos
+                if here_sums[key][pos] != saved[pos]:
+                    bad.setdefault(e, f"{key}: checksum mismatch (corrupted data)")
+            continue
+        try:
+            parts = [(experts, positions, layout.read_rows(item, key, positions))]
+        except Exception:  # noqa: BLE001 - find which rows do not read
+            parts = []
+            for e, pos in zip(experts, positions, strict=True):
+                try:
+                    parts.append(([e], [pos], layout.read_rows(item, key, [pos])))
+                except Exception as err:  # noqa: BLE001 - this row falls back
+                    bad.setdefault(e, f"{key}: {type(err).__name__}: {err}")
+        for es, ps, data in parts:
+            sums = layout.checksums({key: jnp.asarray(data)})[key]
+            for i, (e, pos) in enumerate(zip(es, ps, strict=True)):
+                got[key][e] = data[i]
+                if sums[i] != saved[pos]:
+                    bad.setdefault(e, f"{key}: checksum mismatch (corrupted data)")
+    return got, bad
 
 
 def _part_handlers(alone: ocp.options.MultiprocessingOptions) -> dict[str, Any]:

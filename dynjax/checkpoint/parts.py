@@ -15,15 +15,19 @@ verified against the checksum its writer recorded. The processes agree on every 
 (`Peers`); an unusable step, and the parts of a step some process never finished, are moved
 aside to ``corrupt/`` (never deleted), which also frees their step numbers for later saves.
 
-Not covered: partial expert saves (seed 004 §3) of a pipeline over processes, which
-``_check_multi_process`` refuses; a restore reads whole expert arrays.
+Partial expert saves (PEC, seed 004 §3): every process's ledger chooses the same experts per
+MoE layer and each part saves those of its own stages' layers (a part that has never saved a
+layer, e.g. after a migration brought it there, saves all its experts once). A restore takes
+each expert from the newest complete step up to the restored one whose source holding the
+layer then has a copy that verifies, which may be another process's part than the newest
+step's when the layer has moved between processes since.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +41,12 @@ from dynjax.checkpoint.manager import (
     Checkpointer,
     CheckpointError,
     CheckpointMismatch,
+    Slot,
     check_fits,
     qkv_columns_per_head,
     quarantine_target,
     quiet_orbax,
+    resolve_slot,
 )
 from dynjax.parallel.peers import Peers
 
@@ -137,12 +143,18 @@ class Sources:
         return max(steps, default=None)
 
     def read(
-        self, step: int, sources: list[Path], template: dict[str, Any]
+        self,
+        step: int,
+        sources: list[Path],
+        template: dict[str, Any],
+        emit: Callable[[dict[str, Any]], None] = lambda event: None,
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The leaves ``template`` names (key -> ShapeDtypeStruct) as of ``step``, host arrays
         each verified against its writer's checksum, and the step's metadata (the first
         source's). A leaf no source holds, or holds in another shape, is `CheckpointMismatch`;
-        an unreadable or corrupted one raises (the step is unusable)."""
+        an unreadable or corrupted one raises (the step is unusable). An expert leaf the step
+        saved in part (PEC) is assembled (`_assemble`); the metadata's ``expert_sources``
+        says where each of this process's experts came from."""
         metas = [self.meta(directory, step) for directory in sources]
         holder: dict[str, tuple[Path, dict[str, Any]]] = {}
         for directory, meta in zip(sources, metas, strict=True):
@@ -160,25 +172,67 @@ class Sources:
             {k: holder[k][1]["checksums"][k] for k in template if k in holder},
             layout.shapes(template),
         )
-        out = {}
+        out, partial, sources_of = {}, {}, {}
         for key, leaf in template.items():
             directory, meta = holder[key]
             saved = meta["checksums"][key]
             expert = isinstance(saved, list)
-            held = layout.held_rows(meta).get(key)
-            if expert and held is not None and len(held) != leaf.shape[0]:
-                raise CheckpointMismatch(
-                    f"step {step} {key} holds experts {list(held)} of {leaf.shape[0]} (a partial "
-                    "expert checkpoint, which only a restore of whole checkpoints assembles): "
-                    "resume it in a run whose pipeline stages are in one process, with no "
-                    "newer checkpoint in parts beside it"
-                )
+            if expert:
+                held = layout.held_rows(meta).get(key, ())
+                if len(held) != leaf.shape[0]:
+                    partial[key] = leaf
+                    continue
+                slot = (layout.expert_layer(key), layout.expert_group(key))
+                sources_of.setdefault(slot[0], {})[slot[1]] = [step] * leaf.shape[0]
             item = layout.EXPERTS if expert else layout.DENSE
             array = layout.read_array(directory / str(step) / item, key)
             if layout.checksums({key: jnp.asarray(array)})[key] != saved:
                 raise CheckpointError(f"step {step} {key}: checksum mismatch (corrupted data)")
             out[key] = qkv_columns_per_head({key: array}, meta, step)[key]
-        return out, metas[0]
+        if partial:
+            assembled, chosen = self._assemble(step, partial, emit)
+            out.update(assembled)
+            for layer, groups in chosen.items():
+                sources_of.setdefault(layer, {}).update(groups)
+        return out, {**metas[0], "expert_sources": sources_of}
+
+    def _assemble(
+        self, step: int, want: dict[str, Any], emit: Callable[[dict[str, Any]], None]
+    ) -> tuple[dict[str, np.ndarray], dict[int, dict[str, list[int]]]]:
+        """The expert leaves ``want`` (key -> ShapeDtypeStruct) as of ``step``, of which it
+        saved only some experts (PEC, seed 004 §3): each expert's rows from the newest complete
+        step up to ``step`` whose source holding the layer (the part of the process that held
+        its stage then, or a whole checkpoint) has a copy that reads and verifies
+        (`manager.resolve_slot`); and per MoE layer and expert group the step each expert
+        came from."""
+        complete = self.complete()
+        older = sorted((s for s in complete if s <= step), reverse=True)
+        slots: dict[Slot, list[str]] = {}
+        for key in want:
+            slots.setdefault((layout.expert_layer(key), layout.expert_group(key)), []).append(key)
+        out: dict[str, np.ndarray] = {}
+        sources: dict[int, dict[str, list[int]]] = {}
+        for slot, keys in sorted(slots.items()):
+            metas, items = {}, {}
+            for s in older:
+                for directory in complete[s]:
+                    try:
+                        meta = self.meta(directory, s)
+                    except Exception as err:  # noqa: BLE001 - a source less; never moved here
+                        log.warning("%s: unreadable metadata (%s); its experts are not used",
+                                    directory / str(s), err)
+                        continue
+                    if keys[0] in meta.get("checksums", {}):
+                        metas[s], items[s] = meta, directory / str(s) / layout.EXPERTS
+                        break
+            n = want[keys[0]].shape[0]
+            rows: dict[str, list[Any]] = {k: [None] * n for k in keys}
+            copies = {s: layout.held_rows(m) for s, m in metas.items()}
+            sources.setdefault(slot[0], {})[slot[1]] = resolve_slot(
+                slot, keys, n, metas, copies, {}, rows, item_of=items.__getitem__, emit=emit
+            )
+            out.update({key: np.stack(rows[key]) for key in keys})
+        return out, sources
 
     def set_aside(self, step: int, directories: list[Path]) -> list[Path]:
         """Move ``step`` of each directory to its ``corrupt/<step>-<time>`` (kept for a person,
@@ -230,7 +284,7 @@ def restore_parts(
             template = target(meta)  # what it raises (the config's errors) moves nothing
             try:
                 parts = [d for d in held if d != root] or whole
-                flat, meta = sources.read(step, parts, layout.flatten(template))
+                flat, meta = sources.read(step, parts, layout.flatten(template), emit)
             except CheckpointMismatch as err:  # the model's, not the data's: raised everywhere
                 error, mismatch = err, str(err)
             except Exception as err:  # noqa: BLE001 - any failure: try an older step
@@ -240,6 +294,11 @@ def restore_parts(
             raise CheckpointMismatch(mismatches[0])
         failed = agreed.all("failed", None if error is None else f"{type(error).__name__}: {error}")
         if all(f is None for f in failed):
+            # Each process assembled the experts of its own stages: every process's ledger
+            # accounts for all of them (`ExpertLedger.recover`).
+            mine = meta["expert_sources"]
+            every = {k: v for part in agreed.all("expert_sources", mine) for k, v in part.items()}
+            meta = {**meta, "expert_sources": every}
             restored = step, (layout.unflatten_like(template, flat), meta)
             break
         reason = next(
@@ -343,13 +402,22 @@ class PartedCheckpointer:
         """This process's saved steps (the other parts are their processes' to list)."""
         return self.own.all_steps()
 
-    def save(self, step: int, state: Any, meta: dict[str, Any], **pec: Any) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        meta: dict[str, Any],
+        experts: Mapping[int, Sequence[int]] | None = None,
+        content: str = "WO",
+    ) -> bool:
         """Start saving this process's leaves of ``state`` (None elsewhere) at ``step``;
-        `Checkpointer.save`. Partial expert saves are refused before the run (`train.py`)."""
-        if pec.get("experts") is not None:
-            raise ValueError("partial expert saves of a pipeline over processes are not built")
+        `Checkpointer.save`, with ``experts`` (every MoE layer's rows to save, the same in
+        every process) narrowed to the layers of this process's stages."""
+        if experts is not None:
+            mine = {layout.expert_layer(k) for k in layout.split(state)[layout.EXPERTS]}
+            experts = {layer: rows for layer, rows in experts.items() if layer in mine}
         parts = {"parts": self.peers.count, "part": self.peers.index}
-        return self.own.save(step, state, {**meta, **parts})
+        return self.own.save(step, state, {**meta, **parts}, experts=experts, content=content)
 
     def restore_latest(
         self, target: Callable[[dict[str, Any]], Any]
