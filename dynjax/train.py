@@ -39,6 +39,7 @@ from dynjax.launch.cluster import ClusterError
 from dynjax.launch.distributed import Peers, fail, initialize_from_env, joined
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
+from dynjax.parallel.peers import Rounds
 from dynjax.parallel.profile import device_memory_limit
 from dynjax.recompile import (
     STABILITY,
@@ -219,12 +220,13 @@ def train(
         log.info("resumed from step %d of %s", start, workdir)
         ledger = expert_ledger(cfg, exp, meta, changes, events)
     twolevel = None
-    if cfg.checkpoint.snapshot_every:  # single-process only (_check_multi_process)
+    if cfg.checkpoint.snapshot_every:
         twolevel = TwoLevel(
             exp.model_cfg.moe_layers if ledger is not None else (),
             cfg.moe.num_experts,
             persist_experts=cfg.checkpoint.persist_experts,
             emit=events,
+            rounds=Rounds(peers, "snapshot"),
         )
         if restored is not None:  # what storage holds of each expert: the restore's sources
             twolevel.persisted_step = start
@@ -405,10 +407,9 @@ def train(
                 log.warning("%s: %s; restoring the snapshot of step %d from host memory",
                             type(fault).__name__, fault, snap.step)
                 observe(monitor.drain())  # the steps that ran: the ledger reaches the snapshot
-                host = {k: np.array(a) for k, a in snap.arrays.items()}  # the buffer stays
-                runtime = exp.runtime(
-                    plan, layout.unflatten_like(exp.restore_target(plan), host)
-                )
+                target = exp.restore_target(plan)
+                state = layout.unflatten_like(target, snap.placed(layout.flatten(target)))
+                runtime = exp.runtime(plan, state, peers)
                 recovery = {"event": "checkpoint_recovery", "step": snap.step, "plt": 0.0}
                 if ledger is not None:
                     ledger = expert_ledger_from(cfg, twolevel.ledger_of(snap))
@@ -566,18 +567,12 @@ def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list
 
 
 def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None:
-    """What a multi-process run cannot do yet, refused before any work."""
+    """What a multi-process run needs, refused before any work."""
     if pipeline and cfg.train.keep_checkpoints < 2:
         raise config_lib.ConfigError(
             f"train.keep_checkpoints={cfg.train.keep_checkpoints}: a pipeline over processes "
             "saves one part per process, and a process that dies while saving leaves the "
             "newest step incomplete; keep at least 2 so that the step before it is complete"
-        )
-    if cfg.checkpoint.snapshot_every:
-        raise config_lib.ConfigError(
-            f"checkpoint.snapshot_every={cfg.checkpoint.snapshot_every}: two-level checkpoints "
-            "(in-memory snapshots) run in single-process runs only; set "
-            "checkpoint.snapshot_every=0 and use train.checkpoint_every"
         )
 
 

@@ -246,3 +246,71 @@ def test_a_dense_model_snapshots_and_recovers_its_state(tmp_path):
     (rec,) = _recoveries(tmp_path)
     assert rec["source"] == "memory" and rec["step"] == 4 and rec["plt"] == 0.0
     assert summary.final_step == 7 and np.isfinite(summary.final_loss)
+
+
+def test_a_process_s_shards_round_trip_and_take_new_rows():
+    """`HostShards`, what a process of a program over several snapshots of a global array: its
+    distinct shards by bounds (replicas once), placed back bit for bit, and expert rows set
+    in whichever shard holds them (here an expert axis of 2 devices x a data axis of 2)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from dynjax.checkpoint.snapshot import HostShards
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("expert", "data"))
+    rng = np.random.default_rng(0)
+    whole = rng.standard_normal((4, 6, 8)).astype(np.float32)
+    for spec, pieces in ((P("expert", None, "data"), 4), (P("expert"), 2), (P(), 1)):
+        sharding = NamedSharding(mesh, spec)
+        shards = HostShards.of(jax.device_put(whole, sharding))
+        assert len(shards.pieces) == pieces
+        back = shards.placed(sharding)
+        assert back.sharding == sharding and _same_bits(np.asarray(back), whole)
+        rows = rng.standard_normal((2, 6, 8)).astype(np.float32)
+        want = whole.copy()
+        want[[1, 2]] = rows
+        got = np.asarray(shards.with_rows([1, 2], rows).placed(sharding))
+        assert _same_bits(got, want), spec
+        assert _same_bits(np.asarray(shards.placed(sharding)), whole)  # a copy: unchanged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout_name", ["one-program", "stage-per-process"])
+def test_two_processes_recover_from_memory_as_one_process(tmp_path, layout_name):
+    """Two-level checkpoints (seed 004 §5) over 2 processes x 4 devices, partial snapshots
+    (K_snapshot = K_persist = 1): each process snapshots what it holds (in one program its
+    shards of the global arrays, in a pipeline its stage), both persist the same steps, and
+    after the injected fault both recover the same step from memory with the same PLT and the
+    losses of one process of 8 devices; a rerun resumes from the persisted steps."""
+    from .test_data_multiprocess import BASE, LAYOUTS, losses, one_and_two, two_processes
+
+    run = {
+        **BASE,
+        **LAYOUTS[layout_name],
+        "moe.every": 1,
+        "train.steps": 14,
+        "train.eval_every": 14,
+        "checkpoint.snapshot_every": 1,
+        "checkpoint.snapshot_experts": 1,
+        "checkpoint.persist_every": 4,
+        "checkpoint.inject_fault_at": 11,
+    }
+    single, multi = one_and_two(tmp_path, run)
+    workdirs = (single, multi, multi / "process_1")
+    recoveries = [[{k: v for k, v in e.items() if k != "time"} for e in _recoveries(w)]
+                  for w in workdirs]
+    [alone] = recoveries[0]
+    assert alone["source"] == "memory" and alone["step"] == 10 and alone["fault_step"] == 11
+    assert alone["lost_tokens"] > 0  # a partial snapshot: experts copied before step 10
+    assert recoveries[1] == [alone] and recoveries[2] == [alone]
+    assert losses(multi) == pytest.approx(losses(single), rel=1e-6, abs=0)
+    assert losses(multi / "process_1") == losses(multi)
+    persisted = [[e["step"] for e in read_jsonl(w / "events.jsonl") if e["event"] == "checkpoint"]
+                 for w in workdirs[1:]]
+    assert persisted[0] and persisted[0] == persisted[1]
+
+    rerun = {**run, "train.steps": 16, "checkpoint.inject_fault_at": 0}
+    two_processes(multi, rerun)
+    resumed = [[e["step"] for e in read_jsonl(w / "events.jsonl") if e["event"] == "resume"]
+               for w in workdirs[1:]]
+    assert resumed[0] == resumed[1] == [max(persisted[0])]

@@ -193,24 +193,6 @@ def _check_multi_process(cfg) -> None:
     train_module._check_multi_process(cfg, pipeline=bool(config_lib.num_stages(cfg)))
 
 
-def test_multi_process_runs_refuse_two_level_snapshots(capsys, monkeypatch):
-    """Snapshots live in one process's memory: a multi-process run says so before any work
-    instead of silently checkpointing on `train.checkpoint_every` alone."""
-    monkeypatch.setattr(
-        "dynjax.train.train", lambda cfg, *a, **k: _check_multi_process(cfg)
-    )
-    two_level = [
-        "--config.checkpoint.snapshot_every=2",
-        "--config.checkpoint.persist_every=4",
-        "--config.checkpoint.snapshot_experts=1",
-        "--config.checkpoint.persist_experts=1",
-        "--config.moe.every=2",
-    ]
-    assert main(["--config", "tests/tiny.py", *two_level]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "checkpoint.snapshot_every=2" in err
-
-
 def test_cli_override_forms():
     config, overrides, workdir = parse_args(
         ["--config", "c.py", "--config.train.steps=5", "--config.seed", "3", "--workdir", "w"]

@@ -243,10 +243,12 @@ def _take(a: jax.Array, idx: jax.Array, out: jax.sharding.Sharding) -> jax.Array
     return jax.lax.with_sharding_constraint(a[idx], out)
 
 
-def take_rows(a: jax.Array, rows: Sequence[int]) -> jax.Array:
+def take_rows(a: jax.Array, rows: Sequence[int], *, everywhere: bool = False) -> jax.Array:
     """Rows ``rows`` of a stacked expert array, [len(rows), ...], gathered on the devices that
-    hold them (no host copy of the whole array)."""
-    return _take(a, jnp.asarray(rows, jnp.int32), _row_sharding(a.sharding, len(rows)))
+    hold them (no host copy of the whole array); ``everywhere``: replicated over them, so that
+    every process of a program over several can read the rows whole."""
+    out = _replicated_on(a.sharding) if everywhere else _row_sharding(a.sharding, len(rows))
+    return _take(a, jnp.asarray(rows, jnp.int32), out)
 
 
 def held_rows(meta: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -32,6 +32,12 @@ restores from storage with the usual PEC assembly.
 Recovery. A surviving process whose step raised (`InjectedFault`, ``checkpoint.inject_fault_at``:
 a stand-in for a transient device error) restores from the recovery buffer, which is newer than
 storage, so fewer tokens are lost (lower PLT, §5.1); a restarted process reads storage.
+
+Several processes. Each snapshots what it holds: a pipeline stage's arrays whole, or its shards
+of the global arrays of one program over several processes (`HostShards`). A persist (a
+collective save, or the parts of one step) and a recovery must be of the same step in every
+process, so over several processes a persist waits for the fills in flight and the previous
+save, and the processes compare their newest snapshot's step before either (`TwoLevel.rounds`).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynjax.checkpoint import layout
+from dynjax.parallel.peers import ALONE, Rounds
 
 FREE, SNAPSHOT, PERSIST, RECOVERY = "free", "snapshot", "persist", "recovery"
 
@@ -58,14 +65,83 @@ class InjectedFault(RuntimeError):
     rollback), which recovers from its in-memory snapshot."""
 
 
+Bounds = tuple[tuple[int, int], ...]  # a shard's [start, stop) along each axis
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+@dataclasses.dataclass
+class HostShards:
+    """A global array of one program over several processes as this process holds it: a host
+    copy of each distinct shard on its devices, by bounds. No host can hold such an array
+    whole, so each process snapshots, restores and persists its own shards, as Orbax saves
+    them."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    pieces: dict[Bounds, np.ndarray]
+
+    @classmethod
+    def of(cls, a: jax.Array) -> HostShards:
+        pieces: dict[Bounds, np.ndarray] = {}
+        for shard in a.addressable_shards:
+            bounds = _bounds(shard.index, a.shape)
+            if bounds not in pieces:  # a replica of one already copied
+                pieces[bounds] = np.asarray(shard.data)
+        return cls(tuple(a.shape), np.dtype(a.dtype), pieces)
+
+    def with_rows(self, rows: Sequence[int], values: np.ndarray) -> HostShards:
+        """A copy whose rows ``rows`` (axis 0) are ``values`` ([len(rows), ...], whole rows)."""
+        pieces = {}
+        for bounds, piece in self.pieces.items():
+            piece = piece.copy()
+            (start, stop), rest = bounds[0], tuple(slice(a, b) for a, b in bounds[1:])
+            for value, row in zip(values, rows, strict=True):
+                if start <= row < stop:
+                    piece[row - start] = value[rest]
+            pieces[bounds] = piece
+        return HostShards(self.shape, self.dtype, pieces)
+
+    def placed(self, sharding: jax.sharding.Sharding) -> jax.Array:
+        """The global array, this process's shards placed as ``sharding`` (the snapshot's)."""
+        return jax.make_array_from_callback(
+            self.shape, sharding, lambda index: self.pieces[_bounds(index, self.shape)]
+        )
+
+
+def _on_host(a: jax.Array) -> np.ndarray | HostShards:
+    """The host copy of a snapshot's device copy: whole where this process holds all of it."""
+    return np.asarray(a) if a.is_fully_addressable else HostShards.of(a)
+
+
 @dataclasses.dataclass
 class Snapshot:
-    """One host buffer: the whole state at ``step`` as host arrays, flat by `layout` key."""
+    """One host buffer: the whole state at ``step`` as host arrays (this process's shards of
+    the global arrays of a program over several processes), flat by `layout` key."""
 
     step: int = -1
-    arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    arrays: dict[str, np.ndarray | HostShards] = dataclasses.field(default_factory=dict)
     sources: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> [E] steps
     fresh: dict[int, list[int]] | None = None  # rows copied at ``step`` (None: all)
+
+    def placed(self, target: Any, copy: bool = True) -> dict[str, Any]:
+        """Its arrays by key, placed as ``target`` (flat ShapeDtypeStructs) says, or kept as
+        host copies (``copy``; the buffer stays as it is) for the runtime to place; a
+        process's shards are always placed (no host has them whole)."""
+        out, host = {}, []
+        for key, a in self.arrays.items():
+            if isinstance(a, HostShards):
+                out[key] = a.placed(target[key].sharding)
+            elif copy:
+                out[key] = np.array(a)
+            else:
+                host.append(key)
+        shardings = [target[k].sharding for k in host]
+        out.update(zip(host, jax.device_put([self.arrays[k] for k in host], shardings),
+                       strict=True))
+        return out
 
 
 class TripleBuffer:
@@ -157,7 +233,8 @@ class TwoLevel:
     """The snapshot and persist levels of one training process (module docstring).
 
     ``layers``/``num_experts``: the MoE layers (model indices) and E (none: a dense model, whose
-    snapshots hold the dense state only). ``emit`` writes events.
+    snapshots hold the dense state only). ``emit`` writes events. ``rounds``: the run's other
+    processes, each snapshotting the arrays (or shards) it holds.
     """
 
     def __init__(
@@ -167,8 +244,10 @@ class TwoLevel:
         *,
         persist_experts: int,
         emit: Callable[[dict[str, Any]], None],
+        rounds: Rounds = ALONE,
     ):
         self.layers, self.num_experts = tuple(layers), num_experts
+        self.rounds = rounds  # the run's processes: they persist and recover the same step
         self.persist_experts = persist_experts
         self.emit = emit
         self.buffers = TripleBuffer()
@@ -201,6 +280,7 @@ class TwoLevel:
         items = layout.split(state)
         fresh = None if experts is None else {int(k): sorted(v) for k, v in experts.items()}
         groups: dict[frozenset, tuple[dict, dict, dict]] = {}  # one program per device set
+        copies = {}
         for name, leaves in items.items():  # (a pipeline stage's sub-mesh)
             for key, a in leaves.items():
                 dense, experts, rows = groups.setdefault(
@@ -209,10 +289,14 @@ class TwoLevel:
                 if name == layout.DENSE:
                     dense[key] = a
                     continue
-                experts[key] = a
                 chosen = range(a.shape[0]) if fresh is None else fresh[layout.expert_layer(key)]
+                if fresh is not None and not a.is_fully_addressable:
+                    # Over processes: the rows replicated, so that every process has them whole.
+                    copies[key] = layout.take_rows(a, chosen, everywhere=True)
+                    continue
+                experts[key] = a
                 rows[key] = np.asarray(list(chosen), np.int32)
-        copies = {k: c for g in groups.values() for k, c in _device_copy(*g).items()}
+        copies.update({k: c for g in groups.values() for k, c in _device_copy(*g).items()})
         for a in copies.values():
             a.copy_to_host_async()
         buffer = self.buffers.begin_fill()
@@ -233,16 +317,24 @@ class TwoLevel:
         try:
             base = self.buffers.recovery()
             for key, a in copies.items():
-                host = np.asarray(a)
                 moe_layer = layout.expert_layer(key)
                 if moe_layer is None or fresh is None:
+                    host = _on_host(a)
+                    if isinstance(host, HostShards):
+                        buffer.arrays[key] = host
+                        continue
                     out = buffer.arrays.get(key)
-                    if out is None or out.shape != host.shape or out.dtype != host.dtype:
+                    reusable = isinstance(out, np.ndarray) and out.shape == host.shape
+                    if not reusable or out.dtype != host.dtype:
                         buffer.arrays[key] = out = np.empty_like(host)
                     np.copyto(out, host)
                     continue
                 if base is None or key not in base.arrays:
                     raise RuntimeError(f"partial snapshot of {key} without a full one before it")
+                host = np.asarray(a)  # the rows, whole in every process (`snapshot`)
+                if isinstance(base.arrays[key], HostShards):
+                    buffer.arrays[key] = base.arrays[key].with_rows(fresh[moe_layer], host)
+                    continue
                 out = buffer.arrays.get(key)
                 if out is None or out.shape != base.arrays[key].shape:
                     buffer.arrays[key] = out = np.empty_like(base.arrays[key])
@@ -294,16 +386,23 @@ class TwoLevel:
                 }
             )
 
-    def recovery(self) -> Snapshot | None:
-        """The newest complete snapshot, once every fill started has ended (a fault's
-        recovery)."""
+    def _settle(self) -> None:
+        """Wait for every fill started (one that failed abandoned its buffer)."""
         for p in self._pending:
             try:
                 p.filled.result()
             except Exception:  # noqa: BLE001 - its buffer was abandoned: not handed out
                 pass
+
+    def recovery(self) -> Snapshot | None:
+        """The newest complete snapshot, once every fill started has ended (a fault's
+        recovery). Over several processes, None unless every process's is of the same step
+        (they then restart from storage)."""
+        self._settle()
         self._pending.clear()
-        return self.buffers.recovery()
+        snap = self.buffers.recovery()
+        steps = self.rounds.all(None if snap is None else snap.step)
+        return snap if len(set(steps)) == 1 else None
 
     def rolled_back(self, step: int) -> None:
         """After recovering to ``step``: forget the snapshots of the later steps."""
@@ -333,21 +432,25 @@ class TwoLevel:
         """Write the recovery buffer to storage through ``checkpointer`` (if it is newer than
         the last persist and no persist is in progress), placed as ``target`` (the restore
         target's ShapeDtypeStructs) says; ``catch_up()`` makes the ledger count the steps
-        through the snapshot's if it has not yet. Returns whether a save was started."""
+        through the snapshot's if it has not yet. Returns whether a save was started.
+
+        Over several processes every process must write the same step (one collective save,
+        or the parts of one step), so a persist first waits for the fills in flight and the
+        previous save, and is skipped by all unless all hold the same newest snapshot."""
+        if self.rounds.count > 1:
+            self._settle()
+            checkpointer.wait()
         self._finish_persist(checkpointer)
         snap = self.buffers.begin_persist()
+        steps = self.rounds.all(None if snap is None else snap.step)
         if snap is None:
             return False
-        if snap.step <= self.persisted_step:
+        if snap.step <= self.persisted_step or len(set(steps)) > 1:
             self.buffers.end_persist(snap)
             return False
         if self.layers and snap.step not in self._ledgers:
             catch_up()
-        flat_target = layout.flatten(target)
-        keys = list(snap.arrays)
-        shardings = [flat_target[k].sharding for k in keys]
-        placed = dict(zip(keys, jax.device_put([snap.arrays[k] for k in keys], shardings),
-                          strict=True))
+        placed = snap.placed(layout.flatten(target), copy=False)
         experts = self.persist_rows(snap)
         meta = dict(meta)
         if self.layers:

@@ -154,7 +154,9 @@ class Controller:
         # Plans up to this number were swapped in or dropped by every process: the statuses of
         # the `lag` boundaries before that verdict still speak of them, and are ignored.
         self._settled = 0
-        self._first: int | None = None  # the first boundary polled (a resumed run's start)
+        # Boundaries polled so far: the agreement's keys (a step repeats after an in-memory
+        # recovery rolls the run back; the boundaries every process polls do not).
+        self._boundaries = 0
 
     @property
     def plan(self) -> Plan:
@@ -213,8 +215,6 @@ class Controller:
         if self._unfinished is not None:
             raise RuntimeError("poll() before swap_done() of the previous Swap")
         self._launch_step = step
-        if self._first is None:
-            self._first = step
         with self._cond:
             pending = self._pending
         if self._peers is not None:
@@ -239,13 +239,14 @@ class Controller:
             )
         peers, lag = self._peers, self._lag
         assert peers is not None
-        peers.publish(f"control/{step}", status)
-        if step - lag < self._first:
+        boundary, self._boundaries = self._boundaries, self._boundaries + 1
+        peers.publish(f"control/{boundary}", status)
+        if boundary < lag:
             return None
-        found = verdict(peers.collect(f"control/{step - lag}"))
-        # Every process has published boundary step - lag, so it has read every key up to
-        # step - 2 * lag - 1 (at the boundaries before that one).
-        peers.forget(f"control/{step - 2 * lag - 1}")
+        found = verdict(peers.collect(f"control/{boundary - lag}"))
+        # Every process has published boundary - lag, so it has read every key up to
+        # boundary - 2 * lag - 1 (at the boundaries before that one).
+        peers.forget(f"control/{boundary - 2 * lag - 1}")
         if found.failed is not None and found.failed[0] > self._settled:
             number, process, error = found.failed
             with self._cond:
