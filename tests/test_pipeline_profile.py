@@ -1,5 +1,7 @@
 """Profiling inside dynjax.train: profile events, the Monitor's metrics, the measured timeline."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -150,3 +152,30 @@ def test_each_process_part_of_a_profile_merges_into_the_profile_of_every_stage()
     assert not profile.units_measured and profile.seconds == 0.5
     with pytest.raises(ValueError, match=r"no process profiled stages \[1\]"):
         merged([first], (2, 1), units_measured=True, seconds=0.0)
+
+
+def test_timed_steps_reuse_one_watcher_per_stage_and_keep_their_timelines_apart():
+    """Each stage's watcher thread lives as long as the pipeline (a thread started per step
+    cost more CPU than the step's waits); timelines of steps dispatched back to back, read
+    only after the later ones were dispatched, each hold their own step's tasks in order."""
+    exp = Experiment.from_config(tiny_config(
+        mesh__stage=2, mesh__data=1, train__microbatches=2, pipeline__schedule="gpipe"
+    ))
+    plan = exp.initial_plan()
+    runtime = exp.runtime(plan)
+    exe = exp.lower_train_step(plan, profiling=True).compile()
+    runtime.swap(plan, exe)
+    pending, threads = [], []
+    for step in range(4):
+        batch = exp.order.batch(step)
+        _, timeline = runtime.pipeline.start_timed_step(exe, batch.inputs, batch.targets)
+        pending.append(timeline)
+        threads.append(threading.active_count())
+    assert threads == [threads[0]] * 4
+    gpipe = [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    for timeline in pending:
+        rows = timeline.result()
+        assert [[(t.kind, t.microbatch) for t in rows[s]] for s in (0, 1)] == [gpipe] * 2
+        for row in rows.values():
+            assert all(0 <= t.start <= t.end for t in row)
+            assert all(a.end <= b.start for a, b in zip(row, row[1:], strict=False))
