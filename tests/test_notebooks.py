@@ -83,7 +83,9 @@ def inject_parameters(nb, values):
 
 
 def kernel_manager(tmp_path):
-    """A kernel that runs this interpreter (whatever kernels the machine has registered)."""
+    """A kernel that runs this interpreter (whatever kernels the machine has registered),
+    connected over Unix sockets in ``tmp_path``: TCP ports chosen free, then bound by the
+    kernel, collided once between two notebook tests running side by side."""
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
 
@@ -94,7 +96,12 @@ def kernel_manager(tmp_path):
         json.dumps({"argv": argv, "display_name": "dynjax test", "language": "python"})
     )
     specs = KernelSpecManager(kernel_dirs=[str(spec.parent)])
-    return AsyncKernelManager(kernel_name="dynjax-test", kernel_spec_manager=specs)
+    return AsyncKernelManager(
+        kernel_name="dynjax-test",
+        kernel_spec_manager=specs,
+        transport="ipc",
+        ip=str(tmp_path / "kernel"),
+    )
 
 
 @pytest.mark.slow
