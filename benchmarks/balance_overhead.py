@@ -13,7 +13,9 @@ pipeline of ``--stages`` x ``--data`` fake CPU devices, in one process and inter
   seconds per step are those of one periodic profile. Each round runs both windows back to
   back (alternating which first) and the overhead is the median of the rounds' differences, in
   wall time, in process CPU time (all threads: the watchers' work shows, idle waits do not) and
-  in the training thread's CPU time (dispatching, reading metrics, building the Profile);
+  in the training thread's CPU time (dispatching, reading metrics, building the Profile); the
+  watcher threads' CPU (they do nothing else) plus the training thread's extra is the profile's
+  own CPU ("own CPU"), free of the noise of the rest of the process (XLA's threads);
 * a profiled step that runs every unit alone (`measure_units=True`: what a step after a change
   of the model does, waiting for the step and the units): its extra seconds over a plain step;
 * one decision: `RebalancePolicy.propose` on a history holding the profile (on the Controller's
@@ -47,6 +49,7 @@ import json
 import re
 import shlex
 import statistics
+import threading
 import time
 from datetime import date
 from pathlib import Path
@@ -57,6 +60,7 @@ from dynmo_cases import cadence, swaps, synthetic_cases
 
 from dynjax.config import load_config, microbatches
 from dynjax.experiment import Experiment
+from dynjax.parallel.pipeline import WATCHER
 from dynjax.parallel.profile import stage_busy_seconds
 from dynjax.recompile import Rebalance
 from dynjax.recompile.monitor import Monitor
@@ -77,6 +81,15 @@ def recorded_run(case: str) -> tuple[str, list[str]]:
     config = command[command.index("--config") + 1]
     overrides = [m.group(1) for arg in command if (m := re.fullmatch(r"--config\.(.+)", arg))]
     return config, [o for o in overrides if o.split("=", 1)[0] not in RUN_ONLY]
+
+
+def watchers_cpu() -> float:
+    """CPU seconds the pipeline's watcher threads have used (`Pipeline.start_timed_step`)."""
+    return sum(
+        time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        for t in threading.enumerate()
+        if t.name.startswith(WATCHER) and t.ident is not None
+    )
 
 
 def main() -> None:
@@ -131,7 +144,8 @@ def main() -> None:
                     busy.append(stage_busy_seconds(profile.timeline))
                 metrics = runtime.host_metrics(s, m)
 
-        t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
+        t0, c0, h0, w0 = (time.perf_counter(), time.process_time(), time.thread_time(),
+                          watchers_cpu())
         for _ in range(count):
             host = batch()
             if profiled:
@@ -144,6 +158,7 @@ def main() -> None:
             observe(monitor.pop_ready(step))
         observe(monitor.drain())
         seconds = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - h0
+        watched.append((watchers_cpu() - w0) / count)
         return *(t / count for t in seconds), metrics
 
     def units_alone() -> float:
@@ -155,6 +170,7 @@ def main() -> None:
         return seconds
 
     busy, waited = [], []  # stage busy seconds of the periodic and the waited-for timelines
+    watched = []  # the watcher threads' CPU seconds per step of each window
     steps(3, False)
     units_alone()  # warm up every program, and measure the layout's units once
     steps(3, True)
@@ -163,11 +179,15 @@ def main() -> None:
     step_s, step_cpu, step_thread, full_s, light_s, light_cpu, light_thread, decide_s = (
         [], [], [], [], [], [], [], [])
     (policy,) = [p for p in policies_for(cfg, exp) if isinstance(p, Rebalance)]
+    watched.clear()
+    watcher_cpu = []  # per profiled window
     for r in range(args.rounds):
         # Plain and profiled windows back to back, in alternating order: the machine's load
         # drifts, so each round's difference is taken within the round.
         for profiled in (r % 2 == 1, r % 2 == 0):
             wall, cpu, thread, metrics = steps(args.steps, profiled)
+            if profiled:
+                watcher_cpu.append(watched[-1])
             (light_s if profiled else step_s).append(wall)
             (light_cpu if profiled else step_cpu).append(cpu)
             (light_thread if profiled else step_thread).append(thread)
@@ -191,6 +211,10 @@ def main() -> None:
     cpu_base = statistics.median(step_cpu)
     cpu = statistics.median(a - b for a, b in zip(light_cpu, step_cpu, strict=True))
     thread = statistics.median(a - b for a, b in zip(light_thread, step_thread, strict=True))
+    # The profile's own CPU, free of the rest of the process's noise: the watcher threads' CPU
+    # per profiled step (they do nothing else) plus the training thread's extra.
+    watchers = statistics.median(watcher_cpu)
+    direct = thread + watchers
     setting = (f"{cfg.mesh.stage} stages x {cfg.mesh.data} data ({jax.device_count()} "
                f"{jax.devices()[0].platform} devices), {cfg.model.num_layers} layers, "
                f"M={microbatches(cfg)}, batch {cfg.train.batch_size} x {cfg.data.seq_len}; "
@@ -203,19 +227,20 @@ def main() -> None:
           f"process CPU per plain step {1e3 * cpu_base:.1f} ms, extra per periodic profile "
           f"{1e3 * cpu:.1f} ms; training thread CPU per plain step "
           f"{1e3 * statistics.median(step_thread):.1f} ms, extra per periodic profile "
-          f"{1e3 * thread:.2f} ms; "
-          f"migration {1e3 * statistics.median(migrate_s):.1f} ms per move")
+          f"{1e3 * thread:.2f} ms; watcher threads' CPU per periodic profile "
+          f"{1e3 * watchers:.2f} ms; migration {1e3 * statistics.median(migrate_s):.1f} ms "
+          "per move")
     # The periodic profiles' timelines are taken while the loop dispatches the next steps; the
     # balancer's costs come from them, so they must agree with a timeline the loop waited for.
     ratio = np.median(busy, axis=0) / np.median(waited, axis=0)
     print(f"stage busy seconds, periodic profiles / waited-for ones (medians of {len(busy)} and "
           f"{len(waited)}): " + " ".join(f"{r:.3f}" for r in ratio))
     print(f"{'case (cadence)':<28}{'every k':>8}{'units alone':>13}{'rescaled':>10}"
-          f"{'CPU':>7}")
+          f"{'CPU':>7}{'own CPU':>9}")
     for name in [args.case] if args.case else [c.name for c in synthetic_cases()]:
         k = cadence(name)
         print(f"{name:<28}{k:>8}{full / (k * base):>13.1%}{light / (k * base):>10.1%}"
-              f"{cpu / (k * cpu_base):>7.1%}")
+              f"{cpu / (k * cpu_base):>7.1%}{direct / (k * cpu_base):>9.1%}")
     if args.case:
         count, total = swaps(args.case)
         print(f"{args.case}: units run alone after each of the recorded run's {count} Plan swaps "
@@ -227,7 +252,8 @@ def main() -> None:
                 "decision_seconds": statistics.median(decide_s),
                 "migration_seconds": statistics.median(migrate_s),
                 "plain_step_cpu_seconds": cpu_base, "profile_cpu_seconds": cpu,
-                "profile_thread_seconds": thread, "busy_ratio": ratio.tolist()}
+                "profile_thread_seconds": thread, "watcher_cpu_seconds": watchers,
+                "busy_ratio": ratio.tolist()}
         with args.record.open("a") as f:
             f.write(json.dumps(line) + "\n")
 

@@ -251,8 +251,9 @@ amortisation window 0.2-1.2 s, against a modelled move cost of 10 s). Before thi
 profiler shared one measurement among a stage's layers with the same graph whatever their options
 (``dynjax.parallel.profile.timed_units``): a block-sparse layer reported its stage neighbour's time.
 
-Overheads (2026-11-25/26, the same VM, one at a time at nice 10: MoD and MoE re-measured after the
-watchers' wake-ups were cut, at load 11-17 from other jobs, 3 and 14 min, and early exit, 4 min;
+Overheads (MoD and MoE 2026-11-27 on the idle VM, with one watcher thread per stage kept for the
+pipeline's life, ``--steps 6 --rounds 12``, 3 and 5 min; earlier, 2026-11-25/26, one at a time at
+nice 10: early exit, 4 min;
 sparse attention at load ~8-14, 16 min; pruning and freezing are the earlier measurement, which
 waited for each periodic profile):
 
@@ -262,7 +263,8 @@ waited for each periodic profile):
     ... --case "sparse attention" --steps 2 --rounds 3 --record benchmarks/traces/overhead.jsonl
 
 Results (2026-11-26, ``PYTHONPATH=. python3 benchmarks/dynmo_cases.py``, 140 s with the machine
-shared; MoD, MoE and early exit overheads re-measured after the watchers' wake-ups were cut):
+shared; the MoD and MoE overhead columns from their 2026-11-27 measurement, the newest line of
+each in ``traces/overhead.jsonl``, 25 s on the idle machine):
 
 DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of a dynjax run
 (benchmarks/traces/); synthetic rows: seed 000 §2 load models. Rows named L x S EXTRAPOLATE a
@@ -316,10 +318,10 @@ the recorded run (the first profile of a Plan), over its steps (benchmarks/balan
                             x part x diff x repack   best  paper x dense  imbalance  ovh   cpu swaps
 ----------------------------------------------------------------------------------------------------
 (recorded: configs/moe.py, 4x2 fake CPU devices)
-MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06 -26% -1.1%  1.4%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17 -26% -1.1%  1.4%
-  32x16                      1.08x  1.07x    1.02x  1.08x  1.23x      -  1.81->1.73 -26% -1.1%  1.4%
-  32x16, Plan medians        1.45x  1.12x    1.43x  1.45x  1.23x      -  1.90->1.11 -26% -1.1%  1.4%
+MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06  -1% -0.2%  1.7%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17  -1% -0.2%  1.7%
+  32x16                      1.08x  1.07x    1.02x  1.08x  1.23x      -  1.81->1.73  -1% -0.2%  1.7%
+  32x16, Plan medians        1.45x  1.12x    1.43x  1.45x  1.23x      -  1.90->1.11  -1% -0.2%  1.7%
 (recorded: configs/pruning.py, 4x2 fake CPU devices)
 pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -  0.5%
   Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -  0.5%
@@ -341,10 +343,10 @@ early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0
   96x24                      1.00x  1.01x    0.99x  1.01x  4.52x  0.77x* 0.33->0.35  -0%  0.0%  2.1%
   96x24, Plan medians        1.03x  1.02x    1.01x  1.03x  4.52x  0.84x* 0.30->0.25  -0%  0.0%  2.1%
 (recorded: configs/mod.py, 4x2 fake CPU devices)
-MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58 -24%  2.3%  0.3%
-  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33 -24%  2.3%  0.3%
-  32x16                      1.29x  1.38x    0.97x  1.38x  1.17x      -  3.26->2.41 -24%  2.3%  0.3%
-  32x16, Plan medians        1.71x  1.54x    1.68x  1.71x  1.17x      -  3.28->1.76 -24%  2.3%  0.3%
+MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58   2%  1.4%  0.8%
+  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33   2%  1.4%  0.8%
+  32x16                      1.29x  1.38x    0.97x  1.38x  1.17x      -  3.26->2.41   2%  1.4%  0.8%
+  32x16, Plan medians        1.71x  1.54x    1.68x  1.71x  1.17x      -  3.28->1.76   2%  1.4%  0.8%
 
 The paper's baselines: MoE: static Megatron-LM; pruning: static Megatron-LM; freezing: Egeria, no
 balancing; sparse attention: dense attention; early exit: no early exit; MoD: MoD w/o balancing.
@@ -413,19 +415,21 @@ freezing overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=8,
 medians of 5 rounds of 5 steps): plain step 563.9 ms; extra per profile rescaled from the timeline
 38.1 ms, units run alone 134.7 ms; decision 1.30 ms; migration 7 ms per move.
 
-MoD overhead (2026-11-26, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256; medians
-of 6 rounds of 3 steps, the periodic profile's paired with the round's plain steps): plain step
-1640.5 ms; extra per profile rescaled from the timeline -385.8 ms, units run alone 774.4 ms;
-decision 1.25 ms; migration 35 ms per move; process CPU per plain step 903.4 ms, extra per periodic
-profile 21.1 ms; training thread CPU extra per periodic profile 4.89 ms; stage busy time of the
-periodic profiles' timelines / the waited-for ones: 1.16 1.25 1.58 1.30.
+MoD overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256; medians
+of 12 rounds of 6 steps, the periodic profile's paired with the round's plain steps): plain step
+404.2 ms; extra per profile rescaled from the timeline 6.7 ms, units run alone 457.6 ms; decision
+0.54 ms; migration 8 ms per move; process CPU per plain step 604.7 ms, extra per periodic profile
+8.2 ms; training thread CPU extra per periodic profile 1.08 ms; watcher threads' CPU per periodic
+profile 4.66 ms; stage busy time of the periodic profiles' timelines / the waited-for ones: 1.08
+1.04 1.02 1.00.
 
-MoE overhead (2026-11-26, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128; medians
-of 6 rounds of 3 steps, the periodic profile's paired with the round's plain steps): plain step
-3457.8 ms; extra per profile rescaled from the timeline -907.6 ms, units run alone 1647.5 ms;
-decision 1.30 ms; migration 34 ms per move; process CPU per plain step 1932.5 ms, extra per periodic
-profile -21.6 ms; training thread CPU extra per periodic profile -2.05 ms; stage busy time of the
-periodic profiles' timelines / the waited-for ones: 1.05 1.14 1.14 1.15.
+MoE overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128; medians
+of 12 rounds of 6 steps, the periodic profile's paired with the round's plain steps): plain step
+1299.1 ms; extra per profile rescaled from the timeline -8.9 ms, units run alone 724.1 ms; decision
+0.67 ms; migration 6 ms per move; process CPU per plain step 1962.2 ms, extra per periodic profile
+-4.4 ms; training thread CPU extra per periodic profile -0.73 ms; watcher threads' CPU per
+periodic profile 9.77 ms; stage busy time of the periodic profiles' timelines / the waited-for
+ones: 1.01 1.00 1.00 1.01.
 
 early exit overhead (2026-11-26, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256;
 medians of 6 rounds of 3 steps, the periodic profile's paired with the round's plain steps): plain
@@ -446,10 +450,10 @@ With ``--tiled`` (the measured model stacked L / 8 times; the 4-stage rows are t
                             x part x diff x repack   best  paper x dense  imbalance  ovh   cpu swaps
 ----------------------------------------------------------------------------------------------------
 (recorded: configs/moe.py, 4x2 fake CPU devices)
-MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06 -26% -1.1%  1.4%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17 -26% -1.1%  1.4%
-  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.23x      -  1.11->1.11 -26% -1.1%  1.4%
-  32x16 tiled, Plan medians  1.00x  1.02x    1.00x  1.02x  1.23x      -  1.22->1.22 -26% -1.1%  1.4%
+MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06  -1% -0.2%  1.7%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17  -1% -0.2%  1.7%
+  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.23x      -  1.11->1.11  -1% -0.2%  1.7%
+  32x16 tiled, Plan medians  1.00x  1.02x    1.00x  1.02x  1.23x      -  1.22->1.22  -1% -0.2%  1.7%
 (recorded: configs/pruning.py, 4x2 fake CPU devices)
 pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -  0.5%
   Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -  0.5%
@@ -471,10 +475,10 @@ early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0
   96x24 tiled                1.00x  1.00x    1.00x  1.00x  4.52x  0.80x* 0.09->0.10  -0%  0.0%  2.1%
   96x24 tiled, Plan medians  1.00x  0.99x    1.00x  1.00x  4.52x  0.84x* 0.09->0.09  -0%  0.0%  2.1%
 (recorded: configs/mod.py, 4x2 fake CPU devices)
-MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58 -24%  2.3%  0.3%
-  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33 -24%  2.3%  0.3%
-  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.17x      -  1.63->1.63 -24%  2.3%  0.3%
-  32x16 tiled, Plan medians  1.04x  1.04x    1.03x  1.04x  1.17x      -  1.60->1.37 -24%  2.3%  0.3%
+MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58   2%  1.4%  0.8%
+  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33   2%  1.4%  0.8%
+  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.17x      -  1.63->1.63   2%  1.4%  0.8%
+  32x16 tiled, Plan medians  1.04x  1.04x    1.03x  1.04x  1.17x      -  1.60->1.37   2%  1.4%  0.8%
 
 Gaps to the paper's numbers (seed 000 Fig. 3: MoE 1.23x, pruning 3.18x, freezing 2.23x, sparse
 attention 4.02x, early exit 4.52x, MoD 1.17x). What differs for every case: (1) size: 8 layers of a
@@ -1257,7 +1261,10 @@ def main(deep: bool = True, tiled: bool = False) -> None:
                 f"; process CPU per plain step {1e3 * r['plain_step_cpu_seconds']:.1f} ms, extra "
                 f"per periodic profile {1e3 * r['profile_cpu_seconds']:.1f} ms; training thread "
                 f"CPU extra per periodic profile {1e3 * r['profile_thread_seconds']:.2f} ms; "
-                "stage busy time of the periodic profiles' timelines / the waited-for ones: "
+                + (f"watcher threads' CPU per periodic profile "
+                   f"{1e3 * r['watcher_cpu_seconds']:.2f} ms; " if "watcher_cpu_seconds" in r
+                   else "")
+                + "stage busy time of the periodic profiles' timelines / the waited-for ones: "
                 + " ".join(f"{x:.2f}" for x in r["busy_ratio"])
                 if "profile_cpu_seconds" in r else "") + ".")
     for note in notes:

@@ -467,13 +467,14 @@ class Pipeline:
         000 §3.3.1); one watcher thread per stage waits for that stage's results in order (one
         thread for all would note a task that ends before an earlier-dispatched one on another
         stage only when that one ends). The watchers live as long as the pipeline: starting
-        them every step cost the training thread 0.7 ms each. A stage runs its programs in order, so a task ends when
-        its results are ready and starts at the latest of its dispatch, the end of the stage's
-        previous task and the end of the task that computed its input (when that stage is this
-        process's). Each wait is a thread wake-up, most of what a profile every step costs in
-        CPU, so the watchers wait for nothing else: not for a transfer's arrival (a starved
-        stage's task then includes its input's transfer). The watched arrays are none that a
-        later program donates, so later steps may be dispatched before the watchers are done.
+        them every step cost the training thread 0.7 ms each. A stage runs its programs in
+        order, so a task ends when its results are ready and starts at the latest of its
+        dispatch, the end of the stage's previous task and the end of the task that computed
+        its input (when that stage is this process's). Each wait is a thread wake-up, most of
+        what a profile every step costs in CPU, so the watchers wait for nothing else: not for
+        a transfer's arrival (a starved stage's task then includes its input's transfer). The
+        watched arrays are none that a later program donates, so later steps may be dispatched
+        before the watchers are done.
         """
         run = self._start(exe, inputs, targets, cached, rows)
         local = [s.index for s in self._local(exe.spec)]
@@ -501,7 +502,9 @@ class Pipeline:
         """The task queue of stage ``s``'s watcher thread (started on first use)."""
         if s not in self._watchers:
             self._watchers[s] = queue.SimpleQueue()
-            threading.Thread(target=_watch, args=(self._watchers[s],), daemon=True).start()
+            threading.Thread(
+                target=_watch, args=(self._watchers[s],), name=f"{WATCHER}{s}", daemon=True
+            ).start()
         return self._watchers[s]
 
     def _ready_marks(self, run: _Run, s: int) -> tuple:
@@ -934,6 +937,7 @@ _ADD_READOUT = jax.jit(add_readout_grads, donate_argnums=0)
 _MARK = jax.jit(lambda leaf: leaf.reshape(-1)[0] * 0)  # `Pipeline._ready_marks`: one program
 _READY = "ready"  # `Pipeline.timed_step`'s watchers: not a task, the stage's state arriving
 _BEGIN, _END = object(), object()  # a watcher's markers of a timed step's first and last items
+WATCHER = "dynjax-watch-stage-"  # a watcher thread's name, before its stage's index
 
 
 def _watch(tasks: queue.SimpleQueue) -> None:
