@@ -29,7 +29,6 @@ from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
 from dynjax.dynamism import enabled_plugins, plan_layer_options
 from dynjax.launch.distributed import Peers as ProcessPeers
-from dynjax.launch.distributed import exchange, forget
 from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
 from dynjax.model.hooks import LayerOptions
 from dynjax.optim import learning_rate_schedule, make_optimizer
@@ -45,7 +44,7 @@ from dynjax.parallel import (
 )
 from dynjax.parallel.feed import local_devices, place_rows, process_rows
 from dynjax.parallel.layout import join, layer_sizes
-from dynjax.parallel.peers import Peers, Rounds
+from dynjax.parallel.peers import Rounds
 from dynjax.parallel.pipeline import (
     Migration,
     PendingProfile,
@@ -377,14 +376,13 @@ class Experiment:
             max_entries=entries,
         )
 
-    def runtime(
-        self, plan: Plan, state: dict[str, Any] | None = None, peers: Peers | None = None
-    ):
+    def runtime(self, plan: Plan, state: dict[str, Any] | None = None):
         """The runtime of ``plan``'s kind, holding the initial state or ``state`` (host arrays,
         or arrays restored into `restore_target`, which stay where they are); a pipeline over
-        several processes gathers its profiles through ``peers``."""
+        several processes gathers its profiles through `stage_rounds`."""
         if plan.stage_layers:
-            pipeline = Pipeline(self.pipeline_programs, self.abstract_state, peers)
+            profiles = self.stage_rounds("profile")
+            pipeline = Pipeline(self.pipeline_programs, self.abstract_state, profiles)
             pipeline.place(
                 state if state is not None else self.init_host_state(),
                 self.pipeline_spec(plan),
@@ -487,7 +485,6 @@ class PipelineRuntime:
 
     def __init__(self, exp: Experiment, pipeline: Pipeline) -> None:
         self.exp, self.pipeline = exp, pipeline
-        self.evaluations = 0
         self.available_stages = exp.ctx.pipeline_stages
 
     def plan_context(self, current: Plan) -> PlanContext:
@@ -562,9 +559,9 @@ class PipelineRuntime:
     def host_metrics(self, step: int, metrics: dict[str, Any]) -> dict[str, np.ndarray]:
         """The host metrics of ``step``: every process contributes its stages' (in order)."""
         stages = {}
-        for part in exchange(f"metrics/{step}", metrics["stages"]):
+        # Numbered by exchange, not by step: a step repeats after an in-memory recovery.
+        for part in self.exp.stage_rounds("metrics").all(metrics["stages"]):
             stages.update(part)
-        forget(f"metrics/{step - 2}")  # every process has read it: they are a step apart at most
         return host_metrics({**metrics, "stages": stages})
 
     def swap(self, plan: Plan, executable) -> Migration | None:
@@ -586,8 +583,6 @@ class PipelineRuntime:
         return [self.pipeline.state[s] for s in sorted(self.pipeline.state)]
 
     def evaluate(self, plan: Plan) -> float | None:
-        self.evaluations += 1
         local = self.pipeline.evaluate((b.inputs, b.targets) for b in self.exp.val_batches)
-        losses = exchange(f"eval/{self.evaluations}", local)  # the last stage's process has it
-        forget(f"eval/{self.evaluations - 1}")
+        losses = self.exp.stage_rounds("eval").all(local)  # the last stage's process has it
         return next((loss for loss in losses if loss is not None), None)

@@ -208,14 +208,14 @@ def train(
         )
     if restored is None:
         plan, start = exp.initial_plan(), 0
-        runtime = exp.runtime(plan, peers=peers)
+        runtime = exp.runtime(plan)
         ledger = expert_ledger(cfg, exp, None, {}, events)
     else:
         state, meta = restored
         changes = config_changes(meta["config"], cfg)
         saved = Plan.from_dict(meta["plan"])
         plan, start = exp.resumed_plan(saved, changes), meta["step"]
-        runtime = exp.runtime(plan, state, peers)
+        runtime = exp.runtime(plan, state)
         events(resume_event(start, changes, saved, plan))
         log.info("resumed from step %d of %s", start, workdir)
         ledger = expert_ledger(cfg, exp, meta, changes, events)
@@ -401,15 +401,16 @@ def train(
                 else:
                     metrics = runtime.step(executable, batch, cached)
             except InjectedFault as fault:
-                snap = twolevel.recovery() if twolevel is not None else None
+                target = exp.restore_target(plan)
+                flat_target = layout.flatten(target)
+                snap = twolevel.recovery(flat_target) if twolevel is not None else None
                 if snap is None:  # nothing in memory: the process ends, a restart reads storage
                     raise
                 log.warning("%s: %s; restoring the snapshot of step %d from host memory",
                             type(fault).__name__, fault, snap.step)
                 observe(monitor.drain())  # the steps that ran: the ledger reaches the snapshot
-                target = exp.restore_target(plan)
-                state = layout.unflatten_like(target, snap.placed(layout.flatten(target)))
-                runtime = exp.runtime(plan, state, peers)
+                state = layout.unflatten_like(target, snap.placed(flat_target))
+                runtime = exp.runtime(plan, state)
                 recovery = {"event": "checkpoint_recovery", "step": snap.step, "plt": 0.0}
                 if ledger is not None:
                     ledger = expert_ledger_from(cfg, twolevel.ledger_of(snap))

@@ -1,5 +1,6 @@
 """Profiling inside dynjax.train: profile events, the Monitor's metrics, the measured timeline."""
 
+import gc
 import threading
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 from dynjax.balance import simulate
 from dynjax.experiment import Experiment
 from dynjax.model import ModelParts
+from dynjax.parallel.pipeline import WATCHER
 from dynjax.parallel.profile import (
     ProfilePart,
     TaskTime,
@@ -162,6 +164,7 @@ def test_timed_steps_reuse_one_watcher_per_stage_and_keep_their_timelines_apart(
         mesh__stage=2, mesh__data=1, train__microbatches=2, pipeline__schedule="gpipe"
     ))
     plan = exp.initial_plan()
+    before = set(threading.enumerate())
     runtime = exp.runtime(plan)
     exe = exp.lower_train_step(plan, profiling=True).compile()
     runtime.swap(plan, exe)
@@ -179,3 +182,11 @@ def test_timed_steps_reuse_one_watcher_per_stage_and_keep_their_timelines_apart(
         for row in rows.values():
             assert all(0 <= t.start <= t.end for t in row)
             assert all(a.end <= b.start for a, b in zip(row, row[1:], strict=False))
+    watchers = [t for t in threading.enumerate()
+                if t.name.startswith(WATCHER) and t not in before]
+    assert len(watchers) == 2
+    del runtime  # a discarded pipeline's watchers end
+    gc.collect()
+    for t in watchers:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in watchers)

@@ -41,6 +41,7 @@ from dynjax.checkpoint.manager import (
     Checkpointer,
     CheckpointError,
     CheckpointMismatch,
+    ExpertsMissing,
     Slot,
     check_fits,
     qkv_columns_per_head,
@@ -148,13 +149,15 @@ class Sources:
         sources: list[Path],
         template: dict[str, Any],
         emit: Callable[[dict[str, Any]], None] = lambda event: None,
+        complete: dict[int, list[Path]] | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The leaves ``template`` names (key -> ShapeDtypeStruct) as of ``step``, host arrays
         each verified against its writer's checksum, and the step's metadata (the first
         source's). A leaf no source holds, or holds in another shape, is `CheckpointMismatch`;
         an unreadable or corrupted one raises (the step is unusable). An expert leaf the step
-        saved in part (PEC) is assembled (`_assemble`); the metadata's ``expert_sources``
-        says where each of this process's experts came from."""
+        saved in part (PEC) is assembled (`_assemble`) from the steps of ``complete`` (the
+        listing every process agreed on; None: this process's); the metadata's
+        ``expert_sources`` says where each of this process's experts came from."""
         metas = [self.meta(directory, step) for directory in sources]
         holder: dict[str, tuple[Path, dict[str, Any]]] = {}
         for directory, meta in zip(sources, metas, strict=True):
@@ -190,14 +193,19 @@ class Sources:
                 raise CheckpointError(f"step {step} {key}: checksum mismatch (corrupted data)")
             out[key] = qkv_columns_per_head({key: array}, meta, step)[key]
         if partial:
-            assembled, chosen = self._assemble(step, partial, emit)
+            listing = self.complete() if complete is None else complete
+            assembled, chosen = self._assemble(step, partial, emit, listing)
             out.update(assembled)
             for layer, groups in chosen.items():
                 sources_of.setdefault(layer, {}).update(groups)
         return out, {**metas[0], "expert_sources": sources_of}
 
     def _assemble(
-        self, step: int, want: dict[str, Any], emit: Callable[[dict[str, Any]], None]
+        self,
+        step: int,
+        want: dict[str, Any],
+        emit: Callable[[dict[str, Any]], None],
+        complete: dict[int, list[Path]],
     ) -> tuple[dict[str, np.ndarray], dict[int, dict[str, list[int]]]]:
         """The expert leaves ``want`` (key -> ShapeDtypeStruct) as of ``step``, of which it
         saved only some experts (PEC, seed 004 §3): each expert's rows from the newest complete
@@ -205,7 +213,6 @@ class Sources:
         its stage then, or a whole checkpoint) has a copy that reads and verifies
         (`manager.resolve_slot`); and per MoE layer and expert group the step each expert
         came from."""
-        complete = self.complete()
         older = sorted((s for s in complete if s <= step), reverse=True)
         slots: dict[Slot, list[str]] = {}
         for key in want:
@@ -284,20 +291,27 @@ def restore_parts(
             template = target(meta)  # what it raises (the config's errors) moves nothing
             try:
                 parts = [d for d in held if d != root] or whole
-                flat, meta = sources.read(step, parts, layout.flatten(template), emit)
-            except CheckpointMismatch as err:  # the model's, not the data's: raised everywhere
-                error, mismatch = err, str(err)
+                flat, meta = sources.read(
+                    step, parts, layout.flatten(template), emit, complete=complete
+                )
+            except (CheckpointMismatch, ExpertsMissing) as err:  # not this step's data alone:
+                error, mismatch = err, (type(err).__name__, str(err))  # raised everywhere
             except Exception as err:  # noqa: BLE001 - any failure: try an older step
                 error = err
         mismatches = [m for m in agreed.all("mismatch", mismatch) if m is not None]
         if mismatches:
-            raise CheckpointMismatch(mismatches[0])
+            kind, message = mismatches[0]
+            raise (ExpertsMissing if kind == ExpertsMissing.__name__ else CheckpointMismatch)(
+                message
+            )
         failed = agreed.all("failed", None if error is None else f"{type(error).__name__}: {error}")
         if all(f is None for f in failed):
             # Each process assembled the experts of its own stages: every process's ledger
             # accounts for all of them (`ExpertLedger.recover`).
-            mine = meta["expert_sources"]
-            every = {k: v for part in agreed.all("expert_sources", mine) for k, v in part.items()}
+            every: dict[int, dict[str, list[int]]] = {}
+            for part in agreed.all("expert_sources", meta["expert_sources"]):
+                for layer, groups in part.items():
+                    every.setdefault(layer, {}).update(groups)
             meta = {**meta, "expert_sources": every}
             restored = step, (layout.unflatten_like(template, flat), meta)
             break

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -394,15 +394,17 @@ class TwoLevel:
             except Exception:  # noqa: BLE001 - its buffer was abandoned: not handed out
                 pass
 
-    def recovery(self) -> Snapshot | None:
+    def recovery(self, keys: Collection[str]) -> Snapshot | None:
         """The newest complete snapshot, once every fill started has ended (a fault's
-        recovery). Over several processes, None unless every process's is of the same step
-        (they then restart from storage)."""
+        recovery), if it holds exactly ``keys`` (the leaves this process now holds: a layer
+        may have moved to another process's stage since). Over several processes, None unless
+        every process's is usable and of the same step (they then restart from storage)."""
         self._settle()
         self._pending.clear()
         snap = self.buffers.recovery()
-        steps = self.rounds.all(None if snap is None else snap.step)
-        return snap if len(set(steps)) == 1 else None
+        usable = snap is not None and set(snap.arrays) == set(keys)
+        steps = self.rounds.all(snap.step if usable else None)
+        return snap if usable and len(set(steps)) == 1 else None
 
     def rolled_back(self, step: int) -> None:
         """After recovering to ``step``: forget the snapshots of the later steps."""
@@ -461,6 +463,9 @@ class TwoLevel:
             meta,
             experts=experts,
         )
+        # What storage holds must be alike in every process: they choose the next partial
+        # snapshots from it.
+        started = all(self.rounds.all(started))
         if not started:
             self.buffers.end_persist(snap)
             return False

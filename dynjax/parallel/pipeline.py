@@ -25,6 +25,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
@@ -41,7 +42,7 @@ from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.feed import Placement, place_microbatches
 from dynjax.parallel.layout import join, relayout
 from dynjax.parallel.mesh import TOKEN_AXES
-from dynjax.parallel.peers import Peers
+from dynjax.parallel.peers import Rounds
 from dynjax.parallel.profile import (
     Profile,
     ProfilePart,
@@ -271,15 +272,17 @@ class Pipeline:
     """
 
     def __init__(
-        self, programs: PipelinePrograms, full_template: Any, peers: Peers | None = None
+        self, programs: PipelinePrograms, full_template: Any, profiles: Rounds | None = None
     ) -> None:
         self.programs = programs
         self.transport = programs.transport
-        self.peers = peers  # the other processes' stages' profiles come through them
-        self._profiles = 0  # profiles started: every process numbers its exchanges alike
+        # The other processes' stages' profiles come through it (None: this process profiles
+        # alone). Its numbering outlives this pipeline (`Experiment.stage_rounds`).
+        self.profiles = profiles
         # One watcher thread per stage, kept across timed steps (`start_timed_step`): starting
         # threads every step cost more CPU than the step's waits.
         self._watchers: dict[int, queue.SimpleQueue] = {}
+        weakref.finalize(self, _stop_watchers, self._watchers)  # they end with the pipeline
         self.full_template = full_template  # the full {"params", "opt_state"} tree (structure)
         self.spec: PipelineSpec | None = None
         self.state: dict[int, dict[str, Any]] = {}
@@ -564,7 +567,7 @@ class Pipeline:
         once per executable. The one-unit programs come with ``exe`` (lowered with
         ``profiling``): nothing compiles here, on the training thread.
 
-        Each process measures its own stages; over several processes (``peers``) every process
+        Each process measures its own stages; over several processes (``profiles``) every process
         must profile the same steps and ask for their `Profile`s in the same order: each then
         exchanges its part with the others' (`merged`), and all hold the same `Profile`.
         """
@@ -573,9 +576,8 @@ class Pipeline:
                 "profiling a step needs its one-unit programs: lower the spec with "
                 "PipelinePrograms.lower(spec, profiling=True)"
             )
-        if self.peers is None:
-            self._single_process("profiling without the other processes (peers)")
-        number, self._profiles = self._profiles, self._profiles + 1
+        if self.profiles is None:
+            self._single_process("profiling without the other processes (profiles)")
         memory = self._memory(exe)
         layout = tuple(len(stage.layers) for stage in exe.spec.stages)
         measured = self._measured_units
@@ -591,7 +593,7 @@ class Pipeline:
                     for s, row in timeline.items()
                 }
                 part = ProfilePart(rescaled_units(units, exe.spec, factors), memory, timeline)
-                return self._gathered(number, part, layout, False, time.perf_counter() - start)
+                return self._gathered(part, layout, False, time.perf_counter() - start)
 
             return metrics, PendingProfile(rescaled)
         timeline = pending.result()
@@ -610,23 +612,17 @@ class Pipeline:
         part = ProfilePart(units, memory, timeline)
         seconds = time.perf_counter() - start
         return metrics, PendingProfile(
-            lambda: self._gathered(number, part, layout, True, seconds)
+            lambda: self._gathered(part, layout, True, seconds)
         )
 
     def _gathered(
-        self, number: int, part: ProfilePart, layout: tuple[int, ...], measured: bool,
-        seconds: float,
+        self, part: ProfilePart, layout: tuple[int, ...], measured: bool, seconds: float
     ) -> Profile:
         """The `Profile` of every stage: this process's ``part`` and, over several processes,
-        the others' of the same profile ``number`` (the exchange's seconds count too)."""
+        the others' of the same profile (every process asks for them in the same order; the
+        exchange's seconds count too)."""
         start = time.perf_counter()
-        parts = [part]
-        if self.peers is not None and self.peers.count > 1:
-            key = f"profile/{number}"
-            self.peers.publish(key, part)
-            parts = self.peers.collect(key)
-            if number:  # every process read it before publishing this one
-                self.peers.forget(f"profile/{number - 1}")
+        parts = [part] if self.profiles is None else self.profiles.all(part)
         seconds += time.perf_counter() - start
         return merged(parts, layout, units_measured=measured, seconds=seconds)
 
@@ -948,8 +944,8 @@ def _watch(tasks: queue.SimpleQueue) -> None:
     errors) and (`_END`, the event to set once they are noted)."""
     seen: list[tuple[Any, float, float, float]] = []
     errors: list[BaseException] = []
-    while True:
-        task, dispatched, needs, computed = tasks.get()
+    while (item := tasks.get()) is not None:
+        task, dispatched, needs, computed = item
         if task is _BEGIN:
             seen, errors = dispatched, needs
             continue
@@ -969,6 +965,12 @@ def _watch(tasks: queue.SimpleQueue) -> None:
             errors.append(e)
             continue
         seen.append((task, dispatched, arrived, end))
+
+
+def _stop_watchers(watchers: dict[int, queue.SimpleQueue]) -> None:
+    """End a discarded pipeline's watcher threads (after the items already queued)."""
+    for tasks in watchers.values():
+        tasks.put(None)
 
 
 class PendingTimeline:
