@@ -394,11 +394,13 @@ class Experiment:
         return SingleProgramRuntime(self, state, plan)
 
     def stage_rounds(self, name: str) -> Rounds:
-        """The exchange by which a plugin combines what each process computed from its own
-        stages (`Plugin.before_step`'s ``states`` are this process's): over the processes of a
-        pipeline over several, whose stages they hold in process order; this process alone
-        otherwise (one process, or one program whose arrays are global). One per ``name``:
-        every process makes the same calls."""
+        """The numbered exchange by which each process combines what it computed from its own
+        stages with the others': a plugin's (`Plugin.before_step`'s ``states`` are this
+        process's), and the pipeline runtime's metrics, evaluations and profiles. Over the
+        processes of a pipeline over several, whose stages they hold in process order; this
+        process alone otherwise (one process, or one program whose arrays are global). One per
+        ``name``, kept for the run (a runtime rebuilt by a recovery numbers on): every process
+        makes the same calls."""
         if name not in self._rounds:
             split = jax.process_count() > 1 and bool(self.ctx.pipeline_stages)
             self._rounds[name] = Rounds(ProcessPeers() if split else None, name)

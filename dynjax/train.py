@@ -401,10 +401,12 @@ def train(
                 else:
                     metrics = runtime.step(executable, batch, cached)
             except InjectedFault as fault:
+                if twolevel is None:  # nothing in memory: the process ends, a restart reads storage
+                    raise
                 target = exp.restore_target(plan)
                 flat_target = layout.flatten(target)
-                snap = twolevel.recovery(flat_target) if twolevel is not None else None
-                if snap is None:  # nothing in memory: the process ends, a restart reads storage
+                snap = twolevel.recovery(flat_target)
+                if snap is None:  # no usable snapshot (in some process): the same
                     raise
                 log.warning("%s: %s; restoring the snapshot of step %d from host memory",
                             type(fault).__name__, fault, snap.step)

@@ -49,7 +49,7 @@ from dynjax.checkpoint.manager import (
     quiet_orbax,
     resolve_slot,
 )
-from dynjax.parallel.peers import Peers
+from dynjax.parallel.peers import Peers, Rounds
 
 log = logging.getLogger(__name__)
 PART = "process_{}"
@@ -273,10 +273,11 @@ def restore_parts(
     restored (never completed) are moved aside too. ``reload`` re-lists the caller's own
     checkpoints once steps moved. The processes agree through ``peers`` (None: one process).
     """
-    sources, agreed = Sources(root, peers.index if peers else 0), _Agreement(peers)
+    sources = Sources(root, peers.index if peers else 0)
+    agreed = Rounds(peers, "checkpoint/restore")  # every process makes the same calls
     # Process 0's listing: every process tries the same steps in the same order, and a step
     # another host's view of shared storage lists late is not taken for a broken one.
-    complete = agreed.first("steps", sources.complete())
+    complete = agreed.first(sources.complete())
     steps = sorted(complete)
     restored = None
     for step in reversed(steps):
@@ -298,18 +299,18 @@ def restore_parts(
                 error, mismatch = err, (type(err).__name__, str(err))  # raised everywhere
             except Exception as err:  # noqa: BLE001 - any failure: try an older step
                 error = err
-        mismatches = [m for m in agreed.all("mismatch", mismatch) if m is not None]
+        mismatches = [m for m in agreed.all(mismatch) if m is not None]
         if mismatches:
             kind, message = mismatches[0]
             raise (ExpertsMissing if kind == ExpertsMissing.__name__ else CheckpointMismatch)(
                 message
             )
-        failed = agreed.all("failed", None if error is None else f"{type(error).__name__}: {error}")
+        failed = agreed.all(None if error is None else f"{type(error).__name__}: {error}")
         if all(f is None for f in failed):
             # Each process assembled the experts of its own stages: every process's ledger
             # accounts for all of them (`ExpertLedger.recover`).
             every: dict[int, dict[str, list[int]]] = {}
-            for part in agreed.all("expert_sources", meta["expert_sources"]):
+            for part in agreed.all(meta["expert_sources"]):
                 for layer, groups in part.items():
                     every.setdefault(layer, {}).update(groups)
             meta = {**meta, "expert_sources": every}
@@ -320,7 +321,7 @@ def restore_parts(
         )
         _set_aside(sources, agreed, step, held, reason, emit, reload)
     newer = [s for s in sources.part_steps() if restored is None or s > restored[0]]
-    incomplete = agreed.first("incomplete", sorted(newer))
+    incomplete = agreed.first(sorted(newer))
     for step in incomplete:
         _set_aside(sources, agreed, step, sources.parts(), None, emit, reload)
     if restored is not None:
@@ -340,31 +341,12 @@ def parts_are_newer(root: Path, whole: list[int], peers: Peers | None) -> bool:
     process takes process 0's answer, so all restore the same way."""
     newest = Sources(root, peers.index if peers else 0).newest_in_parts()
     newer = newest is not None and newest > max(whole, default=-1)
-    return bool(_Agreement(peers).first("parts_newer", newer))
-
-
-class _Agreement:
-    """Small values every process contributes and all read (`Peers`), under fresh keys."""
-
-    def __init__(self, peers: Peers | None):
-        self.peers, self.count = peers, 0
-
-    def all(self, name: str, value: Any) -> list[Any]:
-        if self.peers is None:
-            return [value]
-        self.count += 1
-        key = f"checkpoint/{name}/{self.count}"
-        self.peers.publish(key, value)
-        return self.peers.collect(key)
-
-    def first(self, name: str, value: Any) -> Any:
-        """Process 0's ``value``."""
-        return self.all(name, value)[0]
+    return bool(Rounds(peers, "checkpoint/parts_newer").first(newer))
 
 
 def _set_aside(
     sources: Sources,
-    agreed: _Agreement,
+    agreed: Rounds,
     step: int,
     directories: list[Path],
     failure: str | None,
@@ -375,7 +357,7 @@ def _set_aside(
     never finished saving); every process waits for it and re-lists its own checkpoints."""
     first = sources.process == 0
     moved = [str(m) for m in sources.set_aside(step, directories)] if first else []
-    moved = agreed.first("moved", moved)  # where process 0 moved it, in every process's event
+    moved = agreed.first(moved)  # where process 0 moved it, in every process's event
     reload()
     reason = failure or "not every process finished saving it"
     if first:

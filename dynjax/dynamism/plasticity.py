@@ -94,7 +94,7 @@ class PlasticityProbe:
             raise ValueError("no reference yet: call refresh() first")
         now = self.outputs(states, rounds)
         away = {i: np.asarray(h) for i, h in now.items() if i not in self.reference}
-        for part in rounds.all(away) if rounds.count > 1 else ():
+        for part in rounds.all(away):
             now.update({i: h for i, h in part.items() if i in self.reference})
         mine = {i: _relative_change(h, _placed_like(self.reference[i], h)) for i, h in now.items()
                 if i in self.reference}

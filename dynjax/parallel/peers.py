@@ -56,5 +56,9 @@ class Rounds:
         self.rounds += 1
         return values
 
+    def first(self, value: Any) -> Any:
+        """Process 0's ``value`` of this round (every process takes the same answer)."""
+        return self.all(value)[0]
+
 
 ALONE = Rounds(None, "alone")  # this process by itself: `Rounds.all` returns ``[value]``
