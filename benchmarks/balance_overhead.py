@@ -7,7 +7,7 @@ pipeline of ``--stages`` x ``--data`` fake CPU devices, in one process and inter
 
 * a plain step: the training loop's steady state, steps dispatched back to back, their metrics
   read ``recompile.delta_launch`` steps late as the Monitor reads them;
-* the same steps each with a periodic profile (`start_profile_step(measure_units=False)`: unit
+* the same steps each with a periodic profile (`start_profile_step` of a measured layout: unit
   times rescaled from the step's own timeline, taken by watcher threads while the loop goes on,
   the Profile built when the Monitor hands the step over, as `dynjax.train` does): the extra
   seconds per step are those of one periodic profile. Each round runs both windows back to
@@ -16,18 +16,21 @@ pipeline of ``--stages`` x ``--data`` fake CPU devices, in one process and inter
   in the training thread's CPU time (dispatching, reading metrics, building the Profile); the
   watcher threads' CPU (they do nothing else) plus the training thread's extra is the profile's
   own CPU ("own CPU"), free of the noise of the rest of the process (XLA's threads);
-* a profiled step that runs every unit alone (`measure_units=True`: what a step after a change
-  of the model does, waiting for the step and the units): its extra seconds over a plain step;
+* the profiled step after a Plan swap, which runs alone the units the swap made new (their
+  timing signature, `dynjax.parallel.profile.unit_seconds`) and waits for them: its extra
+  seconds over the round's plain step, after a layer moves to the neighbouring stage and back
+  ("move"), and, for MoE, sparse attention and early exit, after every sized layer is resized
+  and back ("resize", `resized`: an upper bound of a policy's change);
 * one decision: `RebalancePolicy.propose` on a history holding the profile (on the Controller's
   thread in a run, so it delays no step; shown for completeness);
-* one migration of a layer to the neighbouring stage and back (per move).
+* the migrations of those moves (per move).
 
 Overhead at a cadence of k steps = extra seconds of one periodic profile / (k plain steps); the
 table prints it for each case's cadence (`dynmo_cases.cadence`: every step for MoE, MoD and sparse
 attention, 500 for freezing and early exit, 1,000 for pruning; seed 000 §3.3.1, Fig. 3), and,
-with ``--case``, the units-alone profile after each Plan swap of the recorded run over its steps
-(`dynmo_cases.swaps`). Migration is paid only when a decision moves layers; its cost per move is
-printed beside.
+with ``--case``, the profiles after the recorded run's Plan swaps, each move and each other swap
+at the measured seconds of its kind, over its steps (`dynmo_cases.swaps`, `swap_seconds`).
+Migration is paid only when a decision moves layers; its cost per move is printed beside.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
         python3 benchmarks/balance_overhead.py [--config configs/quickstart.py] [--layers 8]
@@ -53,16 +56,17 @@ import threading
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
-from dynmo_cases import cadence, swaps, synthetic_cases
+from dynmo_cases import cadence, resizes, swap_seconds, swaps, synthetic_cases
 
-from dynjax.config import load_config, microbatches
+from dynjax.config import load_config, microbatches, moe_layer_indices
 from dynjax.experiment import Experiment
 from dynjax.parallel.pipeline import WATCHER
 from dynjax.parallel.profile import stage_busy_seconds
-from dynjax.recompile import Rebalance
+from dynjax.recompile import Plan, Rebalance
 from dynjax.recompile.monitor import Monitor
 from dynjax.recompile.policy import History
 from dynjax.train import policies_for
@@ -92,6 +96,43 @@ def watchers_cpu() -> float:
     )
 
 
+def keyed(swap: dict[str, float]) -> dict[str, Any]:
+    """A record's fields of the extra seconds of the profile after each change
+    (`dynmo_cases.swap_seconds` reads them)."""
+    resize = {key: t for key, t in swap.items() if key != "move"}
+    return {"move_units_seconds": swap["move"], "resize_units_seconds": resize}
+
+
+def resized(case: str | None, plan: Plan, layers: str, moe_layers: tuple[int, ...]) -> Plan | None:
+    """``plan`` with the sizes of ``layers`` (a `resize_key`: "all", or indices) halved as the
+    case's policy changes them: each MoE layer's capacities (a smaller ragged buffer; one the
+    bucketed buffer absorbs, e.g. x 1.5 from the start, changes no program and runs nothing
+    alone), attention budget or early-exit bucket ("all" stands for the swap that turns early
+    exits on, which changes every exit layer's program but no layer's cost). None for a case
+    whose other swaps are changes of the model (pruning, freezing: their records hold every
+    unit alone) or that has none."""
+    if case not in ("MoE", "sparse attention", "early exit"):
+        return None
+    chosen = None if layers == "all" else set(map(int, layers.split(",")))
+
+    def half(sizes: tuple, indices) -> tuple:
+        """``sizes`` (one per layer of ``indices``) with the chosen layers' halved."""
+        out = []
+        for i, size in zip(indices, sizes, strict=True):
+            if chosen is None or i in chosen:
+                size = tuple(max(1, c // 2) for c in size) if isinstance(size, tuple) \
+                    else max(1, size // 2)
+            out.append(size)
+        return tuple(out)
+
+    if case == "MoE":
+        return plan.replace(capacities=half(plan.capacities, moe_layers))
+    name, field = {"sparse attention": ("sparse_attention", "budgets"),
+                   "early exit": ("early_exit", "tokens")}[case]
+    sizes = plan.part(name)[field]
+    return plan.with_part(name, **{field: half(sizes, range(len(sizes)))})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/quickstart.py")
@@ -114,7 +155,10 @@ def main() -> None:
         config, overrides = args.config, [
             f"model.num_layers={args.layers}", f"mesh.stage={args.stages}",
             f"mesh.data={args.data}", f"train.microbatches={args.microbatches}"]
-    cfg = load_config(config, [*overrides, "balance.enabled=True", "balance.every=1",
+    # Early exit: tokens exit from the first step, as in the recorded run's swaps (they come
+    # after its start_step) and most of its steps.
+    exits = ["early_exit.start_step=0"] if args.case == "early exit" else []
+    cfg = load_config(config, [*overrides, *exits, "balance.enabled=True", "balance.every=1",
                                "pipeline.profile_every=1"])
     exp = Experiment.from_config(cfg)
     plan = exp.initial_plan()
@@ -149,9 +193,7 @@ def main() -> None:
         for _ in range(count):
             host = batch()
             if profiled:
-                raw, pending[step] = runtime.start_profile_step(
-                    exe, host, None, measure_units=False
-                )
+                raw, pending[step] = runtime.start_profile_step(exe, host, None)
             else:
                 raw = runtime.step(exe, host, None)
             monitor.push(step, raw)
@@ -161,23 +203,56 @@ def main() -> None:
         watched.append((watchers_cpu() - w0) / count)
         return *(t / count for t in seconds), metrics
 
-    def units_alone() -> float:
+    def swap_and_profile(target: Plan, executable) -> tuple[float, float, bool]:
+        """Seconds of the first profiled step after swapping to ``target`` (it waits for the
+        units the swap made new, run alone), the swap's migration seconds, and whether any unit
+        ran alone."""
+        migration = runtime.swap(target, executable)
         t0 = time.perf_counter()
-        metrics, profile = runtime.profile_step(exe, batch(), None, measure_units=True)
+        metrics, profile = runtime.profile_step(executable, batch(), None)
         jax.block_until_ready(metrics)
         seconds = time.perf_counter() - t0
-        waited.append(stage_busy_seconds(profile.timeline))
-        return seconds
+        if target == plan:  # a timeline of the measured layout that the loop waited for
+            waited.append(stage_busy_seconds(profile.timeline))
+        migrated = migration.seconds if migration is not None else 0.0
+        return seconds, migrated, profile.units_measured
+
+    counts = [len(s.layers) for s in runtime.pipeline.spec.stages]
+    moved = list(counts)
+    moved[0], moved[1] = moved[0] - 1, moved[1] + 1
+    # The changes timed after a swap: a move, and each resize of the recorded run's swaps.
+    plan_swaps = swaps(args.case)[0] if args.case else []
+    changes = {"move": plan.replace(stage_layers=tuple(moved))}
+    for key in sorted(set(resizes(plan_swaps))):
+        other = resized(args.case, plan, key, moe_layer_indices(cfg))
+        if other is not None:
+            changes[key] = other
+    changes = {
+        kind: (p, exp.lower_train_step(p, profiling=True).compile()) for kind, p in changes.items()
+    }
+
+    def swaps_there_and_back(kind: str) -> tuple[list[float], list[float]]:
+        """Profile seconds after a swap to the ``kind`` change and after the swap back, and the
+        two swaps' migration seconds: each profile runs alone the units its swap made new."""
+        there = swap_and_profile(*changes[kind])
+        back = swap_and_profile(plan, exe)
+        if kind != "move" and not (there[2] or back[2]):  # a move may only meet known units
+            raise SystemExit(f"resizing layers {kind} made no unit new: it measures nothing")
+        return [there[0], back[0]], [there[1], back[1]]
 
     busy, waited = [], []  # stage busy seconds of the periodic and the waited-for timelines
     watched = []  # the watcher threads' CPU seconds per step of each window
     steps(3, False)
-    units_alone()  # warm up every program, and measure the layout's units once
+    runtime.profile_step(exe, batch(), None)  # warm up every program, measure every unit once
+    for kind in changes:
+        swaps_there_and_back(kind)
     steps(3, True)
     busy.clear()
     waited.clear()
-    step_s, step_cpu, step_thread, full_s, light_s, light_cpu, light_thread, decide_s = (
-        [], [], [], [], [], [], [], [])
+    step_s, step_cpu, step_thread, light_s, light_cpu, light_thread, decide_s = (
+        [], [], [], [], [], [], [])
+    after = {kind: [] for kind in changes}  # profiled step seconds after a swap, by change
+    migrate_s = []
     (policy,) = [p for p in policies_for(cfg, exp) if isinstance(p, Rebalance)]
     watched.clear()
     watcher_cpu = []  # per profiled window
@@ -191,22 +266,20 @@ def main() -> None:
             (light_s if profiled else step_s).append(wall)
             (light_cpu if profiled else step_cpu).append(cpu)
             (light_thread if profiled else step_thread).append(thread)
-        full_s.append(units_alone())
+        for kind in changes:
+            seconds, migrations = swaps_there_and_back(kind)
+            after[kind] += seconds
+            if kind == "move":
+                migrate_s += migrations
         history = History.of([(step, metrics)])
         t0 = time.perf_counter()
         policy.propose(history, plan)
         decide_s.append(time.perf_counter() - t0)
-    counts = [len(s.layers) for s in runtime.pipeline.spec.stages]
-    moved = list(counts)
-    moved[0], moved[1] = moved[0] - 1, moved[1] + 1
-    migrate_s = []
-    for layout in (moved, counts):
-        other = plan.replace(stage_layers=tuple(layout))
-        migration = runtime.swap(other, exp.lower_train_step(other, profiling=True).compile())
-        migrate_s.append(migration.seconds)
     base = statistics.median(step_s)
-    full = statistics.median(full_s) - base
-    # Medians of the rounds' paired differences.
+    # Medians of the rounds' paired differences (two swaps of each change a round).
+    swap = {kind: statistics.median(a - b for a, b in zip(seconds, np.repeat(step_s, 2),
+                                                            strict=True))
+            for kind, seconds in after.items()}
     light = statistics.median(a - b for a, b in zip(light_s, step_s, strict=True))
     cpu_base = statistics.median(step_cpu)
     cpu = statistics.median(a - b for a, b in zip(light_cpu, step_cpu, strict=True))
@@ -221,8 +294,11 @@ def main() -> None:
                f"medians of {args.rounds} rounds of {args.steps} steps, the periodic "
                "profile's paired with the round's plain steps")
     print(f"\n{args.case or config}: {setting}")
-    print(f"plain step {1e3 * base:.1f} ms; extra per profile: units run alone "
-          f"{1e3 * full:.1f} ms, rescaled from the timeline {1e3 * light:.1f} ms; "
+    print(f"plain step {1e3 * base:.1f} ms; extra per profile: after a swap, running alone "
+          "the units it made new, " + ", ".join(
+              f"{1e3 * t:.1f} ms ({'a layer to the next stage' if k == 'move' else k + ' resized'})"
+              for k, t in swap.items())
+          + f"; rescaled from the timeline {1e3 * light:.1f} ms; "
           f"decision {1e3 * statistics.median(decide_s):.2f} ms (controller thread); "
           f"process CPU per plain step {1e3 * cpu_base:.1f} ms, extra per periodic profile "
           f"{1e3 * cpu:.1f} ms; training thread CPU per plain step "
@@ -235,20 +311,22 @@ def main() -> None:
     ratio = np.median(busy, axis=0) / np.median(waited, axis=0)
     print(f"stage busy seconds, periodic profiles / waited-for ones (medians of {len(busy)} and "
           f"{len(waited)}): " + " ".join(f"{r:.3f}" for r in ratio))
-    print(f"{'case (cadence)':<28}{'every k':>8}{'units alone':>13}{'rescaled':>10}"
-          f"{'CPU':>7}{'own CPU':>9}")
+    print(f"{'case (cadence)':<28}{'every k':>8}{'rescaled':>10}{'CPU':>7}{'own CPU':>9}")
     for name in [args.case] if args.case else [c.name for c in synthetic_cases()]:
         k = cadence(name)
-        print(f"{name:<28}{k:>8}{full / (k * base):>13.1%}{light / (k * base):>10.1%}"
+        print(f"{name:<28}{k:>8}{light / (k * base):>10.1%}"
               f"{cpu / (k * cpu_base):>7.1%}{direct / (k * cpu_base):>9.1%}")
     if args.case:
-        count, total = swaps(args.case)
-        print(f"{args.case}: units run alone after each of the recorded run's {count} Plan swaps "
-              f"in {total} steps: {full * count / (total * base):.1%} of its plain steps' time")
+        total = swaps(args.case)[1]
+        share = swap_seconds(keyed(swap), plan_swaps)
+        print(f"{args.case}: the profiles after the recorded run's {len(plan_swaps)} Plan swaps "
+              f"({sum(m for m, _ in plan_swaps)} moves) in {total} steps: "
+              + (f"{share / (total * base):.1%}" if share is not None else "unmeasured")
+              + " of its plain steps' time")
     if args.record:
         line = {"case": args.case, "recorded": date.today().isoformat(), "setting": setting,
                 "config": config, "overrides": overrides, "plain_step_seconds": base,
-                "profile_seconds": light, "units_alone_seconds": full,
+                "profile_seconds": light, **keyed(swap),
                 "decision_seconds": statistics.median(decide_s),
                 "migration_seconds": statistics.median(migrate_s),
                 "plain_step_cpu_seconds": cpu_base, "profile_cpu_seconds": cpu,

@@ -24,10 +24,11 @@ dynamism); eq. 2's imbalance under the uniform and the partition layout; and the
 appended to ``traces/overhead.jsonl``: one periodic profile's extra seconds (unit times rescaled
 from the profiled step's own timeline) per ``every`` plain steps, ``every`` being the case's cadence
 in the paper (its synthetic row's, `cadence`: every step for MoE, sparse attention and MoD, 1,000
-for pruning, 500 for freezing and early exit; seed 000 §3.3.1, Fig. 3); "swaps" is a profile that
-runs every unit alone (what a Plan's first profile does, and the only samples a trace with ``units``
-keeps) once per Plan swap of the recorded run, over its steps (`swaps`). Migration (paid per move)
-and the decision (on the Controller's thread) are printed under the table.
+for pruning, 500 for freezing and early exit; seed 000 §3.3.1, Fig. 3); "swaps" is the profile
+after each Plan swap of the recorded run, which runs alone the units the swap made new (a Plan's
+first profile; the only samples a trace with ``units`` keeps), at the measured seconds of a move or
+of a resize (`swaps`, `swap_seconds`), over the run's steps. Migration (paid per move) and the
+decision (on the Controller's thread) are printed under the table.
 
 Extrapolation to the paper's setting (the "L x S" rows of a recorded case). The paper trains far
 deeper models on 16 (MoE, MoD) or 24 pipeline stages (seed 000 Fig. 3); our runs have 8 layers on
@@ -251,20 +252,21 @@ amortisation window 0.2-1.2 s, against a modelled move cost of 10 s). Before thi
 profiler shared one measurement among a stage's layers with the same graph whatever their options
 (``dynjax.parallel.profile.timed_units``): a block-sparse layer reported its stage neighbour's time.
 
-Overheads (MoD and MoE 2026-11-27 on the idle VM, with one watcher thread per stage kept for the
-pipeline's life, ``--steps 6 --rounds 12``, 3 and 5 min; earlier, 2026-11-25/26, one at a time at
-nice 10: early exit, 4 min;
-sparse attention at load ~8-14, 16 min; pruning and freezing are the earlier measurement, which
-waited for each periodic profile):
+Overheads (2026-11-27 on the idle VM, one at a time, with one watcher thread per stage kept for
+the pipeline's life and unit times kept across Plans: MoD and MoE ``--steps 6 --rounds 12``, 3 and
+10 min; early exit ``--steps 3 --rounds 6``, 5 min; sparse attention ``--steps 2 --rounds 3``, 10
+min; pruning and freezing are the 2026-11-25 measurement, which waited for each periodic profile
+and ran every unit alone after each swap):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. python3 \\
-        benchmarks/balance_overhead.py --case MoD --steps 3 --rounds 6 \\
-        --record benchmarks/traces/overhead.jsonl        (likewise MoE, early exit)
+        benchmarks/balance_overhead.py --case MoD --steps 6 --rounds 12 \\
+        --record benchmarks/traces/overhead.jsonl        (likewise MoE)
+    ... --case "early exit" --steps 3 --rounds 6 --record benchmarks/traces/overhead.jsonl
     ... --case "sparse attention" --steps 2 --rounds 3 --record benchmarks/traces/overhead.jsonl
 
 Results (2026-11-26, ``PYTHONPATH=. python3 benchmarks/dynmo_cases.py``, 140 s with the machine
-shared; the MoD and MoE overhead columns from their 2026-11-27 measurement, the newest line of
-each in ``traces/overhead.jsonl``, 25 s on the idle machine):
+shared; the overhead columns from the newest line of each case in ``traces/overhead.jsonl``,
+re-run 2026-11-27, 38 s with the test suite beside it):
 
 DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of a dynjax run
 (benchmarks/traces/); synthetic rows: seed 000 §2 load models. Rows named L x S EXTRAPOLATE a
@@ -312,16 +314,16 @@ MoD                           8x4 on Plan   206.9    206.9     206.9     206.9  
 Speedup over the best static layout (uniform or by-param); best = best static / best of partition
 and diffusion (the paper's definition, seed 000 Fig. 3); imbalance (eq. 2) static uniform ->
 partition; ovh = one periodic profile (rescaled from its step's timeline) per the case's cadence,
-cpu = the same in process CPU time, swaps = one profile running every unit alone per Plan swap of
-the recorded run (the first profile of a Plan), over its steps (benchmarks/balance_overhead.py):
+cpu = the same in process CPU time, swaps = the profiles after the recorded run's Plan swaps, each
+running alone the units its swap made new, over its steps (benchmarks/balance_overhead.py):
 
                             x part x diff x repack   best  paper x dense  imbalance  ovh   cpu swaps
 ----------------------------------------------------------------------------------------------------
 (recorded: configs/moe.py, 4x2 fake CPU devices)
-MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06  -1% -0.2%  1.7%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17  -1% -0.2%  1.7%
-  32x16                      1.08x  1.07x    1.02x  1.08x  1.23x      -  1.81->1.73  -1% -0.2%  1.7%
-  32x16, Plan medians        1.45x  1.12x    1.43x  1.45x  1.23x      -  1.90->1.11  -1% -0.2%  1.7%
+MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06  -1% -1.6%  0.7%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17  -1% -1.6%  0.7%
+  32x16                      1.08x  1.07x    1.02x  1.08x  1.23x      -  1.81->1.73  -1% -1.6%  0.7%
+  32x16, Plan medians        1.45x  1.12x    1.43x  1.45x  1.23x      -  1.90->1.11  -1% -1.6%  0.7%
 (recorded: configs/pruning.py, 4x2 fake CPU devices)
 pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -  0.5%
   Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -  0.5%
@@ -333,20 +335,20 @@ freezing                     1.03x  1.03x    1.03x  1.03x  2.23x      -  1.15->0
   96x24                      1.07x  1.09x    1.05x  1.09x  2.23x      -  1.27->1.02   0%     -  0.2%
   96x24, Plan medians        1.19x  1.19x    1.19x  1.19x  2.23x      -  1.03->0.59   0%     -  0.2%
 (recorded: configs/sparse_attention.py, 4x2 fake CPU devices)
-sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%  3.4%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%  3.4%
-  96x24                      1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -1%  0.1%  3.4%
-  96x24, Plan medians        1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -1%  0.1%  3.4%
+sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -3% -2.2%  0.3%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -3% -2.2%  0.3%
+  96x24                      1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -3% -2.2%  0.3%
+  96x24, Plan medians        1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -3% -2.2%  0.3%
 (recorded: configs/early_exit.py, 4x2 fake CPU devices)
-early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0%  0.0%  2.1%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0%  0.0%  2.1%
-  96x24                      1.00x  1.01x    0.99x  1.01x  4.52x  0.77x* 0.33->0.35  -0%  0.0%  2.1%
-  96x24, Plan medians        1.03x  1.02x    1.01x  1.03x  4.52x  0.84x* 0.30->0.25  -0%  0.0%  2.1%
+early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18   0%  0.0%  1.0%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13   0%  0.0%  1.0%
+  96x24                      1.00x  1.01x    0.99x  1.01x  4.52x  0.77x* 0.33->0.35   0%  0.0%  1.0%
+  96x24, Plan medians        1.03x  1.02x    1.01x  1.03x  4.52x  0.84x* 0.30->0.25   0%  0.0%  1.0%
 (recorded: configs/mod.py, 4x2 fake CPU devices)
-MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58   2%  1.4%  0.8%
-  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33   2%  1.4%  0.8%
-  32x16                      1.29x  1.38x    0.97x  1.38x  1.17x      -  3.26->2.41   2%  1.4%  0.8%
-  32x16, Plan medians        1.71x  1.54x    1.68x  1.71x  1.17x      -  3.28->1.76   2%  1.4%  0.8%
+MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58   2%  1.4%  0.3%
+  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33   2%  1.4%  0.3%
+  32x16                      1.29x  1.38x    0.97x  1.38x  1.17x      -  3.26->2.41   2%  1.4%  0.3%
+  32x16, Plan medians        1.71x  1.54x    1.68x  1.71x  1.17x      -  3.28->1.76   2%  1.4%  0.3%
 
 The paper's baselines: MoE: static Megatron-LM; pruning: static Megatron-LM; freezing: Egeria, no
 balancing; sparse attention: dense attention; early exit: no early exit; MoD: MoD w/o balancing.
@@ -409,51 +411,59 @@ step 81: (1,3,2,2) all; step 179: (1,2,3,2) all.
 
 pruning overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128;
 medians of 5 rounds of 5 steps): plain step 557.9 ms; extra per profile rescaled from the timeline
-8.9 ms, units run alone 197.5 ms; decision 1.28 ms; migration 8 ms per move.
+8.9 ms, every unit run alone 197.5 ms; decision 1.28 ms; migration 8 ms per move.
 
 freezing overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128;
 medians of 5 rounds of 5 steps): plain step 563.9 ms; extra per profile rescaled from the timeline
-38.1 ms, units run alone 134.7 ms; decision 1.30 ms; migration 7 ms per move.
+38.1 ms, every unit run alone 134.7 ms; decision 1.30 ms; migration 7 ms per move.
 
 MoD overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256; medians
 of 12 rounds of 6 steps, the periodic profile's paired with the round's plain steps): plain step
-404.2 ms; extra per profile rescaled from the timeline 6.7 ms, units run alone 457.6 ms; decision
-0.54 ms; migration 8 ms per move; process CPU per plain step 604.7 ms, extra per periodic profile
-8.2 ms; training thread CPU extra per periodic profile 1.08 ms; watcher threads' CPU per periodic
-profile 4.66 ms; stage busy time of the periodic profiles' timelines / the waited-for ones: 1.08
-1.04 1.02 1.00.
+423.9 ms; extra per profile rescaled from the timeline 10.4 ms, after a swap (the units it made new
+run alone) 167.9 ms (a move); decision 0.59 ms; migration 8 ms per move; process CPU per plain step
+631.4 ms, extra per periodic profile 8.9 ms; training thread CPU extra per periodic profile 0.53 ms;
+watcher threads' CPU per periodic profile 4.27 ms; stage busy time of the periodic profiles'
+timelines / the waited-for ones: 0.96 0.93 0.95 0.95.
 
 MoE overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128; medians
 of 12 rounds of 6 steps, the periodic profile's paired with the round's plain steps): plain step
-1299.1 ms; extra per profile rescaled from the timeline -8.9 ms, units run alone 724.1 ms; decision
-0.67 ms; migration 6 ms per move; process CPU per plain step 1962.2 ms, extra per periodic profile
--4.4 ms; training thread CPU extra per periodic profile -0.73 ms; watcher threads' CPU per
-periodic profile 9.77 ms; stage busy time of the periodic profiles' timelines / the waited-for
-ones: 1.01 1.00 1.00 1.01.
+1334.0 ms; extra per profile rescaled from the timeline -14.5 ms, after a swap (the units it made
+new run alone) 106.3 ms (a move), 204.5 ms (layers 1 resized), 523.0 ms (layers 1,3,5,7 resized),
+438.4 ms (layers 1,3,7 resized), 292.7 ms (layers 1,7 resized), 293.1 ms (layers 3,5 resized), 170.1
+ms (layers 5 resized), 185.0 ms (layers 7 resized); decision 0.61 ms; migration 7 ms per move;
+process CPU per plain step 2012.5 ms, extra per periodic profile -31.4 ms; training thread CPU extra
+per periodic profile -1.54 ms; watcher threads' CPU per periodic profile 9.65 ms; stage busy time of
+the periodic profiles' timelines / the waited-for ones: 1.03 1.03 1.03 1.01.
 
-early exit overhead (2026-11-26, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256;
+early exit overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256;
 medians of 6 rounds of 3 steps, the periodic profile's paired with the round's plain steps): plain
-step 1627.9 ms; extra per profile rescaled from the timeline -303.4 ms, units run alone 1710.6 ms;
-decision 1.30 ms; migration 24 ms per move; process CPU per plain step 1520.3 ms, extra per periodic
-profile 81.8 ms; training thread CPU extra per periodic profile 18.93 ms; stage busy time of the
-periodic profiles' timelines / the waited-for ones: 0.80 0.85 0.84 0.86.
+step 658.5 ms; extra per profile rescaled from the timeline 23.6 ms, after a swap (the units it made
+new run alone) 199.4 ms (a move), 225.9 ms (layers 2,3 resized), 450.7 ms (layers 2,3,4,5,6,7
+resized), 265.6 ms (layers 4,5 resized), 184.6 ms (layers 6,7 resized), 596.1 ms (every sized layer
+resized); decision 0.62 ms; migration 7 ms per move; process CPU per plain step 1073.5 ms, extra per
+periodic profile 25.3 ms; training thread CPU extra per periodic profile 1.04 ms; watcher threads'
+CPU per periodic profile 5.25 ms; stage busy time of the periodic profiles' timelines / the waited-
+for ones: 1.06 1.10 1.10 1.10.
 
-sparse attention overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x
+sparse attention overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x
 1024; medians of 3 rounds of 2 steps, the periodic profile's paired with the round's plain steps):
-plain step 30464.7 ms; extra per profile rescaled from the timeline -382.4 ms, units run alone
-25864.2 ms; decision 1.23 ms; migration 10 ms per move; process CPU per plain step 14338.1 ms, extra
-per periodic profile 11.7 ms; training thread CPU extra per periodic profile -0.97 ms; stage busy
-time of the periodic profiles' timelines / the waited-for ones: 1.15 1.03 1.09 1.16.
+plain step 8701.2 ms; extra per profile rescaled from the timeline -229.9 ms, after a swap (the
+units it made new run alone) 462.7 ms (a move), 1905.4 ms (layers 0,1,2,3 resized), -127.1 ms
+(layers 4 resized), 966.3 ms (layers 5,6 resized), -309.5 ms (layers 7 resized); decision 2.00 ms;
+migration 6 ms per move; process CPU per plain step 15685.5 ms, extra per periodic profile -338.3
+ms; training thread CPU extra per periodic profile -1.56 ms; watcher threads' CPU per periodic
+profile 9.68 ms; stage busy time of the periodic profiles' timelines / the waited-for ones: 1.06
+1.04 1.01 1.00.
 
 With ``--tiled`` (the measured model stacked L / 8 times; the 4-stage rows are the same as above):
 
                             x part x diff x repack   best  paper x dense  imbalance  ovh   cpu swaps
 ----------------------------------------------------------------------------------------------------
 (recorded: configs/moe.py, 4x2 fake CPU devices)
-MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06  -1% -0.2%  1.7%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17  -1% -0.2%  1.7%
-  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.23x      -  1.11->1.11  -1% -0.2%  1.7%
-  32x16 tiled, Plan medians  1.00x  1.02x    1.00x  1.02x  1.23x      -  1.22->1.22  -1% -0.2%  1.7%
+MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06  -1% -1.6%  0.7%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17  -1% -1.6%  0.7%
+  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.23x      -  1.11->1.11  -1% -1.6%  0.7%
+  32x16 tiled, Plan medians  1.00x  1.02x    1.00x  1.02x  1.23x      -  1.22->1.22  -1% -1.6%  0.7%
 (recorded: configs/pruning.py, 4x2 fake CPU devices)
 pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -  0.5%
   Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -  0.5%
@@ -465,20 +475,20 @@ freezing                     1.03x  1.03x    1.03x  1.03x  2.23x      -  1.15->0
   96x24 tiled                1.11x  1.13x    1.11x  1.13x  2.23x      -  0.87->0.43   0%     -  0.2%
   96x24 tiled, Plan medians  1.16x  1.15x    1.16x  1.16x  2.23x      -  0.83->0.31   0%     -  0.2%
 (recorded: configs/sparse_attention.py, 4x2 fake CPU devices)
-sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%  3.4%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -1%  0.1%  3.4%
-  96x24 tiled                1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -1%  0.1%  3.4%
-  96x24 tiled, Plan medians  1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -1%  0.1%  3.4%
+sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -3% -2.2%  0.3%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -3% -2.2%  0.3%
+  96x24 tiled                1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -3% -2.2%  0.3%
+  96x24 tiled, Plan medians  1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -3% -2.2%  0.3%
 (recorded: configs/early_exit.py, 4x2 fake CPU devices)
-early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18  -0%  0.0%  2.1%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13  -0%  0.0%  2.1%
-  96x24 tiled                1.00x  1.00x    1.00x  1.00x  4.52x  0.80x* 0.09->0.10  -0%  0.0%  2.1%
-  96x24 tiled, Plan medians  1.00x  0.99x    1.00x  1.00x  4.52x  0.84x* 0.09->0.09  -0%  0.0%  2.1%
+early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18   0%  0.0%  1.0%
+  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13   0%  0.0%  1.0%
+  96x24 tiled                1.00x  1.00x    1.00x  1.00x  4.52x  0.80x* 0.09->0.10   0%  0.0%  1.0%
+  96x24 tiled, Plan medians  1.00x  0.99x    1.00x  1.00x  4.52x  0.84x* 0.09->0.09   0%  0.0%  1.0%
 (recorded: configs/mod.py, 4x2 fake CPU devices)
-MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58   2%  1.4%  0.8%
-  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33   2%  1.4%  0.8%
-  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.17x      -  1.63->1.63   2%  1.4%  0.8%
-  32x16 tiled, Plan medians  1.04x  1.04x    1.03x  1.04x  1.17x      -  1.60->1.37   2%  1.4%  0.8%
+MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58   2%  1.4%  0.3%
+  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33   2%  1.4%  0.3%
+  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.17x      -  1.63->1.63   2%  1.4%  0.3%
+  32x16 tiled, Plan medians  1.04x  1.04x    1.03x  1.04x  1.17x      -  1.60->1.37   2%  1.4%  0.3%
 
 Gaps to the paper's numbers (seed 000 Fig. 3: MoE 1.23x, pruning 3.18x, freezing 2.23x, sparse
 attention 4.02x, early exit 4.52x, MoD 1.17x). What differs for every case: (1) size: 8 layers of a
@@ -523,21 +533,35 @@ step's, is the steadier measure, and still noisy: MoD 2.3% (21.1 ms against a 90
 load ~15), MoE -1.1% (noise; 1,932 ms CPU step, load 11-15); early exit 0.0% at its cadence of 500
 (81.8 ms per profile against a 1,520 ms CPU step, 5.4% were it every step, with a training-thread
 share of 18.9 ms that no other run showed: load 10-12); sparse attention 0.1% is the earlier
-measurement. MoD stays above the 2% target here. An A/B in one
+measurement. MoD stays above the 2% target here. (Those were 2026-11-25/26 at load; on the idle
+VM on 2026-11-27 the profile's own CPU, the watchers' plus the training thread's extra, is 0.4%
+for MoE, 0.8% for MoD, 0.1% for sparse attention and 0.0% for early exit at 500, and the
+process's CPU -1.6%, 1.4%, -2.2% and 0.0%.) An A/B in one
 process at load 15-17 (plain steps, the earlier timing code and this one, 8 rotated rounds of 3
 steps): extra CPU per profile 33.7 ms (3.9%) before, 25.0 ms (2.9%) now, of which the watchers
 6.7-6.9 ms and the training thread 7.5-8.5 ms either way. What was cut: a small program per stage
 and step for the ready marks (now the previous update's metric) and waits for transfers (a task
 now starts after the task that computed its input); a variant that waited for an input's arrival
 on the consumer's side only when it was not there yet added ~16 sleeps per step and cost more.
-"swaps": every Plan swap (and a plugin's change of the model) makes the next profile run every
-unit alone (47-134% of a step); over the recorded runs' swaps that is 1.4% for MoE (9 in 300
-steps), 0.3% for MoD (2), 2.1% for early exit (6), 3.4% for sparse attention (4 in 100), 0.5%
-for pruning and 0.2% for freezing. It is re-measured rather than rescaled because most swaps
-change capacities or buckets of some layers only (MoE: the MoE layer of each [dense, MoE] stage;
-early exit: the layers after an exit), and `rescaled_units` keeps the shares inside a stage, so it
-would move a capacity change onto the stage's unchanged layers, which are what the balancer
-moves. The periodic timelines agree with the waited-for ones within the noise: stage busy seconds
+"swaps": the profile after a Plan swap (or a plugin's change of the model) runs alone the units
+the swap made new, those whose timing signature (their one-unit program, less which of the equal
+layers it is) no earlier measurement holds, and keeps the others' times
+(`dynjax.parallel.profile.unit_seconds`). They are re-measured rather than rescaled because most
+swaps change capacities or buckets of some layers only (MoE: the MoE layer of each [dense, MoE]
+stage; early exit: the layers after an exit), and `rescaled_units` keeps the shares inside a
+stage, so it would move a capacity change onto the stage's unchanged layers, which are what the
+balancer moves. ``balance_overhead.py`` replays each recorded swap: a layer moved to the next
+stage and back (a move), and the sizes of the layers whose cost the swap changed halved and back
+(a resize; "all" for a swap that changed no cost, e.g. early exits turned on), the extra seconds
+of the profiled step after each; `swap_seconds` adds them up per recorded swap. Over the recorded
+runs that is 0.7% for MoE (9 swaps in 300 steps, 3 of them moves: 106 ms after a move, 170-523
+ms after resizing one to four MoE layers, against a 1,334 ms step), 0.3% for MoD (2 moves, 168
+ms), 1.0% for early exit (6 resizes, 185-596 ms against 659 ms) and 0.3% for sparse attention (4
+swaps in 100 steps, -0.3 to 1.9 s against an 8.7 s step: one-layer resizes are under the noise);
+when every unit ran alone after each swap these were 1.4-1.9%, 0.8%, 2.1% and 3.4%. A move of
+MoE's layer 1 to stage 1 meets the MoE layer timed there already and re-times nothing; the move
+back re-times it on stage 0. Pruning (0.5%) and freezing (0.2%) are still the every-unit figures.
+The periodic timelines agree with the waited-for ones within the noise: stage busy seconds
 1.05-1.15x (MoE), 1.17-1.58x (MoD at load ~16), 0.80-0.86x (early exit), 1.03-1.16x (sparse
 attention).
 """
@@ -1135,15 +1159,59 @@ def cadence(name: str) -> int:
     return next(c.every for c in synthetic_cases() if c.name == name)
 
 
-def swaps(name: str, traces: Path = TRACES) -> tuple[int, int]:
-    """(Plan swaps, steps) of the case's recorded run: after each swap the first profile runs
-    every unit alone (`dynjax.train`'s ``profile_on_change``); (0, 0) without a trace."""
+PlanSwap = tuple[bool, tuple[int, ...]]  # (layers moved, the layers whose cost changed)
+
+
+def swaps(name: str, traces: Path = TRACES) -> tuple[list[PlanSwap], int]:
+    """Each Plan swap of the case's recorded run, and its steps: whether it moved layers, and
+    the layers whose cost it changed (a capacity, budget or bucket: a Plan's sizes give its
+    layers' costs, seed 000 §2). The first profile after a swap runs alone the units it made
+    new (`dynjax.train`'s ``profile_on_change``, `dynjax.parallel.profile.unit_seconds`); ([],
+    0) without a trace."""
     path = traces / f"{name.replace(' ', '_')}.jsonl"
     if not path.is_file():
-        return 0, 0
+        return [], 0
     meta, *samples = read_jsonl(path)
-    plans = [s["plan"] for s in samples]
-    return sum(a != b for a, b in zip(plans, plans[1:], strict=False)), meta["steps"]
+    out = []
+    for a, b in zip(samples, samples[1:], strict=False):
+        if a["plan"] != b["plan"]:
+            changed = tuple(i for i, (x, y) in enumerate(
+                zip(a["layer_cost"], b["layer_cost"], strict=True)) if not np.isclose(x, y))
+            out.append((a["stage_layers"] != b["stage_layers"], changed))
+    return out, meta["steps"]
+
+
+def resize_key(layers: tuple[int, ...]) -> str:
+    """A resize's key in a record's ``resize_units_seconds``: its layers, or "all" for a swap
+    that moved nothing and changed no layer's cost (e.g. early exits turned on: every exit
+    layer's program changes)."""
+    return ",".join(map(str, layers)) or "all"
+
+
+def resizes(plan_swaps: list[PlanSwap]) -> list[str]:
+    """The `resize_key`s of the swaps that changed layers' sizes (or, moving nothing, the
+    model)."""
+    return [resize_key(layers) for moved, layers in plan_swaps if layers or not moved]
+
+
+def swap_seconds(r: dict, plan_swaps: list[PlanSwap]) -> float | None:
+    """Seconds the profiles after ``plan_swaps`` add to a run, from a
+    `benchmarks/balance_overhead.py` record ``r``: the profile after a move
+    (``move_units_seconds``) plus, where the swap changed sizes, the profile after resizing
+    those layers (``resize_units_seconds`` by `resize_key`). Records from before units kept
+    their times across Plans hold one profile that runs every unit alone
+    (``units_alone_seconds``), what each swap then cost. None where a swap that happened has
+    no measurement."""
+    if "units_alone_seconds" in r:
+        return len(plan_swaps) * r["units_alone_seconds"]
+    moves = sum(moved for moved, _ in plan_swaps)
+    if moves and "move_units_seconds" not in r:
+        return None
+    measured = r.get("resize_units_seconds", {})
+    keys = resizes(plan_swaps)
+    if any(key not in measured for key in keys):
+        return None
+    return moves * r.get("move_units_seconds", 0.0) + sum(measured[key] for key in keys)
 
 
 def overhead(name: str, measured: dict[str, dict], key: str = "profile_seconds",
@@ -1151,14 +1219,15 @@ def overhead(name: str, measured: dict[str, dict], key: str = "profile_seconds",
     """Profiling's share of training time at the case's `cadence`: one profile's extra
     seconds (``key``: periodic, rescaled from the step's timeline; or ``profile_cpu_seconds``,
     process CPU against ``base`` ``plain_step_cpu_seconds``) per ``every`` plain steps; for
-    ``units_alone_seconds``, one profile running every unit alone per Plan swap of the recorded
-    run (`swaps`) instead; "-" if unmeasured."""
+    ``swaps``, the profiles after the Plan swaps of the recorded run (`swaps`, `swap_seconds`)
+    over its steps instead; "-" if unmeasured."""
     r = measured.get(name, {})
+    if key == "swaps":
+        plan_swaps, steps = swaps(name)
+        seconds = swap_seconds(r, plan_swaps) if r else None
+        return f"{seconds / (steps * r[base]):{fmt}}" if steps and seconds is not None else "-"
     if key not in r:
         return "-"
-    if key == "units_alone_seconds":
-        count, steps = swaps(name)
-        return f"{r[key] * count / (steps * r[base]):{fmt}}" if steps else "-"
     return f"{r[key] / (cadence(name) * r[base]):{fmt}}"
 
 
@@ -1204,9 +1273,9 @@ def main(deep: bool = True, tiled: bool = False) -> None:
     say("Speedup over the best static layout (uniform or by-param); best = best static / best of "
         "partition and diffusion (the paper's definition, seed 000 Fig. 3); imbalance (eq. 2) "
         "static uniform -> partition; ovh = one periodic profile (rescaled from its step's "
-        "timeline) per the case's cadence, cpu = the same in process CPU time, swaps = one "
-        "profile running every unit alone per Plan swap of the recorded run (the first profile "
-        "of a Plan), over its steps (benchmarks/balance_overhead.py):")
+        "timeline) per the case's cadence, cpu = the same in process CPU time, swaps = the "
+        "profiles after the recorded run's Plan swaps, each running alone the units its swap "
+        "made new, over its steps (benchmarks/balance_overhead.py):")
 
     def speedups(c: Case, r: dict) -> str:
         best = min(r["static"], r["by-param"])
@@ -1218,7 +1287,7 @@ def main(deep: bool = True, tiled: bool = False) -> None:
                 + f"{r['imbalance static']:>5.2f}->{r['imbalance partition']:<4.2f}"
                 f"{overhead(c.name, overheads, fmt='.0%'):>5}"
                 f"{overhead(c.name, overheads, 'profile_cpu_seconds', 'plain_step_cpu_seconds'):>6}"
-                f"{overhead(c.name, overheads, 'units_alone_seconds'):>6}")
+                f"{overhead(c.name, overheads, 'swaps'):>6}")
 
     table(cases, results,
           f"{'':<27}{'x part':>7}{'x diff':>7}{'x repack':>9}{'best':>7}{'paper':>7}"
@@ -1254,8 +1323,15 @@ def main(deep: bool = True, tiled: bool = False) -> None:
         notes.append(
             f"{name} overhead ({r['recorded']}, {r['setting']}): plain step "
             f"{1e3 * r['plain_step_seconds']:.1f} ms; extra per profile rescaled from the "
-            f"timeline {1e3 * r['profile_seconds']:.1f} ms, units run alone "
-            f"{1e3 * r['units_alone_seconds']:.1f} ms; decision "
+            f"timeline {1e3 * r['profile_seconds']:.1f} ms, "
+            + (f"every unit run alone {1e3 * r['units_alone_seconds']:.1f} ms"
+               if "units_alone_seconds" in r else
+               "after a swap (the units it made new run alone) " + ", ".join(
+                   [f"{1e3 * r['move_units_seconds']:.1f} ms (a move)"]
+                   + [f"{1e3 * t:.1f} ms "
+                      f"({'every sized layer' if key == 'all' else 'layers ' + key} resized)"
+                      for key, t in r.get("resize_units_seconds", {}).items()]))
+            + "; decision "
             f"{1e3 * r['decision_seconds']:.2f} ms; migration {1e3 * r['migration_seconds']:.0f}"
             f" ms per move" + (
                 f"; process CPU per plain step {1e3 * r['plain_step_cpu_seconds']:.1f} ms, extra "

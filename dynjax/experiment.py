@@ -518,44 +518,25 @@ class PipelineRuntime:
     def step(self, executable, batch: Batch, cached: np.ndarray | None):
         return self.pipeline.step(executable, batch.inputs, batch.targets, cached, batch.rows)
 
-    def profile_step(
-        self,
-        executable,
-        batch: Batch,
-        cached: np.ndarray | None,
-        *,
-        measure_units: bool = True,
-    ):
-        """`step`, profiled (blocks): returns (metrics with the profile's added, Profile).
-        ``measure_units``: run every unit alone (after a change of the model) rather than
-        rescale the layout's last measurement by this step's timeline (`Pipeline.profile_step`).
+    def profile_step(self, executable, batch: Batch, cached: np.ndarray | None):
+        """`step`, profiled (blocks): returns (metrics with the profile's added, Profile). Units
+        a Plan change made new run alone; the others' times are rescaled by this step's
+        timeline (`Pipeline.start_profile_step`).
 
         The metrics also name the layout that ran (`profile/stage_layers`, layers per stage),
         so a policy can tell a profile of the current Plan from an older one."""
-        metrics, pending = self.start_profile_step(
-            executable, batch, cached, measure_units=measure_units
-        )
+        metrics, pending = self.start_profile_step(executable, batch, cached)
         profile = pending.result()
         return {**metrics, **profile.metrics()}, profile
 
     def start_profile_step(
-        self,
-        executable,
-        batch: Batch,
-        cached: np.ndarray | None,
-        *,
-        measure_units: bool = True,
+        self, executable, batch: Batch, cached: np.ndarray | None
     ) -> tuple[dict[str, Any], PendingProfile]:
         """`profile_step` without waiting for a periodic profile (`Pipeline.start_profile_step`):
         returns the step's metrics and the pending `Profile`, whose metrics the training loop
         adds to the step's when the Monitor hands them over (Δ steps later: the step is done)."""
         return self.pipeline.start_profile_step(
-            executable,
-            batch.inputs,
-            batch.targets,
-            cached,
-            batch.rows,
-            measure_units=measure_units,
+            executable, batch.inputs, batch.targets, cached, batch.rows
         )
 
     def host_metrics(self, step: int, metrics: dict[str, Any]) -> dict[str, np.ndarray]:

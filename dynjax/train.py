@@ -392,11 +392,10 @@ def train(
                     fault_at = 0  # once: the re-run of this step goes through
                     raise InjectedFault(f"step {step + 1} (checkpoint.inject_fault_at)")
                 if profile_next or (profile_every and step % profile_every == 0):
-                    # Units run alone only after a change; periodic profiles rescale them from
-                    # their step's timeline, taken while the loop goes on (`observe` waits).
-                    metrics, profiles[step] = runtime.start_profile_step(
-                        executable, batch, cached, measure_units=profile_next
-                    )
+                    # Units run alone only where a change made them new; the others' times
+                    # are rescaled from the step's timeline, taken while the loop goes on
+                    # (`observe` waits).
+                    metrics, profiles[step] = runtime.start_profile_step(executable, batch, cached)
                     profile_next = False
                 else:
                     metrics = runtime.step(executable, batch, cached)

@@ -161,18 +161,35 @@ def test_rescaled_samples_are_dropped(tmp_path):
     assert cases.recorded_case(path).steps == (1, 11, 21)
 
 
-def test_the_units_alone_profile_counts_once_per_plan_swap_and_periodic_ones_per_cadence(
-    tmp_path,
-):
-    rows = [{"steps": 300}] + [{"plan": p} for p in (0, 0, 1, 1, 1, 2)]
+def test_the_profiles_after_plan_swaps_count_by_what_they_changed(tmp_path):
+    # A swap costs the profile after a move where it moved layers, plus the profile after
+    # resizing the layers whose cost it changed; one that changed neither (e.g. exits turned
+    # on) the profile after resizing every layer.
+    rows = [{"steps": 300}] + [
+        {"plan": p, "stage_layers": layout, "layer_cost": cost}
+        for p, layout, cost in ((0, [2, 2], [1, 1, 1, 1]), (0, [2, 2], [1, 1, 1, 1]),
+                                (1, [1, 3], [1, 1, 1, 1]), (2, [1, 3], [1, 0.5, 1, 0.5]),
+                                (3, [2, 2], [1, 0.5, 1, 0.25]), (4, [2, 2], [1, 0.5, 1, 0.25]))
+    ]
     (tmp_path / "MoD.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    assert cases.swaps("MoD", tmp_path) == (2, 300)
-    assert cases.swaps("MoE", tmp_path) == (0, 0)
-    count, steps = cases.swaps("MoD")  # the recorded run
-    measured = {"MoD": {"units_alone_seconds": 0.6, "profile_seconds": 0.01,
+    plan_swaps, steps = cases.swaps("MoD", tmp_path)
+    assert plan_swaps == [(True, ()), (False, (1, 3)), (True, (3,)), (False, ())] and steps == 300
+    assert cases.resizes(plan_swaps) == ["1,3", "3", "all"]
+    assert cases.swaps("MoE", tmp_path) == ([], 0)
+    record = {"move_units_seconds": 0.2,
+              "resize_units_seconds": {"1,3": 0.5, "3": 0.3, "all": 0.7}}
+    assert cases.swap_seconds(record, plan_swaps) == pytest.approx(0.2 * 2 + 0.5 + 0.3 + 0.7)
+    del record["resize_units_seconds"]["3"]
+    assert cases.swap_seconds(record, plan_swaps) is None  # a swap that happened, unmeasured
+    assert cases.swap_seconds(record, plan_swaps[:2]) == pytest.approx(0.7)
+    # A record from before units kept their times: every unit alone after each swap.
+    assert cases.swap_seconds({"units_alone_seconds": 0.6}, plan_swaps) == pytest.approx(2.4)
+    plan_swaps, steps = cases.swaps("MoD")  # the recorded run: moves only
+    measured = {"MoD": {"move_units_seconds": 0.6, "profile_seconds": 0.01,
                         "plain_step_seconds": 0.5}}
-    assert count > 0
-    assert cases.overhead("MoD", measured, "units_alone_seconds") == f"{1.2 * count / steps:.1%}"
+    assert plan_swaps and all(moved and not layers for moved, layers in plan_swaps)
+    assert cases.overhead("MoD", measured, "swaps") == f"{1.2 * len(plan_swaps) / steps:.1%}"
+    assert cases.overhead("MoE", {}, "swaps") == "-"
     assert cases.cadence("MoD") == 1 and cases.cadence("pruning") == 1000
     assert cases.overhead("MoD", measured) == "2.0%"
     assert cases.overhead("pruning", {"pruning": measured["MoD"]}) == "0.0%"

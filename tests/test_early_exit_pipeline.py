@@ -164,7 +164,7 @@ def test_profiling_times_the_exit_layers_with_their_readout():
     _, profile = pipeline.profile_step(exe, **batches()[0], repeats=1)
     units = profile.units
     assert min(units.layer_forward) > 0 and min(units.layer_backward) > 0
-    _, light = pipeline.profile_step(exe, **batches()[1], repeats=1, measure_units=False)
+    _, light = pipeline.profile_step(exe, **batches()[1], repeats=1)
     assert not light.units_measured and len(light.units.layer_forward) == L
     # A kept stage input holds the carry (and, before the last stage, the targets) too.
     acts = B // M * S * CFG.d_model * 4 // 2  # float32 activations per data device

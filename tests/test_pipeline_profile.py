@@ -1,5 +1,6 @@
 """Profiling inside dynjax.train: profile events, the Monitor's metrics, the measured timeline."""
 
+import dataclasses
 import gc
 import threading
 
@@ -138,12 +139,13 @@ def test_each_process_part_of_a_profile_merges_into_the_profile_of_every_stage()
     rows = lambda s: (TaskTime("F", 0, 0.1 * s, 0.1 * s + 0.05), TaskTime("B", 0, 0.3, 0.4 + s))
     first = ProfilePart(  # process 0: stage 0 (the embedding and layers 0, 1)
         {("embed",): (0.01, 0.02), ("layers", 0): (1.0, 2.0), ("layers", 1): (1.5, 3.0)},
-        {0: {"total": 10}}, {0: rows(0)},
+        {0: {"total": 10}}, {0: rows(0)}, units_measured=False,
     )
     second = ProfilePart(  # process 1: stage 1 (layer 2 and the head)
         {("layers", 2): (0.5, 1.0), ("head",): (0.2, 0.4)}, {1: {"total": 20}}, {1: rows(1)},
+        units_measured=False,
     )
-    profile = merged([second, first], (2, 1), units_measured=False, seconds=0.5)
+    profile = merged([second, first], (2, 1), seconds=0.5)
     assert profile.units == UnitTimes(
         layer_forward=(1.0, 1.5, 0.5), layer_backward=(2.0, 3.0, 1.0),
         embed=(0.01, 0.02), head=(0.2, 0.4),
@@ -152,8 +154,11 @@ def test_each_process_part_of_a_profile_merges_into_the_profile_of_every_stage()
     assert profile.memory == ({"total": 10}, {"total": 20})
     assert profile.timeline == (rows(0), rows(1)) and profile.stage_layers == (2, 1)
     assert not profile.units_measured and profile.seconds == 0.5
+    # Units that ran alone in any process make the profile a measured one.
+    measured = dataclasses.replace(second, units_measured=True)
+    assert merged([first, measured], (2, 1), seconds=0.5).units_measured
     with pytest.raises(ValueError, match=r"no process profiled stages \[1\]"):
-        merged([first], (2, 1), units_measured=True, seconds=0.0)
+        merged([first], (2, 1), seconds=0.0)
 
 
 def test_timed_steps_reuse_one_watcher_per_stage_and_keep_their_timelines_apart():

@@ -449,7 +449,7 @@ def test_a_periodic_profile_rescales_the_measured_units_by_its_own_timeline(prog
         raise AssertionError("a periodic profile of a measured layout ran a unit alone")
 
     no_units = dataclasses.replace(exe, profiling={key: unit_program_ran for key in exe.profiling})
-    _, light = pipeline.profile_step(no_units, **batches()[1], repeats=1, measure_units=False)
+    _, light = pipeline.profile_step(no_units, **batches()[1], repeats=1)
     assert not light.units_measured and light.event(1)["units"] == "rescaled"
     # Each stage's units scale by its busy time in this step against what they add up to
     # alone (not against the measured step's, which may be a first run); a stage measured
@@ -468,11 +468,47 @@ def test_a_periodic_profile_rescales_the_measured_units_by_its_own_timeline(prog
         np.testing.assert_allclose(f, full.units.layer_forward[i] * factors[owner[i]], rtol=1e-9)
         np.testing.assert_allclose(b, full.units.layer_backward[i] * factors[owner[i]], rtol=1e-9)
     np.testing.assert_allclose(light.units.head, np.array(full.units.head) * factors[-1])
-    # Another layout has no measurement to rescale: its units run alone even when not asked.
-    other = programs.lower(spec_for((2, 1, 1, 1), "1f1b"), profiling=True).compile()
-    pipeline.migrate(other)
-    _, fresh = pipeline.profile_step(other, **batches()[2], repeats=1, measure_units=False)
-    assert fresh.units_measured
+
+
+def test_after_a_plan_change_only_the_units_it_changed_run_alone(programs):
+    # A unit keeps its measurement while its timing signature stays: a capacity change re-times
+    # the MoE layer alone, a move the layer moved alone, and a Plan whose units are all known
+    # is rescaled from its step's timeline like a periodic profile.
+    programs, template = programs
+
+    def lowered(assignment, capacities):
+        exe = programs.lower(spec_for(assignment, "1f1b", capacities=capacities), profiling=True)
+        exe = exe.compile()
+
+        def counted(key, program):
+            return lambda *args: ran.append(key[1].layers) or program(*args)
+
+        return dataclasses.replace(
+            exe, profiling={key: counted(key, p) for key, p in exe.profiling.items()}
+        )
+
+    ran = []
+    first = lowered(ASSIGNMENT, CAPS)
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), first.spec)
+    _, full = pipeline.profile_step(first, **batches()[0], repeats=1)
+    assert set(ran) == {(), (0,), (1,), (2,), (3,), (4,)}  # () is the embedding and the head
+    steps = iter(batches()[1:] * 2)
+
+    def profiled(exe):
+        ran.clear()
+        pipeline.migrate(exe)
+        return pipeline.profile_step(exe, **next(steps), repeats=1)[1]
+
+    resized = profiled(lowered(ASSIGNMENT, ((3, 5, 3, 4),)))
+    assert resized.units_measured and set(ran) == {(2,)}
+    before, now = full.units.by_unit(), resized.units.by_unit()
+    assert {u for u in before if now[u] != before[u]} == {("layers", 2)}
+    moved = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),)))  # layer 2 to stage 2
+    assert moved.units_measured and set(ran) == {(2,)}
+    assert {u for u in now if moved.units.by_unit()[u] != now[u]} <= {("layers", 2)}
+    again = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),)))  # no unit is new
+    assert not again.units_measured and not ran
 
 
 def test_a_timed_step_waits_for_the_last_update_instead_of_running_a_mark(programs, monkeypatch):
@@ -505,7 +541,7 @@ def test_a_periodic_profile_is_taken_while_later_steps_run(programs):
         pipeline.place(initial_state(), exe.spec)
     first, second, third = batches()
     _, full = profiled.profile_step(exe, **first, repeats=1)
-    metrics, pending = profiled.start_profile_step(exe, **second, measure_units=False)
+    metrics, pending = profiled.start_profile_step(exe, **second)
     later = profiled.step(exe, **third)
     light = pending.result()
     plain_metrics = [plain.step(exe, **batch) for batch in (first, second, third)]

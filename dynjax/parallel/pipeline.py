@@ -49,6 +49,7 @@ from dynjax.parallel.profile import (
     TaskTime,
     UnitSeconds,
     busy_seconds,
+    known_unit_seconds,
     merged,
     program_temp_bytes,
     rescaled_units,
@@ -293,6 +294,9 @@ class Pipeline:
         # rescales. Not the busy seconds of the step they were measured after: that step may
         # be a program's first run (or, over processes, include their first connection).
         self._measured_units: tuple[PipelineSpec, UnitSeconds, dict[int, float]] | None = None
+        # Those units' times by timing signature (`unit_seconds`): after a Plan change only the
+        # units it made new run alone.
+        self._unit_times: dict[tuple, tuple[float, float]] = {}
         # The newest executable's `stage_memory` (`_memory`).
         self._memory_of: tuple[PipelineExecutable, dict[int, dict[str, int]]] | None = None
         # Per stage, the first parameter leaf the last update wrote and one of that update's
@@ -537,11 +541,10 @@ class Pipeline:
         rows: np.ndarray | None = None,
         *,
         repeats: int = 3,
-        measure_units: bool = True,
     ) -> tuple[dict[str, Any], Profile]:
         """`start_profile_step`, waiting for its `Profile`."""
         metrics, pending = self.start_profile_step(
-            exe, inputs, targets, cached, rows, repeats=repeats, measure_units=measure_units
+            exe, inputs, targets, cached, rows, repeats=repeats
         )
         return metrics, pending.result()
 
@@ -554,18 +557,17 @@ class Pipeline:
         rows: np.ndarray | None = None,
         *,
         repeats: int = 3,
-        measure_units: bool = True,
     ) -> tuple[dict[str, Any], PendingProfile]:
         """A timed step, then each unit's forward and backward time and each stage's memory
         (seed 000 §3.1: the step after a change is profiled).
 
-        With ``measure_units``, or on a layout not measured yet, every unit then runs alone
-        (the step is waited for). Otherwise the layout's measured unit times are rescaled by this
-        step's own timeline (`rescaled_units`) and this returns as soon as the step is
-        dispatched: the `Profile` is built when asked for, once the watchers are done, so a
-        periodic profile costs the training loop no wait (seed 000 §3.3.1). Memory is computed
-        once per executable. The one-unit programs come with ``exe`` (lowered with
-        ``profiling``): nothing compiles here, on the training thread.
+        Units whose timing signature no earlier measurement holds (a Plan change made them
+        new: `unit_seconds`) then run alone, the step waited for. Otherwise the units' measured
+        times are rescaled by this step's own timeline (`rescaled_units`) and this returns as
+        soon as the step is dispatched: the `Profile` is built when asked for, once the
+        watchers are done, so a periodic profile costs the training loop no wait (seed 000
+        §3.3.1). Memory is computed once per executable. The one-unit programs come with
+        ``exe`` (lowered with ``profiling``): nothing compiles here, on the training thread.
 
         Each process measures its own stages; over several processes (``profiles``) every process
         must profile the same steps and ask for their `Profile`s in the same order: each then
@@ -580,9 +582,18 @@ class Pipeline:
             self._single_process("profiling without the other processes (profiles)")
         memory = self._memory(exe)
         layout = tuple(len(stage.layers) for stage in exe.spec.stages)
+        parts = self.programs.setup.parts
         measured = self._measured_units
+        if measured is None or measured[0] != exe.spec:
+            known = known_unit_seconds(
+                exe.spec, parts, stages=self.state.keys(), known=self._unit_times
+            )
+            if known is not None:  # nothing new to time: rescale what was measured before
+                measured = self._measured_units = (
+                    exe.spec, known, units_busy_seconds(known, exe.spec)
+                )
         metrics, pending = self.start_timed_step(exe, inputs, targets, cached, rows)
-        if not measure_units and measured is not None and measured[0] == exe.spec:
+        if measured is not None and measured[0] == exe.spec:
             _, units, then = measured
 
             def rescaled() -> Profile:
@@ -592,39 +603,37 @@ class Pipeline:
                     s: busy_seconds(row) / then[s] if then[s] > 0 else 1.0
                     for s, row in timeline.items()
                 }
-                part = ProfilePart(rescaled_units(units, exe.spec, factors), memory, timeline)
-                return self._gathered(part, layout, False, time.perf_counter() - start)
+                units_now = rescaled_units(units, exe.spec, factors)
+                part = ProfilePart(units_now, memory, timeline, units_measured=False)
+                return self._gathered(part, layout, time.perf_counter() - start)
 
             return metrics, PendingProfile(rescaled)
         timeline = pending.result()
         start = time.perf_counter()
         local = {s: st["params"] for s, st in self.state.items()}
-        units = unit_seconds(
+        units, self._unit_times = unit_seconds(
             exe.spec,
             local,
             lambda kind, one: exe.profiling[kind, one],
             self.programs.shapes,
-            self.programs.setup.parts,
+            parts,
             stages=local.keys(),
+            known=self._unit_times,
             repeats=repeats,
         )
         self._measured_units = (exe.spec, units, units_busy_seconds(units, exe.spec))
-        part = ProfilePart(units, memory, timeline)
+        part = ProfilePart(units, memory, timeline, units_measured=True)
         seconds = time.perf_counter() - start
-        return metrics, PendingProfile(
-            lambda: self._gathered(part, layout, True, seconds)
-        )
+        return metrics, PendingProfile(lambda: self._gathered(part, layout, seconds))
 
-    def _gathered(
-        self, part: ProfilePart, layout: tuple[int, ...], measured: bool, seconds: float
-    ) -> Profile:
+    def _gathered(self, part: ProfilePart, layout: tuple[int, ...], seconds: float) -> Profile:
         """The `Profile` of every stage: this process's ``part`` and, over several processes,
         the others' of the same profile (every process asks for them in the same order; the
         exchange's seconds count too)."""
         start = time.perf_counter()
         parts = [part] if self.profiles is None else self.profiles.all(part)
         seconds += time.perf_counter() - start
-        return merged(parts, layout, units_measured=measured, seconds=seconds)
+        return merged(parts, layout, seconds=seconds)
 
     def _memory(self, exe: PipelineExecutable) -> dict[int, dict[str, int]]:
         """`stage_memory` of this process's stages under ``exe``. The state's shapes and

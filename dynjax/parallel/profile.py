@@ -115,8 +115,8 @@ def timed_units(spec: PipelineSpec, parts: ModelParts) -> list[tuple[Unit, Stage
     """Every unit of the model in order, as (unit, its one-unit spec, its timing signature).
 
     Units with equal signatures (the same graph, capacities and plugin options on the same
-    stage) run one program and share one measurement: two layers of one stage whose options
-    differ (e.g. block-sparse matmuls of different widths) are timed apart.
+    stage, under any Plan) run one program and share one measurement: two layers of one stage
+    whose options differ (e.g. block-sparse matmuls of different widths) are timed apart.
     """
     out = []
     trainable_before = False  # a unit before this one gets gradients: it must pass them back
@@ -126,8 +126,10 @@ def timed_units(spec: PipelineSpec, parts: ModelParts) -> list[tuple[Unit, Stage
         for unit in units:
             one = unit_spec(stage, unit, trainable_before=trainable_before)
             graph = parts.layers[unit[1]] if unit[0] == "layers" else None
-            signature = (stage.index, unit[0], one.capacities, one.ragged_totals, graph,
-                         one.frozen != (), one.input_grads, one.embed_frozen, one.options)
+            # The one-unit spec less the layer's index: the program's every input (its stage,
+            # microbatch, dtype, capacities, options, ...) but which equal-graph layer it is.
+            program = dataclasses.replace(one, layers=(), moe=(), frozen=())
+            signature = (unit[0], graph, one.moe != (), one.frozen != (), program)
             out.append((unit, one, signature))
             if unit[0] == "layers":
                 trainable_before |= not one.frozen
@@ -153,19 +155,48 @@ def unit_seconds(
     parts: ModelParts,
     *,
     stages: Collection[int],
+    known: Mapping[tuple, tuple[float, float]],
     repeats: int = 3,
-) -> dict[Unit, tuple[float, float]]:
+) -> tuple[dict[Unit, tuple[float, float]], dict[tuple, tuple[float, float]]]:
     """Median (forward, backward) seconds of the units of ``stages`` (``params``: theirs), each
-    run alone on its own stage: in a multi-process run each process times its own stages."""
-    measured: dict[tuple, tuple[float, float]] = {}
+    run alone on its own stage: in a multi-process run each process times its own stages.
+
+    ``known``: times by timing signature (`timed_units`) measured under an earlier Plan. A unit
+    whose signature a Plan change left as it was is not run again, so the profile after a swap
+    costs what the swap changed (a capacity change re-times the MoE layers only; a move, the
+    layers moved): DynMo rebalances every iteration because that costs little (seed 000
+    §3.3.1). Returns the units' times and their times by signature (the next ``known``).
+    """
+    by_signature: dict[tuple, tuple[float, float]] = {}
     out = {}
     for unit, one, signature in timed_units(spec, parts):
         if one.index not in stages:
             continue
-        if signature not in measured:
-            unit_params = select(params[one.index], one.units(parts.learned_positions))
-            measured[signature] = _time_unit(one, unit_params, get, shapes, repeats)
-        out[unit] = measured[signature]
+        if signature not in by_signature:
+            if signature in known:
+                by_signature[signature] = known[signature]
+            else:
+                unit_params = select(params[one.index], one.units(parts.learned_positions))
+                by_signature[signature] = _time_unit(one, unit_params, get, shapes, repeats)
+        out[unit] = by_signature[signature]
+    return out, by_signature
+
+
+def known_unit_seconds(
+    spec: PipelineSpec,
+    parts: ModelParts,
+    *,
+    stages: Collection[int],
+    known: Mapping[tuple, tuple[float, float]],
+) -> dict[Unit, tuple[float, float]] | None:
+    """The times of the units of ``stages`` from ``known`` (`unit_seconds`), or None where one
+    of them has a signature not measured yet (it must run alone)."""
+    out = {}
+    for unit, one, signature in timed_units(spec, parts):
+        if one.index in stages:
+            if signature not in known:
+                return None
+            out[unit] = known[signature]
     return out
 
 
@@ -351,13 +382,13 @@ class ProfilePart:
     units: Mapping[Unit, tuple[float, float]]  # its stages' units (`unit_seconds`)
     memory: Mapping[int, dict[str, int]]  # its stages' `stage_memory`
     timeline: Mapping[int, tuple[TaskTime, ...]]  # its stages' tasks, from its step's start
+    units_measured: bool  # some of its units ran alone; else they are rescaled (`Profile`)
 
 
 def merged(
     parts: Sequence[ProfilePart],
     stage_layers: tuple[int, ...],
     *,
-    units_measured: bool,
     seconds: float,
 ) -> Profile:
     """One `Profile` of every stage from the processes' parts. A process times its tasks from
@@ -377,7 +408,7 @@ def merged(
         tuple(memory[s] for s in stages),
         tuple(timeline[s] for s in stages),
         stage_layers,
-        units_measured=units_measured,
+        units_measured=any(part.units_measured for part in parts),
         seconds=seconds,
     )
 
@@ -386,8 +417,9 @@ def merged(
 class Profile:
     """One profiled step: unit times, stage memory and the measured timeline.
 
-    ``units_measured``: whether the units ran alone for it, or their times were rescaled from
-    an earlier profile of the same layout by this step's timeline (`rescaled_units`);
+    ``units_measured``: whether units ran alone for it (those a Plan change made new,
+    `unit_seconds`), or every unit's time was rescaled from earlier measurements by this
+    step's timeline (`rescaled_units`);
     ``seconds``: the host time profiling added beyond the timed step on the thread that asked
     for it (the balancer's cost; the watcher threads' waiting is not counted).
     """
