@@ -19,8 +19,9 @@ pipeline of ``--stages`` x ``--data`` fake CPU devices, in one process and inter
 * the profiled step after a Plan swap, which runs alone the units the swap made new (their
   timing signature, `dynjax.parallel.profile.unit_seconds`) and waits for them: its extra
   seconds over the round's plain step, after a layer moves to the neighbouring stage and back
-  ("move"), and, for MoE, sparse attention and early exit, after every sized layer is resized
-  and back ("resize", `resized`: an upper bound of a policy's change);
+  ("move"), and, with ``--case`` MoE, sparse attention or early exit, after each resize of the
+  recorded run's swaps (the sizes of the layers whose cost a swap changed, halved, and back:
+  `resized`, `dynmo_cases.swaps`);
 * one decision: `RebalancePolicy.propose` on a history holding the profile (on the Controller's
   thread in a run, so it delays no step; shown for completeness);
 * the migrations of those moves (per move).
