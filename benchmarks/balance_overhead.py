@@ -65,8 +65,9 @@ from dynmo_cases import cadence, resizes, swap_seconds, swaps, synthetic_cases
 
 from dynjax.config import load_config, microbatches, moe_layer_indices
 from dynjax.experiment import Experiment
+from dynjax.model import ModelParts
 from dynjax.parallel.pipeline import WATCHER
-from dynjax.parallel.profile import stage_busy_seconds
+from dynjax.parallel.profile import stage_busy_seconds, timed_units
 from dynjax.recompile import Plan, Rebalance
 from dynjax.recompile.monitor import Monitor
 from dynjax.recompile.policy import History
@@ -204,10 +205,9 @@ def main() -> None:
         watched.append((watchers_cpu() - w0) / count)
         return *(t / count for t in seconds), metrics
 
-    def swap_and_profile(target: Plan, executable) -> tuple[float, float, bool]:
+    def swap_and_profile(target: Plan, executable) -> tuple[float, float]:
         """Seconds of the first profiled step after swapping to ``target`` (it waits for the
-        units the swap made new, run alone), the swap's migration seconds, and whether any unit
-        ran alone."""
+        units the swap made new, run alone), and the swap's migration seconds."""
         migration = runtime.swap(target, executable)
         t0 = time.perf_counter()
         metrics, profile = runtime.profile_step(executable, batch(), None)
@@ -215,8 +215,7 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         if target == plan:  # a timeline of the measured layout that the loop waited for
             waited.append(stage_busy_seconds(profile.timeline))
-        migrated = migration.seconds if migration is not None else 0.0
-        return seconds, migrated, profile.units_measured
+        return seconds, migration.seconds if migration is not None else 0.0
 
     counts = [len(s.layers) for s in runtime.pipeline.spec.stages]
     moved = list(counts)
@@ -224,8 +223,12 @@ def main() -> None:
     # The changes timed after a swap: a move, and each resize of the recorded run's swaps.
     plan_swaps = swaps(args.case)[0] if args.case else []
     changes = {"move": plan.replace(stage_layers=tuple(moved))}
+    parts = ModelParts.of(exp.model_cfg)
+    signatures = lambda p: {sig for *_, sig in timed_units(exp.pipeline_spec(p), parts)}  # noqa: E731
     for key in sorted(set(resizes(plan_swaps))):
         other = resized(args.case, plan, key, moe_layer_indices(cfg))
+        if other is not None and not signatures(other) - signatures(plan):
+            raise SystemExit(f"resizing layers {key} changes no unit's program: it times nothing")
         if other is not None:
             changes[key] = other
     changes = {
@@ -237,8 +240,6 @@ def main() -> None:
         two swaps' migration seconds: each profile runs alone the units its swap made new."""
         there = swap_and_profile(*changes[kind])
         back = swap_and_profile(plan, exe)
-        if kind != "move" and not (there[2] or back[2]):  # a move may only meet known units
-            raise SystemExit(f"resizing layers {kind} made no unit new: it measures nothing")
         return [there[0], back[0]], [there[1], back[1]]
 
     busy, waited = [], []  # stage busy seconds of the periodic and the waited-for timelines

@@ -559,8 +559,11 @@ ms after resizing one to four MoE layers, against a 1,334 ms step), 0.3% for MoD
 ms), 1.0% for early exit (6 resizes, 185-596 ms against 659 ms) and 0.3% for sparse attention (4
 swaps in 100 steps, -0.3 to 1.9 s against an 8.7 s step: one-layer resizes are under the noise);
 when every unit ran alone after each swap these were 1.4-1.9%, 0.8%, 2.1% and 3.4%. A move of
-MoE's layer 1 to stage 1 meets the MoE layer timed there already and re-times nothing; the move
-back re-times it on stage 0. Pruning (0.5%) and freezing (0.2%) are still the every-unit figures.
+MoE's layer 1 to stage 1 meets the MoE layer timed there already, and the move back the times
+kept from before: neither runs a unit alone, and in training the profile after such a swap is
+not waited for. The benchmark's figure for it is the wait for one isolated step, so the moves'
+shares (all of MoD's, and the move counted for a swap that also resizes) are upper bounds.
+Pruning (0.5%) and freezing (0.2%) are still the every-unit figures.
 The periodic timelines agree with the waited-for ones within the noise: stage busy seconds
 1.05-1.15x (MoE), 1.17-1.58x (MoD at load ~16), 0.80-0.86x (early exit), 1.03-1.16x (sparse
 attention).

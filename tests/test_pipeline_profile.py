@@ -154,7 +154,7 @@ def test_each_process_part_of_a_profile_merges_into_the_profile_of_every_stage()
     assert profile.memory == ({"total": 10}, {"total": 20})
     assert profile.timeline == (rows(0), rows(1)) and profile.stage_layers == (2, 1)
     assert not profile.units_measured and profile.seconds == 0.5
-    # Units that ran alone in any process make the profile a measured one.
+    # A layout's first profile (units measured alone, or kept) in any process is a measured one.
     measured = dataclasses.replace(second, units_measured=True)
     assert merged([first, measured], (2, 1), seconds=0.5).units_measured
     with pytest.raises(ValueError, match=r"no process profiled stages \[1\]"):

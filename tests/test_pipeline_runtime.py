@@ -472,13 +472,14 @@ def test_a_periodic_profile_rescales_the_measured_units_by_its_own_timeline(prog
 
 def test_after_a_plan_change_only_the_units_it_changed_run_alone(programs):
     # A unit keeps its measurement while its timing signature stays: a capacity change re-times
-    # the MoE layer alone, a move the layer moved alone, and a Plan whose units are all known
-    # is rescaled from its step's timeline like a periodic profile.
+    # the MoE layer alone, a move the layer moved alone, and a new layout whose units are all
+    # known keeps their times (not rescaled from its first step); a later profile of a layout
+    # rescales them from its step's timeline.
     programs, template = programs
 
-    def lowered(assignment, capacities):
-        exe = programs.lower(spec_for(assignment, "1f1b", capacities=capacities), profiling=True)
-        exe = exe.compile()
+    def lowered(assignment, capacities, schedule="1f1b"):
+        spec = spec_for(assignment, schedule, capacities=capacities)
+        exe = programs.lower(spec, profiling=True).compile()
 
         def counted(key, program):
             return lambda *args: ran.append(key[1].layers) or program(*args)
@@ -507,7 +508,9 @@ def test_after_a_plan_change_only_the_units_it_changed_run_alone(programs):
     moved = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),)))  # layer 2 to stage 2
     assert moved.units_measured and set(ran) == {(2,)}
     assert {u for u in now if moved.units.by_unit()[u] != now[u]} <= {("layers", 2)}
-    again = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),)))  # no unit is new
+    kept = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),), "gpipe"))  # new spec, no new unit
+    assert kept.units_measured and not ran and kept.units == moved.units
+    again = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),), "gpipe"))  # the same layout again
     assert not again.units_measured and not ran
 
 

@@ -561,13 +561,15 @@ class Pipeline:
         """A timed step, then each unit's forward and backward time and each stage's memory
         (seed 000 §3.1: the step after a change is profiled).
 
-        Units whose timing signature no earlier measurement holds (a Plan change made them
-        new: `unit_seconds`) then run alone, the step waited for. Otherwise the units' measured
-        times are rescaled by this step's own timeline (`rescaled_units`) and this returns as
-        soon as the step is dispatched: the `Profile` is built when asked for, once the
-        watchers are done, so a periodic profile costs the training loop no wait (seed 000
-        §3.3.1). Memory is computed once per executable. The one-unit programs come with
-        ``exe`` (lowered with ``profiling``): nothing compiles here, on the training thread.
+        On a layout not profiled yet (the first profile after a swap), units whose timing
+        signature no earlier measurement holds (a Plan change made them new: `unit_seconds`)
+        then run alone, the step waited for; the others keep their times (with none new, this
+        returns at once). A later profile of the layout rescales its units' times by its own
+        step's timeline (`rescaled_units`) and returns as soon as the step is dispatched: the
+        `Profile` is built when asked for, once the watchers are done, so a periodic profile
+        costs the training loop no wait (seed 000 §3.3.1). Memory is computed once per
+        executable. The one-unit programs come with ``exe`` (lowered with ``profiling``):
+        nothing compiles here, on the training thread.
 
         Each process measures its own stages; over several processes (``profiles``) every process
         must profile the same steps and ask for their `Profile`s in the same order: each then
@@ -584,16 +586,8 @@ class Pipeline:
         layout = tuple(len(stage.layers) for stage in exe.spec.stages)
         parts = self.programs.setup.parts
         measured = self._measured_units
-        if measured is None or measured[0] != exe.spec:
-            known = known_unit_seconds(
-                exe.spec, parts, stages=self.state.keys(), known=self._unit_times
-            )
-            if known is not None:  # nothing new to time: rescale what was measured before
-                measured = self._measured_units = (
-                    exe.spec, known, units_busy_seconds(known, exe.spec)
-                )
-        metrics, pending = self.start_timed_step(exe, inputs, targets, cached, rows)
         if measured is not None and measured[0] == exe.spec:
+            metrics, pending = self.start_timed_step(exe, inputs, targets, cached, rows)
             _, units, then = measured
 
             def rescaled() -> Profile:
@@ -608,9 +602,22 @@ class Pipeline:
                 return self._gathered(part, layout, time.perf_counter() - start)
 
             return metrics, PendingProfile(rescaled)
+        stages = set(self.state)  # this process's
+        known = known_unit_seconds(exe.spec, parts, stages=stages, known=self._unit_times)
+        metrics, pending = self.start_timed_step(exe, inputs, targets, cached, rows)
+        if known is not None:
+            # Nothing new to time: the units keep their times as measured alone. Not rescaled
+            # from this step, the first of the layout's programs (a first run may load them).
+            self._measured_units = (exe.spec, known, units_busy_seconds(known, exe.spec))
+
+            def kept() -> Profile:
+                part = ProfilePart(known, memory, pending.result(), units_measured=True)
+                return self._gathered(part, layout, 0.0)
+
+            return metrics, PendingProfile(kept)
         timeline = pending.result()
         start = time.perf_counter()
-        local = {s: st["params"] for s, st in self.state.items()}
+        local = {s: st["params"] for s, st in self.state.items()}  # the step's updated ones
         units, self._unit_times = unit_seconds(
             exe.spec,
             local,

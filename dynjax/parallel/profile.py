@@ -382,7 +382,7 @@ class ProfilePart:
     units: Mapping[Unit, tuple[float, float]]  # its stages' units (`unit_seconds`)
     memory: Mapping[int, dict[str, int]]  # its stages' `stage_memory`
     timeline: Mapping[int, tuple[TaskTime, ...]]  # its stages' tasks, from its step's start
-    units_measured: bool  # some of its units ran alone; else they are rescaled (`Profile`)
+    units_measured: bool  # its units' times are as measured alone, not rescaled (`Profile`)
 
 
 def merged(
@@ -417,9 +417,9 @@ def merged(
 class Profile:
     """One profiled step: unit times, stage memory and the measured timeline.
 
-    ``units_measured``: whether units ran alone for it (those a Plan change made new,
-    `unit_seconds`), or every unit's time was rescaled from earlier measurements by this
-    step's timeline (`rescaled_units`);
+    ``units_measured``: whether its unit times are as measured alone (a layout's first
+    profile: the units a Plan change made new ran alone, the others kept their times,
+    `unit_seconds`), or were rescaled from those by this step's timeline (`rescaled_units`);
     ``seconds``: the host time profiling added beyond the timed step on the thread that asked
     for it (the balancer's cost; the watcher threads' waiting is not counted).
     """
