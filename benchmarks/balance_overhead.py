@@ -227,10 +227,11 @@ def main() -> None:
     signatures = lambda p: {sig for *_, sig in timed_units(exp.pipeline_spec(p), parts)}  # noqa: E731
     for key in sorted(set(resizes(plan_swaps))):
         other = resized(args.case, plan, key, moe_layer_indices(cfg))
-        if other is not None and not signatures(other) - signatures(plan):
+        if other is None:
+            continue
+        if not signatures(other) - signatures(plan):
             raise SystemExit(f"resizing layers {key} changes no unit's program: it times nothing")
-        if other is not None:
-            changes[key] = other
+        changes[key] = other
     changes = {
         kind: (p, exp.lower_train_step(p, profiling=True).compile()) for kind, p in changes.items()
     }

@@ -519,9 +519,9 @@ class PipelineRuntime:
         return self.pipeline.step(executable, batch.inputs, batch.targets, cached, batch.rows)
 
     def profile_step(self, executable, batch: Batch, cached: np.ndarray | None):
-        """`step`, profiled (blocks): returns (metrics with the profile's added, Profile). Units
-        a Plan change made new run alone; the others' times are rescaled by this step's
-        timeline (`Pipeline.start_profile_step`).
+        """`step`, profiled (blocks): returns (metrics with the profile's added, Profile). On a
+        new layout the units a Plan change made new run alone and the others keep their times;
+        later profiles rescale them by their step's timeline (`Pipeline.start_profile_step`).
 
         The metrics also name the layout that ran (`profile/stage_layers`, layers per stage),
         so a policy can tell a profile of the current Plan from an older one."""

@@ -169,9 +169,7 @@ def unit_seconds(
     """
     by_signature: dict[tuple, tuple[float, float]] = {}
     out = {}
-    for unit, one, signature in timed_units(spec, parts):
-        if one.index not in stages:
-            continue
+    for unit, one, signature in _local_units(spec, parts, stages):
         if signature not in by_signature:
             if signature in known:
                 by_signature[signature] = known[signature]
@@ -191,13 +189,17 @@ def known_unit_seconds(
 ) -> dict[Unit, tuple[float, float]] | None:
     """The times of the units of ``stages`` from ``known`` (`unit_seconds`), or None where one
     of them has a signature not measured yet (it must run alone)."""
-    out = {}
-    for unit, one, signature in timed_units(spec, parts):
-        if one.index in stages:
-            if signature not in known:
-                return None
-            out[unit] = known[signature]
-    return out
+    local = _local_units(spec, parts, stages)
+    if any(signature not in known for *_, signature in local):
+        return None
+    return {unit: known[signature] for unit, _, signature in local}
+
+
+def _local_units(
+    spec: PipelineSpec, parts: ModelParts, stages: Collection[int]
+) -> list[tuple[Unit, StageSpec, tuple]]:
+    """`timed_units` of ``stages`` (in a multi-process run, this process's)."""
+    return [u for u in timed_units(spec, parts) if u[1].index in stages]
 
 
 def _time_unit(
