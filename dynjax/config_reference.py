@@ -1,0 +1,236 @@
+"""The configuration reference, docs/config.md, generated from `default_config()`.
+
+Every key with its default and the comment its source gives it (`dynjax/config.py`, or the
+`config()` of the dynamism plugin that owns the section), so the reference cannot drift from the
+code: ``python -m dynjax.config_reference > docs/config.md`` writes it, and ``--check FILE`` exits
+1 when FILE is not what it would write (tests/test_config_reference.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import io
+import pkgutil
+import sys
+import textwrap
+import tokenize
+from collections.abc import Iterator
+from pathlib import Path
+
+import ml_collections
+
+from dynjax import config as config_lib
+
+# The page that explains each section's keys, relative to docs/.
+PAGES = {
+    "train": "architecture.md#one-training-step",
+    "data": "running.md#data",
+    "model": "architecture.md#the-layers-of-the-house",
+    "mesh": "parallelism.md#the-mesh",
+    "parallel": "parallelism.md#fsdp-and-tensor-parallelism",
+    "pipeline": "parallelism.md#the-mpmd-pipeline",
+    "balance": "parallelism.md#load-balancing",
+    "checkpoint": "checkpointing.md",
+    "recompile": "architecture.md#compiler",
+    "moe": "schemes/moe.md",
+    "freezing": "schemes/freezing.md",
+    "pruning": "schemes/pruning.md",
+    "sparse_attention": "schemes/sparse_attention.md",
+    "early_exit": "schemes/early_exit.md",
+    "mod": "schemes/mod.md",
+}
+
+# What the README's configuration table said of each key whose source has no comment: one
+# description per key (a key that gains a comment leaves this table; the test checks both).
+DESCRIPTIONS = {
+    "seed": "parameter init and data order",
+    "train.steps": "optimizer steps (the learning-rate schedule follows it)",
+    "train.batch_size": "sequences per step (global)",
+    "train.learning_rate": "AdamW (b2 0.95) peak learning rate",
+    "train.warmup_steps": "linear warm-up steps, then cosine decay",
+    "train.weight_decay": "AdamW's decoupled decay, on matrices only (not norms, biases or the "
+    "MoE router)",
+    "train.log_every": "logging cadence (metrics.jsonl, layer_costs.jsonl)",
+    "train.eval_every": "validation cadence",
+    "train.eval_batches": "batches per validation",
+    "train.checkpoint_every": "checkpoint cadence",
+    "train.keep_checkpoints": "how many checkpoints to keep",
+    "data.seq_len": "tokens per sample window (a sample is seq_len + 1 tokens)",
+    "data.val_fraction": "the last fraction of windows is the validation set",
+    "model.vocab_size": "vocabulary (text is tokenized as bytes: 256)",
+    "model.num_layers": "layers of the pre-norm GPT",
+    "model.d_model": "model width",
+    "model.num_heads": "attention heads; must divide d_model",
+    "model.mlp_dim": "dense MLP width",
+    "mesh.stage": "pipeline stages",
+    "mesh.data": "data-parallel devices per stage",
+    "mesh.expert": "expert-parallel devices per stage",
+    "moe.num_experts": "experts per MoE layer",
+    "moe.top_k": "expert choices per token",
+    "moe.aux_loss_weight": "weight of the Switch balance loss",
+    "moe.z_loss_weight": "weight of the router z-loss",
+    "moe.bias_balancing.enabled": "auxiliary-loss-free balancing by a per-expert router bias",
+    "moe.bias_balancing.rate": "the bias moves by rate * sign(mean load - load) after each step",
+    "moe.capacity.target_drop_rate": "dynamic policy: the drop rate capacities are sized for",
+    "moe.capacity.min_factor": "dynamic policy: smallest capacity factor",
+    "moe.capacity.max_factor": "dynamic policy: largest capacity factor",
+    "moe.capacity.headroom": "dynamic policy: capacity = headroom x the smallest that meets the "
+    "target",
+    "moe.caching.enabled": "cache each sample's expert assignment and route from it once stable",
+    "moe.caching.on_threshold": "switch cached routing on at this routing stability",
+    "moe.caching.off_threshold": "switch it off again below this stability",
+    "moe.caching.warmup_steps": "steps before caching may switch on",
+    "moe.caching.window": "steps of routing stability the policy reads",
+    "moe.granularity.enabled": "choose moe.chunks by timing candidates while training (Alg. 1)",
+    "balance.enabled": "dynamic load balancing of the pipeline stages",
+    "checkpoint.async_save": "write checkpoints in the background",
+    "freezing.enabled": "freeze converged front layers",
+    "pruning.enabled": "gradual global magnitude pruning",
+    "pruning.block_size": "block width with granularity \"block\"; must divide every pruned "
+    "matrix's last two dims",
+    "sparse_attention.enabled": "hash-based dynamic sparse attention in every layer",
+    "early_exit.enabled": "let confident tokens exit at exit points",
+    "mod.enabled": "mixture of depths: route every mod.every-th block",
+}
+
+HEADER = """\
+# Configuration reference
+
+<!-- Generated by `python -m dynjax.config_reference > docs/config.md` from
+`dynjax.config.default_config()`; do not edit by hand (tests/test_config_reference.py fails when
+this file is stale). -->
+
+Every key dynjax reads, with its one default: the core sections are set in `dynjax/config.py`,
+each dynamism scheme's section in its plugin's `config()` (`dynjax/dynamism/`). `configs/*.py`
+start from these defaults and change some; any key can be overridden on the command line with
+`--config.<section>.<key>=<value>`. A misspelt key, a value of the wrong type or values that
+conflict stop the run before any work, naming the keys and the fix. A description is the
+source's comment on the key where it has one; each section's page explains its keys.
+"""
+
+
+def _attribute_path(node: ast.expr) -> list[str] | None:
+    """``c.moe.capacity.factor`` -> ["moe", "capacity", "factor"] (the root name dropped)."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return names[::-1] if isinstance(node, ast.Name) and names else None
+
+
+def key_comments(source: str, prefix: str = "") -> dict[str, str]:
+    """Every ``c.a.b = value`` of ``source`` in source order, by dotted key (``prefix.a.b``), with
+    its comment: the comment lines right above the assignment, then the one at its end ("" if
+    none). Section assignments (``c.a = ConfigDict()``) are keys too."""
+    source = textwrap.dedent(source)
+    own_line, trailing = {}, {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            (own_line if tok.line.lstrip().startswith("#") else trailing)[tok.start[0]] = text
+    assigns = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Assign)]
+    comments = {}
+    for node in sorted(assigns, key=lambda n: n.lineno):
+        path = _attribute_path(node.targets[0]) if len(node.targets) == 1 else None
+        if path is None:
+            continue
+        above, line = [], node.lineno - 1
+        while line in own_line:
+            above.insert(0, own_line[line])
+            line -= 1
+        after = [trailing[n] for n in range(node.lineno, node.end_lineno + 1) if n in trailing]
+        comments[".".join([prefix, *path] if prefix else path)] = " ".join(above + after)
+    return comments
+
+
+def _plugin_config_sources() -> Iterator[tuple[str, str]]:
+    """(section, source of its ``config()``) for every plugin class in `dynjax.dynamism`."""
+    package = importlib.import_module("dynjax.dynamism")
+    for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        module = importlib.import_module(info.name)
+        for cls in vars(module).values():
+            name = getattr(cls, "name", None)
+            if (
+                inspect.isclass(cls)
+                and cls.__module__ == module.__name__
+                and "config" in vars(cls)
+                and isinstance(name, str)
+                and name
+            ):
+                yield name, inspect.getsource(cls.config)
+
+
+def all_comments() -> dict[str, str]:
+    """Every key and section the sources set, in their order, with its comment ("" if none):
+    `default_config` first, then each plugin's section."""
+    comments = key_comments(inspect.getsource(config_lib.default_config))
+    for section, source in _plugin_config_sources():
+        comments.setdefault(section, "")
+        comments.update(key_comments(source, section))
+    return comments
+
+
+def _leaves(cfg: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, object]]:
+    for name, value in cfg.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from _leaves(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render(cfg: ml_collections.ConfigDict, comments: dict[str, str]) -> str:
+    """docs/config.md: a table per top-level section of ``cfg``, sections and keys in the
+    order of ``comments`` (the sources'), any key the sources do not show last."""
+    position = {key: i for i, key in enumerate(comments)}
+
+    def rank(key: str) -> tuple[int, str]:
+        return position.get(key, len(position)), key
+
+    lines = [HEADER]
+    for section in sorted(cfg.keys(), key=rank):
+        value = cfg[section]
+        lines.append(f"## {section}\n")
+        if not isinstance(value, ml_collections.ConfigDict):
+            lines.append(f"`{section}` = `{value!r}`. {comments.get(section, '')}".strip() + "\n")
+            continue
+        intro = comments.get(section, "")
+        if section in PAGES:
+            page = PAGES[section]
+            intro = f"{intro} Explained in [{page.split('#')[0]}]({page}).".strip()
+        if intro:
+            lines.append(f"{intro}\n")
+        lines.append("| key | default | description |\n|---|---|---|")
+        for key, default in sorted(_leaves(value, f"{section}."), key=lambda kv: rank(kv[0])):
+            text = comments.get(key) or DESCRIPTIONS.get(key, "")
+            lines.append(f"| `{key}` | `{_cell(repr(default))}` | {_cell(text)} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not up to date")
+    args = parser.parse_args(argv)
+    text = render(config_lib.default_config(), all_comments())
+    if args.check is None:
+        sys.stdout.write(text)
+        return 0
+    if Path(args.check).read_text() == text:
+        return 0
+    print(
+        f"{args.check} is stale: regenerate it with "
+        f"python -m dynjax.config_reference > {args.check}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
