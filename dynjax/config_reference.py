@@ -28,7 +28,6 @@ from dynjax import config as config_lib
 PAGES = {
     "train": "architecture.md#one-training-step",
     "data": "running.md#data",
-    "model": "architecture.md#the-layers-of-the-house",
     "mesh": "parallelism.md#the-mesh",
     "parallel": "parallelism.md#fsdp-and-tensor-parallelism",
     "pipeline": "parallelism.md#the-mpmd-pipeline",
@@ -200,12 +199,13 @@ def render(cfg: ml_collections.ConfigDict, comments: dict[str, str]) -> str:
         if not isinstance(value, ml_collections.ConfigDict):
             lines.append(f"`{section}` = `{value!r}`. {comments.get(section, '')}".strip() + "\n")
             continue
-        intro = comments.get(section, "")
+        intro = [comments.get(section, "").rstrip(".")]
         if section in PAGES:
             page = PAGES[section]
-            intro = f"{intro} Explained in [{page.split('#')[0]}]({page}).".strip()
-        if intro:
-            lines.append(f"{intro}\n")
+            intro.append(f"Explained in [{page.split('#')[0]}]({page})")
+        if any(intro):
+            text = ". ".join(part[:1].upper() + part[1:] for part in intro if part)
+            lines.append(f"{text}.\n")
         lines.append("| key | default | description |\n|---|---|---|")
         for key, default in sorted(_leaves(value, f"{section}."), key=lambda kv: rank(kv[0])):
             text = comments.get(key) or DESCRIPTIONS.get(key, "")
