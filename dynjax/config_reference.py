@@ -197,7 +197,8 @@ def render(cfg: ml_collections.ConfigDict, comments: dict[str, str]) -> str:
         value = cfg[section]
         lines.append(f"## {section}\n")
         if not isinstance(value, ml_collections.ConfigDict):
-            lines.append(f"`{section}` = `{value!r}`. {comments.get(section, '')}".strip() + "\n")
+            text = comments.get(section) or DESCRIPTIONS.get(section, "")
+            lines.append(f"`{section}` = `{value!r}`: {text}\n")
             continue
         intro = [comments.get(section, "").rstrip(".")]
         if section in PAGES:
