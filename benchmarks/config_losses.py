@@ -43,7 +43,8 @@ def run(config: pathlib.Path, mode: str, steps: int) -> dict:
         cmd = [
             sys.executable, "-m", "dynjax.train", "--config", str(config),
             f"--config.train.steps={steps}", "--config.train.log_every=1",
-            "--config.train.checkpoint_every=100000", "--workdir", workdir, *MODES[mode], *OVERRIDES.get(config.stem, []),
+            "--config.train.checkpoint_every=100000", "--workdir", workdir,
+            *MODES[mode], *OVERRIDES.get(config.stem, []),
         ]  # fmt: skip
         env = {**os.environ, "XLA_FLAGS": XLA_FLAGS, "JAX_PLATFORMS": "cpu"}
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
