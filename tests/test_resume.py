@@ -17,7 +17,7 @@ from dynjax.resume import config_changes
 from dynjax.train import main, train
 from dynjax.writers import read_jsonl
 
-from .test_checkpoint import _corrupt
+from .checkpoint.test_manager import _corrupt
 from .test_train import losses
 from .tiny import tiny_config
 
@@ -33,7 +33,7 @@ def run_killed_after_save(workdir: Path, step: int) -> None:
     """The CLI on the same config as `RUN`, killed by itself right after saving ``step``."""
     args = [
         sys.executable,
-        "tests/kill_after_save.py",
+        "tests/scripts/kill_after_save.py",
         str(step),
         "--config=tests/tiny.py",
         f"--workdir={workdir}",
