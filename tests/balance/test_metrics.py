@@ -2,7 +2,6 @@
 
 import doctest
 import importlib
-import pathlib
 import subprocess
 import sys
 
@@ -13,7 +12,8 @@ from hypothesis import strategies as st
 
 from dynjax.balance import imbalance, stage_costs
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from ..helpers import ROOT
+
 MODULES = ["baselines", "diffusion", "metrics", "partition", "repack", "schedules", "simulate"]
 
 
@@ -59,7 +59,7 @@ def test_stage_costs_add_the_outgoing_hop():
 
 def test_importing_balance_does_not_import_jax():
     code = "import sys, dynjax.balance; assert 'jax' not in sys.modules, 'jax was imported'"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 

@@ -3,7 +3,6 @@ a corrupt latest, refused saves, subset-of-experts reads, and layout-1 checkpoin
 
 import shutil
 import tarfile
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,23 +15,18 @@ from dynjax.checkpoint.manager import qkv_columns_per_head
 from dynjax.experiment import Experiment
 from dynjax.model.attention import qkv_per_head
 
+from ..helpers import (
+    DATA,
+    QKV_BEFORE_PER_HEAD,
+    assert_bitwise_equal,
+    assert_placed_like,
+    corrupt,
+    one_step,
+    overwrite_expert,
+)
 from ..tiny import tiny_config
 
-OLD_LAYOUT = Path(__file__).parents[1] / "data" / "old_layout_checkpoint.tar.gz"
-QKV_BEFORE_PER_HEAD = Path(__file__).parents[1] / "data" / "qkv_before_per_head_checkpoint.tar.gz"
-
-
-def one_step(exp):
-    """``exp``'s state one optimizer step in (so Adam moments are non-zero), on its mesh."""
-    plan = exp.initial_plan()
-    step = exp.lower_train_step(plan).compile()
-    state = exp.init_state()
-    state["params"], state["opt_state"], _ = step(
-        state["params"], state["opt_state"], exp.device_batch(exp.order.batch(0))
-    )
-    return state
-
-
+OLD_LAYOUT = DATA / "old_layout_checkpoint.tar.gz"
 @pytest.fixture(scope="module")
 def trained():
     """A MoE experiment (expert-parallel over 2 devices, FSDP over 2) and its state after a step."""
@@ -43,18 +37,6 @@ def trained():
 def fixed(exp):
     """The restore target of ``exp``'s single-program state, whatever the checkpoint says."""
     return lambda meta: exp.abstract_state
-
-
-def assert_bitwise_equal(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def assert_placed_like(state, target):
-    """Every leaf of ``state`` is a jax.Array with the sharding ``target`` asks for."""
-    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
-        assert isinstance(got, jax.Array) and got.sharding == want.sharding
 
 
 @pytest.mark.slow
@@ -156,30 +138,6 @@ def test_restore_reshards_onto_a_different_mesh(trained, tmp_path):
     assert_bitwise_equal(state, restored)
 
 
-def _corrupt(step_dir):
-    """Truncate every data file of the dense item to half its size: a half-written checkpoint.
-    (Truncating only the largest one let a restore succeed once in a loaded suite run: which
-    arrays share a file, and so what a single file's second half holds, varies from save to
-    save.)"""
-    files = [p for p in (step_dir / "dense").rglob("*") if p.is_file() and p.parent.name == "d"]
-    assert files
-    for data in files:
-        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-
-
-def _overwrite_expert(step_dir, key, expert):
-    """Rewrite one expert row of a stored array with other values through tensorstore: a file
-    that reads back fine, with wrong data (what only the checksums can tell)."""
-    rows = layout.read_rows(step_dir / "experts", key, [expert])
-    context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
-    info = ocp.type_handlers.ParamInfo(
-        name=key.replace("/", "."), parent_dir=step_dir / "experts", ts_context=context
-    )
-    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True)
-    array = ts.open(spec, open=True, context=context).result()
-    array[expert].write(rows[0] + 1).result()
-
-
 def test_corrupt_latest_is_set_aside_and_its_step_saved_again(trained, tmp_path):
     exp, state = trained
     events = []
@@ -188,7 +146,7 @@ def test_corrupt_latest_is_set_aside_and_its_step_saved_again(trained, tmp_path)
     later = jax.tree.map(lambda a: a + 1 if a.dtype.kind == "f" else a, state)
     ckpt.save(2, later, {})
     ckpt.wait()
-    _corrupt(tmp_path / "2")
+    corrupt(tmp_path / "2")
     restored, meta = ckpt.restore_latest(fixed(exp))
     assert meta["step"] == 1
     assert_bitwise_equal(state, restored)
@@ -216,7 +174,7 @@ def test_wrong_data_in_an_expert_shard_falls_back_to_its_previous_copy(trained, 
     ckpt.save(2, state, {})
     ckpt.wait()
     key = "opt_state/1/0/nu/layers/1/moe/w_out"
-    _overwrite_expert(tmp_path / "2", key, 3)
+    overwrite_expert(tmp_path / "2", key, 3)
     with pytest.raises(CheckpointError, match=f"{key} expert 3: checksum mismatch"):
         ckpt.restore_experts(2, key, [3])
     np.testing.assert_array_equal(  # the other experts of that array are intact
@@ -318,7 +276,7 @@ def test_all_checkpoints_corrupt_is_an_error_that_says_where_they_are(trained, t
     ckpt = Checkpointer(tmp_path, keep=1)
     ckpt.save(1, state, {})
     ckpt.wait()
-    _corrupt(tmp_path / "1")
+    corrupt(tmp_path / "1")
     with pytest.raises(CheckpointError, match="could be restored.*corrupt"):
         ckpt.restore_latest(fixed(exp))
     assert len(list((tmp_path / "corrupt").iterdir())) == 1

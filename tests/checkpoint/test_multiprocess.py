@@ -21,7 +21,7 @@ from dynjax.launch.watchdog import RESUME
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from ..test_data_multiprocess import ROOT, losses, two_processes
+from ..helpers import ROOT, losses, two_processes
 from ..tiny import dotted_config
 
 BASE = {

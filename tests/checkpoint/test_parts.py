@@ -16,15 +16,15 @@ from dynjax.checkpoint.parts import PartedCheckpointer, Sources, part_dir, resto
 from dynjax.experiment import Experiment
 from dynjax.model.attention import qkv_per_head
 
-from ..recompile.test_agreement import Store
-from ..tiny import tiny_config
-from .test_manager import (
+from ..helpers import (
     QKV_BEFORE_PER_HEAD,
-    _corrupt,
-    _overwrite_expert,
+    Store,
     assert_bitwise_equal,
+    corrupt,
     one_step,
+    overwrite_expert,
 )
+from ..tiny import tiny_config
 
 
 @dataclasses.dataclass
@@ -128,7 +128,7 @@ def test_partial_expert_saves_in_parts_restore_each_expert_from_its_newest_copy(
     assert_bitwise_equal(expert_rows(host[2], [host[0], host[1], host[2], host[2]]), restored)
 
     key = f"params/layers/{moe}/moe/w_in"
-    _overwrite_expert(part_dir(tmp_path, 1) / "4", key, 0)  # its only row: expert 1
+    overwrite_expert(part_dir(tmp_path, 1) / "4", key, 0)  # its only row: expert 1
     events = []
     restored, meta = restore_parts(tmp_path, target(exp), None, emit=events.append)
     assert meta["expert_sources"][moe]["weights"] == [2, 2, 6, 6]
@@ -192,7 +192,7 @@ def test_a_corrupted_part_sets_its_step_aside_in_every_part(trained, tmp_path):
     exp, state = trained
     save(tmp_path, 2, state)
     save(tmp_path, 4, later(state))
-    _corrupt(part_dir(tmp_path, 1) / "4")
+    corrupt(part_dir(tmp_path, 1) / "4")
     failed = restored_step_2(exp, state, tmp_path, "checkpoint_restore_failed")
     assert [e["step"] for e in failed] == [4] and len(failed[0]["moved_to"]) == 2
     assert Sources(tmp_path).part_steps() == {2: [part_dir(tmp_path, p) for p in (0, 1)]}
@@ -204,7 +204,7 @@ def test_wrong_data_in_a_part_is_caught_by_its_checksum(trained, tmp_path):
     save(tmp_path, 4, later(state))
     held = Sources(tmp_path).meta(part_dir(tmp_path, 1), 4)["checksums"]
     key = next(k for k in held if layout.expert_layer(k) is not None)
-    _overwrite_expert(part_dir(tmp_path, 1) / "4", key, expert=1)  # reads back fine
+    overwrite_expert(part_dir(tmp_path, 1) / "4", key, expert=1)  # reads back fine
     failed = restored_step_2(exp, state, tmp_path, "checkpoint_restore_failed")
     assert [e["step"] for e in failed] == [4] and "checksum mismatch" in failed[0]["error"]
 
@@ -212,7 +212,7 @@ def test_wrong_data_in_a_part_is_caught_by_its_checksum(trained, tmp_path):
 def test_no_usable_step_is_an_error_that_says_where_they_are(trained, tmp_path):
     exp, state = trained
     save(tmp_path, 2, state)
-    _corrupt(part_dir(tmp_path, 0) / "2")
+    corrupt(part_dir(tmp_path, 0) / "2")
     with pytest.raises(CheckpointError, match="unusable: \\[2\\]"):
         restore_parts(tmp_path, target(exp), None)
     assert (part_dir(tmp_path, 0) / "corrupt").is_dir()
@@ -255,7 +255,7 @@ def test_a_step_only_one_process_cannot_read_is_set_aside_for_all(trained, tmp_p
     save(tmp_path, 4, later(state))
     held = Sources(tmp_path).meta(part_dir(tmp_path, 1), 4)["checksums"]
     key = next(k for k in held if layout.expert_layer(k) is not None)
-    _overwrite_expert(part_dir(tmp_path, 1) / "4", key, expert=0)
+    overwrite_expert(part_dir(tmp_path, 1) / "4", key, expert=0)
     events = [[], []]
     got = both_processes(lambda peers: restore_parts(
         tmp_path, lambda meta: part_of(exp.abstract_state, peers.index), peers,

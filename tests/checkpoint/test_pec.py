@@ -10,8 +10,8 @@ import pytest
 from dynjax.checkpoint import Checkpointer, ExpertsMissing, layout
 from dynjax.experiment import Experiment
 
+from ..helpers import assert_bitwise_equal, assert_placed_like, one_step, overwrite_expert
 from ..tiny import tiny_config
-from .test_manager import _overwrite_expert, assert_bitwise_equal, assert_placed_like, one_step
 
 E = 4
 LAYERS = (0, 1)  # both layers are MoE (moe.every=1)
@@ -198,7 +198,7 @@ def test_a_corrupt_expert_row_falls_back_to_its_previous_copy(trained, tmp_path,
     ckpt.save(2, later, {}, experts={0: [0, 2], 1: [1, 3]})
     ckpt.wait()
     # Expert 2 of layer 0 is the second row stored at step 2: rewrite its w_out weights.
-    _overwrite_expert(tmp_path / "2", "params/layers/0/moe/w_out", 1)
+    overwrite_expert(tmp_path / "2", "params/layers/0/moe/w_out", 1)
     restored, meta = ckpt.restore_latest(lambda meta: exp.abstract_state)
     assert meta["step"] == 2 and ckpt.all_steps() == [1, 2]  # not quarantined
     assert not (tmp_path / "corrupt").exists()
@@ -219,7 +219,7 @@ def test_a_corrupt_expert_row_falls_back_to_its_previous_copy(trained, tmp_path,
     }
     assert "checksum mismatch" in event["error"] and "expert 2 of layer 0" in caplog.text
     # No copy left: step 1 holds the only copy of expert 3 of layer 0.
-    _overwrite_expert(tmp_path / "1", "opt_state/1/0/mu/layers/0/moe/w_in", 3)
+    overwrite_expert(tmp_path / "1", "opt_state/1/0/mu/layers/0/moe/w_in", 3)
     with pytest.raises(ExpertsMissing, match="expert 3 of layer 0 .optimizer. has no usable"):
         ckpt.restore_latest(lambda meta: exp.abstract_state)
     assert ckpt.all_steps() == [1, 2] and not (tmp_path / "corrupt").exists()

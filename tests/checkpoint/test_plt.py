@@ -3,10 +3,6 @@ ledger, the proportion of lost tokens and dynamic K, against hand NumPy computat
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +13,13 @@ from dynjax.config import ConfigError, validate_config
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from ..helpers import (
+    check_recoveries,
+    events_of,
+    overwrite_expert,
+    train_cli,
+)
 from ..tiny import tiny_config
-from .test_manager import _overwrite_expert
 
 
 def _sequential_saves(ledger: ExpertLedger, saves: int) -> list[dict[int, list[int]]]:
@@ -253,7 +254,6 @@ def test_good_settings_pass():
 
 # -- end to end: a training process killed and resumed --------------------------------------
 
-ROOT = Path(__file__).resolve().parents[2]
 PEC_RUN = {
     "moe__every": 1,  # two MoE layers (0 and 1) of 4 experts
     "checkpoint__experts_per_save": 1,
@@ -263,90 +263,6 @@ PEC_RUN = {
 }
 
 
-def _cli(script: str, workdir: Path, run: dict, *args: object) -> int:
-    """A training subprocess on tests/tiny.py with ``run``'s overrides; its return code."""
-    cmd = [
-        sys.executable,
-        script,
-        *map(str, args),
-        "--config=tests/tiny.py",
-        f"--workdir={workdir}",
-        *(f"--config.{k.replace('__', '.')}={v}" for k, v in run.items()),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=600)
-    assert proc.returncode in (0, -9), proc.stdout.decode()[-2000:] + proc.stderr.decode()[-3000:]
-    return proc.returncode
-
-
-def _events(workdir: Path, name: str | None = None) -> list[dict]:
-    return [e for e in read_jsonl(workdir / "events.jsonl") if name in (None, e["event"])]
-
-
-def recomputed_from_logs(workdir: Path) -> list[dict]:
-    """Each ``checkpoint_recovery`` of the workdir recomputed from metrics.jsonl alone (the
-    routing counts of every step, ``tokens_per_expert``, as logged before that recovery) and
-    the event's expert sources, independently of the ledger:
-
-    an expert restored at step s from its copy of step src lost the tokens routed to it in the
-    steps after max(src, r) up to s, r the previous recovery on the trajectory that led to s
-    (the one of the run that wrote checkpoint s: at r, an expert whose copy is older than r
-    was restored from that same copy, so its state at r equals it); PLT is those tokens over
-    all tokens routed through s, summed over the recoveries of the trajectory (eq. 7)."""
-    events, metrics = _events(workdir), read_jsonl(workdir / "metrics.jsonl")
-    recoveries = [e for e in events if e["event"] == "checkpoint_recovery"]
-    out: dict[float, dict] = {}
-
-    def account(rec: dict) -> dict:
-        if rec["time"] in out:
-            return out[rec["time"]]
-        s, when = rec["step"], rec["time"]
-        tokens = {}
-        for m in metrics:  # the newest record of each step logged before this recovery
-            if m["time"] < when and m["step"] <= s and "tokens_per_expert" in m:
-                tokens[m["step"]] = np.array(m["tokens_per_expert"], np.int64)
-        assert sorted(tokens) == list(range(1, s + 1))
-        writer = max(
-            (e["time"] for e in events if e["event"] == "checkpoint" and e["step"] == s
-             and e["time"] < when),
-        )
-        earlier = [r for r in recoveries if r["time"] < writer]
-        prior = account(earlier[-1]) if earlier else None
-        since = prior["step"] if prior else 0
-        lost = {}
-        for i, (layer, info) in enumerate(sorted(rec["layers"].items(), key=lambda x: int(x[0]))):
-            lost[int(layer)] = [
-                int(sum(tokens[t][i][e] for t in range(max(src, since) + 1, s + 1)))
-                for e, src in enumerate(info["sources"])
-            ]
-        fault = sum(map(sum, lost.values()))
-        total = int(sum(t.sum() for t in tokens.values()))
-        accumulated = fault + (prior["accumulated"] if prior else 0)
-        out[when] = {
-            "step": s,
-            "lost_tokens": lost,
-            "plt": fault / total,
-            "total_plt": accumulated / total,
-            "accumulated": accumulated,
-        }
-        return out[when]
-
-    return [account(r) for r in recoveries]
-
-
-def _check_recoveries(workdir: Path) -> list[dict]:
-    recoveries = _events(workdir, "checkpoint_recovery")
-    for rec, want in zip(recoveries, recomputed_from_logs(workdir), strict=True):
-        assert rec["step"] == want["step"]
-        got = {int(k): v["lost_tokens"] for k, v in rec["layers"].items()}
-        assert got == want["lost_tokens"]
-        assert rec["plt"] == pytest.approx(want["plt"], rel=1e-12)
-        assert rec["total_plt"] == pytest.approx(want["total_plt"], rel=1e-12)
-        saves = {e["step"] for e in _events(workdir, "checkpoint") if e["time"] < rec["time"]}
-        assert {s for v in rec["layers"].values() for s in v["sources"]} <= saves
-    return recoveries
-
-
 @pytest.mark.slow
 def test_a_killed_pec_run_restores_accounts_its_plt_and_trains_on(tmp_path):
     """K = 1 of 4 experts, a save every 2 steps (2 full, 4, 6 partial), SIGKILL right after the
@@ -354,11 +270,11 @@ def test_a_killed_pec_run_restores_accounts_its_plt_and_trains_on(tmp_path):
     expert 0 at 4 and 1 at 6, layer 1 experts 1 and 2), and the PLT reported is the one the
     logged routing counts give."""
     run = tmp_path / "run"
-    assert _cli("tests/scripts/kill_after_save.py", run, PEC_RUN, 6) == -9
+    assert train_cli("tests/scripts/kill_after_save.py", run, PEC_RUN, 6) == -9
     summary = train(tiny_config(**PEC_RUN), run, progress=False)
     assert summary.start_step == 6 and summary.final_step == 12
     assert np.isfinite(summary.final_loss)
-    [rec] = _check_recoveries(run)
+    [rec] = check_recoveries(run)
     assert rec["layers"]["0"]["sources"] == [4, 6, 2, 2]
     assert rec["layers"]["1"]["sources"] == [2, 4, 6, 2]
     assert rec["layers"]["0"]["lost_steps"] == [2, 0, 4, 4]
@@ -387,15 +303,15 @@ def test_a_corrupted_expert_of_a_run_counts_the_plt_of_its_older_copy(tmp_path, 
     assert layout.held_rows(json.loads((step_dir / "meta" / "metadata").read_text()))[
         "params/layers/0/moe/w_out"
     ] == (1,)
-    _overwrite_expert(step_dir, "params/layers/0/moe/w_out", 0)  # stored row 0: expert 1
+    overwrite_expert(step_dir, "params/layers/0/moe/w_out", 0)  # stored row 0: expert 1
     summary = train(tiny_config(**PEC_RUN), run, progress=False)
     assert summary.start_step == 6 and summary.final_step == 12
-    [fallback] = _events(run, "checkpoint_expert_fallback")
+    [fallback] = events_of(run, "checkpoint_expert_fallback")
     assert (fallback["step"], fallback["layer"], fallback["expert"], fallback["group"]) == (
         6, 0, 1, "weights",
     )
     assert fallback["fallback_step"] == 2 and "expert 1 of layer 0" in caplog.text
-    [rec] = _check_recoveries(run)  # every expert's lost tokens as the logs give them
+    [rec] = check_recoveries(run)  # every expert's lost tokens as the logs give them
     assert rec["layers"]["0"]["sources"] == [4, 2, 2, 2]  # not [4, 6, 2, 2]
     assert rec["layers"]["0"]["lost_steps"][1] == 4
     routed = {  # [MoE layer, expert] tokens of each step of the first run
@@ -466,14 +382,14 @@ def test_random_kills_are_all_accounted(tmp_path, seed):
     workdir, steps, every = tmp_path / "run", run["train__steps"], run["train__checkpoint_every"]
     plan = kill_plan(seed, steps, every)
     for step, when in plan:
-        assert _cli("tests/scripts/kill_at.py", workdir, run, step, when) == -9
+        assert train_cli("tests/scripts/kill_at.py", workdir, run, step, when) == -9
     summary = train(tiny_config(**run), workdir, progress=False)
     assert summary.final_step == steps and np.isfinite(summary.final_loss)
-    starts = [e["step"] for e in _events(workdir, "resume")]
-    restored = [e["step"] for e in _events(workdir, "checkpoint_restore")]
+    starts = [e["step"] for e in events_of(workdir, "resume")]
+    restored = [e["step"] for e in events_of(workdir, "checkpoint_restore")]
     assert starts == restored  # every restart that found a checkpoint restored it
     assert len(starts) >= sure_restores(plan, every) >= 1, (plan, starts)
-    recoveries = _check_recoveries(workdir)
+    recoveries = check_recoveries(workdir)
     assert [r["step"] for r in recoveries] == starts  # each restore accounted, once
 
 
@@ -491,9 +407,9 @@ def test_one_fault_costs_no_more_validation_loss_than_the_steps_it_lost(tmp_path
     run = {**PEC_RUN, "checkpoint__experts_per_save": 2, "train__steps": 40,
            "train__eval_every": 2}
     fault_free = train(tiny_config(**run), tmp_path / "fault_free", progress=False)
-    assert _cli("tests/scripts/kill_after_save.py", tmp_path / "pec", run, 36) == -9
+    assert train_cli("tests/scripts/kill_after_save.py", tmp_path / "pec", run, 36) == -9
     faulty = train(tiny_config(**run), tmp_path / "pec", progress=False)
-    [rec] = _events(tmp_path / "pec", "checkpoint_recovery")
+    [rec] = events_of(tmp_path / "pec", "checkpoint_recovery")
     assert 0 < rec["total_plt"] <= 0.0375
     lost = max(max(v["lost_steps"]) for v in rec["layers"].values())
     assert lost == 2

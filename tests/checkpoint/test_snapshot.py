@@ -17,8 +17,17 @@ from dynjax.config import ConfigError, validate_config
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from ..helpers import (
+    TWO_PROCESS_BASE,
+    TWO_PROCESS_LAYOUTS,
+    check_recoveries,
+    events_of,
+    losses,
+    one_and_two,
+    train_cli,
+    two_processes,
+)
 from ..tiny import tiny_config
-from .test_plt import _check_recoveries, _cli
 
 MOE = {"moe__every": 1, "train__eval_every": 1000}  # two MoE layers (0, 1) of 4 experts
 
@@ -129,15 +138,6 @@ def test_a_full_buffer_set_still_has_one_to_fill():
     assert isinstance(tb.begin_fill(), Snapshot)
 
 
-def _losses(workdir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
-
-
-def _recoveries(workdir) -> list[dict]:
-    events = read_jsonl(workdir / "events.jsonl")
-    return [e for e in events if e["event"] == "checkpoint_recovery"]
-
-
 @pytest.mark.slow
 def test_memory_recovery_continues_like_a_restore_of_a_full_checkpoint(tmp_path):
     """A fault before step 7 restores step 6's full snapshot from host memory; the run goes on
@@ -150,15 +150,15 @@ def test_memory_recovery_continues_like_a_restore_of_a_full_checkpoint(tmp_path)
         **MOE,
     }
     train(tiny_config(**two), tmp_path / "memory", progress=False)
-    (rec,) = _recoveries(tmp_path / "memory")
+    (rec,) = events_of(tmp_path / "memory", "checkpoint_recovery")
     assert rec["source"] == "memory" and rec["step"] == 6 and rec["fault_step"] == 7
     assert rec["lost_tokens"] == 0  # full snapshots: every expert copied at step 6
     full = tiny_config(train__checkpoint_every=6, train__steps=10, **MOE)
     train(full, tmp_path / "disk", progress=False)
-    first = _losses(tmp_path / "disk")
+    first = losses(tmp_path / "disk")
     shutil.rmtree(tmp_path / "disk" / "checkpoints" / "10")  # resume from the full step 6
     train(full, tmp_path / "disk", progress=False)
-    memory, disk = _losses(tmp_path / "memory"), _losses(tmp_path / "disk")  # the last logged
+    memory, disk = losses(tmp_path / "memory"), losses(tmp_path / "disk")  # the last logged
     assert [memory[s] for s in range(1, 11)] == [disk[s] for s in range(1, 11)]
     assert [first[s] for s in range(1, 11)] == [disk[s] for s in range(1, 11)]
 
@@ -177,13 +177,15 @@ def test_memory_recovery_loses_no_more_tokens_than_a_restart_from_storage(tmp_pa
         **MOE,
     }
     train(tiny_config(**run, checkpoint__inject_fault_at=15), tmp_path / "memory", progress=False)
-    assert _cli("tests/scripts/kill_at.py", tmp_path / "storage", run, 15, "step") == -9
+    assert train_cli("tests/scripts/kill_at.py", tmp_path / "storage", run, 15, "step") == -9
     train(tiny_config(**run), tmp_path / "storage", progress=False)
-    (memory,), (storage,) = _recoveries(tmp_path / "memory"), _recoveries(tmp_path / "storage")
+    (memory,), (storage,) = (
+        events_of(tmp_path / where, "checkpoint_recovery") for where in ("memory", "storage")
+    )
     assert memory["source"] == "memory" and storage["source"] == "storage"
     assert memory["step"] == 14 and storage["step"] <= 12
     assert 0 < memory["plt"] <= storage["plt"]
-    _check_recoveries(tmp_path / "storage")  # the ledger's PLT is the one the logs give
+    check_recoveries(tmp_path / "storage")  # the ledger's PLT is the one the logs give
     # Memory's, from the routing counts logged before the fault: expert e of layer l copied at
     # step src lost the tokens routed to it in steps src+1..14 (eq. 7).
     logged = {
@@ -245,7 +247,7 @@ def test_a_dense_model_snapshots_and_recovers_its_state(tmp_path):
         "train__eval_every": 1000,
     }
     summary = train(tiny_config(**run), tmp_path, progress=False)
-    (rec,) = _recoveries(tmp_path)
+    (rec,) = events_of(tmp_path, "checkpoint_recovery")
     assert rec["source"] == "memory" and rec["step"] == 4 and rec["plt"] == 0.0
     assert summary.final_step == 7 and np.isfinite(summary.final_loss)
 
@@ -285,11 +287,9 @@ def test_two_processes_recover_from_memory_as_one_process(tmp_path, layout_name)
     steps, and after the injected fault both recover the same step from memory with the same
     PLT and the losses of one process of 8 devices; a rerun resumes from the persisted
     steps."""
-    from ..test_data_multiprocess import BASE, LAYOUTS, losses, one_and_two, two_processes
-
     run = {
-        **BASE,
-        **LAYOUTS[layout_name],
+        **TWO_PROCESS_BASE,
+        **TWO_PROCESS_LAYOUTS[layout_name],
         "moe.every": 1,
         "train.steps": 14,
         "train.eval_every": 6,
@@ -301,8 +301,10 @@ def test_two_processes_recover_from_memory_as_one_process(tmp_path, layout_name)
     }
     single, multi = one_and_two(tmp_path, run)
     workdirs = (single, multi, multi / "process_1")
-    recoveries = [[{k: v for k, v in e.items() if k != "time"} for e in _recoveries(w)]
-                  for w in workdirs]
+    recoveries = [
+        [{k: v for k, v in e.items() if k != "time"} for e in events_of(w, "checkpoint_recovery")]
+        for w in workdirs
+    ]
     [alone] = recoveries[0]
     # Step 11 runs again, and with it the exchanges of its metrics (and of an evaluation and
     # a profile before the fault): the processes number them by exchange, not by step.

@@ -2,6 +2,8 @@
 later layers, forced exits, the smaller compiled step, the bucket policy, the config checks and
 the plugin in training."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,13 +27,15 @@ from dynjax.model.early_exit import (
     ExitLayer,
     confidence,
 )
-from dynjax.recompile import History, Plan
+from dynjax.recompile import Plan
 from dynjax.writers import read_jsonl
 
-from ..recompile.test_train import train_with_warm_cache
+from ..helpers import histories, train_with_warm_cache
 from ..tiny import tiny_config
 
 S, L = 16, 4
+
+history = functools.partial(histories, NEEDED_HIST)  # this scheme's histograms over steps
 
 
 def ee_config(**overrides):
@@ -200,15 +204,6 @@ def test_smaller_buckets_shrink_the_compiled_step():
     assert eighth < half < full
     assert eighth < 0.75 * full, (eighth, full)
     assert exp.initial_plan().part(NAME)["active"]  # start_step 0
-
-
-def hist_of(counts, s=8):
-    return np.bincount(counts, minlength=s + 1).astype(float)
-
-
-def history(per_layer_counts, steps=4, start=0):
-    hist = np.stack([hist_of(np.asarray(c)) for c in per_layer_counts])
-    return History.of([(start + t, {NEEDED_HIST: hist}) for t in range(steps)])
 
 
 def test_the_bucket_policy_starts_exits_then_shrinks_grows_and_holds():

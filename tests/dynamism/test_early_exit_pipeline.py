@@ -23,9 +23,8 @@ from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.step import make_eval_step
 from dynjax.parallel.transport import Transport
 from dynjax.train import train
-from dynjax.writers import read_jsonl
 
-from ..parallel.test_pipeline_runtime import assert_close
+from ..helpers import assert_close, logged
 from ..tiny import tiny_config
 
 S, L, M, B, STEPS, LR, CLIP = 8, 4, 2, 8, 3, 0.3, 0.5
@@ -171,10 +170,6 @@ def test_profiling_times_the_exit_layers_with_their_readout():
     assert profile.memory[1]["microbatch_input"] == acts + B // M * S // 2  # + bool carry
 
 
-def records(workdir, key):
-    return {r["step"]: r[key] for r in read_jsonl(workdir / "metrics.jsonl") if key in r}
-
-
 @pytest.mark.slow
 def test_training_on_a_pipeline_equals_one_program(tmp_path):
     base = dict(early_exit__enabled=True, early_exit__first=1, early_exit__every=1,
@@ -187,11 +182,11 @@ def test_training_on_a_pipeline_equals_one_program(tmp_path):
           progress=False)
     for key, tol in (("loss", dict(rtol=1e-4)), (PROCESSED, dict(atol=1e-6)),
                      (EXITED, dict(atol=1e-6)), ("eval_loss", dict(rtol=1e-4))):
-        want, got = records(single, key), records(staged, key)
+        want, got = logged(single, key), logged(staged, key)
         assert sorted(want) == sorted(got) and want, key
         for step in want:
             np.testing.assert_allclose(got[step], want[step], err_msg=f"{key} {step}", **tol)
-    assert records(single, EXITED)[4][0] > 0  # tokens exit in the first stage
+    assert logged(single, EXITED)[4][0] > 0  # tokens exit in the first stage
 
 
 def test_a_timed_step_counts_waiting_for_the_previous_step_as_idle():

@@ -17,7 +17,7 @@ from dynjax.parallel.peers import Rounds
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from ..recompile.test_agreement import Store
+from ..helpers import Store
 from ..tiny import tiny_config
 
 

@@ -16,15 +16,11 @@ from dynjax.model.attention import rotary
 from dynjax.model.mod import ACCURACY, LOSS, PREDICTOR_LOSS, RoutedBlock
 from dynjax.parallel.step import forward_loss
 from dynjax.train import train
-from dynjax.writers import read_jsonl
 
+from ..helpers import logged, mod_config
 from ..tiny import tiny_config
 
 S, D = 16, 32
-
-
-def mod_config(**overrides):
-    return tiny_config(mod__enabled=True, model__num_layers=4, **overrides)
 
 
 def routed_block(positions="learned", hidden=8):
@@ -139,10 +135,6 @@ def test_bad_settings_name_the_key(overrides, key):
         validate_config(mod_config(**overrides), 8)
 
 
-def records(workdir, key):
-    return {r["step"]: r[key] for r in read_jsonl(workdir / "metrics.jsonl") if key in r}
-
-
 @pytest.mark.slow
 def test_training_on_a_pipeline_equals_one_program_and_resumes_in_another_layout(tmp_path):
     base = dict(train__steps=8, train__microbatches=2, train__checkpoint_every=4,
@@ -157,12 +149,12 @@ def test_training_on_a_pipeline_equals_one_program_and_resumes_in_another_layout
     resumed = train(mod_config(**base, mesh__stage=2, pipeline__stage_layers="(3,1)"), moved,
                     progress=False)
     assert resumed.start_step == 4
-    want = records(single, "loss")
+    want = logged(single, "loss")
     for run, steps in ((staged, range(1, 9)), (moved, range(5, 9))):
-        got = records(run, "loss")
+        got = logged(run, "loss")
         for step in steps:
             assert abs(got[step] - want[step]) <= 1e-4 * want[step], (run.name, step)
-    a, b = records(single, ACCURACY), records(staged, ACCURACY)
+    a, b = logged(single, ACCURACY), logged(staged, ACCURACY)
     assert a.keys() == b.keys() and len(a[8]) == 2
     np.testing.assert_allclose(a[8], b[8], atol=1e-6)
     # A resume may not change which layers have routers: they are parameters.

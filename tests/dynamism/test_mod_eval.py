@@ -18,14 +18,10 @@ from dynjax.model.mod import ROUTED, RoutedBlock
 from dynjax.parallel.step import forward_loss
 from dynjax.train import train
 
-from ..tiny import tiny_config
+from ..helpers import mod_config
 
 S, D = 16, 32
 INFERENCE = LayerContext(inference=True)
-
-
-def mod_config(**overrides):
-    return tiny_config(mod__enabled=True, model__num_layers=4, **overrides)
 
 
 def routed_block(positions="learned"):

@@ -17,6 +17,7 @@ from dynjax.recompile import Proposal
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from ..helpers import events_of
 from ..tiny import tiny_config
 
 D, H, E, K, S, G = 16, 24, 4, 2, 12, 8
@@ -163,10 +164,6 @@ class ShiftCapacity:
         self.last = step
         caps = tuple(caps[1:] + caps[:1] for caps in plan.capacities)
         return Proposal(plan.replace(capacities=caps), "rotate")
-
-
-def events_of(workdir, kind):
-    return [e for e in read_jsonl(workdir / "events.jsonl") if e["event"] == kind]
 
 
 @pytest.mark.slow

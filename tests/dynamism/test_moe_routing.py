@@ -21,15 +21,11 @@ from dynjax.parallel import expert_parallel, make_mesh
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from ..helpers import gelu
 from ..tiny import tiny_config
 
 D, H, E, K, S, G = 16, 24, 4, 2, 12, 8
 S_TINY = 32  # tiny_config's data.seq_len
-
-
-def gelu(x):
-    """jax.nn.gelu's default tanh approximation, in float64."""
-    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def weights(moe: MoE):

@@ -19,6 +19,7 @@ from dynjax.experiment import Experiment
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from ..helpers import events_of
 from ..tiny import tiny_config
 
 SCHEDULE = dict(
@@ -54,10 +55,6 @@ def pruned_stay_zero(state) -> int:
         assert np.all(np.asarray(weights[name])[keep] != 0), name
         pruned += int((~keep).sum())
     return pruned
-
-
-def events_of(workdir, name):
-    return [e for e in read_jsonl(workdir / "events.jsonl") if e["event"] == name]
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from dynjax.dynamism import pruning_math as pm
 from dynjax.parallel.peers import Rounds
 
-from ..recompile.test_agreement import Store
+from ..helpers import Store
 
 PAPER = dict(initial=0.0, final=0.9, start=3000, every=1000, steps=4)
 

@@ -2,6 +2,8 @@
 same buckets, the budget's overflow, the block list, the smaller compiled step, the budget
 policy, and the plugin in training."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,17 +25,14 @@ from dynjax.model.hashed_attention import (
     needed_blocks,
     rotations,
 )
-from dynjax.recompile import History, Plan
+from dynjax.recompile import Plan
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from ..recompile.test_train import train_with_warm_cache
+from ..helpers import histogram, histories, qkv, sorted_blocks, train_with_warm_cache
 from ..tiny import tiny_config
 
-
-def qkv(b, s, h, d, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 3)
-    return tuple(jax.random.normal(k, (b, s, h, d), jnp.float32) for k in keys)
+history = functools.partial(histories, NEEDED_HIST)  # this scheme's histograms over steps
 
 
 def numpy_reference(q, k, v, record):
@@ -127,17 +126,6 @@ def test_gradients_equal_the_dense_masked_reference_in_jax():
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
-def sorted_blocks(q, k, rec):
-    """NumPy: per (batch, head) the sorted order's bucket and position of every token."""
-    rot = rotations(rec, q.shape[2], q.shape[3])
-    out = []
-    for x in (q, k):
-        b = np.moveaxis(np.asarray(lsh_buckets(x, rot)), 1, 2)  # [B, H, S]
-        perm = np.argsort(b * x.shape[1] + np.arange(x.shape[1]), axis=-1, kind="stable")
-        out += [np.take_along_axis(b, perm, -1), perm]
-    return out
-
-
 def test_the_block_list_skips_only_blocks_without_a_visible_pair():
     q, k, _ = qkv(2, 128, 2, 8, seed=3)
     rec = HashedAttention(8, 16, 8, seed=0, layer=0)
@@ -199,15 +187,6 @@ def test_the_budget_shrinks_the_compiled_step():
     assert flops[2] < 0.8 * dense_flops, (flops, dense_flops)
 
 
-def hist_of(counts, nb=8):
-    return np.bincount(counts, minlength=nb + 1).astype(float)
-
-
-def history(per_layer_counts, steps=4):
-    hist = np.stack([hist_of(np.asarray(c)) for c in per_layer_counts])
-    return History.of([(t, {NEEDED_HIST: hist}) for t in range(steps)])
-
-
 def test_budget_policy_shrinks_grows_and_holds_within_hysteresis():
     policy = AttentionBudget(num_blocks=8, max_overflow=0.0, window=4, headroom=0.0,
                              hysteresis=0.25)
@@ -227,7 +206,7 @@ def test_budget_policy_shrinks_grows_and_holds_within_hysteresis():
 
 
 def test_overflow_and_smallest_budget_follow_the_histogram():
-    hist = hist_of(np.array([1, 2, 2, 4]))
+    hist = histogram(np.array([1, 2, 2, 4]))
     assert overflow_at(hist, 4) == 0 and overflow_at(hist, 2) == pytest.approx(2 / 9)
     assert smallest_budget(hist, 0.0) == 4 and smallest_budget(hist, 0.25) == 2
 

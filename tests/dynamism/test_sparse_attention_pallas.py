@@ -28,8 +28,8 @@ from dynjax.train import train
 from dynjax.writers import read_jsonl
 from pallas_kernels import hashed_block_sparse_attention
 
+from ..helpers import qkv, sorted_blocks
 from ..tiny import tiny_config
-from .test_sparse_attention import qkv, sorted_blocks
 
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 

@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from pathlib import Path
 
 import jax
 import pytest
@@ -27,7 +26,7 @@ from dynjax.launch.cluster import (
 )
 from dynjax.launch.release import patch_pod_resources
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..helpers import ROOT
 
 
 @pytest.mark.parametrize(

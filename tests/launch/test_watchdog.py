@@ -13,7 +13,7 @@ import pytest
 from dynjax.launch import local
 from dynjax.launch.watchdog import DONE, FAILED, RESUME, Peers
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..helpers import ROOT
 
 
 def test_a_peer_whose_beat_stops_is_named_after_the_timeout_not_before():

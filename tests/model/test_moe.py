@@ -9,12 +9,9 @@ from flax import nnx
 from dynjax.model import MoE, SlotLayout
 from dynjax.parallel import expert_parallel, make_mesh
 
+from ..helpers import gelu
+
 D, H, E, K, S, G = 16, 24, 4, 2, 12, 8
-
-
-def gelu(x):
-    """jax.nn.gelu's default tanh approximation, in float64."""
-    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def reference(moe: MoE, x: np.ndarray, capacities, cached=None):

@@ -14,6 +14,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import block_sparse_attention
 
+from ..helpers import assert_kernel_close
+
 # (batch, heads, seq, head_dim, block_size): tiny, few distinct shapes so compiles are reused.
 SHAPES = [(1, 1, 16, 8, 8), (1, 2, 32, 8, 8), (2, 1, 48, 16, 16), (1, 1, 32, 16, 4)]
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -63,19 +65,6 @@ def _run(q, k, v, do, block_mask, block_size, causal, interpret=None):
     return (out, *vjp(do))
 
 
-def _assert_close(actual, expected, tol, name):
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    expected = np.asarray(expected, np.float64)
-    # The interpreter fills outputs with NaN before the kernel runs: finite means fully written.
-    assert np.isfinite(actual).all(), f"{name}: unwritten (NaN) or non-finite entries"
-    scale = np.max(np.abs(expected))
-    if scale == 0:
-        assert np.max(np.abs(actual)) == 0, f"{name}: expected exact zeros"
-    else:
-        err = np.max(np.abs(actual - expected)) / scale
-        assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
-
-
 def _check(shape, dtype, density, causal, seed, interpret=None):
     q, k, v, do = _inputs(shape, dtype, seed)
     mask = _block_mask(shape, density, seed)
@@ -84,7 +73,7 @@ def _check(shape, dtype, density, causal, seed, interpret=None):
     want = _reference(q, k, v, do, mask, bs, causal)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.dtype == dtype
-        _assert_close(a, b, TOL[dtype], name)
+        assert_kernel_close(a, b, TOL[dtype], name)
 
 
 density = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.05, 0.95))
@@ -142,7 +131,7 @@ def test_fully_masked_rows_are_zero():
     np.testing.assert_array_equal(got[0][..., 16:24, :], 0.0)
     np.testing.assert_array_equal(got[1][..., 16:24, :], 0.0)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
-        _assert_close(a, b, TOL[jnp.float32], name)
+        assert_kernel_close(a, b, TOL[jnp.float32], name)
 
 
 def test_absent_blocks_are_never_read():
@@ -160,7 +149,7 @@ def test_absent_blocks_are_never_read():
         clean = [x.at[..., 8:16, :].set(0.0) for x in (k, v)]
         want = _reference(q, *clean, do, mask, 8, causal)
         for name, a, b in zip(("out", "dq"), (out, dq), want[:2], strict=True):
-            _assert_close(a, b, TOL[jnp.float32], name)
+            assert_kernel_close(a, b, TOL[jnp.float32], name)
 
 
 def test_block_mask_broadcasts_and_may_be_traced():

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from pallas_kernels import BlockSparseMatrix, block_sparse_matmul
 
+from ..helpers import assert_kernel_close
+
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 # (lead dims of x, in, out, block): tiny, few distinct shapes so compiles are reused.
@@ -40,18 +42,6 @@ def _reference(x, w: BlockSparseMatrix, dy):
     return x @ dense, dy @ dense.T, tiles[np.asarray(w.rows), np.asarray(w.cols)]
 
 
-def _assert_close(actual, expected, tol, name):
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    # The interpreter fills outputs with NaN before the kernel runs: finite means fully written.
-    assert np.isfinite(actual).all(), f"{name}: unwritten (NaN) or non-finite entries"
-    scale = np.max(np.abs(expected), initial=0.0)
-    if scale == 0:
-        assert np.max(np.abs(actual), initial=0.0) == 0, f"{name}: expected exact zeros"
-    else:
-        err = np.max(np.abs(actual - expected)) / scale
-        assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
-
-
 def _check(shape, dtype, density, seed, block_m=128, interpret=None):
     lead, k, n, (bk, bn) = shape
     rng = np.random.default_rng(seed)
@@ -64,7 +54,7 @@ def _check(shape, dtype, density, seed, block_m=128, interpret=None):
     got = _run(x, w.blocks, w, dy, block_m=block_m, interpret=interpret)
     for name, a, b in zip(("y", "dx", "dw"), got, _reference(x, w, dy), strict=True):
         assert a.dtype == dtype and a.shape == b.shape, name
-        _assert_close(a, b, TOL[dtype], name)
+        assert_kernel_close(a, b, TOL[dtype], name)
 
 
 density = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.05, 0.95))

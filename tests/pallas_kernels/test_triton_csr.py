@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.csr import CsrMatrix
+
+from ..helpers import ROOT
 
 
 def _sparse(shape, density, seed):
@@ -52,7 +53,7 @@ def test_jax_triton_is_never_imported_on_cpu():
         "assert 'jax_triton' not in sys.modules\n"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).parents[2])
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
 
 
 def test_triton_csr_matmul_on_gpu():

@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 from dynjax.experiment import Experiment
 from dynjax.parallel import make_mesh, param_shardings
 from dynjax.train import train
-from dynjax.writers import read_jsonl
 
+from ..helpers import loss_curve
 from ..tiny import tiny_config
 
 
@@ -34,11 +34,6 @@ def test_every_array_is_split_over_data_along_its_largest_divisible_axis():
     assert off["attn"]["qkv"]["kernel"] == P() and off["moe"]["w_in"] == P("expert")
 
 
-def losses(workdir):
-    rows = read_jsonl(workdir / "metrics.jsonl")
-    return np.array([r["loss"] for r in rows if "loss" in r])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(mesh__data=4, mesh__expert=2),
                                   dict(mesh__stage=2, mesh__data=2, mesh__expert=2)])
@@ -48,7 +43,9 @@ def test_training_with_fsdp_equals_one_device(tmp_path, mesh):
                 moe__every=2)
     one = train(tiny_config(**base), tmp_path / "one", progress=False)
     sharded = train(tiny_config(**base, **mesh), tmp_path / "fsdp", progress=False)
-    np.testing.assert_allclose(losses(tmp_path / "fsdp"), losses(tmp_path / "one"), rtol=1e-5)
+    np.testing.assert_allclose(
+        loss_curve(tmp_path / "fsdp"), loss_curve(tmp_path / "one"), rtol=1e-5
+    )
     assert sharded.final_loss == pytest.approx(one.final_loss, rel=1e-5)
 
 
@@ -90,7 +87,7 @@ def test_training_with_tensor_parallelism_equals_one_device(tmp_path, mesh):
     base = dict(train__steps=4, train__eval_every=100, train__checkpoint_every=100)
     one = train(tiny_config(**base), tmp_path / "one", progress=False)
     split = train(tiny_config(**base, **mesh), tmp_path / "tp", progress=False)
-    np.testing.assert_allclose(losses(tmp_path / "tp"), losses(tmp_path / "one"), rtol=1e-5)
+    np.testing.assert_allclose(loss_curve(tmp_path / "tp"), loss_curve(tmp_path / "one"), rtol=1e-5)
     assert split.final_loss == pytest.approx(one.final_loss, rel=1e-5)
 
 

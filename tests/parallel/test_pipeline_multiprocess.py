@@ -9,8 +9,8 @@ import pytest
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from ..test_data_multiprocess import losses, one_and_two, two_processes
-from ..tiny import dotted_config, layer_moves
+from ..helpers import layer_moves, losses, one_and_two, two_processes
+from ..tiny import dotted_config
 
 # Two stages of one device each, one per process: every activation and gradient crosses
 # processes (transfers inside a process are those of the single-process tests).

@@ -6,7 +6,8 @@ import pytest
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from ..tiny import layer_moves, tiny_config, warm_layouts
+from ..helpers import layer_moves, warm_layouts
+from ..tiny import tiny_config
 
 
 @pytest.mark.slow

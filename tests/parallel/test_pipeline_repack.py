@@ -13,7 +13,8 @@ from dynjax.parallel.profile import device_memory_limit
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from ..tiny import layer_moves, tiny_config, warm_layouts
+from ..helpers import layer_moves, loss_curve, warm_layouts
+from ..tiny import tiny_config
 
 RUN = dict(
     model__num_layers=5, mesh__data=2, train__steps=160, train__microbatches=4,
@@ -37,12 +38,6 @@ class GrowBack:
             return plan.replace(stage_layers=(2, 1, 1, 1))
         return None
 
-
-
-def losses(workdir):
-    """Train loss per step; a resumed run's later lines win."""
-    by_step = {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
-    return [by_step[s] for s in sorted(by_step)]
 
 
 @pytest.mark.slow
@@ -84,8 +79,8 @@ def test_repack_releases_stages_and_keeps_the_losses(tmp_path):
     assert refused and all(e["policy"] == "grow-back" for e in refused)
     assert "only 2 stage sub-meshes are available" in refused[0]["reason"]
     assert len([e for e in events if e["event"] == "migrate"]) == 1
-    assert len(losses(packed)) == 160
-    np.testing.assert_allclose(losses(packed), losses(reference), rtol=1e-5)
+    assert len(loss_curve(packed)) == 160
+    np.testing.assert_allclose(loss_curve(packed), loss_curve(reference), rtol=1e-5)
 
     # Lose the last checkpoint: resumed from step 120 on the same mesh, the run stays on two
     # stages, gives the other two back again and trains the same steps to the same losses.
@@ -97,7 +92,7 @@ def test_repack_releases_stages_and_keeps_the_losses(tmp_path):
     assert resumed["reason"] == "resumed re-packed"
     restart = [e for e in events if e["event"] == "compile"][-1]
     assert restart["step"] == 120 and restart["plan"]["stage_layers"] == new
-    np.testing.assert_allclose(losses(packed), losses(reference), rtol=1e-5)
+    np.testing.assert_allclose(loss_curve(packed), loss_curve(reference), rtol=1e-5)
 
 
 def test_repack_config_errors_name_the_fix(tmp_path):

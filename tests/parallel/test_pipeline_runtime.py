@@ -34,6 +34,7 @@ from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.step import forward_loss
 from dynjax.parallel.transport import Transport
 
+from ..helpers import assert_close
 from ..tiny import tiny_config
 
 CFG = GPTConfig(
@@ -132,15 +133,6 @@ def spec_for(assignment, schedule, frozen=(), capacities=CAPS):
 @pytest.fixture(scope="module")
 def programs():
     return pipeline_setup()
-
-
-def assert_close(ref, got, rtol, what=""):
-    for (path, x), y in zip(
-        jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(got), strict=True
-    ):
-        x, y = np.asarray(x), np.asarray(y)
-        err = np.max(np.abs(x - y)) / (np.max(np.abs(x)) + 1e-30)
-        assert err < rtol, f"{what}{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
 @pytest.mark.slow

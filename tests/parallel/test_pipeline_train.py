@@ -9,6 +9,7 @@ import pytest
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from ..helpers import logged
 from ..tiny import tiny_config
 
 
@@ -25,10 +26,6 @@ def pipeline_config(**overrides):
         pipeline__profile_on_change=False,
     )
     return tiny_config(**{**base, **overrides})
-
-
-def records(workdir, key):
-    return {r["step"]: r[key] for r in read_jsonl(workdir / "metrics.jsonl") if key in r}
 
 
 @pytest.mark.slow
@@ -53,15 +50,15 @@ def test_pipeline_run_resumes_on_one_stage_with_the_same_losses(tmp_path):
     resumed = train(pipeline_config(), mixed, progress=False)
     assert resumed.start_step == 4 and resumed.final_step == 8
 
-    want = records(single, "loss")
+    want = logged(single, "loss")
     assert sorted(want) == list(range(1, 9))
     for run, steps in ((staged, range(1, 9)), (mixed, range(5, 9))):
-        got = records(run, "loss")
+        got = logged(run, "loss")
         assert sorted(got) == list(steps)
         for step in steps:
             assert abs(got[step] - want[step]) <= 1e-4 * want[step], (run.name, step, got, want)
     for key in ("eval_loss", "dropped_fraction", "grad_norm"):
-        a, b = records(single, key), records(staged, key)
+        a, b = logged(single, key), logged(staged, key)
         assert a.keys() == b.keys() and a
         assert all(abs(a[s] - b[s]) <= 1e-4 * abs(a[s]) + 1e-6 for s in a), key
-    assert records(staged, "tokens_per_expert") == records(single, "tokens_per_expert")
+    assert logged(staged, "tokens_per_expert") == logged(single, "tokens_per_expert")

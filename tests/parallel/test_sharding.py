@@ -17,6 +17,8 @@ from dynjax.parallel import (
 )
 from dynjax.parallel.step import forward_loss
 
+from ..helpers import assert_close
+
 CFG = GPTConfig(
     vocab_size=64,
     num_layers=3,
@@ -54,22 +56,13 @@ def loss_and_grads(setup, mesh_shape, opts, tensor=1, fsdp=False):
     return jax.device_get(fn(params, batch))
 
 
-def assert_trees_close(a, b, rtol):
-    for (path, x), y in zip(
-        jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
-    ):
-        scale = np.max(np.abs(x)) + 1e-30
-        err = np.max(np.abs(x - y)) / scale
-        assert err < rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
-
-
 @pytest.mark.slow
 def test_expert_and_data_parallel_match_one_device(setup):
     opts = StepOptions(capacities=CAPS)
     loss1, grads1 = loss_and_grads(setup, (1, 1, 1), opts)
     loss8, grads8 = loss_and_grads(setup, (1, 2, 4), opts)
     assert abs(loss8 - loss1) <= 1e-5 * abs(loss1)
-    assert_trees_close(grads1, grads8, 1e-5)
+    assert_close(grads1, grads8, 1e-5)
 
 
 @pytest.mark.slow
@@ -80,7 +73,7 @@ def test_fsdp_and_tensor_parallel_gradients_match_one_device(setup, mesh_shape, 
     loss1, grads1 = loss_and_grads(setup, (1, 1, 1), opts)
     loss8, grads8 = loss_and_grads(setup, mesh_shape, opts, tensor=tensor, fsdp=True)
     assert abs(loss8 - loss1) <= 1e-5 * abs(loss1)
-    assert_trees_close(grads1, grads8, 1e-5)
+    assert_close(grads1, grads8, 1e-5)
 
 
 @pytest.mark.slow
@@ -98,7 +91,7 @@ def test_train_step_microbatches_and_sharding_match_one_device(setup):
         results.append(jax.device_get((new, metrics)))
     (ref, ref_m), *others = results
     for new, metrics in others:
-        assert_trees_close(ref, new, 1e-5)
+        assert_close(ref, new, 1e-5)
         np.testing.assert_allclose(metrics["loss"], ref_m["loss"], rtol=1e-5)
         np.testing.assert_array_equal(metrics["moe/group_loads"], ref_m["moe/group_loads"])
         np.testing.assert_array_equal(metrics["moe/dropped"], ref_m["moe/dropped"])

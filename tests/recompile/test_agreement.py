@@ -11,42 +11,9 @@ import pytest
 from dynjax.recompile import Budget, Compiler, Controller, Plan
 from dynjax.recompile.agreement import Announcement, Status, verdict
 
-from .test_controller import SetMicrobatches, Toggle, ToyLowerer
+from ..helpers import SetMicrobatches, Store, Toggle, ToyLowerer
 
 GENEROUS = Budget(max_recompiles=100, window_steps=100)
-
-
-class Store:
-    """A key-value store shared by thread 'processes': `exchange` blocks until all published."""
-
-    def __init__(self, count: int):
-        self.count = count
-        self.values: dict[str, dict[int, object]] = {}
-        self.cond = threading.Condition()
-
-    def peers(self, index: int) -> "ThreadPeers":
-        return ThreadPeers(self, index)
-
-
-class ThreadPeers:
-    def __init__(self, store: Store, index: int):
-        self.store, self.index, self.count = store, index, store.count
-
-    def publish(self, key, value):
-        with self.store.cond:
-            self.store.values.setdefault(key, {})[self.index] = value
-            self.store.cond.notify_all()
-
-    def collect(self, key):
-        with self.store.cond:
-            assert self.store.cond.wait_for(
-                lambda: len(self.store.values.get(key, {})) == self.count, timeout=30
-            ), f"process {self.index} waited for the others at {key}"
-            return [self.store.values[key][p] for p in range(self.count)]
-
-    def forget(self, key):
-        with self.store.cond:
-            self.store.values.get(key, {}).pop(self.index, None)
 
 
 def run_processes(lowerers, policies, steps=60, step_seconds=0.02, lag=1):

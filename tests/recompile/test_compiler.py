@@ -14,6 +14,8 @@ import pytest
 from dynjax.recompile.compiler import Compiler
 from dynjax.recompile.plan import Plan
 
+from ..helpers import ROOT
+
 SPEC = jax.ShapeDtypeStruct((4,), jnp.float32)
 
 
@@ -142,8 +144,7 @@ def test_persistent_cache_writes_even_small_cpu_programs(tmp_path):
         "jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(3)).compile()\n"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], check=True, cwd=root, env=env, timeout=120
+        [sys.executable, "-c", script, str(tmp_path)], check=True, cwd=ROOT, env=env, timeout=120
     )
     assert any(tmp_path.iterdir())

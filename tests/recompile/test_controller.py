@@ -16,7 +16,6 @@ from dynjax.recompile import (
     Controller,
     DynamicCapacity,
     EventLog,
-    History,
     Monitor,
     Plan,
     PlanContext,
@@ -25,64 +24,10 @@ from dynjax.recompile import (
     static_capacities,
 )
 
-from .test_rebalance import profile
+from ..helpers import SetMicrobatches, Toggle, ToyLowerer, profile
 
 CTX = PlanContext(num_moe_layers=0, num_experts=1, top_k=1, group_tokens=8, batch_size=4)
-SPEC = jax.ShapeDtypeStruct((4,), jnp.float32)
 GENEROUS = Budget(max_recompiles=10, window_steps=100)
-
-
-class ToyLowerer:
-    """lower_fn for the toy step `x * microbatches`; `compile()` sleeps to mimic a slow compile.
-
-    With `fail`, lowering any Plan but the initial `Plan()` raises.
-    """
-
-    def __init__(self, compile_delay: float = 0.0, fail: bool = False):
-        self.compile_delay = compile_delay
-        self.fail = fail
-        self.lower_threads: list[str] = []
-        self.compile_spans: list[tuple[float, float]] = []
-
-    def __call__(self, plan: Plan):
-        self.lower_threads.append(threading.current_thread().name)
-        if self.fail and plan != Plan():
-            raise TypeError("cannot trace")
-        lowered = jax.jit(lambda x: x * plan.microbatches).lower(SPEC)
-        outer = self
-
-        class Slow:
-            def compile(self):
-                start = time.perf_counter()
-                time.sleep(outer.compile_delay)
-                executable = lowered.compile()
-                outer.compile_spans.append((start, time.perf_counter()))
-                return executable
-
-        return Slow()
-
-
-@dataclass
-class SetMicrobatches:
-    """Proposes `microbatches` once metrics of step `after` were seen."""
-
-    microbatches: int
-    after: int = 0
-    name: str = "set_microbatches"
-
-    def propose(self, history: History, plan: Plan):
-        if history.latest_step >= self.after and plan.microbatches != self.microbatches:
-            return Proposal(plan.replace(microbatches=self.microbatches), "test wants it")
-        return None
-
-
-class Toggle:
-    """Always proposes the other microbatch count: a thrashing policy."""
-
-    name = "toggle"
-
-    def propose(self, history, plan):
-        return plan.replace(microbatches=3 - plan.microbatches)
 
 
 class Broken:

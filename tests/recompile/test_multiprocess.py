@@ -13,7 +13,7 @@ import pytest
 
 from dynjax.writers import read_jsonl
 
-from ..test_data_multiprocess import BASE, ROOT, losses, two_processes
+from ..helpers import ROOT, TWO_PROCESS_BASE, losses, two_processes
 
 # With 4 local experts of top-2 routing, capacity factors >= 1 keep each layer's ragged buffer at
 # its worst case (`ragged_totals`): every capacity the policy picks runs the same program.
@@ -45,7 +45,7 @@ def test_both_processes_swap_to_process_0s_plans_at_the_same_steps(tmp_path, mes
     """(The stage-per-process run failed once in stop 24, of three runs on a loaded machine, with
     an error reading a step's metrics that was never explained; 19 runs of it since, 15 of them
     three at a time, all passed with the same swaps and losses in both processes.)"""
-    two_processes(tmp_path, {**BASE, **DYNAMIC, **mesh})
+    two_processes(tmp_path, {**TWO_PROCESS_BASE, **DYNAMIC, **mesh})
     workdirs = (tmp_path, tmp_path / "process_1")
     swaps = [
         [
@@ -74,7 +74,7 @@ def test_a_forced_rebalance_moves_a_layer_to_the_other_process_and_keeps_the_los
     optimizer state, and the losses are those of the 2 processes trained on (2, 2) from the
     start (which test_data_multiprocess holds equal to one process's)."""
     run = {
-        **BASE,
+        **TWO_PROCESS_BASE,
         "model.num_layers": 4,
         "mesh.stage": 2,
         "mesh.data": 4,

@@ -9,31 +9,10 @@ from dynjax.balance import simulate
 from dynjax.recompile import History, Plan, Rebalance, moved_layers
 from dynjax.recompile import rebalance as rebalance_module
 from dynjax.recompile.memory import MICROBATCH_INPUT, STAGE_INPUTS, STAGE_MEMORY
-from dynjax.recompile.rebalance import (
-    ITERATION,
-    LAYER_BACKWARD,
-    LAYER_FORWARD,
-    STAGE_BACKWARD,
-    STAGE_FORWARD,
-    STAGE_LAYERS,
-)
+
+from ..helpers import profile
 
 PLAN = Plan(stage_layers=(3, 1), microbatches=4)
-
-
-def profile(fwd, counts, *, iteration=1.0):
-    """Profile metrics of a step that ran ``counts``; backward = 2 x forward."""
-    fwd = np.asarray(fwd, dtype=float)
-    bounds = np.concatenate(([0], np.cumsum(counts)))[:-1]
-    return {
-        "loss": 1.0,
-        LAYER_FORWARD: fwd,
-        LAYER_BACKWARD: 2 * fwd,
-        STAGE_FORWARD: np.add.reduceat(fwd, bounds),
-        STAGE_BACKWARD: np.add.reduceat(2 * fwd, bounds),
-        STAGE_LAYERS: np.array(counts),
-        ITERATION: np.float64(iteration),
-    }
 
 
 def history(profiled, latest, counts=(3, 1), fwd=(1.0, 1.0, 1.0, 1.0)):

@@ -9,24 +9,8 @@ from dynjax.recompile import Proposal
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from ..helpers import events_of, train_with_warm_cache
 from ..tiny import tiny_config
-
-
-def events_of(workdir, kind):
-    return [e for e in read_jsonl(workdir / "events.jsonl") if e["event"] == kind]
-
-
-def train_with_warm_cache(cfg, tmp_path):
-    """Train twice from scratch; return the second run's workdir and summary.
-
-    On two busy cores (and slower still with 8 fake devices) a background compile can outlast a
-    short run. The compiler finishes its compile before the run exits, so the first run fills
-    JAX's persistent cache; when the policy can propose only one Plan, the second run finds it
-    compiled within a fraction of a second and must swap.
-    """
-    train(cfg, tmp_path / "warm", progress=False)
-    summary = train(cfg, tmp_path / "run", progress=False)
-    return tmp_path / "run", summary
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,10 +11,8 @@ import pytest
 from dynjax import report
 from dynjax.train import train
 
+from ..helpers import ROOT
 from ..tiny import tiny_config
-
-ROOT = Path(__file__).parents[2]
-
 
 # ---------------------------------------------------------------------------------------------
 # Recorded runs, one of each kind, built once for the module
