@@ -142,7 +142,7 @@ def test_logged_metrics_name_the_plan_their_step_ran_with(tmp_path):
     # Long enough (a few seconds of tiny steps) for a background compile on a busy machine.
     cfg = tiny_config(moe__every=2, train__steps=200, train__eval_every=1000)
     # The first run fills JAX's persistent cache, so the second swaps within a few steps
-    # (tests/test_recompile_train.py, train_with_warm_cache).
+    # (tests/helpers.py, train_with_warm_cache).
     train(cfg, tmp_path / "warm", policies=[RaiseCapacities()], progress=False)
     train(cfg, tmp_path / "run", policies=[RaiseCapacities()], progress=False)
     [swap] = events_of(tmp_path / "run", "recompile")

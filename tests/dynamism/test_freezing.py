@@ -55,7 +55,7 @@ def test_frozen_layers_cost_their_forward_and_bad_settings_are_named():
     exp = Experiment.from_config(tiny_config(model__num_layers=4, freezing__enabled=True))
     plan = exp.initial_plan().replace(frozen_layers=(0, 1, 3))
     # The run's own plugins, as train.py passes them: a plugin another test module registered
-    # (tests/test_dynamism.py's toy) is disabled here and has no Plan part to cost.
+    # (tests/dynamism/test_base.py's toy) is disabled here and has no Plan part to cost.
     costs = layer_costs(enabled_plugins(exp.cfg), plan, exp)
     assert costs == pytest.approx([1 / 3, 1 / 3, 1.0, 2 / 3])
     with pytest.raises(ConfigError, match="freezing.percentile"):

@@ -1,7 +1,7 @@
 """Multi-process Plan swaps (issue 15 §4): process 0 decides, every process compiles, all swap
 at the same step. Processes are threads here, exchanging through an in-memory store with the
 semantics of the coordinator's (`dynjax.launch.distributed`); the 2-process runs are in
-tests/test_recompile_multiprocess.py."""
+tests/recompile/test_multiprocess.py."""
 
 import threading
 import time

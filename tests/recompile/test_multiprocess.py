@@ -3,7 +3,7 @@ policy decides, and both processes swap to each of its Plans at the same step, m
 between the processes' stages where the Plan says so. The ragged path
 (the default) takes new capacities as a runtime input, so the swaps come within a few steps;
 agreement on Plans that compile a new program is tested with threads as processes in
-tests/test_recompile_agreement.py."""
+tests/recompile/test_agreement.py."""
 
 import os
 import subprocess
