@@ -9,7 +9,7 @@ nonzeros.
 jax-triton imports only with a CUDA jaxlib, so this module refuses to import elsewhere; nothing
 else in ``pallas_kernels`` imports it. Written against the jax-triton 0.3/0.4 ``triton_call``
 API but NOT yet run on a GPU (the sessions that wrote it had none): treat it as untested until
-``tests/test_pallas_triton_csr.py`` has passed on a GPU.
+``tests/pallas_kernels/test_triton_csr.py`` has passed on a GPU.
 """
 
 from __future__ import annotations

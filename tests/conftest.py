@@ -1,4 +1,11 @@
-"""Test session set-up: 8 fake CPU devices (DESIGN.md "Testing without GPUs") and shared helpers."""
+"""Test session set-up: 8 fake CPU devices (DESIGN.md "Testing without GPUs") and shared fixtures.
+
+Layout: ``tests/<package>/`` tests ``dynjax/<package>/`` (and ``pallas_kernels/``); the tests of
+dynjax's top-level modules (config, data, train, resume, optim, flops, jax_private), notebooks
+and benchmarks stay at this root, which mirrors dynjax's own top level (an ``edge/`` folder would
+name no package). Helpers that test modules share are in ``helpers.py``, the tiny run in
+``tiny.py``, the scripts tests start as subprocesses in ``scripts/``, pinned data in ``data/``.
+"""
 
 import os
 

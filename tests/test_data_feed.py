@@ -14,8 +14,8 @@ from dynjax.experiment import Experiment
 from dynjax.parallel import batch_sharding
 from dynjax.parallel.feed import place_rows, shard
 from dynjax.train import train
-from dynjax.writers import read_jsonl
 
+from .helpers import losses
 from .tiny import tiny_config
 
 
@@ -197,10 +197,6 @@ def test_a_run_stopped_by_an_exception_leaves_no_prefetch_thread(tmp_path, monke
     with pytest.raises(RuntimeError, match="disk full"):
         train(tiny_config(train__steps=8, data__prefetch=2), tmp_path, progress=False)
     assert not prefetch_threads()
-
-
-def losses(workdir):
-    return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
 
 
 @pytest.mark.slow

@@ -1,47 +1,14 @@
 """Two local processes of 4 CPU devices each, every one reading only the batch rows its devices
 consume (issue 15 §5): the same losses as one process of 8 devices."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
+from .helpers import TWO_PROCESS_BASE, TWO_PROCESS_LAYOUTS, losses, one_and_two, two_processes
 from .tiny import dotted_config
-
-ROOT = Path(__file__).resolve().parents[1]
-BASE = {"train.steps": 4, "train.eval_every": 4, "pipeline.profile_on_change": False}
-
-
-def losses(workdir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
-
-
-def two_processes(workdir: Path, overrides: dict, devices: int = 4) -> str:
-    """Train ``overrides`` over 2 local processes of ``devices`` CPU devices each; their output."""
-    args = [f"--config.{k}={v}" for k, v in overrides.items()]
-    command = [
-        sys.executable, "-m", "dynjax.launch.local", "--processes", "2",
-        "--devices-per-process", str(devices), "--", "--config", "tests/tiny.py",
-        "--workdir", str(workdir), *args,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:]
-    return done.stdout
-
-
-def one_and_two(tmp_path: Path, run: dict, devices: int = 4) -> tuple[Path, Path]:
-    """Train ``run`` in this process and over 2 processes of ``devices`` CPU devices each;
-    the two workdirs (process 1's is ``process_1`` inside the second)."""
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    train(dotted_config(run), single, progress=False)
-    two_processes(multi, run, devices)
-    return single, multi
 
 
 @pytest.mark.slow
@@ -56,7 +23,7 @@ def one_and_two(tmp_path: Path, run: dict, devices: int = 4) -> tuple[Path, Path
     ],
 )
 def test_two_processes_reading_their_rows_match_one(tmp_path, mesh, reads):
-    overrides = {**BASE, **mesh}
+    overrides = {**TWO_PROCESS_BASE, **mesh}
     single = tmp_path / "single"
     train(dotted_config(overrides), single, progress=False)
     out = two_processes(tmp_path / "multi", overrides)
@@ -70,16 +37,8 @@ def test_two_processes_reading_their_rows_match_one(tmp_path, mesh, reads):
     assert losses(tmp_path / "multi" / "process_1") == losses(tmp_path / "multi")
 
 
-# One program over both processes (its arrays global), or one stage per process (each holds its
-# own stages' weights and exchanges what it computed from them: `Experiment.stage_rounds`).
-LAYOUTS = {
-    "one-program": {"mesh.data": 8},
-    "stage-per-process": {"mesh.stage": 2, "mesh.data": 4, "train.microbatches": 2},
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", TWO_PROCESS_LAYOUTS)
 @pytest.mark.parametrize("granularity", ["element", "block"])
 def test_two_processes_prune_as_one_process(tmp_path, granularity, layout):
     """Gradual global magnitude pruning (seed 000 Alg. 1) over 2 processes x 4 devices makes
@@ -88,8 +47,8 @@ def test_two_processes_prune_as_one_process(tmp_path, granularity, layout):
     the masks are global arrays; in a pipeline each process counts its own stage and the
     counts are summed through the coordinator."""
     run = {
-        **BASE,
-        **LAYOUTS[layout],
+        **TWO_PROCESS_BASE,
+        **TWO_PROCESS_LAYOUTS[layout],
         "train.steps": 12,
         "train.eval_every": 12,
         "pruning.enabled": True,
@@ -116,7 +75,7 @@ def test_two_processes_prune_as_one_process(tmp_path, granularity, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", TWO_PROCESS_LAYOUTS)
 def test_two_processes_measure_plasticity_as_one_process(tmp_path, layout):
     """Egeria's plasticity probe (seed 000 §2.3) over 2 processes x 4 devices: both processes
     measure what one process of 8 devices does (in one program the probe runs the layers on
@@ -126,8 +85,8 @@ def test_two_processes_measure_plasticity_as_one_process(tmp_path, layout):
     step. When the Controller decides and a swap lands depend on the machine's load, so the
     runs are compared step by step until either swapped."""
     run = {
-        **BASE,
-        **LAYOUTS[layout],
+        **TWO_PROCESS_BASE,
+        **TWO_PROCESS_LAYOUTS[layout],
         "model.num_layers": 4,
         "train.steps": 16,
         "train.eval_every": 16,

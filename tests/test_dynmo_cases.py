@@ -11,7 +11,8 @@ import pytest
 
 from dynjax.balance import simulate
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import ROOT
+
 _spec = importlib.util.spec_from_file_location("dynmo_cases", ROOT / "benchmarks/dynmo_cases.py")
 cases = importlib.util.module_from_spec(_spec)
 sys.modules["dynmo_cases"] = cases

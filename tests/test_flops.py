@@ -1,7 +1,6 @@
 """Model FLOPs per token, device peaks and MFU (dynjax.flops), checked against hand counts."""
 
 import doctest
-from pathlib import Path
 
 import pytest
 
@@ -9,7 +8,9 @@ import dynjax.flops
 from dynjax.config import load_config
 from dynjax.flops import config_flops_per_token, device_name, mfu, model_flops_per_token, peak_flops
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+from .helpers import ROOT
+
+CONFIGS = ROOT / "configs"
 
 
 def test_quickstart_model_flops_equal_a_hand_count():

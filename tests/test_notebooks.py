@@ -4,15 +4,15 @@ with tiny sizes injected after its `parameters` cell (as papermill does)."""
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
+
+from .helpers import ROOT
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-ROOT = Path(__file__).parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 TINY_MODEL = dict(

@@ -3,9 +3,6 @@ config is applied where the saved state allows it and refused before any work wh
 every resume is recorded; logged metrics name the Plan their step ran with."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,31 +14,15 @@ from dynjax.resume import config_changes
 from dynjax.train import main, train
 from dynjax.writers import read_jsonl
 
-from .test_checkpoint import _corrupt
-from .test_train import losses
+from .helpers import corrupt, events_of, losses, train_cli
 from .tiny import tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = {"train__steps": 16, "train__checkpoint_every": 4, "train__eval_every": 1000}
-
-
-def events_of(workdir: Path, name: str) -> list[dict]:
-    return [e for e in read_jsonl(workdir / "events.jsonl") if e["event"] == name]
 
 
 def run_killed_after_save(workdir: Path, step: int) -> None:
     """The CLI on the same config as `RUN`, killed by itself right after saving ``step``."""
-    args = [
-        sys.executable,
-        "tests/kill_after_save.py",
-        str(step),
-        "--config=tests/tiny.py",
-        f"--workdir={workdir}",
-        *(f"--config.{k.replace('__', '.')}={v}" for k, v in RUN.items()),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, timeout=600)
-    assert proc.returncode == -9, proc.stdout.decode()[-2000:] + proc.stderr.decode()[-2000:]
+    assert train_cli("tests/scripts/kill_after_save.py", workdir, RUN, step) == -9
 
 
 @pytest.mark.slow
@@ -51,7 +32,7 @@ def test_a_corrupt_step_is_saved_again_and_a_crash_after_it_resumes_from_it(tmp_
 
     run = tmp_path / "run"
     run_killed_after_save(run, 8)  # checkpoints 4 and 8
-    _corrupt(run / "checkpoints" / "8")
+    corrupt(run / "checkpoints" / "8")
     run_killed_after_save(run, 8)  # falls back to 4, sets 8 aside, trains and saves 8 again
     assert [e["step"] for e in events_of(run, "checkpoint_restore")] == [4]
     [moved] = events_of(run, "checkpoint_restore_failed")
@@ -161,7 +142,7 @@ def test_logged_metrics_name_the_plan_their_step_ran_with(tmp_path):
     # Long enough (a few seconds of tiny steps) for a background compile on a busy machine.
     cfg = tiny_config(moe__every=2, train__steps=200, train__eval_every=1000)
     # The first run fills JAX's persistent cache, so the second swaps within a few steps
-    # (tests/test_recompile_train.py, train_with_warm_cache).
+    # (tests/helpers.py, train_with_warm_cache).
     train(cfg, tmp_path / "warm", policies=[RaiseCapacities()], progress=False)
     train(cfg, tmp_path / "run", policies=[RaiseCapacities()], progress=False)
     [swap] = events_of(tmp_path / "run", "recompile")

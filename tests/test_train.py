@@ -13,14 +13,8 @@ import pytest
 from dynjax.train import format_summary, train
 from dynjax.writers import read_jsonl
 
+from .helpers import ROOT, losses
 from .tiny import tiny_config
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def losses(workdir: Path) -> dict[int, float]:
-    """Train loss per step; a resumed run's later lines win, as a reader of the file would do."""
-    return {r["step"]: r["loss"] for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
 
 
 def test_quick_run_learns_and_writes_its_workdir(tmp_path):

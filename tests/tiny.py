@@ -5,8 +5,6 @@
 
 from pathlib import Path
 
-import numpy as np
-
 from dynjax.config import default_config
 
 # The tests' corpus, pinned: the default (the running interpreter's standard library) differs by
@@ -52,27 +50,6 @@ def dotted_config(overrides: dict):
     """`tiny_config` with the command line's ``section.key`` overrides (the multi-process
     tests pass the same dict to both)."""
     return tiny_config(**{k.replace(".", "__"): v for k, v in overrides.items()})
-
-
-def layer_moves(old, new):
-    """[layer, old stage, new stage] of each layer whose stage differs between two layouts (layers
-    per stage): what a `migrate` event lists."""
-    stage_old, stage_new = np.repeat(range(len(old)), old), np.repeat(range(len(new)), new)
-    pairs = enumerate(zip(stage_old.tolist(), stage_new.tolist(), strict=True))
-    return [[i, a, b] for i, (a, b) in pairs if a != b]
-
-
-def warm_layouts(config, layouts):
-    """Compile the train step of each stage layout of ``config``, with its profiling programs,
-    into JAX's persistent compilation cache (enabled by an earlier `train` in this process), so
-    that a policy's background compile of one of them is ready within a few steps even on a
-    busy machine."""
-    from dynjax.experiment import Experiment  # jax-heavy: only for the tests that need it
-
-    exp = Experiment.from_config(config)
-    for layout in layouts:
-        plan = exp.initial_plan().replace(stage_layers=layout)
-        exp.lower_train_step(plan, profiling=True).compile()
 
 
 def get_config():

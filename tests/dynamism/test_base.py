@@ -1,0 +1,183 @@
+"""The plugin interface: registry, config sections, Plan parts, resume rules, layer costs,
+per-layer options with a block hook and its metric, in both runtimes."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from dynjax.config import ConfigError, default_config, validate_config
+from dynjax.dynamism import Plugin, enabled_plugins, layer_costs, register, registered
+from dynjax.experiment import Experiment
+from dynjax.model.hooks import register_block_hook, register_block_part, register_state_rule
+from dynjax.recompile import Plan
+from dynjax.resume import check_resumable, config_changes
+from dynjax.train import train
+from dynjax.writers import read_jsonl
+
+from ..tiny import tiny_config
+
+
+class Toy(Plugin):
+    """A scheme defined outside the library: a width per layer, a cost, a resume-fixed key."""
+
+    name = "toy"
+    fixed_on_resume = ("toy.seed",)
+
+    def config(self):
+        c = ml_collections.ConfigDict()
+        c.enabled = False
+        c.width = 2
+        c.seed = 0
+        return c
+
+    def validate(self, cfg):
+        if cfg.toy.enabled and cfg.toy.width < 1:
+            raise ConfigError(f"toy.width={cfg.toy.width} must be >= 1")
+
+    def initial_plan(self, plan, cfg, ctx):
+        return plan.with_part("toy", widths=(cfg.toy.width,) * ctx.num_layers)
+
+    def layer_costs(self, plan, exp):
+        return [w / 2 for w in plan.part("toy")["widths"]]
+
+    def layer_options(self, plan, exp):
+        return [w / 2 for w in plan.part("toy")["widths"]]  # the hook's scale of each layer
+
+
+def scale_block_output(x, scale):
+    """The toy's block hook: scales the block's output and reports its mean |x| per row."""
+    return x * scale, {"toy/mean_abs": jnp.mean(jnp.abs(x), axis=(1, 2))}
+
+
+register(Toy())
+register_block_hook("toy", scale_block_output, {"toy/mean_abs": "rows"})
+
+
+def test_a_registered_plugin_gets_a_config_section_and_its_checks():
+    assert any(isinstance(p, Toy) for p in registered())
+    cfg = default_config()
+    assert cfg.toy.enabled is False and cfg.toy.width == 2
+    cfg.toy.enabled, cfg.toy.width = True, 0
+    with pytest.raises(ConfigError, match="toy.width=0"):
+        validate_config(cfg, num_devices=1)
+
+
+def test_its_plan_part_and_costs_come_from_the_config():
+    exp = Experiment.from_config(tiny_config(toy__enabled=True, toy__width=3, moe__every=2))
+    plan = exp.initial_plan()
+    assert plan.part("toy") == {"widths": (3, 3)}
+    assert Plan.from_dict(plan.to_dict()) == plan
+    # Layer 1 is MoE at factor 1.25: the costs of the two plugins multiply.
+    assert layer_costs(enabled_plugins(exp.cfg), plan, exp) == pytest.approx([1.5, 1.5 * 1.25])
+
+
+def test_resume_keeps_or_refreshes_its_part_and_refuses_its_fixed_keys():
+    cfg = tiny_config(toy__enabled=True)
+    exp = Experiment.from_config(cfg)
+    saved = exp.initial_plan().with_part("toy", widths=(5, 7))
+    assert exp.resumed_plan(saved, {"train.steps": (1, 2)}).part("toy") == {"widths": (5, 7)}
+    refreshed = exp.resumed_plan(saved, {"toy.width": (3, 2)})
+    assert refreshed.part("toy") == {"widths": (2, 2)}
+    changes = config_changes(cfg.to_dict(), tiny_config(toy__enabled=True, toy__seed=4))
+    with pytest.raises(ConfigError, match=r"toy.seed: 0 -> 4"):
+        check_resumable(changes, "workdir")
+
+
+@pytest.mark.slow
+def test_a_run_with_a_plugin_writes_its_layer_costs(tmp_path):
+    cfg = tiny_config(moe__every=2, train__steps=4, train__log_every=2)
+    train(cfg, tmp_path, progress=False)
+    lines = read_jsonl(tmp_path / "layer_costs.jsonl")
+    assert [r["step"] for r in lines] == [2, 4]
+    assert lines[0]["layer_cost"] == pytest.approx([1.0, 1.25])  # the MoE layer at factor 1.25
+
+
+def one_step(cfg, plan_change=lambda plan: plan):
+    exp = Experiment.from_config(cfg)
+    plan = plan_change(exp.initial_plan())
+    runtime = exp.runtime(plan)
+    executable = exp.lower_train_step(plan).compile()
+    metrics = runtime.host_metrics(0, jax.device_get(
+        runtime.step(executable, exp.order.batch(0), None)))
+    return exp, plan, metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", [{}, {"mesh__stage": 2}], ids=["single", "pipeline"])
+def test_layer_options_reach_the_block_hook_and_its_metric_comes_back(pipeline):
+    base = dict(model__num_layers=4, train__batch_size=8, **pipeline)
+    _, _, plain = one_step(tiny_config(**base))
+    _, _, same = one_step(tiny_config(toy__enabled=True, **base))  # scale 1: the same model
+    np.testing.assert_allclose(same["loss"], plain["loss"], rtol=1e-6)
+    assert same["toy/mean_abs"].shape == (4, 8)  # [layers, rows in batch order]
+    assert "toy/mean_abs" not in plain
+    assert same["layer_grad_norm"].shape == (4,) and np.all(same["layer_grad_norm"] > 0)
+    _, _, scaled = one_step(
+        tiny_config(toy__enabled=True, **base),
+        lambda plan: plan.with_part("toy", widths=(8, 2, 2, 2)),  # layer 0's output x 4
+    )
+    # The hook reports its input: layer 0's is unchanged, every later one carries the x 4.
+    np.testing.assert_allclose(scaled["toy/mean_abs"][0], same["toy/mean_abs"][0], rtol=1e-5)
+    assert np.all(scaled["toy/mean_abs"][1:] > 2 * same["toy/mean_abs"][1:])
+
+
+def test_a_changed_layer_option_recompiles_only_its_stage():
+    exp = Experiment.from_config(
+        tiny_config(toy__enabled=True, model__num_layers=4, mesh__stage=2)
+    )
+    plan = exp.initial_plan()
+    exp.lower_train_step(plan).compile()
+    changed = plan.with_part("toy", widths=(2, 2, 2, 4))  # layer 3, on stage 1
+    lowered = exp.lower_train_step(changed)
+    assert {stage for _, stage in lowered.lowered} == {1}
+    assert exp.pipeline_spec(changed).stages[0] == exp.pipeline_spec(plan).stages[0]
+
+
+class Tally(Plugin):
+    """A scheme with state of its own outside the optimizer: layers 1 and 3 keep a running sum
+    of their block's mean |output| (a block part's variable), moved by a state rule."""
+
+    name = "tally"
+
+    def block_parts(self, cfg):
+        return [(1, "tally", None), (3, "tally", None)] if cfg.tally.enabled else []
+
+    def layer_options(self, plan, exp):
+        return [i in (1, 3) or None for i in range(exp.ctx.num_layers)]
+
+
+class TallyState(nnx.Module):
+    def __init__(self, cfg, settings, rngs):
+        self.seen = nnx.Variable(jnp.zeros((), jnp.float32))
+
+
+def add_seen(state, metrics, record):
+    return {"tally/seen": state["tally/seen"] + metrics["tally/mean_abs"]}
+
+
+register(Tally())
+register_block_part("tally", TallyState)
+register_block_hook("tally", lambda x, r: (x, {"tally/mean_abs": jnp.mean(jnp.abs(x))}))
+register_state_rule("tally", add_seen, state=("seen",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", [{}, {"mesh__stage": 2}], ids=["single", "pipeline"])
+def test_a_state_rule_moves_its_layers_state_from_their_step_metrics(pipeline):
+    """Not MoE: the rule of layers 1 and 3 (one per stage on the pipeline) adds each layer's
+    own metric of the step to its variable, after the optimizer (which leaves it at 0)."""
+    cfg = tiny_config(tally__enabled=True, model__num_layers=4, train__batch_size=8, **pipeline)
+    exp = Experiment.from_config(cfg)
+    plan = exp.initial_plan()
+    runtime = exp.runtime(plan)
+    executable = exp.lower_train_step(plan).compile()
+    metrics = runtime.host_metrics(0, jax.device_get(
+        runtime.step(executable, exp.order.batch(0), None)))
+    layers = jax.device_get(runtime.checkpoint_state()["params"])["layers"]
+    seen = np.array([layers[i]["tally"]["seen"] for i in (1, 3)])
+    assert "tally" not in layers[0] and metrics["tally/mean_abs"].shape == (2,)
+    assert np.all(seen > 0)
+    np.testing.assert_array_equal(seen, metrics["tally/mean_abs"])
