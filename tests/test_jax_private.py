@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynjax import jax_private
+import jax_private
 from dynjax.parallel import make_mesh
 from dynjax.parallel.mesh import stage_mesh
 
