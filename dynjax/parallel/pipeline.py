@@ -41,6 +41,7 @@ class Pipeline:
 
     State per stage: ``{"params", "opt_state"}`` keyed by name as in the full state (see
     `layout`), plus the gradient accumulator of its trainable units (zero between steps).
+    Each job is a part of its own (module docstring); the parts share one `StageState`.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class Pipeline:
 
     @property
     def spec(self) -> PipelineSpec | None:
+        """The spec the state is laid out for (None before `place`)."""
         return self.stages.spec
 
     @property
