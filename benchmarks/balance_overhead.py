@@ -66,8 +66,8 @@ from dynmo_cases import cadence, resizes, swap_seconds, swaps, synthetic_cases
 from dynjax.config import load_config, microbatches, moe_layer_indices
 from dynjax.experiment import Experiment
 from dynjax.model import ModelParts
-from dynjax.parallel.pipeline import WATCHER
 from dynjax.parallel.profile import stage_busy_seconds, timed_units
+from dynjax.parallel.timeline import WATCHER
 from dynjax.recompile import Plan, Rebalance
 from dynjax.recompile.monitor import Monitor
 from dynjax.recompile.policy import History

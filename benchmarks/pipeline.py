@@ -32,7 +32,7 @@ import time
 
 import jax
 
-from dynjax import jax_private
+import jax_private
 from dynjax.balance import simulate
 from dynjax.config import load_config
 from dynjax.experiment import Experiment
@@ -111,13 +111,8 @@ COPIES = ("device_put", "direct")  # the baseline first
 def copies(mode: str):
     """Within the block, copies between stages go through ``jax.device_put`` ("device_put",
     the runtime before issue 15 §7's direct copies) or as the runtime makes them ("direct")."""
-    saved = jax_private._BATCHED_COPY
-    if mode == "device_put":
-        jax_private._BATCHED_COPY = None
-    try:
+    with jax_private.device_put_copies() if mode == "device_put" else contextlib.nullcontext():
         yield
-    finally:
-        jax_private._BATCHED_COPY = saved
 
 
 def program_calls(pipeline, exe, batch) -> int:

@@ -42,6 +42,7 @@ step); at the ~0.15 s per step of two idle cores it would be about 12 min.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -52,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -786,9 +788,23 @@ class TrainingThreadClock:
         if event in COMPILE_EVENTS and threading.current_thread() is threading.main_thread():
             self.compiles.append((time.time(), event, seconds))
 
-    def wrap(self, cls: type, method: str) -> None:
-        inner = getattr(cls, method)
+    @contextlib.contextmanager
+    def timing(self, cls: type, *methods: str) -> Iterator[None]:
+        """Within the block, each call of ``cls``'s ``methods`` notes (method, start, end) in
+        `calls`; the methods are restored after, also when the block raises."""
+        own = {method: cls.__dict__.get(method) for method in methods}  # None: inherited
+        for method in methods:
+            setattr(cls, method, self._timed(method, getattr(cls, method)))
+        try:
+            yield
+        finally:
+            for method, inner in own.items():
+                if inner is None:
+                    delattr(cls, method)
+                else:
+                    setattr(cls, method, inner)
 
+    def _timed(self, method: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         def timed(runtime, *args, **kwargs):
             t0 = time.time()
             try:
@@ -796,7 +812,7 @@ class TrainingThreadClock:
             finally:
                 self.calls.append((method, t0, time.time()))
 
-        setattr(cls, method, timed)
+        return timed
 
     def between(self, start: float, end: float) -> tuple[int, float]:
         """(backend compiles, seconds of all compile events) that ended in [start, end]."""
@@ -813,9 +829,9 @@ def pipeline_worker(cfg, spec: dict[str, Any]) -> None:
 
     clock = TrainingThreadClock()
     jax.monitoring.register_event_duration_secs_listener(clock.listen)
-    clock.wrap(PipelineRuntime, "swap")
-    clock.wrap(PipelineRuntime, "start_profile_step")
-    summary = train(cfg, spec["workdir"], policies=[CapacityChanges(spec["every"])], progress=False)
+    with clock.timing(PipelineRuntime, "swap", "start_profile_step"):
+        policies = [CapacityChanges(spec["every"])]
+        summary = train(cfg, spec["workdir"], policies=policies, progress=False)
     swaps = [(t0, t1) for m, t0, t1 in clock.calls if m == "swap"]
     profiles = [(t0, t1) for m, t0, t1 in clock.calls if m == "start_profile_step"]
     rows = []

@@ -42,17 +42,14 @@ from dynjax.parallel import (
     make_train_step,
     param_shardings,
 )
+from dynjax.parallel.executable import PipelinePrograms
 from dynjax.parallel.feed import local_devices, place_rows, process_rows
 from dynjax.parallel.layout import join, layer_sizes
 from dynjax.parallel.peers import Rounds
-from dynjax.parallel.pipeline import (
-    Migration,
-    PendingProfile,
-    Pipeline,
-    PipelinePrograms,
-    host_metrics,
-)
+from dynjax.parallel.pipeline import Pipeline, host_metrics
+from dynjax.parallel.profiler import PendingProfile
 from dynjax.parallel.stage_programs import StageSetup
+from dynjax.parallel.stage_state import Migration
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError, ragged_totals
@@ -276,7 +273,7 @@ class Experiment:
         """Trace and lower the train step of ``plan`` from abstract values (no buffers touched).
 
         A pipeline Plan lowers only the stage programs that are not compiled yet; ``compile()``
-        of the result builds them (`dynjax.parallel.pipeline.LoweredPipeline`). ``profiling``
+        of the result builds them (`dynjax.parallel.executable.LoweredPipeline`). ``profiling``
         (a run that profiles its pipeline steps) adds the programs that profile a step.
         """
         if plan.stage_layers:

@@ -29,6 +29,8 @@ from typing import Literal
 
 import jax
 
+from jax_private import pallas_triton_lowering
+
 Route = Literal["interpret", "triton", "xla"]
 _DEPRECATION = "jax-pallas-triton"  # jax's id for the Triton backend's deprecation (0.11+)
 
@@ -38,17 +40,9 @@ def pallas_triton_usable() -> bool:
     """Whether this jax lowers ``pl.pallas_call`` through Triton without raising.
 
     True on jax 0.10 (no deprecation yet) and on 0.11/0.12 (a warning); False once jax removes
-    the lowering or accelerates its deprecation into an error. (jax internals: read here only.)
+    the lowering or accelerates its deprecation into an error (jax internals: `jax_private`).
     """
-    try:
-        from jax._src import deprecations
-        from jax._src.pallas.triton import pallas_call_registration  # noqa: F401
-    except ImportError:
-        return False
-    try:
-        return not deprecations.is_accelerated(_DEPRECATION)
-    except ValueError:  # not registered: a jax from before the deprecation
-        return True
+    return pallas_triton_lowering(_DEPRECATION)
 
 
 def route(interpret: bool | None) -> Route:

@@ -38,17 +38,14 @@ def without_pallas_triton(monkeypatch):
     """This jax as a later one whose Pallas Triton lowering is gone: where jax registers the
     backend's deprecation (0.11+) it is accelerated into the error a later jax raises; an older
     jax is told the lowering is missing."""
-    from jax._src import deprecations
-
+    from jax_private import deprecation_accelerated
     from pallas_kernels import backend
 
     usable = backend.pallas_triton_usable
     usable.cache_clear()
     backend._warn_xla_once.cache_clear()
-    state = deprecations._registered_deprecations.get(backend._DEPRECATION)
-    if state is not None:
-        monkeypatch.setattr(state, "accelerated", True)
-    else:
-        monkeypatch.setattr(backend, "pallas_triton_usable", lambda: False)
-    yield
+    with deprecation_accelerated(backend._DEPRECATION) as registered:
+        if not registered:
+            monkeypatch.setattr(backend, "pallas_triton_usable", lambda: False)
+        yield
     usable.cache_clear()

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynjax import jax_private
+import jax_private
 from dynjax.parallel import make_mesh
 from dynjax.parallel.mesh import stage_mesh
 
@@ -120,3 +120,18 @@ def test_lengths_must_match():
     x = jax.device_put(np.zeros(2), on(0, P()))
     with pytest.raises(ValueError):
         jax_private.copy_to([x, x], [on(1, P())])
+
+
+def test_device_put_copies_sends_every_copy_through_device_put_until_the_block_ends(
+    count_device_puts,
+):
+    """What `benchmarks/pipeline.py` compares against: inside the block the stage-to-stage
+    copies take ``jax.device_put`` too, after it the direct call again."""
+    arrays, targets = arrays_and_targets()
+    calls = count_device_puts()
+    with jax_private.device_put_copies():
+        got = jax_private.copy_to(arrays[:4], targets[:4])
+    assert calls == [4]
+    assert [g.sharding for g in got] == targets[:4]
+    jax_private.copy_to(arrays[:4], targets[:4])
+    assert calls == [4]

@@ -50,10 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from orbax.checkpoint._src.metadata import array_metadata_store
 
 from dynjax.checkpoint import layout
 from dynjax.model.attention import qkv_per_head
+from jax_private import array_metadata_store
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ with quiet_orbax():  # Orbax warns at every override
     ocp.type_handlers.register_type_handler(
         jax.Array,
         ocp.type_handlers.ArrayHandler(
-            use_replica_parallel=True, array_metadata_store=array_metadata_store.Store()
+            use_replica_parallel=True, array_metadata_store=array_metadata_store()
         ),
         override=True,
     )

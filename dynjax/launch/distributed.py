@@ -25,9 +25,9 @@ from typing import Any, NoReturn
 
 import jax
 
-from dynjax.jax_private import distributed_client
 from dynjax.launch.cluster import heartbeat_seconds, process_env
 from dynjax.launch.watchdog import Watchdog
+from jax_private import distributed_client
 
 TIMEOUT_MS = 600_000
 # JAX's own heartbeat timeout, in units of the watchdog's: the backstop if the watchdog's thread

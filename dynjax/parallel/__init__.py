@@ -1,5 +1,6 @@
-"""Mesh, shardings, the single-program step, and the MPMD pipeline (`pipeline`, `stages`,
-`stage_programs`, `dispatch`, `transport`, `layout`, `profile`: import those modules directly)."""
+"""Mesh, shardings, the single-program step, and the MPMD pipeline (`pipeline` and its parts,
+`stages`, `stage_programs`, `dispatch`, `transport`, `layout`, `profile`: import those modules
+directly)."""
 
 from dynjax.parallel.mesh import (
     AXES,

@@ -275,7 +275,7 @@ def per_device_bytes(tree: Any) -> int:
 
 def program_temp_bytes(programs: Mapping[tuple[str, int], Any]) -> dict[int, int]:
     """Each stage's largest program temporary bytes (the compiler's memory analysis, which
-    takes milliseconds per program: computed once per compiled spec, `Pipeline._memory`)."""
+    takes milliseconds per program: computed once per compiled spec, `Profiler._memory`)."""
     out: dict[int, int] = {}
     for (_, owner), compiled in programs.items():
         temp = compiled.memory_analysis().temp_size_in_bytes

@@ -28,8 +28,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynjax.jax_private import copy_to
 from dynjax.parallel.mesh import STAGE_AXES, stage_mesh
+from jax_private import copy_to
 
 
 class Transport:

@@ -18,7 +18,7 @@ from dynjax.recompile.compiler import (
     default_cache_dir,
     enable_persistent_cache,
 )
-from dynjax.recompile.controller import Budget, Controller, Swap
+from dynjax.recompile.controller import Controller, Swap
 from dynjax.recompile.events import EventLog
 from dynjax.recompile.monitor import Monitor
 from dynjax.recompile.plan import (
@@ -32,6 +32,7 @@ from dynjax.recompile.plan import (
 from dynjax.recompile.policy import History, Policy, Proposal
 from dynjax.recompile.rebalance import Rebalance, moved_layers
 from dynjax.recompile.repack import Repack
+from dynjax.recompile.rounds import Budget
 
 __all__ = [
     "LOADS",

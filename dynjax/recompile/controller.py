@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -36,30 +35,8 @@ from dynjax.parallel.peers import Peers
 from dynjax.recompile.agreement import LEADER, Announcement, Status, verdict
 from dynjax.recompile.compiler import Compiler, CompileResult
 from dynjax.recompile.plan import Plan
-from dynjax.recompile.policy import History, Metrics, Policy, as_proposal
-
-Event = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Budget:
-    """At most `max_recompiles` accepted proposals within any `window_steps` training steps.
-
-    Protects against thrashing (seed 001 §5.2: a policy that recompiles every iteration
-    eliminates any speed-up). Returns to cached Plans count too: each swap still migrates state.
-    """
-
-    max_recompiles: int
-    window_steps: int
-
-    def __post_init__(self) -> None:
-        if self.max_recompiles < 0 or self.window_steps < 1:
-            raise ValueError(f"need max_recompiles >= 0 and window_steps >= 1, got {self}")
-
-    def allows(self, accepted_steps: Sequence[int], step: int) -> bool:
-        """Whether one more recompile at `step` fits, given the steps of earlier ones."""
-        recent = sum(1 for s in accepted_steps if step - s < self.window_steps)
-        return recent < self.max_recompiles
+from dynjax.recompile.policy import History, Metrics, Policy
+from dynjax.recompile.rounds import Budget, Event, PolicyRounds
 
 
 @dataclass(frozen=True)
@@ -76,6 +53,24 @@ class Swap:
     policy: str
     compile: CompileResult
     found_at: float = field(repr=False)  # time.perf_counter() when poll found it
+
+    def event(self, stall: float) -> Event:
+        """The ``recompile`` event, once the training loop runs it ``stall`` s after `poll`."""
+        return {
+            "event": "recompile",
+            "step": self.step,
+            "metrics_step": self.metrics_step,
+            "swap_step": self.swap_step,
+            "reason": self.reason,
+            "policy": self.policy,
+            "plan_diff": self.previous.diff(self.plan),
+            "plan": self.plan.to_dict(),
+            "lower_seconds": self.compile.lower_seconds,
+            "compile_seconds": self.compile.compile_seconds,
+            "cache_hit": self.compile.cache_hit,
+            "steps_during_compile": self.swap_step - self.step,
+            "swap_stall_seconds": stall,
+        }
 
 
 @dataclass(frozen=True)
@@ -97,15 +92,11 @@ class _Pending:
 class Controller:
     """Runs `policies` on a host thread and hands ready Plans to the training loop.
 
-    Per round, policies run in order, each on the Plan as changed by the ones before it, so the
-    changes of one round are compiled together. A proposal that `validate` rejects (it raises
-    `ValueError`, e.g. `PlanError`) is dropped with a `recompile_rejected` event; the combined
-    Plan must fit the `budget`, unless it runs the current executable (a swap that compiles
-    nothing, e.g. new capacities on the ragged MoE path). Policies do not run while a
-    compile is pending. `emit` is called from both the policy thread and the training thread:
-    it must be thread-safe
-    (`EventLog` is). Errors of the controller itself (not of a policy) are re-raised on the
-    training thread by the next `poll`, `wait_idle` or `stop`.
+    Each round of the policies (`PolicyRounds`: in order, validated, within the `budget`) runs
+    on the policy thread; policies do not run while a compile is pending. `emit` is called from
+    both the policy thread and the training thread: it must be thread-safe (`EventLog` is).
+    Errors of the controller itself (not of a policy) are re-raised on the training thread by
+    the next `poll`, `wait_idle` or `stop`.
 
     With ``peers`` (a multi-process run), every `poll` publishes this process's `Status` and
     reads every process's of ``lag`` boundaries before: process 0 runs the policies and
@@ -128,12 +119,15 @@ class Controller:
     ) -> None:
         self._plan = plan
         self._compiler = compiler
-        self._policies = tuple(policies)
         self._emit = emit
-        self._validate = validate
-        self._budget = budget
+        self._rounds = PolicyRounds(
+            policies,
+            emit=emit,
+            validate=validate,
+            budget=budget,
+            same_program=compiler.same_program,
+        )
         self._entries: deque[tuple[int, Metrics]] = deque(maxlen=history_size)
-        self._accepted_steps: deque[int] = deque(maxlen=max(budget.max_recompiles, 1))
         self._cond = threading.Condition()
         self._pending: _Pending | None = None
         self._observed = 0
@@ -143,7 +137,6 @@ class Controller:
         self._thread: threading.Thread | None = None
         self._launch_step = 0
         self._unfinished: Swap | None = None
-        self._refused: dict[str, Plan] = {}  # policy name or "budget" -> last Plan refused
         if lag < 1:
             raise ValueError(f"lag = {lag} must be >= 1")
         self._peers, self._lag = peers, lag
@@ -255,7 +248,7 @@ class Controller:
                 self._settled = number
                 self._cond.notify_all()
             where = pending if pending is not None and pending.number == number else None
-            self._emit_failed(
+            self._emit(_failed(
                 where.step if where else step,
                 where.metrics_step if where else None,
                 where.reason if where else "",
@@ -263,7 +256,7 @@ class Controller:
                 self.plan.diff(where.plan) if where else {},
                 error,
                 process=process,
-            )
+            ))
             return None
         if found.failed is not None:
             return None
@@ -288,14 +281,14 @@ class Controller:
             self._pending = None
             self._cond.notify_all()
         if error is not None:
-            self._emit_failed(
+            self._emit(_failed(
                 pending.step,
                 pending.metrics_step,
                 pending.reason,
                 pending.policy,
                 previous.diff(pending.plan),
                 _describe(error),
-            )
+            ))
             return None
         result = pending.future.result()
         self._unfinished = Swap(
@@ -318,23 +311,7 @@ class Controller:
             raise RuntimeError("swap_done() for a Swap that poll() did not just return")
         stall = time.perf_counter() - swap.found_at
         self._unfinished = None
-        self._emit(
-            {
-                "event": "recompile",
-                "step": swap.step,
-                "metrics_step": swap.metrics_step,
-                "swap_step": swap.swap_step,
-                "reason": swap.reason,
-                "policy": swap.policy,
-                "plan_diff": swap.previous.diff(swap.plan),
-                "plan": swap.plan.to_dict(),
-                "lower_seconds": swap.compile.lower_seconds,
-                "compile_seconds": swap.compile.compile_seconds,
-                "cache_hit": swap.compile.cache_hit,
-                "steps_during_compile": swap.swap_step - swap.step,
-                "swap_stall_seconds": stall,
-            }
-        )
+        self._emit(swap.event(stall))
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -392,107 +369,58 @@ class Controller:
                 )
 
     def _round(self, history: History, base: Plan) -> None:
+        """Run the policies (`PolicyRounds`) and submit the Plan they accept."""
         step, metrics_step = self._launch_step, history.latest_step
-        where = {"step": step, "metrics_step": metrics_step}
-        plan, reasons, names = base, [], []
-        for policy in self._policies:
-            try:
-                proposal = as_proposal(policy, policy.propose(history, plan))
-            except Exception as e:
-                self._emit(
-                    {
-                        "event": "policy_error",
-                        **where,
-                        "policy": policy.name,
-                        "error": f"{type(e).__name__}: {e}",
-                        "traceback": traceback.format_exc(),
-                    }
-                )
-                continue
-            if proposal is None:
-                continue
-            for record in proposal.records:
-                self._emit({**record, **where, "policy": policy.name})
-            if proposal.plan == plan:
-                continue
-            try:
-                self._validate(proposal.plan)
-            except ValueError as e:
-                if self._refused.get(policy.name) == proposal.plan:
-                    continue
-                self._refused[policy.name] = proposal.plan
-                self._emit(
-                    {
-                        "event": "recompile_rejected",
-                        **where,
-                        "reason": str(e),
-                        "policy": policy.name,
-                        "plan_diff": plan.diff(proposal.plan),
-                    }
-                )
-                continue
-            plan = proposal.plan
-            reasons.append(f"{policy.name}: {proposal.reason}" if proposal.reason else policy.name)
-            names.append(policy.name)
-        if plan == base:
-            return
-        reason, policy_names, diff = "; ".join(reasons), "+".join(names), base.diff(plan)
-        free = self._compiler.same_program(base, plan)  # e.g. ragged MoE capacities
-        if not free and not self._budget.allows(self._accepted_steps, step):
-            if self._refused.get("budget") == plan:
-                return
-            self._refused["budget"] = plan
-            self._emit(
-                {
-                    "event": "recompile_rejected",
-                    **where,
-                    "reason": "budget",
-                    "detail": f"{self._budget.max_recompiles} recompiles within "
-                    f"{self._budget.window_steps} steps already",
-                    "policy": policy_names,
-                    "plan_diff": diff,
-                }
-            )
+        accepted = self._rounds.run(history, base, step)
+        if accepted is None:
             return
         try:
-            future = self._compiler.submit(plan)  # lowers here, compiles on the worker
+            future = self._compiler.submit(accepted.plan)  # lowers here, compiles on the worker
         except Exception as e:
             if self._peers is None:
-                self._emit_failed(step, metrics_step, reason, policy_names, diff, _describe(e))
+                diff = base.diff(accepted.plan)
+                self._emit(_failed(
+                    step, metrics_step, accepted.reason, accepted.policy, diff, _describe(e)
+                ))
                 return
             future = Future()  # announced all the same: every process drops it together
             future.set_exception(e)
-        if not free:
-            self._accepted_steps.append(step)
-        self._refused.clear()
+        self._rounds.submitted(accepted, step)
         self._numbered += 1
         with self._cond:
             self._pending = _Pending(
-                plan, future, step, metrics_step, reason, policy_names, self._numbered
+                accepted.plan,
+                future,
+                step,
+                metrics_step,
+                accepted.reason,
+                accepted.policy,
+                self._numbered,
             )
 
-    def _emit_failed(
-        self,
-        step: int,
-        metrics_step: int | None,
-        reason: str,
-        policy: str,
-        diff: dict[str, Any],
-        error: str,
-        process: int | None = None,
-    ) -> None:
-        event = {
-            "event": "recompile_failed",
-            "step": step,
-            "metrics_step": metrics_step,
-            "reason": reason,
-            "policy": policy,
-            "plan_diff": diff,
-            "error": error,
-        }
-        if process is not None:
-            event["process"] = process
-        self._emit(event)
+
+def _failed(
+    step: int,
+    metrics_step: int | None,
+    reason: str,
+    policy: str,
+    diff: dict[str, Any],
+    error: str,
+    process: int | None = None,
+) -> Event:
+    """The ``recompile_failed`` event (``process``: the one that failed, over several)."""
+    event = {
+        "event": "recompile_failed",
+        "step": step,
+        "metrics_step": metrics_step,
+        "reason": reason,
+        "policy": policy,
+        "plan_diff": diff,
+        "error": error,
+    }
+    if process is not None:
+        event["process"] = process
+    return event
 
 
 def _describe(error: BaseException) -> str:

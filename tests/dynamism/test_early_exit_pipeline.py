@@ -17,10 +17,13 @@ from dynjax.balance.schedules import Task
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.model.early_exit import EXIT_CE, EXITED, FORCED, LOSS, NAME, PROCESSED, ExitLayer
 from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
-from dynjax.parallel.pipeline import _READY, Pipeline, PipelinePrograms, _timeline, host_metrics
+from dynjax.parallel.executable import PipelinePrograms
+from dynjax.parallel.pipeline import Pipeline, host_metrics
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.step import make_eval_step
+from dynjax.parallel.step_run import StepRunner
+from dynjax.parallel.timeline import _READY, _timeline
 from dynjax.parallel.transport import Transport
 from dynjax.train import train
 
@@ -145,7 +148,7 @@ def test_later_stages_skip_the_tokens_that_exited_in_earlier_ones():
 
 def test_the_head_update_includes_the_earlier_stages_readout_gradient(monkeypatch):
     _, ref_state, _ = reference()
-    monkeypatch.setattr(Pipeline, "_gather_readout_grads", lambda self, spec: None)
+    monkeypatch.setattr(StepRunner, "_gather_readout_grads", lambda self, spec: None)
     pipeline, _ = trained((2, 2))
     got = pipeline.host_state()["params"]
     # Without the exits' gradient the head moves differently from the single program's...

@@ -10,7 +10,6 @@ import pytest
 from dynjax.balance import simulate
 from dynjax.experiment import Experiment
 from dynjax.model import ModelParts
-from dynjax.parallel.pipeline import WATCHER
 from dynjax.parallel.profile import (
     ProfilePart,
     TaskTime,
@@ -19,6 +18,7 @@ from dynjax.parallel.profile import (
     timed_units,
     unit_programs,
 )
+from dynjax.parallel.timeline import WATCHER
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 

@@ -18,9 +18,10 @@ from dynjax.balance import schedule_tasks
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.optim import make_optimizer
 from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
-from dynjax.parallel import pipeline as pipeline_module
+from dynjax.parallel import timeline as timeline_module
 from dynjax.parallel.dispatch import dispatch_order
-from dynjax.parallel.pipeline import Pipeline, PipelinePrograms, host_metrics
+from dynjax.parallel.executable import PipelinePrograms
+from dynjax.parallel.pipeline import Pipeline, host_metrics
 from dynjax.parallel.profile import (
     UnitTimes,
     program_temp_bytes,
@@ -514,8 +515,8 @@ def test_a_timed_step_waits_for_the_last_update_instead_of_running_a_mark(progra
     exe = programs.lower(spec_for(ASSIGNMENT, "1f1b")).compile()
     pipeline = Pipeline(programs, template)
     pipeline.place(initial_state(), exe.spec)
-    marks, mark = [], pipeline_module._MARK
-    monkeypatch.setattr(pipeline_module, "_MARK", lambda leaf: marks.append(leaf) or mark(leaf))
+    marks, mark = [], timeline_module._MARK
+    monkeypatch.setattr(timeline_module, "_MARK", lambda leaf: marks.append(leaf) or mark(leaf))
     first, second, _ = batches()
     pipeline.timed_step(exe, **first)
     assert len(marks) == len(ASSIGNMENT)

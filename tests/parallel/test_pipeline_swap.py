@@ -9,10 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-import dynjax.parallel.pipeline as pipeline_module
+import dynjax.parallel.executable as executable_module
 from dynjax.experiment import Experiment
-from dynjax.parallel.pipeline import Pipeline, host_metrics, state_layout
+from dynjax.parallel.pipeline import Pipeline, host_metrics
 from dynjax.parallel.profile import unit_spec
+from dynjax.parallel.stage_state import state_layout
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.recompile import Compiler
 
@@ -112,8 +113,8 @@ def test_profiling_a_swapped_in_plan_compiles_nothing_on_the_training_thread(exp
         if event.startswith("/jax/core/compile/") and threading.get_ident() == me:
             here.append((event, seconds))
 
-    lower_stage = pipeline_module.lower_stage
-    monkeypatch.setattr(pipeline_module, "lower_stage", spy_lower)
+    lower_stage = executable_module.lower_stage
+    monkeypatch.setattr(executable_module, "lower_stage", spy_lower)
     jax.monitoring.register_event_duration_secs_listener(on_compile_event)
     try:
         metrics, profile = runtime.profile_step(after, exp.order.batch(1), None)

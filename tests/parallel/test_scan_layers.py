@@ -21,7 +21,8 @@ from dynjax.experiment import Experiment
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.model.gpt import layer_runs, scan_runs
 from dynjax.parallel import StepOptions, make_mesh, make_train_step
-from dynjax.parallel.pipeline import Pipeline, PipelinePrograms, host_metrics
+from dynjax.parallel.executable import PipelinePrograms
+from dynjax.parallel.pipeline import Pipeline, host_metrics
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.step import forward_loss

@@ -1,11 +1,19 @@
-"""Every use of JAX's private API in dynjax, in one place (STYLE habit 7: JaxPP keeps its
-``jax._src`` imports in one compat module), each with the public way it stands in for and what
-happens where a JAX version lacks it.
+"""Every use of JAX's (and Orbax's) private API in this repository, in one place (STYLE habit
+7: JaxPP keeps its ``jax._src`` imports in one compat module), each with the public way it
+stands in for and what happens where a JAX version lacks it.
+
+Why a top-level module: both packages touch JAX internals, and the dependencies point one way,
+``dynjax`` -> ``pallas_kernels``. A home inside ``dynjax`` would make ``pallas_kernels`` import
+``dynjax`` (a cycle, and the kernels would no longer stand alone); a home inside
+``pallas_kernels`` would put dynjax's copies and coordinator client in the kernel package. So
+this module sits below both, imports neither, and is all either of them (and the tests and
+benchmarks) reach into JAX through. A JAX upgrade that moves an internal is fixed here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +35,59 @@ def distributed_client() -> Any:
     from jax._src.distributed import global_state
 
     return global_state.client
+
+
+def array_metadata_store() -> Any:
+    """Orbax's array metadata store, which a ``PyTreeCheckpointHandler`` needs to write each
+    array's metadata (for replica-parallel saves): Orbax exposes no public constructor."""
+    from orbax.checkpoint._src.metadata import array_metadata_store as store
+
+    return store.Store()
+
+
+def pallas_triton_lowering(deprecation: str) -> bool:
+    """Whether this jax lowers ``pl.pallas_call`` through Triton without raising: it has the
+    lowering, and has not accelerated its deprecation ``deprecation`` into an error (a jax
+    from before that deprecation has not)."""
+    try:
+        from jax._src import deprecations
+        from jax._src.pallas.triton import pallas_call_registration  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        return not deprecations.is_accelerated(deprecation)
+    except ValueError:  # not registered: a jax from before the deprecation
+        return True
+
+
+@contextlib.contextmanager
+def deprecation_accelerated(deprecation: str) -> Iterator[bool]:
+    """Within the block, jax's deprecation ``deprecation`` is accelerated into the error a
+    later jax raises (how the tests run as that jax); restored after. Yields whether this jax
+    registers it (False: nothing changed, a jax from before the deprecation)."""
+    from jax._src import deprecations
+
+    state = deprecations._registered_deprecations.get(deprecation)
+    if state is None:
+        yield False
+        return
+    saved, state.accelerated = state.accelerated, True
+    try:
+        yield True
+    finally:
+        state.accelerated = saved
+
+
+@contextlib.contextmanager
+def device_put_copies() -> Iterator[None]:
+    """Within the block, `copy_to` makes every copy through ``jax.device_put``, as on a JAX
+    without the direct call (what a benchmark compares against); restored after."""
+    global _BATCHED_COPY
+    saved, _BATCHED_COPY = _BATCHED_COPY, None
+    try:
+        yield
+    finally:
+        _BATCHED_COPY = saved
 
 
 def direct_copies_available() -> bool:

@@ -1,0 +1,186 @@
+"""Compiled stage programs of a `PipelineSpec`, and the cache that keeps them across Plans.
+
+Programs are compiled per kind and the part of the `StageSpec` they depend on (`program_key`):
+a Plan whose stage assignment changes compiles only the stages whose layers changed. Lowering
+runs on the caller's thread, compiling on the Compiler's worker (`LoweredPipeline.compile`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import jax
+
+from dynjax.parallel.dispatch import dispatch_order
+from dynjax.parallel.profile import unit_programs
+from dynjax.parallel.stage_programs import StageSetup, StageShapes, lower_stage, stage_shapes
+from dynjax.parallel.stages import PipelineSpec, StageSpec
+from dynjax.parallel.transport import Transport
+
+ProgramKey = tuple[str, int]  # (kind, stage)
+UnitKey = tuple[str, StageSpec]  # (kind, one-unit spec): a profiling program
+
+
+def program_kinds(spec: StageSpec) -> tuple[str, ...]:
+    """The training programs one stage needs."""
+    kinds = () if spec.last else ("fwd",)
+    kinds += ("bwd",) if spec.has_backward else ()
+    return kinds + ("sqnorm", "update")
+
+
+def program_key(kind: str, spec: StageSpec) -> tuple[str, StageSpec]:
+    """The part of a stage's spec one of its programs depends on: its compile-cache key.
+
+    The gradient norm and the update see parameters, gradients and metrics, whose shapes do
+    not depend on capacities or cached routing: a capacity change recompiles only the forward
+    and backward of the stages whose capacities changed (on the ragged MoE path: whose totals
+    changed; the capacities themselves are a runtime input).
+    """
+    if kind in ("sqnorm", "update"):
+        return kind, replace(spec, capacities=(), ragged_totals=(), cached_routing=False)
+    return kind, spec
+
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineExecutable:
+    """Compiled programs for every stage (of this process) of one `PipelineSpec`."""
+
+    spec: PipelineSpec
+    programs: Mapping[ProgramKey, Any]  # (kind, stage) -> jax.stages.Compiled
+    compiled: tuple[ProgramKey, ...]  # compiled for this spec; the others came from the cache
+    order: tuple[tuple[int, Any], ...]  # global dispatch order of (stage, task)
+    # `profile.unit_programs` of this process's stages (none: it has none); None: lowered
+    # without them
+    profiling: Mapping[UnitKey, Any] | None
+
+
+@dataclasses.dataclass
+class LoweredPipeline:
+    """Programs lowered for a spec; `compile()` (on the Compiler's worker) builds the rest."""
+
+    spec: PipelineSpec
+    programs: PipelinePrograms
+    ready: dict[ProgramKey, Any]
+    lowered: dict[ProgramKey, tuple[StageSpec, jax.stages.Lowered]]
+    profiling_ready: dict[UnitKey, Any] | None  # None: lowered without the one-unit programs
+    profiling_lowered: dict[UnitKey, jax.stages.Lowered]
+
+    def compile(self) -> PipelineExecutable:
+        programs = dict(self.ready)
+        for key, (stage, lowered) in self.lowered.items():
+            programs[key] = self.programs.store(key[0], stage, lowered.compile())
+        profiling = None if self.profiling_ready is None else dict(self.profiling_ready)
+        for (kind, one), lowered in self.profiling_lowered.items():
+            profiling[kind, one] = self.programs.store(kind, one, lowered.compile())
+        return PipelineExecutable(
+            self.spec,
+            programs,
+            tuple(sorted(self.lowered)),
+            dispatch_order(self.spec.tasks),
+            profiling,
+        )
+
+
+class PipelinePrograms:
+    """Lowers stage programs and keeps the compiled ones by (kind, `StageSpec`).
+
+    `lower(spec)` runs on the caller's thread (tracing holds the GIL), `compile()` of its result
+    on the Compiler's worker; programs of stages whose spec did not change are reused.
+    """
+
+    def __init__(
+        self,
+        setup: StageSetup,
+        transport: Transport,
+        full_params: Any,
+        seq_len: int,
+        *,
+        max_entries: int = 64,
+    ) -> None:
+        self.setup, self.transport = setup, transport
+        self.full_params, self.seq_len = full_params, seq_len
+        self.max_entries = max_entries
+        self._compiled: OrderedDict[tuple[str, StageSpec], Any] = OrderedDict()
+        self._shapes: dict[StageSpec, StageShapes] = {}
+        self._lock = threading.Lock()
+
+    def shapes(self, spec: StageSpec) -> StageShapes:
+        """Abstract state and inputs of a stage. Traced without the lock: the training thread
+        reads them every task while the controller's thread may be tracing a new Plan's."""
+        hit = self._shapes.get(spec)
+        if hit is None:
+            mesh = self.transport.stage_meshes[spec.index]
+            hit = stage_shapes(self.setup, spec, mesh, self.full_params, self.seq_len)
+            hit = self._shapes.setdefault(spec, hit)
+        return hit
+
+    def lower(self, spec: PipelineSpec, *, profiling: bool = False) -> LoweredPipeline:
+        """The programs of this process's stages: cached ones ready, the others lowered; with
+        ``profiling``, the one-unit programs that profile the spec's step too."""
+        ready, lowered = {}, {}
+        for stage in spec.stages:
+            if not self.transport.is_local(stage.index):
+                continue
+            for kind in program_kinds(stage):
+                hit = self._cached(kind, stage)
+                if hit is not None:
+                    ready[kind, stage.index] = hit
+                else:
+                    lowered[kind, stage.index] = (stage, self.lower_one(kind, stage))
+        units_ready, units_lowered = {}, {}
+        for kind, one in unit_programs(spec, self.setup.parts) if profiling else ():
+            if not self.transport.is_local(one.index):
+                continue
+            hit = self._cached(kind, one)
+            if hit is not None:
+                units_ready[kind, one] = hit
+            else:
+                units_lowered[kind, one] = self.lower_one(kind, one)
+        return LoweredPipeline(
+            spec, self, ready, lowered, units_ready if profiling else None, units_lowered
+        )
+
+    def _cached(self, kind: str, stage: StageSpec) -> Any:
+        """A compiled program (now the most recently used), or None."""
+        key = program_key(kind, stage)
+        with self._lock:
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+        return hit
+
+    def lower_one(self, kind: str, stage: StageSpec) -> jax.stages.Lowered:
+        mesh = self.transport.stage_meshes[stage.index]
+        return lower_stage(kind, self.setup, stage, mesh, self.shapes(stage))
+
+    def store(self, kind: str, stage: StageSpec, compiled: Any) -> Any:
+        key = program_key(kind, stage)
+        with self._lock:
+            self._compiled[key] = compiled
+            self._compiled.move_to_end(key)
+            while len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def release(self, stages: Iterable[int]) -> None:
+        """Drop the programs and shapes of stage sub-meshes given back after a re-pack."""
+        gone = set(stages)
+        with self._lock:
+            for key in [k for k in self._compiled if k[1].index in gone]:
+                del self._compiled[key]
+            self._shapes = {k: v for k, v in self._shapes.items() if k.index not in gone}
+
+    def get(self, kind: str, stage: StageSpec) -> Any:
+        """A compiled program, compiling it now if needed (evaluation programs)."""
+        with self._lock:
+            hit = self._compiled.get(program_key(kind, stage))
+        if hit is None:
+            hit = self.store(kind, stage, self.lower_one(kind, stage).compile())
+        return hit
+
