@@ -12,7 +12,7 @@ import pytest
 import tensorstore as ts
 
 from dynjax.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, layout
-from dynjax.checkpoint.manager import qkv_columns_per_head
+from dynjax.checkpoint.read import qkv_columns_per_head
 from dynjax.experiment import Experiment
 from dynjax.model.attention import qkv_per_head
 
