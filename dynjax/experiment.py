@@ -36,10 +36,15 @@ from dynjax.parallel import (
     make_train_step,
     param_shardings,
 )
-from dynjax.parallel.layout import join, layer_sizes
+from dynjax.parallel.layout import layer_sizes
 from dynjax.parallel.peers import Rounds
 from dynjax.parallel.pipeline import Pipeline, PipelinePrograms
-from dynjax.parallel.runtime import PipelineRuntime, Runtime, SingleProgramRuntime
+from dynjax.parallel.runtime import (
+    PipelineRuntime,
+    Runtime,
+    SingleProgramRuntime,
+    pipeline_target,
+)
 from dynjax.parallel.single import EvalSteps, abstract_batch, lower_step, place_batch
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
@@ -173,16 +178,8 @@ class Experiment:
         processes, the leaves of this process's stages only (None elsewhere)."""
         if not plan.stage_layers:
             return self.abstract_state
-        transport = self.pipeline_programs.transport
-        stages = [
-            self.pipeline_programs.shapes(s)
-            for s in self.pipeline_spec(plan).stages
-            if transport.is_local(s.index)
-        ]
-        return join(
-            self.abstract_state,
-            [{"params": s.params, "opt_state": s.opt_state} for s in stages],
-            partial=not transport.all_local,
+        return pipeline_target(
+            self.pipeline_programs, self.pipeline_spec(plan), self.abstract_state
         )
 
     # -- plans and steps ---------------------------------------------------------------------
@@ -375,7 +372,8 @@ class Experiment:
             batch_size=t.batch_size,
             seq_len=self.cfg.data.seq_len,
             place_batch=self.device_batch,
-            evaluate=self.evaluate,
+            eval_step=self.eval_step,
+            val_batches=self.val_batches,
         )
 
     def stage_rounds(self, name: str) -> Rounds:
@@ -396,10 +394,3 @@ class Experiment:
         ``recompile.cache_size`` kept: `EvalSteps`)."""
         opts = dataclasses.replace(self.step_options(plan), frozen_layers=())  # no backward
         return self._eval_steps.get(opts)
-
-    def evaluate(self, params, plan: Plan) -> float | None:
-        if not self.val_batches:
-            return None
-        fn = self.eval_step(plan)
-        losses = [fn(params, self.device_batch(b, plan=plan)) for b in self.val_batches]
-        return float(np.mean(jax.device_get(losses)))

@@ -3,6 +3,11 @@
 The loop dispatches steps without waiting for them: metrics reach the host through the Monitor
 Δ steps late, feed the logs and the Controller's policies, and a recompiled Plan is swapped in at
 the first step boundary where its executable is ready (DESIGN.md "The loop").
+
+`train` is that loop, each part a named step: restore (`restore`), then per step the Plan swap,
+the plugins' hooks, the dispatch (or the recovery from a fault), the log and the checkpoint.
+`_Loop` holds the state between them; what is saved when is the checkpoint strategy's
+(`dynjax.checkpoint.strategy`), chosen from the config in `checkpoints_for`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dynjax import config as config_lib
 from dynjax.checkpoint.snapshot import InjectedFault
 from dynjax.checkpoint.strategy import (
     PLT,
+    Checkpoints,
     LedgerSettings,
     PartialExpertCheckpoints,
     TwoLevelCheckpoints,
@@ -241,7 +247,7 @@ def _open_run(
     return _Run(cfg, exp, root, workdir, events, peers, config_policies, release_hook)
 
 
-def checkpoints_for(run: _Run) -> WholeCheckpoints:
+def checkpoints_for(run: _Run) -> Checkpoints:
     """The run's checkpoint strategy, chosen from its config: two-level with
     ``checkpoint.snapshot_every``, else partial expert checkpoints with a ledger's K, else whole."""
     cfg, exp, c = run.cfg, run.exp, run.cfg.checkpoint
@@ -293,7 +299,7 @@ def ledger_k(cfg: ml_collections.ConfigDict) -> int:
     return c.experts_per_save
 
 
-def restore(run: _Run, checkpoints: WholeCheckpoints) -> tuple[Plan, int, Runtime]:
+def restore(run: _Run, checkpoints: Checkpoints) -> tuple[Plan, int, Runtime]:
     """The Plan, first step and runtime of the newest checkpoint, or of a fresh start."""
     cfg, exp = run.cfg, run.exp
 
@@ -324,7 +330,7 @@ def restore(run: _Run, checkpoints: WholeCheckpoints) -> tuple[Plan, int, Runtim
 
 
 def _already_trained(
-    run: _Run, checkpoints: WholeCheckpoints, start: int, began: float
+    run: _Run, checkpoints: Checkpoints, start: int, began: float
 ) -> RunSummary:
     checkpoints.close()
     steps = run.cfg.train.steps
@@ -355,7 +361,7 @@ class _Loop:
     def __init__(
         self,
         run: _Run,
-        checkpoints: WholeCheckpoints,
+        checkpoints: Checkpoints,
         plan: Plan,
         start: int,
         runtime: Runtime,

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -105,6 +105,32 @@ def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list
     for layer, parts in sources.items():
         out[int(layer)] = np.min([list(p) for p in parts.values()], axis=0).tolist()
     return out
+
+
+class Checkpoints(Protocol):
+    """The calls the training loop makes, whichever strategy the config chose."""
+
+    storage: Storage
+
+    def on_resume(self, meta: dict[str, Any] | None, k_changed: bool) -> None: ...
+
+    def counted(self, done: int, metrics: dict[str, Any]) -> None: ...
+
+    def after_step(
+        self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]
+    ) -> None: ...
+
+    def save(
+        self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]
+    ) -> None: ...
+
+    def recover(
+        self, fault: Exception, step: int, plan: Plan, catch_up: Callable[[], None]
+    ) -> tuple[int, Any] | None: ...
+
+    def finish(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class WholeCheckpoints:

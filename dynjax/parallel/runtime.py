@@ -16,9 +16,17 @@ import jax
 import numpy as np
 
 from dynjax.parallel.feed import local_devices, process_rows
+from dynjax.parallel.layout import join
 from dynjax.parallel.mesh import batch_sharding
 from dynjax.parallel.peers import Rounds
-from dynjax.parallel.pipeline import Migration, PendingProfile, Pipeline, host_metrics
+from dynjax.parallel.pipeline import (
+    Migration,
+    PendingProfile,
+    Pipeline,
+    PipelinePrograms,
+    host_metrics,
+)
+from dynjax.parallel.stages import PipelineSpec
 
 if TYPE_CHECKING:  # carried, never built here: parallel sits below recompile and the data
     from dynjax.data import Batch
@@ -59,8 +67,9 @@ class Runtime(Protocol):
 class SingleProgramRuntime:
     """The training state of the single-program step, and the calls the training loop makes.
 
-    ``place_batch(batch, cached, plan)`` puts a host batch on the mesh and ``evaluate(params,
-    plan)`` is the validation loss: both depend on how the run shards its batches."""
+    ``place_batch(batch, cached, plan)`` puts a host batch on the mesh (how depends on the
+    run's sharding) and ``eval_step(plan)`` is the jitted validation loss of one batch under
+    ``plan`` (`Experiment.eval_step`), run over ``val_batches``."""
 
     def __init__(
         self,
@@ -72,11 +81,12 @@ class SingleProgramRuntime:
         batch_size: int,
         seq_len: int,
         place_batch: Callable[[Batch, np.ndarray | None, Plan], dict[str, jax.Array]],
-        evaluate: Callable[[Any, Plan], float | None],
+        eval_step: Callable[[Plan], Callable],
+        val_batches: Sequence[Batch],
     ) -> None:
         self.state, self.plan, self.ctx, self.mesh = state, plan, ctx, mesh
         self.batch_size, self.seq_len = batch_size, seq_len
-        self._place_batch, self._evaluate = place_batch, evaluate
+        self._place_batch, self.eval_step, self.val_batches = place_batch, eval_step, val_batches
 
     def step(self, executable, batch: Batch, cached: np.ndarray | None):
         """Dispatch one step; returns its metrics as device arrays."""
@@ -116,7 +126,11 @@ class SingleProgramRuntime:
         return [self.state]
 
     def evaluate(self, plan: Plan) -> float | None:
-        return self._evaluate(self.state["params"], plan)
+        if not self.val_batches:
+            return None
+        fn, params = self.eval_step(plan), self.state["params"]
+        losses = [fn(params, self._place_batch(b, None, plan)) for b in self.val_batches]
+        return float(np.mean(jax.device_get(losses)))
 
 
 class PipelineRuntime:
@@ -228,3 +242,18 @@ class PipelineRuntime:
         local = self.pipeline.evaluate((b.inputs, b.targets) for b in self.val_batches)
         losses = self.rounds("eval").all(local)  # the last stage's process has it
         return next((loss for loss in losses if loss is not None), None)
+
+
+def pipeline_target(
+    programs: PipelinePrograms, spec: PipelineSpec, abstract_state: dict[str, Any]
+) -> dict[str, Any]:
+    """``abstract_state`` with each leaf in the sharding of the first stage of ``spec`` that
+    holds it, so a checkpoint restores straight onto the pipeline's devices; over processes,
+    the leaves of this process's stages only (None elsewhere)."""
+    transport = programs.transport
+    stages = [programs.shapes(s) for s in spec.stages if transport.is_local(s.index)]
+    return join(
+        abstract_state,
+        [{"params": s.params, "opt_state": s.opt_state} for s in stages],
+        partial=not transport.all_local,
+    )
