@@ -179,7 +179,8 @@ class WholeCheckpoints:
         self.ledger = ledger if self.settings.k else None
 
     def counted(self, done: int, metrics: dict[str, Any]) -> None:
-        """Steps through ``done`` reached the host with ``metrics`` (the last one's)."""
+        """The metrics of the step that made ``done`` steps reached the host (in step order,
+        Δ steps late); a ledger counts its routed tokens and adds the PLT to ``metrics``."""
 
     def after_step(
         self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]
