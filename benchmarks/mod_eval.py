@@ -66,8 +66,9 @@ def main() -> None:
             host_state, _ = checkpoints.restore(step, exps["predictor"].abstract_state)
             losses = {}
             for routing, exp in exps.items():
-                params = exp.place_state(host_state)["params"]
-                losses[routing] = exp.evaluate(params, exp.initial_plan())
+                state = exp.place_state(host_state)
+                params, plan = state["params"], exp.initial_plan()
+                losses[routing] = exp.runtime(plan, state).evaluate(plan)
             fraction = routed_fraction(exps["predictor"], params)
             logged = max(s for s in accuracy if s <= step)  # the last logged by then
             rows.append((step, accuracy[logged], fraction, losses))

@@ -824,7 +824,7 @@ def pipeline_worker(cfg, spec: dict[str, Any]) -> None:
     """Table 4's run: train with `CapacityChanges`, timing the training thread's swaps."""
     import jax
 
-    from dynjax.experiment import PipelineRuntime
+    from dynjax.parallel.runtime import PipelineRuntime
     from dynjax.train import train
 
     clock = TrainingThreadClock()

@@ -3,25 +3,21 @@
 The config is unpacked here, at the edge (STYLE.md trap 1); below this point functions take the
 few numbers they need. A run executes either the single-program step (`dynjax.parallel.step`) or,
 when its Plan has a stage assignment, the MPMD pipeline (`dynjax.parallel.pipeline`); `runtime`
-wraps both behind one small interface for the training loop.
+builds the one its Plan needs (`dynjax.parallel.runtime`, one protocol for the training loop).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from dynjax import config as config_lib
 from dynjax import resume
@@ -33,9 +29,7 @@ from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
 from dynjax.model.hooks import LayerOptions
 from dynjax.optim import learning_rate_schedule, make_optimizer
 from dynjax.parallel import (
-    TOKEN_AXES,
     StepOptions,
-    batch_sharding,
     expert_parallel,
     make_eval_step,
     make_mesh,
@@ -43,13 +37,17 @@ from dynjax.parallel import (
     param_shardings,
 )
 from dynjax.parallel.executable import PipelinePrograms
-from dynjax.parallel.feed import local_devices, place_rows, process_rows
-from dynjax.parallel.layout import join, layer_sizes
+from dynjax.parallel.layout import layer_sizes
 from dynjax.parallel.peers import Rounds
-from dynjax.parallel.pipeline import Pipeline, host_metrics
-from dynjax.parallel.profiler import PendingProfile
+from dynjax.parallel.pipeline import Pipeline
+from dynjax.parallel.runtime import (
+    PipelineRuntime,
+    Runtime,
+    SingleProgramRuntime,
+    pipeline_target,
+)
+from dynjax.parallel.single import EvalSteps, abstract_batch, lower_step, place_batch
 from dynjax.parallel.stage_programs import StageSetup
-from dynjax.parallel.stage_state import Migration
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError, ragged_totals
@@ -76,9 +74,14 @@ class Experiment:
     windows: TokenWindows
     order: TrainOrder
     val_batches: list[Batch]
-    _eval_steps: OrderedDict = dataclasses.field(default_factory=OrderedDict, repr=False)
     _layer_options: dict = dataclasses.field(default_factory=dict, repr=False)
     _rounds: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._eval_steps = EvalSteps(
+            lambda opts: make_eval_step(self.graphdef, opts, expert_parallel(self.mesh)),
+            self.cfg.recompile.cache_size,
+        )
 
     @classmethod
     def from_config(cls, cfg: ml_collections.ConfigDict) -> Experiment:
@@ -176,16 +179,8 @@ class Experiment:
         processes, the leaves of this process's stages only (None elsewhere)."""
         if not plan.stage_layers:
             return self.abstract_state
-        transport = self.pipeline_programs.transport
-        stages = [
-            self.pipeline_programs.shapes(s)
-            for s in self.pipeline_spec(plan).stages
-            if transport.is_local(s.index)
-        ]
-        return join(
-            self.abstract_state,
-            [{"params": s.params, "opt_state": s.opt_state} for s in stages],
-            partial=not transport.all_local,
+        return pipeline_target(
+            self.pipeline_programs, self.pipeline_spec(plan), self.abstract_state
         )
 
     # -- plans and steps ---------------------------------------------------------------------
@@ -282,54 +277,26 @@ class Experiment:
         step = make_train_step(
             self.graphdef, self.optimizer, self.step_options(plan), expert_parallel(self.mesh)
         )
-        state = self.abstract_state
-        shardings = jax.tree.map(lambda a: a.sharding, state)
-        jitted = jax.jit(
-            step,
-            in_shardings=(shardings["params"], shardings["opt_state"], None),
-            out_shardings=(shardings["params"], shardings["opt_state"], None),
-            donate_argnums=(0, 1),
-        )
-        return jitted.lower(state["params"], state["opt_state"], self.abstract_batch(plan))
+        return lower_step(step, self.abstract_state, self.abstract_batch(plan))
 
     def abstract_batch(self, plan: Plan) -> dict[str, jax.ShapeDtypeStruct]:
-        b, s = self.cfg.train.batch_size, self.cfg.data.seq_len
-        tokens = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(self.mesh))
-        batch = {"inputs": tokens, "targets": tokens}
-        if plan.cached_routing:
-            shape = (self.ctx.num_moe_layers, b, s, self.ctx.top_k)
-            batch["cached"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.cached_sharding)
-        if self.ragged:
-            shape = (self.ctx.num_moe_layers, self.ctx.num_experts)
-            batch["capacities"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
-        return batch
-
-    @property
-    def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P())
-
-    @property
-    def cached_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(None, TOKEN_AXES))
+        moe = self.ctx.num_moe_layers
+        return abstract_batch(
+            self.mesh,
+            self.cfg.train.batch_size,
+            self.cfg.data.seq_len,
+            cached=(moe, self.ctx.top_k) if plan.cached_routing else None,
+            capacities=(moe, self.ctx.num_experts) if self.ragged else None,
+        )
 
     def device_batch(
         self, batch: Batch, cached: np.ndarray | None = None, plan: Plan | None = None
     ) -> dict[str, jax.Array]:
         """A host batch (or this process's rows of it, `batch_rows`) on the mesh; on the ragged
         MoE path with ``plan``'s capacities."""
-        sharding, rows = batch_sharding(self.mesh), np.arange(len(batch.sample_ids))
-        out = {
-            "inputs": place_rows(batch.inputs, batch.rows, rows, sharding),
-            "targets": place_rows(batch.targets, batch.rows, rows, sharding),
-        }
-        if cached is not None:
-            out["cached"] = jax.device_put(cached, self.cached_sharding)
-        if self.ragged:
-            if plan is None:
-                raise ValueError("moe.dispatch='ragged' takes the Plan's capacities: pass plan")
-            caps = np.asarray(plan.capacities, np.int32)
-            out["capacities"] = jax.device_put(caps, self.replicated)
-        return out
+        if self.ragged and plan is None:
+            raise ValueError("moe.dispatch='ragged' takes the Plan's capacities: pass plan")
+        return place_batch(self.mesh, batch, cached, plan.capacities if self.ragged else None)
 
     # -- the pipeline ---------------------------------------------------------------------------
 
@@ -373,10 +340,12 @@ class Experiment:
             max_entries=entries,
         )
 
-    def runtime(self, plan: Plan, state: dict[str, Any] | None = None):
-        """The runtime of ``plan``'s kind, holding the initial state or ``state`` (host arrays,
-        or arrays restored into `restore_target`, which stay where they are); a pipeline over
-        several processes gathers its profiles through `stage_rounds`."""
+    def runtime(self, plan: Plan, state: dict[str, Any] | None = None) -> Runtime:
+        """The runtime of ``plan``'s kind (`dynjax.parallel.runtime`), holding the initial state
+        or ``state`` (host arrays, or arrays restored into `restore_target`, which stay where
+        they are); a pipeline over several processes gathers its profiles through
+        `stage_rounds`."""
+        t = self.cfg.train
         if plan.stage_layers:
             profiles = self.stage_rounds("profile")
             pipeline = Pipeline(self.pipeline_programs, self.abstract_state, profiles)
@@ -386,9 +355,27 @@ class Experiment:
             )
             if self.ragged:
                 pipeline.set_capacities(plan.capacities)
-            return PipelineRuntime(self, pipeline)
+            return PipelineRuntime(
+                pipeline,
+                ctx=self.ctx,
+                batch_size=t.batch_size,
+                seq_len=self.cfg.data.seq_len,
+                ragged=self.ragged,
+                val_batches=self.val_batches,
+                rounds=self.stage_rounds,
+            )
         state = self.init_state() if state is None else self.place_state(state)
-        return SingleProgramRuntime(self, state, plan)
+        return SingleProgramRuntime(
+            state,
+            plan,
+            ctx=self.ctx,
+            mesh=self.mesh,
+            batch_size=t.batch_size,
+            seq_len=self.cfg.data.seq_len,
+            place_batch=self.device_batch,
+            eval_step=self.eval_step,
+            val_batches=self.val_batches,
+        )
 
     def stage_rounds(self, name: str) -> Rounds:
         """The numbered exchange by which each process combines what it computed from its own
@@ -404,165 +391,7 @@ class Experiment:
         return self._rounds[name]
 
     def eval_step(self, plan: Plan):
-        """Jitted mean validation loss of one batch under ``plan``'s capacities. The last
-        ``recompile.cache_size`` are kept, like the Compiler's train steps: a dynamic-capacity
-        run makes a new one at every capacity change."""
+        """Jitted mean validation loss of one batch under ``plan``'s capacities (the last
+        ``recompile.cache_size`` kept: `EvalSteps`)."""
         opts = dataclasses.replace(self.step_options(plan), frozen_layers=())  # no backward
-        fn = self._eval_steps.pop(opts, None) or jax.jit(
-            make_eval_step(self.graphdef, opts, expert_parallel(self.mesh))
-        )
-        self._eval_steps[opts] = fn
-        while len(self._eval_steps) > self.cfg.recompile.cache_size:
-            self._eval_steps.popitem(last=False)
-        return fn
-
-    def evaluate(self, params, plan: Plan) -> float | None:
-        if not self.val_batches:
-            return None
-        fn = self.eval_step(plan)
-        losses = [fn(params, self.device_batch(b, plan=plan)) for b in self.val_batches]
-        return float(np.mean(jax.device_get(losses)))
-
-
-class SingleProgramRuntime:
-    """The training state of the single-program step, and the calls the training loop makes."""
-
-    def __init__(self, exp: Experiment, state: dict[str, Any], plan: Plan) -> None:
-        self.exp, self.state, self.plan = exp, state, plan
-
-    def step(self, executable, batch: Batch, cached: np.ndarray | None):
-        """Dispatch one step; returns its metrics as device arrays."""
-        state = self.state
-        state["params"], state["opt_state"], metrics = executable(
-            state["params"], state["opt_state"], self.exp.device_batch(batch, cached, self.plan)
-        )
-        return metrics
-
-    def batch_rows(self, devices: frozenset[jax.Device] | None = None) -> np.ndarray:
-        """The rows of each batch that ``devices`` (default: this process's) consume."""
-        exp = self.exp
-        placement = (batch_sharding(exp.mesh), np.arange(exp.cfg.train.batch_size))
-        return process_rows([placement], exp.cfg.data.seq_len, devices or local_devices())
-
-    def host_metrics(self, step: int, metrics: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return metrics
-
-    def swap(self, plan: Plan, executable) -> Migration | None:
-        """Every Plan of this runtime shares one state layout: nothing to migrate (the ragged
-        MoE path's next batches carry the new Plan's capacities)."""
-        self.plan = plan
-        return None
-
-    def plan_context(self, current: Plan) -> PlanContext:
-        return self.exp.ctx
-
-    def release_unused(self) -> tuple[tuple[int, ...], list[jax.Device]]:
-        """One program over the whole mesh: nothing to give back."""
-        return (), []
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return self.state
-
-    def stage_states(self) -> list[dict[str, Any]]:
-        """The live ``{"params", "opt_state"}`` dict of each stage (one here), for plugins
-        that change the state between steps (`Plugin.before_step`)."""
-        return [self.state]
-
-    def evaluate(self, plan: Plan) -> float | None:
-        return self.exp.evaluate(self.state["params"], plan)
-
-
-class PipelineRuntime:
-    """The MPMD pipeline behind the same calls as `SingleProgramRuntime`.
-
-    A Plan with fewer stages than the mesh (a re-pack, seed 000 §3.4) runs stage s on sub-mesh
-    s; `release_unused` then gives the trailing sub-meshes back for good: later Plans may not
-    use them (`plan_context`), since a cluster scheduler may have handed them to another job.
-    A Plan with fewer stages is always released down to when swapped in, so no Plan ever uses
-    more stage sub-meshes than the one before it.
-    """
-
-    def __init__(self, exp: Experiment, pipeline: Pipeline) -> None:
-        self.exp, self.pipeline = exp, pipeline
-        self.available_stages = exp.ctx.pipeline_stages
-
-    def plan_context(self, current: Plan) -> PlanContext:
-        """What a new Plan is validated against while ``current`` is the Controller's Plan: the
-        stage sub-meshes ``current`` uses. Those beyond it are released when it is swapped in
-        (the Controller publishes a Plan before the training loop swaps and releases)."""
-        stages = min(self.available_stages, len(current.stage_layers))
-        return dataclasses.replace(self.exp.ctx, pipeline_stages=stages)
-
-    def release_unused(self) -> tuple[tuple[int, ...], list[jax.Device]]:
-        """Give back the stage sub-meshes the current Plan does not use: returns their indices
-        and devices (empty when there are none). Their state already moved away (`swap`)."""
-        used = self.pipeline.spec.num_stages
-        stages = tuple(range(used, self.available_stages))
-        if not stages:
-            return (), []
-        self.available_stages = used
-        self.pipeline.programs.release(stages)
-        meshes = self.pipeline.transport.stage_meshes
-        return stages, [d for s in stages for d in meshes[s].devices.flat]
-
-    def batch_rows(self, devices: frozenset[jax.Device] | None = None) -> np.ndarray:
-        """The rows of each batch that ``devices`` (default: this process's) consume: every row
-        of every microbatch their first stage's inputs or their targets-reading stages hold (a
-        process with only middle stages reads none)."""
-        placements = self.pipeline.batch_placements(self.exp.cfg.train.batch_size)
-        return process_rows(placements, self.exp.cfg.data.seq_len, devices or local_devices())
-
-    def step(self, executable, batch: Batch, cached: np.ndarray | None):
-        return self.pipeline.step(executable, batch.inputs, batch.targets, cached, batch.rows)
-
-    def profile_step(self, executable, batch: Batch, cached: np.ndarray | None):
-        """`step`, profiled (blocks): returns (metrics with the profile's added, Profile). On a
-        new layout the units a Plan change made new run alone and the others keep their times;
-        later profiles rescale them by their step's timeline (`Pipeline.start_profile_step`).
-
-        The metrics also name the layout that ran (`profile/stage_layers`, layers per stage),
-        so a policy can tell a profile of the current Plan from an older one."""
-        metrics, pending = self.start_profile_step(executable, batch, cached)
-        profile = pending.result()
-        return {**metrics, **profile.metrics()}, profile
-
-    def start_profile_step(
-        self, executable, batch: Batch, cached: np.ndarray | None
-    ) -> tuple[dict[str, Any], PendingProfile]:
-        """`profile_step` without waiting for a periodic profile (`Pipeline.start_profile_step`):
-        returns the step's metrics and the pending `Profile`, whose metrics the training loop
-        adds to the step's when the Monitor hands them over (Δ steps later: the step is done)."""
-        return self.pipeline.start_profile_step(
-            executable, batch.inputs, batch.targets, cached, batch.rows
-        )
-
-    def host_metrics(self, step: int, metrics: dict[str, Any]) -> dict[str, np.ndarray]:
-        """The host metrics of ``step``: every process contributes its stages' (in order)."""
-        stages = {}
-        # Numbered by exchange, not by step: a step repeats after an in-memory recovery.
-        for part in self.exp.stage_rounds("metrics").all(metrics["stages"]):
-            stages.update(part)
-        return host_metrics({**metrics, "stages": stages})
-
-    def swap(self, plan: Plan, executable) -> Migration | None:
-        """Migrate layers to their new stages when the state layout changed (`Pipeline.swap`);
-        a change of capacities, cached routing or schedule swaps without waiting (on the
-        ragged MoE path the next steps take the new capacities as an input)."""
-        migration = self.pipeline.swap(executable)
-        if self.exp.ragged:
-            self.pipeline.set_capacities(plan.capacities)
-        return migration if migration is not None and migration.layers else None
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """This process's stages' leaves (`Pipeline.full_state`): all of them in one process."""
-        return self.pipeline.full_state()
-
-    def stage_states(self) -> list[dict[str, Any]]:
-        """The live ``{"params", "opt_state"}`` dict of each stage of this process, in stage
-        order, keyed as in the full state (`Plugin.before_step`)."""
-        return [self.pipeline.state[s] for s in sorted(self.pipeline.state)]
-
-    def evaluate(self, plan: Plan) -> float | None:
-        local = self.pipeline.evaluate((b.inputs, b.targets) for b in self.exp.val_batches)
-        losses = self.exp.stage_rounds("eval").all(local)  # the last stage's process has it
-        return next((loss for loss in losses if loss is not None), None)
+        return self._eval_steps.get(opts)

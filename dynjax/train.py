@@ -3,6 +3,11 @@
 The loop dispatches steps without waiting for them: metrics reach the host through the Monitor
 Δ steps late, feed the logs and the Controller's policies, and a recompiled Plan is swapped in at
 the first step boundary where its executable is ready (DESIGN.md "The loop").
+
+`train` is that loop, each part a named step: restore (`restore`), then per step the Plan swap,
+the plugins' hooks, the dispatch (or the recovery from a fault), the log and the checkpoint.
+`_Loop` holds the state between them; what is saved when is the checkpoint strategy's
+(`dynjax.checkpoint.strategy`), chosen from the config in `checkpoints_for`.
 """
 
 from __future__ import annotations
@@ -27,11 +32,18 @@ import numpy as np
 from tqdm import tqdm
 
 from dynjax import config as config_lib
-from dynjax.checkpoint import Checkpointer, layout
-from dynjax.checkpoint.parts import PartedCheckpointer, parts_are_newer, restore_parts
-from dynjax.checkpoint.pec import ExpertLedger
-from dynjax.checkpoint.snapshot import InjectedFault, TwoLevel
-from dynjax.data import Prefetcher
+from dynjax.checkpoint.snapshot import InjectedFault
+from dynjax.checkpoint.strategy import (
+    PLT,
+    Checkpoints,
+    LedgerSettings,
+    PartialExpertCheckpoints,
+    TwoLevelCheckpoints,
+    WholeCheckpoints,
+    open_storage,
+    restore_latest,
+)
+from dynjax.data import Batch, Prefetcher
 from dynjax.dynamism import enabled_plugins, layer_costs
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
@@ -41,6 +53,7 @@ from dynjax.launch.release import ReleaseHook, load_release_hook, release
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
 from dynjax.parallel.peers import Rounds
 from dynjax.parallel.profile import device_memory_limit
+from dynjax.parallel.runtime import Runtime
 from dynjax.recompile import (
     STABILITY,
     AssignmentCache,
@@ -59,7 +72,6 @@ from dynjax.resume import check_resumable, config_changes, resume_event
 from dynjax.writers import LayerCostsWriter, MetricsWriter
 
 log = logging.getLogger("dynjax")
-PLT = "checkpoint/plt"  # eq. 7 of seed 004 so far: lost over processed routed tokens
 SCALARS = ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction", PLT)
 
 
@@ -169,6 +181,56 @@ def train(
     any process count.
     """
     began = time.perf_counter()
+    run = _open_run(cfg, workdir, release_hook)
+    checkpoints = checkpoints_for(run)
+    plan, start, runtime = restore(run, checkpoints)
+    # Written once the config is known to fit the workdir: it always describes the newest run.
+    (run.workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    steps = cfg.train.steps
+    if start >= steps:
+        return _already_trained(run, checkpoints, start, began)
+    loop = _Loop(run, checkpoints, plan, start, runtime, [*run.policies, *policies], progress)
+    try:
+        step = start
+        while step < steps:
+            loop.swap(step)
+            measured = loop.before_step(step)
+            batch = loop.batches.get(step)
+            try:
+                metrics = loop.dispatch(step, batch)
+            except InjectedFault as fault:
+                resumed = loop.recover(fault, step)
+                if resumed is None:  # nothing in memory: the process ends, a restart reads storage
+                    raise
+                step = resumed
+                continue
+            loop.log(step, batch, measured, metrics)
+            loop.after_step(step + 1)
+            step += 1
+        loop.finish()
+    finally:
+        loop.close()
+    return loop.summary(began)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What a run builds once from its config, before it restores: directories, experiment,
+    event log, peers and the config's policies."""
+
+    cfg: ml_collections.ConfigDict
+    exp: Experiment
+    root: Path  # the workdir given: checkpoints live here
+    workdir: Path  # this process's files: ``root``, or ``root/process_<i>``
+    events: EventLog
+    peers: Peers | None
+    policies: list[Policy]
+    release_hook: ReleaseHook | None
+
+
+def _open_run(
+    cfg: ml_collections.ConfigDict, workdir: str | Path, release_hook: ReleaseHook | None
+) -> _Run:
     single = jax.process_count() == 1
     workdir = root = Path(workdir)
     if jax.process_index() > 0:
@@ -182,355 +244,50 @@ def train(
     if not single:
         _check_multi_process(cfg, pipeline=bool(exp.ctx.pipeline_stages))
     peers = None if single else Peers()
-    # A pipeline over processes: each process saves its own stages' part (`checkpoint.parts`);
-    # otherwise one directory that every process writes its shards into.
-    parted = not single and bool(exp.ctx.pipeline_stages)
-    saving = dict(
-        keep=cfg.train.keep_checkpoints, async_save=cfg.checkpoint.async_save, emit=events
+    return _Run(cfg, exp, root, workdir, events, peers, config_policies, release_hook)
+
+
+def checkpoints_for(run: _Run) -> Checkpoints:
+    """The run's checkpoint strategy, chosen from its config: two-level with
+    ``checkpoint.snapshot_every``, else partial expert checkpoints with a ledger's K, else whole."""
+    cfg, exp, c = run.cfg, run.exp, run.cfg.checkpoint
+    storage = open_storage(
+        run.root,
+        run.peers,
+        parted=run.peers is not None and bool(exp.ctx.pipeline_stages),
+        keep=cfg.train.keep_checkpoints,
+        async_save=c.async_save,
+        emit=run.events,
     )
-    if parted:
-        checkpointer = PartedCheckpointer(root / "checkpoints", peers, **saving)
-    else:
-        checkpointer = Checkpointer(root / "checkpoints", **saving)
-
-    def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
-        """Where a checkpoint's arrays go: the resumed Plan's shardings (refused first if the
-        saved state cannot follow the config)."""
-        changes = config_changes(meta["config"], cfg)
-        check_resumable(changes, workdir)
-        return exp.restore_target(exp.resumed_plan(Plan.from_dict(meta["plan"]), changes))
-
-    if parted:
-        restored = checkpointer.restore_latest(restore_target)
-    else:
-        restored = _restore_whole_or_parts(
-            checkpointer, root / "checkpoints", restore_target, peers, events
+    settings = LedgerSettings(
+        layers=tuple(exp.model_cfg.moe_layers),
+        num_experts=cfg.moe.num_experts,
+        ranks=cfg.mesh.expert,
+        k=ledger_k(cfg),
+        selection=c.pec_selection,
+        plt_limit=c.plt_limit,
+        dynamic_k=c.dynamic_k,
+        history=cfg.train.keep_checkpoints,
+    )
+    common = dict(
+        steps=cfg.train.steps,
+        content=c.pec_content,
+        config=cfg.to_dict(),
+        target=exp.restore_target,
+        emit=run.events,
+    )
+    if c.snapshot_every:
+        return TwoLevelCheckpoints(
+            storage,
+            settings,
+            snapshot_every=c.snapshot_every,
+            persist_every=c.persist_every,
+            persist_experts=c.persist_experts,
+            rounds=Rounds(run.peers, "snapshot"),
+            **common,
         )
-    if restored is None:
-        plan, start = exp.initial_plan(), 0
-        runtime = exp.runtime(plan)
-        ledger = expert_ledger(cfg, exp, None, {}, events)
-    else:
-        state, meta = restored
-        changes = config_changes(meta["config"], cfg)
-        saved = Plan.from_dict(meta["plan"])
-        plan, start = exp.resumed_plan(saved, changes), meta["step"]
-        runtime = exp.runtime(plan, state)
-        events(resume_event(start, changes, saved, plan))
-        log.info("resumed from step %d of %s", start, workdir)
-        ledger = expert_ledger(cfg, exp, meta, changes, events)
-    twolevel = None
-    if cfg.checkpoint.snapshot_every:
-        twolevel = TwoLevel(
-            exp.model_cfg.moe_layers if ledger is not None else (),
-            cfg.moe.num_experts,
-            persist_experts=cfg.checkpoint.persist_experts,
-            emit=events,
-            rounds=Rounds(peers, "snapshot"),
-        )
-        if restored is not None:  # what storage holds of each expert: the restore's sources
-            twolevel.persisted_step = start
-            if ledger is not None:
-                twolevel.stored = expert_sources(restored[1], ledger)
-    if ledger is not None:
-        ledger.pinned = set(checkpointer.all_steps())
-    # Written once the config is known to fit the workdir: it always describes the newest run.
-    (workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    steps = cfg.train.steps
-    if start >= steps:
-        checkpointer.close()
-        print(
-            f"{workdir} is already trained to step {start} (train.steps={steps}); raise "
-            "--config.train.steps or pass a new --workdir to train more."
-        )
-        return RunSummary(
-            workdir,
-            start,
-            start,
-            final_loss=None,
-            eval_loss=None,
-            tokens_per_sec=None,
-            mfu=None,
-            flops_per_token=config_flops_per_token(cfg),
-            recompiles=0,
-            checkpoints=checkpointer.all_steps(),
-            seconds=time.perf_counter() - began,
-        )
-
-    # A pipeline profiles the first step of every Plan (seed 000 §3.1) and every n-th step;
-    # each Plan's profiling programs compile with it, in the background. Over several
-    # processes each times its own stages and the profiles are gathered (`Pipeline`).
-    profiling = bool(plan.stage_layers)
-    profile_on_change = cfg.pipeline.profile_on_change and profiling
-    profile_every = cfg.pipeline.profile_every if profiling else 0
-    lower = functools.partial(
-        exp.lower_train_step, profiling=profile_on_change or bool(profile_every)
-    )
-    compiler = Compiler(lower, key_fn=exp.compile_key, max_entries=cfg.recompile.cache_size)
-    first = compiler.get(plan)
-    events(
-        {
-            "event": "compile",
-            "step": start,
-            "plan": plan.to_dict(),
-            "lower_seconds": first.lower_seconds,
-            "compile_seconds": first.compile_seconds,
-        }
-    )
-    executable = first.executable
-    budget = cfg.recompile.budget
-
-    def validate(proposed: Plan) -> None:
-        proposed.validate(runtime.plan_context(controller.plan))
-
-    controller = Controller(
-        plan,
-        compiler,
-        [*config_policies, *policies],
-        emit=events,
-        validate=validate,
-        budget=Budget(budget.max_recompiles, budget.window_steps),
-        peers=peers,
-        # Processes run up to Δ + 1 steps apart: a survivor logs every step a dead peer finished.
-        lag=cfg.recompile.delta_launch + 1,
-    )
-    cache = (
-        AssignmentCache(
-            exp.ctx.num_moe_layers,
-            cfg.data.seq_len,
-            exp.ctx.top_k,
-            exp.ctx.num_experts,
-            max_entries=cfg.moe.caching.max_entries,
-        )
-        if exp.step_options(plan).return_assignments
-        else None
-    )
-    monitor = Monitor(cfg.recompile.delta_launch)
-    writer = MetricsWriter(workdir)
-    plugins = enabled_plugins(cfg)
-    costs = (
-        LayerCostsWriter(workdir, lambda p, m: layer_costs(plugins, p, exp, m)) if plugins else None
-    )
-    logger = _Logger(writer, costs, exp, cfg.train.log_every, steps)
-    bar = tqdm(
-        total=steps,
-        initial=start,
-        desc="train",
-        unit="step",
-        disable=not progress,
-        dynamic_ncols=True,
-    )
-    recompiles, compiled, eval_loss = 0, 0, None
-    profile_next = profile_on_change
-
-    def release_unused(step: int, reason: str) -> None:
-        """Give back the stage sub-meshes a re-packed Plan leaves unused (seed 000 §3.4.2)."""
-        stages, devices = runtime.release_unused()
-        if stages:
-            compiler.forget(lambda p: len(p.stage_layers) > runtime.available_stages)
-            events(release(devices, stages, release_hook, step=step, reason=reason))
-
-    profiles = {}  # step -> its pending profile, until the Monitor hands the step over
-
-    def observe(ready: list[tuple[int, dict[str, Any]]]) -> None:
-        """Steps' host metrics (with their profiles') to the ledger, logger and Controller."""
-        for s, m in ready:
-            pending = profiles.pop(s, None)
-            if pending is not None:
-                profile = pending.result()
-                events(profile.event(s))
-                m = {**m, **profile.metrics()}
-            m = runtime.host_metrics(s, m)
-            if ledger is not None:  # every step's routed tokens, for PLT and load-aware saves
-                ledger.count(s + 1, m["moe/tokens_per_expert"])
-                if twolevel is not None:
-                    twolevel.counted(s + 1, ledger)
-                m[PLT] = ledger.plt
-            logger.observe(s, m, cache, controller, bar)
-
-    release_unused(start, "resumed re-packed")
-
-    # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead. In
-    # one process every Plan's devices are this one's; over several, a re-pack may move the
-    # last stage (which reads the targets) to another process: read again from the swap on.
-    rows = runtime.batch_rows()
-    controller.start()
-    batches = Prefetcher(
-        functools.partial(exp.order.batch, rows=rows), start, steps, cfg.data.prefetch
-    )
-    c = cfg.checkpoint
-    fault_at = c.inject_fault_at
-    try:
-        step = start
-        while step < steps:
-            swap = controller.poll(step)
-            if swap is not None:
-                migration = runtime.swap(swap.plan, swap.executable)
-                if migration is not None:
-                    events(migration.event(step))
-                executable, plan, recompiles = swap.executable, swap.plan, recompiles + 1
-                compiled += not swap.compile.cache_hit
-                controller.swap_done(swap)
-                release_unused(step, swap.reason)
-                profile_next = profile_next or profile_on_change
-                now = runtime.batch_rows()
-                if not np.array_equal(now, rows):
-                    rows = now
-                    batches.restart(step, functools.partial(exp.order.batch, rows=rows))
-            states = runtime.stage_states() if plugins else []  # live dicts, changed in place
-            for plugin in plugins:  # e.g. a pruning event, on the state this step will use
-                for event in plugin.before_step(step, states, plan, exp):
-                    events(event)
-                    profile_next = profile_next or profile_on_change  # the model changed
-            measured = {}  # e.g. layer outputs on a probe batch: they join this step's metrics
-            for plugin in plugins:
-                measured.update(plugin.measure(step, states, plan, exp))
-            batch = batches.get(step)
-            cached = cache.lookup(batch.sample_ids) if plan.cached_routing else None
-            try:
-                if fault_at == step + 1:
-                    fault_at = 0  # once: the re-run of this step goes through
-                    raise InjectedFault(f"step {step + 1} (checkpoint.inject_fault_at)")
-                if profile_next or (profile_every and step % profile_every == 0):
-                    # Units run alone only where a change made them new; the others' times
-                    # are rescaled from the step's timeline, taken while the loop goes on
-                    # (`observe` waits).
-                    metrics, profiles[step] = runtime.start_profile_step(executable, batch, cached)
-                    profile_next = False
-                else:
-                    metrics = runtime.step(executable, batch, cached)
-            except InjectedFault as fault:
-                if twolevel is None:  # nothing in memory: the process ends, a restart reads storage
-                    raise
-                target = exp.restore_target(plan)
-                flat_target = layout.flatten(target)
-                snap = twolevel.recovery(flat_target)
-                if snap is None:  # no usable snapshot (in some process): the same
-                    raise
-                log.warning("%s: %s; restoring the snapshot of step %d from host memory",
-                            type(fault).__name__, fault, snap.step)
-                observe(monitor.drain())  # the steps that ran: the ledger reaches the snapshot
-                state = layout.unflatten_like(target, snap.placed(flat_target))
-                runtime = exp.runtime(plan, state)
-                recovery = {"event": "checkpoint_recovery", "step": snap.step, "plt": 0.0}
-                if ledger is not None:
-                    ledger = expert_ledger_from(cfg, twolevel.ledger_of(snap))
-                    ledger.pinned = set(checkpointer.all_steps())
-                    recovery = ledger.recover(snap.sources).event()
-                events({**recovery, "source": "memory", "fault_step": step + 1})
-                twolevel.rolled_back(snap.step)
-                step = snap.step
-                batches.restart(step)  # it read ahead from the failed step
-                bar.n = step
-                bar.refresh()
-                continue
-            monitor.push(step, metrics)
-            logger.dispatched(step, batch.sample_ids, plan, measured)
-            observe(monitor.pop_ready(step))
-            bar.update(1)
-            done = step + 1
-            if twolevel is not None:
-                twolevel.poll()
-                if done % c.snapshot_every == 0:
-                    experts = None
-                    if ledger is not None and twolevel.partial_ok:
-                        experts = ledger.select(ahead=twolevel.ahead())
-                    twolevel.snapshot(done, runtime.checkpoint_state(), experts)
-                if done % c.persist_every == 0 and done != steps:
-                    twolevel.persist(
-                        checkpointer,
-                        exp.restore_target(plan),
-                        {"plan": plan.to_dict(), "config": cfg.to_dict()},
-                        catch_up=lambda: observe(monitor.drain()),
-                    )
-                    if ledger is not None:  # a restart reads these steps' rows
-                        ledger.pinned = {*checkpointer.all_steps(), twolevel.persisted_step}
-            if done % cfg.train.eval_every == 0 or done == steps:
-                eval_loss = runtime.evaluate(plan)
-                if eval_loss is not None:
-                    writer.write(done, {"eval_loss": eval_loss})
-            every = twolevel is None and done % cfg.train.checkpoint_every == 0
-            if every or done == steps:
-                meta, experts = {"plan": plan.to_dict(), "config": cfg.to_dict()}, None
-                if ledger is not None:  # its metadata counts every step up to this one
-                    observe(monitor.drain())
-                    experts = ledger.select()
-                    meta["pec"] = ledger.meta_after(done, experts)
-                started = checkpointer.save(
-                    done,
-                    runtime.checkpoint_state(),
-                    meta,
-                    experts=experts,
-                    content=cfg.checkpoint.pec_content,
-                )
-                if started and ledger is not None:
-                    ledger.saved(done, experts)
-            step += 1
-        observe(monitor.drain())
-        if twolevel is not None:
-            twolevel.poll(wait=True)
-    finally:
-        batches.close()
-        if twolevel is not None:
-            twolevel.close()
-        bar.close()
-        controller.stop()
-        compiler.shutdown()
-        checkpointer.close()
-        writer.close()
-    return RunSummary(
-        workdir,
-        start,
-        steps,
-        logger.last_loss,
-        eval_loss,
-        logger.median_rate(),
-        logger.median_mfu(),
-        logger.flops_per_token,
-        recompiles,
-        checkpointer.all_steps(),
-        time.perf_counter() - began,
-        len(rows),
-        batches.build_seconds / (steps - start),
-        batches.wait_seconds / (steps - start),
-        compiled,
-    )
-
-
-def expert_ledger(
-    cfg: ml_collections.ConfigDict,
-    exp: Experiment,
-    meta: dict[str, Any] | None,
-    changes: dict[str, tuple[Any, Any]],
-    emit: EventLog,
-) -> ExpertLedger | None:
-    """The partial expert checkpoints' ledger (`dynjax.checkpoint.pec`); None without them.
-
-    Resuming from a checkpoint that carries one accounts the fault first: the
-    ``checkpoint_recovery`` event with each expert's lost steps and tokens and the PLT (even if
-    this run saves full checkpoints: the restored experts lost their updates all the same). A
-    changed ``checkpoint.experts_per_save`` replaces the K the ledger carried (dynamic K's).
-    """
-    k = ledger_k(cfg)
-    if meta is not None and "pec" in meta:
-        ledger = expert_ledger_from(cfg, meta["pec"])
-        recovery = ledger.recover(expert_sources(meta, ledger))
-        emit({**recovery.event(), "source": "storage"})
-        log.info(
-            "partial expert checkpoint: step %d lost %d of %d routed tokens (PLT %.4f, total "
-            "%.4f)", recovery.step, recovery.event()["lost_tokens"], recovery.tokens,
-            recovery.plt, recovery.total_plt,
-        )
-        if "checkpoint.experts_per_save" in changes and k:
-            ledger.set_k(k)
-        return ledger if k else None
-    if not k:
-        return None
-    ledger = ExpertLedger(
-        exp.model_cfg.moe_layers, cfg.moe.num_experts, cfg.mesh.expert, k, **_settings(cfg)
-    )
-    ledger.step = 0 if meta is None else meta["step"]  # a full checkpoint's run: counts from it
-    return ledger
+    kind = PartialExpertCheckpoints if settings.k else WholeCheckpoints
+    return kind(storage, settings, every=cfg.train.checkpoint_every, **common)
 
 
 def ledger_k(cfg: ml_collections.ConfigDict) -> int:
@@ -542,30 +299,303 @@ def ledger_k(cfg: ml_collections.ConfigDict) -> int:
     return c.experts_per_save
 
 
-def _settings(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    c = cfg.checkpoint
-    return {
-        "selection": c.pec_selection,
-        "plt_limit": c.plt_limit,
-        "dynamic_k": c.dynamic_k,
-        "history": cfg.train.keep_checkpoints,
-    }
+def restore(run: _Run, checkpoints: Checkpoints) -> tuple[Plan, int, Runtime]:
+    """The Plan, first step and runtime of the newest checkpoint, or of a fresh start."""
+    cfg, exp = run.cfg, run.exp
+
+    def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
+        """Where a checkpoint's arrays go: the resumed Plan's shardings (refused first if the
+        saved state cannot follow the config)."""
+        changes = config_changes(meta["config"], cfg)
+        check_resumable(changes, run.workdir)
+        return exp.restore_target(exp.resumed_plan(Plan.from_dict(meta["plan"]), changes))
+
+    restored = restore_latest(
+        checkpoints.storage, run.root / "checkpoints", restore_target, run.peers, run.events
+    )
+    if restored is None:
+        plan = exp.initial_plan()
+        runtime = exp.runtime(plan)
+        checkpoints.on_resume(None, k_changed=False)
+        return plan, 0, runtime
+    state, meta = restored
+    changes = config_changes(meta["config"], cfg)
+    saved = Plan.from_dict(meta["plan"])
+    plan, start = exp.resumed_plan(saved, changes), meta["step"]
+    runtime = exp.runtime(plan, state)
+    run.events(resume_event(start, changes, saved, plan))
+    log.info("resumed from step %d of %s", start, run.workdir)
+    checkpoints.on_resume(meta, k_changed="checkpoint.experts_per_save" in changes)
+    return plan, start, runtime
 
 
-def expert_ledger_from(cfg: ml_collections.ConfigDict, meta: dict[str, Any]) -> ExpertLedger:
-    """The ledger of `ExpertLedger.to_meta` ``meta``, with the current config's settings."""
-    return ExpertLedger.from_meta(meta, ranks=cfg.mesh.expert, **_settings(cfg))
+def _already_trained(
+    run: _Run, checkpoints: Checkpoints, start: int, began: float
+) -> RunSummary:
+    checkpoints.close()
+    steps = run.cfg.train.steps
+    print(
+        f"{run.workdir} is already trained to step {start} (train.steps={steps}); raise "
+        "--config.train.steps or pass a new --workdir to train more."
+    )
+    return RunSummary(
+        run.workdir,
+        start,
+        start,
+        final_loss=None,
+        eval_loss=None,
+        tokens_per_sec=None,
+        mfu=None,
+        flops_per_token=config_flops_per_token(run.cfg),
+        recompiles=0,
+        checkpoints=checkpoints.storage.all_steps(),
+        seconds=time.perf_counter() - began,
+    )
 
 
-def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list[int]]:
-    """Per MoE layer, the step each expert's restored state comes from: the older of its
-    weights' and its optimizer state's (the storage's ``expert_sources``), so that with
-    ``checkpoint.pec_content="O"`` the tokens whose moment updates were lost count."""
-    sources = meta.get("expert_sources") or {}
-    out = {layer: [meta["step"]] * ledger.num_experts for layer in ledger.layers}
-    for layer, parts in sources.items():
-        out[int(layer)] = np.min([list(p) for p in parts.values()], axis=0).tolist()
-    return out
+class _Loop:
+    """The training loop's state between its named steps: the current Plan, executable and
+    runtime, and what consumes each step's metrics (Monitor, logger, Controller, checkpoints).
+    """
+
+    def __init__(
+        self,
+        run: _Run,
+        checkpoints: Checkpoints,
+        plan: Plan,
+        start: int,
+        runtime: Runtime,
+        policies: list[Policy],
+        progress: bool,
+    ) -> None:
+        cfg, exp = run.cfg, run.exp
+        self.run, self.cfg, self.exp, self.events = run, cfg, exp, run.events
+        self.checkpoints, self.plan, self.start, self.runtime = checkpoints, plan, start, runtime
+        self.steps = cfg.train.steps
+        # A pipeline profiles the first step of every Plan (seed 000 §3.1) and every n-th step;
+        # each Plan's profiling programs compile with it, in the background. Over several
+        # processes each times its own stages and the profiles are gathered (`Pipeline`).
+        profiling = bool(plan.stage_layers)
+        self.profile_on_change = cfg.pipeline.profile_on_change and profiling
+        self.profile_every = cfg.pipeline.profile_every if profiling else 0
+        self.profile_next = self.profile_on_change
+        self.profiles = {}  # step -> its pending profile, until the Monitor hands the step over
+        self.compiler, self.executable = self._compile_first()
+        self.controller = self._controller(policies)
+        self.cache = (
+            AssignmentCache(
+                exp.ctx.num_moe_layers,
+                cfg.data.seq_len,
+                exp.ctx.top_k,
+                exp.ctx.num_experts,
+                max_entries=cfg.moe.caching.max_entries,
+            )
+            if exp.step_options(plan).return_assignments
+            else None
+        )
+        self.monitor = Monitor(cfg.recompile.delta_launch)
+        self.writer = MetricsWriter(run.workdir)
+        self.plugins = plugins = enabled_plugins(cfg)
+        costs = (
+            LayerCostsWriter(run.workdir, lambda p, m: layer_costs(plugins, p, exp, m))
+            if plugins
+            else None
+        )
+        self.logger = _Logger(self.writer, costs, exp, cfg.train.log_every, self.steps)
+        self.bar = tqdm(
+            total=self.steps,
+            initial=start,
+            desc="train",
+            unit="step",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
+        self.recompiles, self.compiled, self.eval_loss = 0, 0, None
+        self.fault_at = cfg.checkpoint.inject_fault_at
+        self.release_unused(start, "resumed re-packed")
+        # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
+        # In one process every Plan's devices are this one's; over several, a re-pack may move
+        # the last stage (which reads the targets) to another process: read again from the swap.
+        self.rows = runtime.batch_rows()
+        self.controller.start()
+        self.batches = Prefetcher(
+            functools.partial(exp.order.batch, rows=self.rows), start, self.steps, cfg.data.prefetch
+        )
+
+    def _compile_first(self) -> tuple[Compiler, Any]:
+        """The Compiler, and the executable of the first Plan (a ``compile`` event)."""
+        exp, plan = self.exp, self.plan
+        lower = functools.partial(
+            exp.lower_train_step, profiling=self.profile_on_change or bool(self.profile_every)
+        )
+        compiler = Compiler(
+            lower, key_fn=exp.compile_key, max_entries=self.cfg.recompile.cache_size
+        )
+        first = compiler.get(plan)
+        self.events(
+            {
+                "event": "compile",
+                "step": self.start,
+                "plan": plan.to_dict(),
+                "lower_seconds": first.lower_seconds,
+                "compile_seconds": first.compile_seconds,
+            }
+        )
+        return compiler, first.executable
+
+    def _controller(self, policies: list[Policy]) -> Controller:
+        budget = self.cfg.recompile.budget
+
+        def validate(proposed: Plan) -> None:
+            proposed.validate(self.runtime.plan_context(self.controller.plan))
+
+        return Controller(
+            self.plan,
+            self.compiler,
+            policies,
+            emit=self.events,
+            validate=validate,
+            budget=Budget(budget.max_recompiles, budget.window_steps),
+            peers=self.run.peers,
+            # Processes run up to Δ + 1 steps apart: a survivor logs every step a dead peer
+            # finished.
+            lag=self.cfg.recompile.delta_launch + 1,
+        )
+
+    def release_unused(self, step: int, reason: str) -> None:
+        """Give back the stage sub-meshes a re-packed Plan leaves unused (seed 000 §3.4.2)."""
+        runtime = self.runtime
+        stages, devices = runtime.release_unused()
+        if stages:
+            self.compiler.forget(lambda p: len(p.stage_layers) > runtime.available_stages)
+            self.events(release(devices, stages, self.run.release_hook, step=step, reason=reason))
+
+    def swap(self, step: int) -> None:
+        """Swap in the Controller's new Plan if its executable is ready."""
+        swap = self.controller.poll(step)
+        if swap is None:
+            return
+        migration = self.runtime.swap(swap.plan, swap.executable)
+        if migration is not None:
+            self.events(migration.event(step))
+        self.executable, self.plan = swap.executable, swap.plan
+        self.recompiles += 1
+        self.compiled += not swap.compile.cache_hit
+        self.controller.swap_done(swap)
+        self.release_unused(step, swap.reason)
+        self.profile_next = self.profile_next or self.profile_on_change
+        now = self.runtime.batch_rows()
+        if not np.array_equal(now, self.rows):
+            self.rows = now
+            self.batches.restart(step, functools.partial(self.exp.order.batch, rows=now))
+
+    def before_step(self, step: int) -> dict[str, Any]:
+        """The plugins' changes to the state this step will use, and what they measured on it
+        (e.g. layer outputs on a probe batch: they join this step's metrics)."""
+        plugins, runtime, plan, exp = self.plugins, self.runtime, self.plan, self.exp
+        events = self.events
+        profile_next, profile_on_change = self.profile_next, self.profile_on_change
+        states = runtime.stage_states() if plugins else []  # live dicts, changed in place
+        for plugin in plugins:  # e.g. a pruning event, on the state this step will use
+            for event in plugin.before_step(step, states, plan, exp):
+                events(event)
+                profile_next = profile_next or profile_on_change  # the model changed
+        self.profile_next = profile_next
+        measured = {}  # e.g. layer outputs on a probe batch: they join this step's metrics
+        for plugin in plugins:
+            measured.update(plugin.measure(step, states, plan, exp))
+        return measured
+
+    def dispatch(self, step: int, batch: Batch) -> dict[str, Any]:
+        """Dispatch ``step`` (profiled where due); its metrics as device arrays."""
+        runtime, executable = self.runtime, self.executable
+        cached = self.cache.lookup(batch.sample_ids) if self.plan.cached_routing else None
+        if self.fault_at == step + 1:
+            self.fault_at = 0  # once: the re-run of this step goes through
+            raise InjectedFault(f"step {step + 1} (checkpoint.inject_fault_at)")
+        if self.profile_next or (self.profile_every and step % self.profile_every == 0):
+            # Units run alone only where a change made them new; the others' times are
+            # rescaled from the step's timeline, taken while the loop goes on (`observe` waits).
+            metrics, self.profiles[step] = runtime.start_profile_step(executable, batch, cached)
+            self.profile_next = False
+            return metrics
+        return runtime.step(executable, batch, cached)
+
+    def recover(self, fault: InjectedFault, step: int) -> int | None:
+        """Go on from the checkpoint strategy's state in memory (its step), if it has one."""
+        recovered = self.checkpoints.recover(fault, step, self.plan, self.catch_up)
+        if recovered is None:
+            return None
+        step, state = recovered
+        self.runtime = self.exp.runtime(self.plan, state)
+        self.batches.restart(step)  # it read ahead from the failed step
+        self.bar.n = step
+        self.bar.refresh()
+        return step
+
+    def log(self, step: int, batch: Batch, measured: dict[str, Any], metrics: Any) -> None:
+        """Queue ``step``'s metrics; those of the steps now Δ behind reach the host."""
+        self.monitor.push(step, metrics)
+        self.logger.dispatched(step, batch.sample_ids, self.plan, measured)
+        self.observe(self.monitor.pop_ready(step))
+        self.bar.update(1)
+
+    def catch_up(self) -> None:
+        """Every dispatched step's metrics to the host now."""
+        self.observe(self.monitor.drain())
+
+    def observe(self, ready: list[tuple[int, dict[str, Any]]]) -> None:
+        """Steps' host metrics (with their profiles') to the checkpoints, logger and Controller."""
+        for s, m in ready:
+            pending = self.profiles.pop(s, None)
+            if pending is not None:
+                profile = pending.result()
+                self.events(profile.event(s))
+                m = {**m, **profile.metrics()}
+            m = self.runtime.host_metrics(s, m)
+            self.checkpoints.counted(s + 1, m)
+            self.logger.observe(s, m, self.cache, self.controller, self.bar)
+
+    def after_step(self, done: int) -> None:
+        """Snapshot, evaluate and save after step ``done`` where due."""
+        self.checkpoints.after_step(done, self.runtime, self.plan, self.catch_up)
+        if done % self.cfg.train.eval_every == 0 or done == self.steps:
+            self.eval_loss = self.runtime.evaluate(self.plan)
+            if self.eval_loss is not None:
+                self.writer.write(done, {"eval_loss": self.eval_loss})
+        self.checkpoints.save(done, self.runtime, self.plan, self.catch_up)
+
+    def finish(self) -> None:
+        self.catch_up()
+        self.checkpoints.finish()
+
+    def close(self) -> None:
+        self.batches.close()
+        self.bar.close()
+        self.controller.stop()
+        self.compiler.shutdown()
+        self.checkpoints.close()
+        self.writer.close()
+
+    def summary(self, began: float) -> RunSummary:
+        logger, batches, done = self.logger, self.batches, self.steps - self.start
+        return RunSummary(
+            self.run.workdir,
+            self.start,
+            self.steps,
+            logger.last_loss,
+            self.eval_loss,
+            logger.median_rate(),
+            logger.median_mfu(),
+            logger.flops_per_token,
+            self.recompiles,
+            self.checkpoints.storage.all_steps(),
+            time.perf_counter() - began,
+            len(self.rows),
+            batches.build_seconds / done,
+            batches.wait_seconds / done,
+            self.compiled,
+        )
 
 
 def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None:
@@ -576,23 +606,6 @@ def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None
             "saves one part per process, and a process that dies while saving leaves the "
             "newest step incomplete; keep at least 2 so that the step before it is complete"
         )
-
-
-def _restore_whole_or_parts(
-    checkpointer: Checkpointer,
-    directory: Path,
-    target: Any,
-    peers: Peers | None,
-    events: EventLog,
-) -> tuple[Any, dict[str, Any]] | None:
-    """The newest checkpoint a run of one program restores: its own kind, unless a pipeline
-    over processes saved a newer step in parts (then those, on this process count:
-    `checkpoint.parts`)."""
-    if parts_are_newer(directory, checkpointer.all_steps(), peers):
-        return restore_parts(
-            directory, target, peers, emit=events, reload=checkpointer.reload
-        )
-    return checkpointer.restore_latest(target)
 
 
 class _Logger:

@@ -13,7 +13,7 @@ Layout 2 (written since issue 15 §2): a step directory holds
 
 ``qkv_columns`` ("per head", `QKV_COLUMNS`) says the fused attention projection's columns are
 stored per head (`dynjax.model.attention.qkv_per_head`); a checkpoint without it (written
-before) is reordered as it is restored (`manager.qkv_columns_per_head`).
+before) is reordered as it is restored (`read.qkv_columns_per_head`).
 
 The item count is fixed (3; 2 without MoE layers, which have no ``experts``) and the array count
 is the state's leaf count (it grows with layers, never with experts): 50 layers x 64 experts is

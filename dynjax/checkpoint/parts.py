@@ -36,19 +36,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dynjax.checkpoint import layout
-from dynjax.checkpoint.manager import (
-    META,
-    Checkpointer,
-    CheckpointError,
-    CheckpointMismatch,
-    ExpertsMissing,
-    Slot,
-    check_fits,
-    qkv_columns_per_head,
-    quarantine_target,
-    quiet_orbax,
-    resolve_slot,
-)
+from dynjax.checkpoint.errors import CheckpointError, CheckpointMismatch, ExpertsMissing
+from dynjax.checkpoint.handlers import quiet_orbax
+from dynjax.checkpoint.manager import Checkpointer, quarantine_target
+from dynjax.checkpoint.read import META, Slot, check_fits, qkv_columns_per_head, resolve_slot
 from dynjax.parallel.peers import Peers, Rounds
 
 log = logging.getLogger(__name__)
@@ -211,7 +202,7 @@ class Sources:
         saved only some experts (PEC, seed 004 §3): each expert's rows from the newest complete
         step up to ``step`` whose source holding the layer (the part of the process that held
         its stage then, or a whole checkpoint) has a copy that reads and verifies
-        (`manager.resolve_slot`); and per MoE layer and expert group the step each expert
+        (`read.resolve_slot`); and per MoE layer and expert group the step each expert
         came from."""
         older = sorted((s for s in complete if s <= step), reverse=True)
         slots: dict[Slot, list[str]] = {}

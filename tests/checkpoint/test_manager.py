@@ -1,7 +1,10 @@
 """Checkpoints: exact round trips (FSDP, pipeline), a fixed item count, resharding, quarantine of
-a corrupt latest, refused saves, subset-of-experts reads, and layout-1 checkpoints."""
+a corrupt latest, refused saves, subset-of-experts reads, layout-1 checkpoints, and Orbax
+handlers scoped to dynjax."""
 
 import shutil
+import subprocess
+import sys
 import tarfile
 
 import jax
@@ -11,7 +14,7 @@ import pytest
 import tensorstore as ts
 
 from dynjax.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, layout
-from dynjax.checkpoint.manager import qkv_columns_per_head
+from dynjax.checkpoint.read import qkv_columns_per_head
 from dynjax.experiment import Experiment
 from dynjax.model.attention import qkv_per_head
 
@@ -386,3 +389,15 @@ def test_a_checkpoint_that_cannot_be_reordered_is_refused_by_name(meta, match):
                                  3)  # blocks of 4 stay whole: reordered
     key = "params/layers/0/attn/qkv/kernel"
     np.testing.assert_array_equal(whole[key], qkv_per_head(flat[key], 2))
+
+
+def test_importing_dynjax_leaves_orbax_global_handlers_alone():
+    """The replica-parallel writes are the checkpointer's own handlers (`checkpoint.handlers`):
+    importing dynjax swaps no handler in Orbax's global registry under another Orbax user."""
+    code = (
+        "import jax, orbax.checkpoint as ocp\n"
+        "before = ocp.type_handlers.get_type_handler(jax.Array)\n"
+        "import dynjax.checkpoint, dynjax.train\n"
+        "assert ocp.type_handlers.get_type_handler(jax.Array) is before\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

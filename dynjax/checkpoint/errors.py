@@ -1,0 +1,14 @@
+"""Why a checkpoint does not restore."""
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint in the directory could be restored and verified."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """An intact checkpoint that does not fit the model: an error of the run, not of the data."""
+
+
+class ExpertsMissing(CheckpointError):
+    """Some expert has no usable copy in any checkpoint up to the one restored: older steps
+    cannot serve it either, so no step is moved aside."""
