@@ -75,6 +75,7 @@ class MoEPlugin(Plugin):
     and caching. On when `moe.every > 0`."""
 
     name = "moe"
+    switch = "every"
     fixed_on_resume = (
         "moe.every",
         "moe.num_experts",
