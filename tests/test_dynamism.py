@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dynjax.config import default_config, validate_config
+from dynjax.config import default_config, load_run, validate_config
 from dynjax.dynamism import BUILTIN, Plugin, layer_costs
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
@@ -90,6 +90,22 @@ def test_a_plugin_passed_to_the_run_gets_a_config_section_and_its_checks():
     cfg.toy.enabled, cfg.toy.width = True, 0
     with pytest.raises(ConfigError, match="toy.width=0"):
         validate_config(cfg, num_devices=1, schemes=TOY)
+
+
+def test_a_config_file_names_its_schemes_for_the_command_line(tmp_path):
+    path = tmp_path / "toy_config.py"
+    path.write_text(
+        "from tests.test_dynamism import TOY as SCHEMES\n"
+        "from tests.tiny import tiny_config\n\n\n"
+        "def get_config():\n"
+        "    return tiny_config(SCHEMES)\n"
+    )
+    cfg, schemes = load_run(path, ["toy.enabled=True", "toy.width=3"])
+    assert [p.name for p in schemes.plugins][-1] == "toy" and cfg.toy.width == 3
+    validate_config(cfg, num_devices=1, schemes=schemes)
+    assert load_run(tmp_path / "toy_config.py")[1] is not BUILTIN
+    with pytest.raises(ConfigError, match="unknown config keys"):
+        validate_config(cfg, num_devices=1)  # the built-in schemes have no toy section
 
 
 def test_its_plan_part_and_costs_come_from_the_config():
