@@ -81,8 +81,8 @@ class Plugin:
     - `block_parts`: extra submodules it adds to chosen layers (`hooks.register_block_part`);
     - `resumed_plan`: what a resumed run with a changed config keeps of the saved part.
 
-    Per run (an instance of an enabled scheme: its section, facts and `RunLink`; state of the
-    run lives on the instance):
+    Per run (an instance of an enabled scheme: its section, frozen, its facts and `RunLink`;
+    state of the run lives on the instance):
     - `claims`: what it takes of which layers (`CLAIMS`), checked against the other schemes;
     - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
     - `layer_options`: the per-layer records its block hooks and state rules read;
@@ -107,7 +107,10 @@ class Plugin:
     logged_metrics: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
-        self, section: ml_collections.ConfigDict, facts: ModelFacts, link: RunLink = LOCAL
+        self,
+        section: ml_collections.ConfigDict | ml_collections.FrozenConfigDict,
+        facts: ModelFacts,
+        link: RunLink = LOCAL,
     ) -> None:
         self.section, self.facts, self.link = section, facts, link
 

@@ -61,9 +61,12 @@ class Schemes:
     def build(
         self, cfg: ml_collections.ConfigDict, facts: ModelFacts, link: RunLink = LOCAL
     ) -> tuple[Plugin, ...]:
-        """One instance per enabled scheme, for one run; refuses schemes whose claims clash."""
+        """One instance per enabled scheme, for one run, with its section frozen (what it read
+        once stays what it runs with); refuses schemes whose claims clash."""
         built = tuple(
-            p(cfg[p.name], facts, link) for p in self.plugins if p.enabled(cfg[p.name])
+            p(ml_collections.FrozenConfigDict(cfg[p.name]), facts, link)
+            for p in self.plugins
+            if p.enabled(cfg[p.name])
         )
         for a, b in itertools.combinations(built, 2):
             _check_claims(a, b)
