@@ -63,9 +63,10 @@ import jax
 import numpy as np
 from dynmo_cases import cadence, resizes, swap_seconds, swaps, synthetic_cases
 
-from dynjax.config import load_config, microbatches, moe_layer_indices
+from dynjax.config import load_config, microbatches
 from dynjax.experiment import Experiment
 from dynjax.model import ModelParts
+from dynjax.model.facts import moe_layer_indices
 from dynjax.parallel.profile import stage_busy_seconds, timed_units
 from dynjax.parallel.timeline import WATCHER
 from dynjax.recompile import Plan, Rebalance
@@ -225,8 +226,9 @@ def main() -> None:
     changes = {"move": plan.replace(stage_layers=tuple(moved))}
     parts = ModelParts.of(exp.model_cfg)
     signatures = lambda p: {sig for *_, sig in timed_units(exp.pipeline_spec(p), parts)}  # noqa: E731
+    moe_layers = moe_layer_indices(cfg.model.num_layers, cfg.moe.every)
     for key in sorted(set(resizes(plan_swaps))):
-        other = resized(args.case, plan, key, moe_layer_indices(cfg))
+        other = resized(args.case, plan, key, moe_layers)
         if other is None:
             continue
         if not signatures(other) - signatures(plan):

@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from dynjax.checkpoint import Checkpointer, layout
-from dynjax.config import default_config, moe_layer_indices
+from dynjax.config import default_config
 from dynjax.experiment import Experiment
+from dynjax.model.facts import moe_layer_indices
 
 B_W, B_O = 4, 8
 
@@ -76,7 +77,7 @@ def main() -> None:
     params = layout.split(state["params"])
     p_e = sum(a.size for a in params[layout.EXPERTS].values())
     p_ne = sum(a.size for a in params[layout.DENSE].values())
-    layers, e = moe_layer_indices(cfg), args.experts
+    layers, e = moe_layer_indices(cfg.model.num_layers, cfg.moe.every), args.experts
 
     def fresh() -> Any:
         return jax.block_until_ready(jax.tree.map(jnp.copy, state))

@@ -195,7 +195,8 @@ def pruned_blocks(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Pl
         raise NotApplicable(
             "needs pruning.enabled=True, pruning.granularity='block' and pruning.sparse_below > 0"
         )
-    [policy] = pruning.PruningPlugin().policies(exp.cfg, exp)
+    plugin = next(p for p in exp.plugins if isinstance(p, pruning.PruningPlugin))
+    [policy] = plugin.policies()
     state = jax.device_put(host, jax.devices()[0])  # the whole model as one stage
     pruning.prune(
         [state],
@@ -203,12 +204,14 @@ def pruned_blocks(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Pl
         include=p.include,
         granularity="block",
         block_size=p.block_size,
-        scales=pruning.ranking_scales(exp.cfg, prunable_leaves(host["params"], p.include)),
+        scales=pruning.ranking_scales(
+            p, exp.model_cfg, prunable_leaves(host["params"], p.include)
+        ),
     )
     host = jax.device_get(state)
     weights = prunable_leaves(host["params"], p.include)
     columns = []
-    for i, record in enumerate(pruning.PruningPlugin.records(exp, plan)):
+    for i, record in enumerate(plugin.records(plan)):
         layer = {path: weights[f"layers/{i}/{path}"] for path in record.paths}
         columns.append(np.asarray(pruning.zero_pattern(layer, record)[1][pruning.COLUMN_BLOCKS]))
     proposal = policy.propose(History.of([(0, {pruning.COLUMN_BLOCKS: np.stack(columns)})]), plan)

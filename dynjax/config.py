@@ -8,6 +8,7 @@ checked for consistency (heads dividing d_model, mesh against devices, ...) befo
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import importlib.util
 import math
@@ -18,17 +19,17 @@ import ml_collections
 
 from dynjax.balance import SCHEDULES, by_param, uniform
 from dynjax.checkpoint.pec import CONTENTS, SELECTIONS
+from dynjax.dynamism import BUILTIN, Schemes
+from dynjax.errors import ConfigError, at_least
+from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import GPTConfig
 
 DTYPES = ("float32", "bfloat16")
 
 
-class ConfigError(ValueError):
-    """A config key, value or combination of values that cannot run; the message says the fix."""
-
-
-def default_config() -> ml_collections.ConfigDict:
-    """Every key dynjax reads, with its one default. Config files override these."""
+def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
+    """Every key dynjax reads, with its one default, and a section per scheme of ``schemes``
+    (the run's, given explicitly). Config files override these."""
     c = ml_collections.ConfigDict()
     c.seed = 0
 
@@ -141,21 +142,22 @@ def default_config() -> ml_collections.ConfigDict:
     c.recompile.budget.window_steps = 100  # ... within any this many steps
     c.recompile.cache_size = 8  # compiled executables kept in memory (LRU)
     c.recompile.cache_dir = ""  # JAX persistent compilation cache; "" = ~/.cache/dynjax/jax
-    for plugin in _plugins():  # each dynamism scheme's section, with its own defaults
-        c[plugin.name] = plugin.config()
+    for name, section in schemes.sections().items():  # with each scheme's own defaults
+        c[name] = section
     c.lock()
     return c
 
 
-def _plugins():
-    """The registered dynamism plugins (read here, at the edge: DESIGN.md "Dynamism plugins")."""
-    from dynjax.dynamism import registered
-
-    return registered()
-
-
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
     """Load ``get_config()`` from a config file and apply ``a.b=value`` overrides."""
+    return load_run(path, overrides)[0]
+
+
+def load_run(
+    path: str | Path, overrides: Sequence[str] = ()
+) -> tuple[ml_collections.ConfigDict, Schemes]:
+    """`load_config`, and the schemes the config is for: the file's ``SCHEMES`` (e.g.
+    ``BUILTIN.with_(MyScheme)``, docs/plugins.md), else the built-in ones."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: no such config file {str(path)!r}")
@@ -170,7 +172,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ml_collectio
         if not sep:
             raise ConfigError(f"override {item!r} must look like --config.{key}=VALUE")
         set_value(cfg, key, raw)
-    return cfg
+    return cfg, getattr(module, "SCHEMES", BUILTIN)
 
 
 def valid_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -221,14 +223,33 @@ def _parse_like(key: str, raw: str, old: object) -> object:
     return value
 
 
-def moe_layer_indices(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
-    """Indices of the layers that hold an MoE block: every ``moe.every``-th layer."""
-    n = cfg.moe.every
-    return tuple(i for i in range(cfg.model.num_layers) if n > 0 and (i + 1) % n == 0)
-
-
-def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
+def gpt_config(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> GPTConfig:
     """The model's sizes from a run config: the one place the config is unpacked for it."""
+    return model_facts(cfg, schemes).model
+
+
+def model_facts(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> ModelFacts:
+    """What the run's plugins know of the model (with the enabled schemes' block parts) and of
+    its batch: read here, once, so no plugin reads the config."""
+    facts = _bare_facts(cfg)
+    parts = schemes.block_parts(cfg, facts)
+    return dataclasses.replace(facts, model=dataclasses.replace(facts.model, block_parts=parts))
+
+
+def _bare_facts(cfg: ml_collections.ConfigDict) -> ModelFacts:
+    """`model_facts` without block parts: what the schemes' checks and parts are given."""
+    return ModelFacts(
+        model=_bare_model(cfg),
+        seq_len=cfg.data.seq_len,
+        batch_size=cfg.train.batch_size,
+        microbatches=microbatches(cfg),
+        data_shards=cfg.mesh.data,
+        expert_shards=cfg.mesh.expert,
+        pipeline_stages=num_stages(cfg),
+    )
+
+
+def _bare_model(cfg: ml_collections.ConfigDict) -> GPTConfig:
     m, moe = cfg.model, cfg.moe
     return GPTConfig(
         vocab_size=m.vocab_size,
@@ -239,18 +260,12 @@ def gpt_config(cfg: ml_collections.ConfigDict) -> GPTConfig:
         max_len=cfg.data.seq_len,
         positions=m.positions,
         scan_layers=m.scan_layers,
-        moe_layers=moe_layer_indices(cfg),
+        moe_layers=moe_layer_indices(m.num_layers, moe.every),
         num_experts=moe.num_experts,
         top_k=moe.top_k,
         expert_mlp_dim=moe.expert_mlp_dim,
         routing=moe.routing,
         routed_bias=bool(moe.every and moe.bias_balancing.enabled),
-        block_parts=tuple(
-            part
-            for plugin in _plugins()
-            if plugin.enabled(cfg)
-            for part in plugin.block_parts(cfg)
-        ),
     )
 
 
@@ -314,9 +329,12 @@ def microbatches(cfg: ml_collections.ConfigDict) -> int:
     return max(fits, default=1)  # no fit: validate_config names the batch size to change
 
 
-def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
-    """Check values and their combinations; raise ConfigError naming the keys and the fix."""
-    _check_types(cfg, default_config())
+def validate_config(
+    cfg: ml_collections.ConfigDict, num_devices: int, schemes: Schemes = BUILTIN
+) -> None:
+    """Check values and their combinations, each scheme's section and the enabled schemes'
+    claims (`Schemes.validate`); raise ConfigError naming the keys and the fix."""
+    _check_types(cfg, default_config(schemes))
     m, t, d, mesh = cfg.model, cfg.train, cfg.data, cfg.mesh
     positive = {
         "train.steps": t.steps,
@@ -388,18 +406,9 @@ def validate_config(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
             f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.expert*"
             f"train.microbatches = {mesh.data}*{mesh.expert}*{micro} = {shards}"
         )
-    for plugin in _plugins():
-        if plugin.name in cfg:  # a config made before the plugin was registered: no section
-            plugin.validate(cfg)
+    schemes.validate(cfg, _bare_facts(cfg))
     _check_recompile(cfg)
     _check_checkpoint(cfg)
-
-
-def at_least(values: dict[str, float], least: float, note: str = "") -> None:
-    """Raise for the first key whose value is below ``least``; ``note`` says what it means."""
-    for key, value in values.items():
-        if value < least:
-            raise ConfigError(f"{key}={value} must be >= {least}{note}")
 
 
 def _check_optimizer(cfg: ml_collections.ConfigDict) -> None:
@@ -443,7 +452,7 @@ def _check_checkpoint(cfg: ml_collections.ConfigDict) -> None:
     _check_two_level(cfg)
     if not k:
         return
-    if not moe_layer_indices(cfg):
+    if not moe_layer_indices(cfg.model.num_layers, cfg.moe.every):
         raise ConfigError(
             f"checkpoint.experts_per_save={k} needs MoE layers (moe.every > 0): set "
             "checkpoint.experts_per_save=0 for a dense model"
@@ -486,7 +495,7 @@ def _check_two_level(cfg: ml_collections.ConfigDict) -> None:
             "experts (weights and moments) from a snapshot; set it to 'WO'"
         )
     experts = c.snapshot_experts or c.persist_experts
-    if experts and not moe_layer_indices(cfg):
+    if experts and not moe_layer_indices(cfg.model.num_layers, cfg.moe.every):
         raise ConfigError(
             "checkpoint.snapshot_experts / persist_experts need MoE layers (moe.every > 0): set "
             "them to 0 for a dense model"

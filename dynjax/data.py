@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynjax.config import ConfigError
+from dynjax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -23,9 +23,11 @@ from dynjax import config as config_lib
 from dynjax import resume
 from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
-from dynjax.dynamism import enabled_plugins, plan_layer_options
+from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context, plan_layer_options
+from dynjax.errors import ConfigError
 from dynjax.launch.distributed import Peers as ProcessPeers
 from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
+from dynjax.model.facts import ModelFacts
 from dynjax.model.hooks import LayerOptions
 from dynjax.optim import learning_rate_schedule, make_optimizer
 from dynjax.parallel import (
@@ -51,15 +53,25 @@ from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError, ragged_totals
+from dynjax.recompile.speeds import measure_speeds
 
 
-def optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """`make_optimizer`, wrapped by every enabled plugin in registry order (e.g. pruning keeps
+def optimizer(
+    cfg: ml_collections.ConfigDict, plugins: Sequence[Plugin]
+) -> optax.GradientTransformation:
+    """`make_optimizer`, wrapped by every enabled plugin in `Schemes` order (e.g. pruning keeps
     its masks in the optimizer state, so they are train state like the moments)."""
     opt = make_optimizer(cfg.train)
-    for plugin in enabled_plugins(cfg):
-        opt = plugin.wrap_optimizer(cfg, opt)
+    for plugin in plugins:
+        opt = plugin.wrap_optimizer(opt)
     return opt
+
+
+def _named_rounds(rounds: dict[str, Rounds], split: bool, name: str) -> Rounds:
+    """``rounds[name]``, made on first use: over the processes when ``split``, else alone."""
+    if name not in rounds:
+        rounds[name] = Rounds(ProcessPeers() if split else None, name)
+    return rounds[name]
 
 
 @dataclasses.dataclass
@@ -74,6 +86,9 @@ class Experiment:
     windows: TokenWindows
     order: TrainOrder
     val_batches: list[Batch]
+    schemes: Schemes  # the schemes the run was given, enabled or not (its config's sections)
+    facts: ModelFacts
+    plugins: tuple[Plugin, ...]  # this run's instances of the enabled schemes
     _layer_options: dict = dataclasses.field(default_factory=dict, repr=False)
     _rounds: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -84,9 +99,12 @@ class Experiment:
         )
 
     @classmethod
-    def from_config(cls, cfg: ml_collections.ConfigDict) -> Experiment:
-        config_lib.validate_config(cfg, jax.device_count())
-        model_cfg = config_lib.gpt_config(cfg)
+    def from_config(
+        cls, cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN
+    ) -> Experiment:
+        config_lib.validate_config(cfg, jax.device_count(), schemes)
+        facts = config_lib.model_facts(cfg, schemes)
+        model_cfg = facts.model
         windows = TokenWindows(
             load_tokens(cfg.data.path, cfg.data.max_tokens),
             cfg.data.seq_len,
@@ -96,16 +114,17 @@ class Experiment:
         )
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
         t = cfg.train
-        ctx = PlanContext(
-            num_moe_layers=len(model_cfg.moe_layers),
-            num_experts=cfg.moe.num_experts,
-            top_k=cfg.moe.top_k,
-            group_tokens=cfg.data.seq_len,
-            batch_size=t.batch_size,
-            num_layers=cfg.model.num_layers,
-            pipeline_stages=config_lib.num_stages(cfg),
-            batch_shards=cfg.mesh.data * cfg.mesh.expert,
+        ctx = plan_context(facts)
+        order = TrainOrder(windows, t.batch_size, cfg.seed)
+        rounds: dict[str, Rounds] = {}
+        split = jax.process_count() > 1 and bool(ctx.pipeline_stages)
+        probe = schemes.speed_probe(cfg, facts)  # timed here: no plugin hook times the device
+        link = RunLink(
+            rounds=functools.partial(_named_rounds, rounds, split),
+            first_inputs=lambda: order.batch(0).inputs,
+            speeds=None if probe is None else measure_speeds(*probe),
         )
+        plugins = schemes.build(cfg, facts, link)
         return cls(
             cfg=cfg,
             model_cfg=model_cfg,
@@ -119,13 +138,17 @@ class Experiment:
                 tensor=cfg.mesh.tensor,
             ),
             graphdef=graphdef,
-            optimizer=optimizer(cfg),
+            optimizer=optimizer(cfg, plugins),
             schedule=learning_rate_schedule(
                 t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio
             ),
             windows=windows,
-            order=TrainOrder(windows, t.batch_size, cfg.seed),
+            order=order,
             val_batches=validation_batches(windows, t.batch_size, t.eval_batches, ctx.batch_shards),
+            schemes=schemes,
+            facts=facts,
+            plugins=plugins,
+            _rounds=rounds,
         )
 
     # -- state -------------------------------------------------------------------------------
@@ -194,8 +217,8 @@ class Experiment:
             ),
             schedule=self.cfg.pipeline.schedule,
         )
-        for plugin in enabled_plugins(self.cfg):
-            plan = plugin.initial_plan(plan, self.cfg, self.ctx)
+        for plugin in self.plugins:
+            plan = plugin.initial_plan(plan)
         plan.validate(self.ctx)
         return plan
 
@@ -205,14 +228,14 @@ class Experiment:
         the policies made of them) stay. A re-packed assignment (fewer stages than the mesh)
         stays only on the same mesh; on another its unused sub-meshes may not exist."""
         initial = self.initial_plan()
-        plan = resume.resumed_plan(saved, initial, changes)
+        plan = resume.resumed_plan(saved, initial, changes, self.schemes)
         mesh_changed = any(k.startswith("mesh.") for k in changes)
         if len(plan.stage_layers) != self.ctx.pipeline_stages and mesh_changed:
             plan = plan.replace(stage_layers=initial.stage_layers)
         try:
             plan.validate(self.ctx)
         except PlanError as err:
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 f"the checkpoint's Plan cannot run with this config ({err}); resume with the "
                 "saved config or pass a new --workdir"
             ) from None
@@ -261,7 +284,7 @@ class Experiment:
     def layer_options(self, plan: Plan) -> tuple[LayerOptions, ...]:
         """Each layer's plugin records under ``plan`` (computed once per Plan)."""
         if plan not in self._layer_options:
-            self._layer_options = {plan: plan_layer_options(enabled_plugins(self.cfg), plan, self)}
+            self._layer_options = {plan: plan_layer_options(self.plugins, plan)}
         return self._layer_options[plan]
 
     def lower_train_step(self, plan: Plan, *, profiling: bool = False):
@@ -385,10 +408,8 @@ class Experiment:
         process alone otherwise (one process, or one program whose arrays are global). One per
         ``name``, kept for the run (a runtime rebuilt by a recovery numbers on): every process
         makes the same calls."""
-        if name not in self._rounds:
-            split = jax.process_count() > 1 and bool(self.ctx.pipeline_stages)
-            self._rounds[name] = Rounds(ProcessPeers() if split else None, name)
-        return self._rounds[name]
+        split = jax.process_count() > 1 and bool(self.ctx.pipeline_stages)
+        return _named_rounds(self._rounds, split, name)
 
     def eval_step(self, plan: Plan):
         """Jitted mean validation loss of one batch under ``plan``'s capacities (the last

@@ -16,8 +16,8 @@ from typing import Any
 import ml_collections
 
 from dynjax import config as config_lib
-from dynjax.config import ConfigError
-from dynjax.dynamism import registered
+from dynjax.dynamism import BUILTIN, Schemes
+from dynjax.errors import ConfigError
 from dynjax.recompile import Plan
 
 # A key equal to or under one of these decides what the checkpoint holds or which data the
@@ -53,18 +53,20 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(
-    saved: dict[str, Any], cfg: ml_collections.ConfigDict
+    saved: dict[str, Any], cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN
 ) -> dict[str, tuple[Any, Any]]:
     """``key -> (saved value, new value)`` for every key that differs. A key the saving run did
     not have yet counts with its default (what that run did); keys since removed are ignored."""
-    before = _flat(config_lib.default_config().to_dict()) | _flat(saved)
+    before = _flat(config_lib.default_config(schemes).to_dict()) | _flat(saved)
     after = _flat(cfg.to_dict())
     return {k: (before[k], v) for k, v in sorted(after.items()) if before.get(k, v) != v}
 
 
-def check_resumable(changes: dict[str, tuple[Any, Any]], workdir: object) -> None:
+def check_resumable(
+    changes: dict[str, tuple[Any, Any]], workdir: object, schemes: Schemes = BUILTIN
+) -> None:
     """Raise ConfigError naming every changed key the saved state cannot follow."""
-    keys = FIXED_ON_RESUME + tuple(k for p in registered() for k in p.fixed_on_resume)
+    keys = FIXED_ON_RESUME + schemes.fixed_on_resume()
     fixed = {k: v for k, v in changes.items() if _matches(k, keys) and k not in READING_ONLY}
     if fixed:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in fixed.items())
@@ -75,7 +77,9 @@ def check_resumable(changes: dict[str, tuple[Any, Any]], workdir: object) -> Non
         )
 
 
-def resumed_plan(saved: Plan, implied: Plan, changes: dict[str, tuple[Any, Any]]) -> Plan:
+def resumed_plan(
+    saved: Plan, implied: Plan, changes: dict[str, tuple[Any, Any]], schemes: Schemes = BUILTIN
+) -> Plan:
     """The saved Plan with each field whose config keys changed taken from ``implied``, the
     Plan the new config gives a fresh run."""
     fields = {
@@ -83,10 +87,7 @@ def resumed_plan(saved: Plan, implied: Plan, changes: dict[str, tuple[Any, Any]]
         for field, keys in PLAN_SOURCES.items()
         if any(_matches(k, keys) for k in changes)
     }
-    plan = saved.replace(**fields)
-    for plugin in registered():
-        plan = plugin.resumed_plan(plan, implied, changes)
-    return plan
+    return schemes.resumed_plan(saved.replace(**fields), implied, changes)
 
 
 def resume_event(

@@ -44,12 +44,14 @@ from dynjax.checkpoint.strategy import (
     restore_latest,
 )
 from dynjax.data import Batch, Prefetcher
-from dynjax.dynamism import enabled_plugins, layer_costs
+from dynjax.dynamism import BUILTIN, Schemes, layer_costs
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
 from dynjax.launch.cluster import ClusterError
 from dynjax.launch.distributed import Peers, fail, initialize_from_env, joined
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
+from dynjax.model.facts import moe_layer_indices
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
 from dynjax.parallel.peers import Rounds
 from dynjax.parallel.profile import device_memory_limit
@@ -100,7 +102,7 @@ class RunSummary:
 
 def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
     """The Controller's policies this config asks for."""
-    out = [policy for plugin in enabled_plugins(cfg) for policy in plugin.policies(cfg, exp)]
+    out = [policy for plugin in exp.plugins for policy in plugin.policies()]
     b = cfg.balance
     if not (b.enabled or b.repack):
         return out
@@ -126,7 +128,7 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
         )
     if b.repack:  # after Rebalance: it packs the layout Rebalance settled on, once profiled
         if memory is None:
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 f"balance.repack: the {jax.default_backend()} backend reports no device memory "
                 "limit; set balance.memory_bytes to the bytes one device may use"
             )
@@ -162,8 +164,12 @@ def train(
     policies: Sequence[Policy] = (),
     progress: bool = True,
     release_hook: ReleaseHook | None = None,
+    schemes: Schemes = BUILTIN,
 ) -> RunSummary:
     """Train (or resume) the run in ``workdir``; returns what the summary prints.
+
+    ``schemes`` are the dynamism schemes the config's sections are for (`dynjax.dynamism`:
+    the built-in ones, or those with a user's added, docs/plugins.md).
 
     ``policies`` are user policies run by the Controller after the ones the config asks for
     (README "Writing a policy"). ``release_hook`` is called with the devices a re-pack frees
@@ -181,7 +187,7 @@ def train(
     any process count.
     """
     began = time.perf_counter()
-    run = _open_run(cfg, workdir, release_hook)
+    run = _open_run(cfg, workdir, release_hook, schemes)
     checkpoints = checkpoints_for(run)
     plan, start, runtime = restore(run, checkpoints)
     # Written once the config is known to fit the workdir: it always describes the newest run.
@@ -229,7 +235,10 @@ class _Run:
 
 
 def _open_run(
-    cfg: ml_collections.ConfigDict, workdir: str | Path, release_hook: ReleaseHook | None
+    cfg: ml_collections.ConfigDict,
+    workdir: str | Path,
+    release_hook: ReleaseHook | None,
+    schemes: Schemes,
 ) -> _Run:
     single = jax.process_count() == 1
     workdir = root = Path(workdir)
@@ -237,7 +246,7 @@ def _open_run(
         workdir = workdir / f"process_{jax.process_index()}"
     workdir.mkdir(parents=True, exist_ok=True)
     enable_persistent_cache(os.path.expanduser(cfg.recompile.cache_dir) or None)
-    exp = Experiment.from_config(cfg)
+    exp = Experiment.from_config(cfg, schemes)
     config_policies = policies_for(cfg, exp)  # their config errors come before any work
     release_hook = release_hook or load_release_hook(cfg.balance.release_hook)
     events = EventLog(workdir / "events.jsonl")
@@ -294,7 +303,7 @@ def ledger_k(cfg: ml_collections.ConfigDict) -> int:
     """K of the ledger: ``checkpoint.experts_per_save``, or with two-level checkpoints of an MoE
     model K_snapshot (all: E); 0 = no ledger."""
     c = cfg.checkpoint
-    if c.snapshot_every and config_lib.moe_layer_indices(cfg):
+    if c.snapshot_every and moe_layer_indices(cfg.model.num_layers, cfg.moe.every):
         return c.snapshot_experts or cfg.moe.num_experts
     return c.experts_per_save
 
@@ -306,8 +315,8 @@ def restore(run: _Run, checkpoints: Checkpoints) -> tuple[Plan, int, Runtime]:
     def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
         """Where a checkpoint's arrays go: the resumed Plan's shardings (refused first if the
         saved state cannot follow the config)."""
-        changes = config_changes(meta["config"], cfg)
-        check_resumable(changes, run.workdir)
+        changes = config_changes(meta["config"], cfg, exp.schemes)
+        check_resumable(changes, run.workdir, exp.schemes)
         return exp.restore_target(exp.resumed_plan(Plan.from_dict(meta["plan"]), changes))
 
     restored = restore_latest(
@@ -319,7 +328,7 @@ def restore(run: _Run, checkpoints: Checkpoints) -> tuple[Plan, int, Runtime]:
         checkpoints.on_resume(None, k_changed=False)
         return plan, 0, runtime
     state, meta = restored
-    changes = config_changes(meta["config"], cfg)
+    changes = config_changes(meta["config"], cfg, exp.schemes)
     saved = Plan.from_dict(meta["plan"])
     plan, start = exp.resumed_plan(saved, changes), meta["step"]
     runtime = exp.runtime(plan, state)
@@ -395,9 +404,9 @@ class _Loop:
         )
         self.monitor = Monitor(cfg.recompile.delta_launch)
         self.writer = MetricsWriter(run.workdir)
-        self.plugins = plugins = enabled_plugins(cfg)
+        self.plugins = plugins = exp.plugins
         costs = (
-            LayerCostsWriter(run.workdir, lambda p, m: layer_costs(plugins, p, exp, m))
+            LayerCostsWriter(run.workdir, lambda p, m: layer_costs(plugins, p, m))
             if plugins
             else None
         )
@@ -492,18 +501,18 @@ class _Loop:
     def before_step(self, step: int) -> dict[str, Any]:
         """The plugins' changes to the state this step will use, and what they measured on it
         (e.g. layer outputs on a probe batch: they join this step's metrics)."""
-        plugins, runtime, plan, exp = self.plugins, self.runtime, self.plan, self.exp
+        plugins, runtime, plan = self.plugins, self.runtime, self.plan
         events = self.events
         profile_next, profile_on_change = self.profile_next, self.profile_on_change
         states = runtime.stage_states() if plugins else []  # live dicts, changed in place
         for plugin in plugins:  # e.g. a pruning event, on the state this step will use
-            for event in plugin.before_step(step, states, plan, exp):
+            for event in plugin.before_step(step, states, plan):
                 events(event)
                 profile_next = profile_next or profile_on_change  # the model changed
         self.profile_next = profile_next
         measured = {}  # e.g. layer outputs on a probe batch: they join this step's metrics
         for plugin in plugins:
-            measured.update(plugin.measure(step, states, plan, exp))
+            measured.update(plugin.measure(step, states, plan))
         return measured
 
     def dispatch(self, step: int, batch: Batch) -> dict[str, Any]:
@@ -601,7 +610,7 @@ class _Loop:
 def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None:
     """What a multi-process run needs, refused before any work."""
     if pipeline and cfg.train.keep_checkpoints < 2:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f"train.keep_checkpoints={cfg.train.keep_checkpoints}: a pipeline over processes "
             "saves one part per process, and a process that dies while saving leaves the "
             "newest step incomplete; keep at least 2 so that the step before it is complete"
@@ -622,7 +631,7 @@ class _Logger:
         self.writer, self.costs, self.exp, self.every, self.steps = writer, costs, exp, every, steps
         self.tokens_per_step = exp.cfg.train.batch_size * exp.cfg.data.seq_len
         self.plugin_metrics = [
-            name for plugin in enabled_plugins(exp.cfg) for name in plugin.logged_metrics
+            name for plugin in exp.plugins for name in plugin.logged_metrics
         ]
         # Model FLOPs utilisation (PaLM app. B): the config's FLOPs per token against the peak.
         self.flops_per_token = config_flops_per_token(exp.cfg)
@@ -760,16 +769,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config_path, overrides, workdir = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = config_lib.load_config(config_path, overrides)
-        config_lib.validate_config(cfg, jax.device_count())
-    except (config_lib.ConfigError, FileNotFoundError) as err:
+        cfg, schemes = config_lib.load_run(config_path, overrides)
+        config_lib.validate_config(cfg, jax.device_count(), schemes)
+    except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     workdir = workdir or str(Path("workdirs") / Path(config_path).stem)
     progress = sys.stderr.isatty() or "DYNJAX_PROGRESS" in os.environ
     try:
-        summary = train(cfg, workdir, progress=progress)
-    except config_lib.ConfigError as err:  # found once devices are known, before training
+        summary = train(cfg, workdir, progress=progress, schemes=schemes)
+    except ConfigError as err:  # found once devices are known, before training
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception:

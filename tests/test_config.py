@@ -4,7 +4,8 @@ import pytest
 
 from dynjax import config as config_lib
 from dynjax import train as train_module
-from dynjax.config import ConfigError, load_config, set_value, validate_config
+from dynjax.config import load_config, set_value, validate_config
+from dynjax.errors import ConfigError
 from dynjax.train import main, parse_args
 
 from .tiny import tiny_config

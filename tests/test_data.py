@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dynjax import data
-from dynjax.config import ConfigError
 from dynjax.data import DataError, TokenWindows, TrainOrder, load_tokens, validation_batches
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.train import main
 

@@ -8,8 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from dynjax.config import ConfigError, load_config, validate_config
+from dynjax.config import load_config, validate_config
 from dynjax.data import DataError, Prefetcher, TokenWindows, TrainOrder
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.parallel import batch_sharding
 from dynjax.parallel.feed import place_rows, shard

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dynjax.config import ConfigError
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.recompile import Plan
 from dynjax.resume import config_changes

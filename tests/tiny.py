@@ -6,15 +6,17 @@
 from pathlib import Path
 
 from dynjax.config import default_config
+from dynjax.dynamism import BUILTIN
 
 # The tests' corpus, pinned: the default (the running interpreter's standard library) differs by
 # Python version, and so would every loss a test compares. See data/README.md.
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
 
-def tiny_config(**overrides):
-    """The tiny config with ``section__key=value`` overrides."""
-    c = default_config()
+def tiny_config(schemes=BUILTIN, **overrides):
+    """The tiny config (with a section per scheme of ``schemes``) and ``section__key=value``
+    overrides."""
+    c = default_config(schemes)
     c.train.steps = 12
     c.train.batch_size = 8
     c.train.learning_rate = 3e-3

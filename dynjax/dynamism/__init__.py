@@ -1,30 +1,34 @@
-"""Dynamism schemes as plugins (DESIGN.md "Dynamism plugins"): one module per scheme.
+"""Dynamism schemes as plugins (DESIGN.md "Dynamism plugins", docs/plugins.md): one module
+per scheme, collected explicitly in `BUILTIN`; a run gets `BUILTIN` or `BUILTIN.with_(...)`."""
 
-Importing this package registers the built-in schemes; `register` adds others.
-"""
-
-from dynjax.dynamism import (  # noqa: F401 - each registers its scheme
-    early_exit,
-    freezing,
-    mod,
-    moe,
-    pruning,
-    sparse_attention,
-)
 from dynjax.dynamism.base import (
+    CLAIMS,
     Plugin,
-    enabled_plugins,
+    RunLink,
     layer_costs,
+    plan_context,
     plan_layer_options,
-    register,
-    registered,
+)
+from dynjax.dynamism.early_exit import EarlyExit
+from dynjax.dynamism.freezing import FreezingPlugin
+from dynjax.dynamism.mod import MixtureOfDepths
+from dynjax.dynamism.moe import MoEPlugin
+from dynjax.dynamism.pruning import PruningPlugin
+from dynjax.dynamism.schemes import Schemes
+from dynjax.dynamism.sparse_attention import SparseAttention
+
+# The built-in schemes, in the order their sections appear and their optimizers wrap.
+BUILTIN = Schemes(
+    EarlyExit, FreezingPlugin, MixtureOfDepths, MoEPlugin, PruningPlugin, SparseAttention
 )
 
 __all__ = [
+    "BUILTIN",
+    "CLAIMS",
     "Plugin",
-    "enabled_plugins",
+    "RunLink",
+    "Schemes",
     "layer_costs",
+    "plan_context",
     "plan_layer_options",
-    "register",
-    "registered",
 ]

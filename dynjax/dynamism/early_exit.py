@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import ml_collections
 import numpy as np
 
-from dynjax.config import ConfigError, moe_layer_indices
-from dynjax.dynamism.base import Plugin, register
+from dynjax.dynamism.base import Plugin
 from dynjax.dynamism.histograms import resized_budget
+from dynjax.errors import ConfigError
 from dynjax.model.early_exit import (
     CONFIDENCE,
     CONFIDENCES,
@@ -36,26 +36,25 @@ from dynjax.model.early_exit import (
     PROCESSED,
     ExitLayer,
 )
+from dynjax.model.facts import ModelFacts
 from dynjax.recompile import History, Proposal
 
 if TYPE_CHECKING:
-    from dynjax.experiment import Experiment
-    from dynjax.recompile import Plan, PlanContext, Policy
+    from dynjax.recompile import Plan, Policy
 
 
-def exit_layers(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
-    """Indices of the layers an exit point follows."""
-    e = cfg.early_exit
-    return tuple(range(e.first - 1, cfg.model.num_layers - 1, e.every))
+def exit_layers(section: ml_collections.ConfigDict, num_layers: int) -> tuple[int, ...]:
+    """Indices of the layers an exit point follows (``section``: `early_exit`)."""
+    return tuple(range(section.first - 1, num_layers - 1, section.every))
 
 
-def exit_weights(cfg: ml_collections.ConfigDict) -> tuple[float, ...]:
+def exit_weights(section: ml_collections.ConfigDict, num_layers: int) -> tuple[float, ...]:
     """Each exit point's loss weight: ``early_exit.loss_weights``, or by default CALM's weights
     growing with depth, (layer + 1) / num_layers (the final readout's weight is 1)."""
-    given = tuple(cfg.early_exit.loss_weights)
+    given = tuple(section.loss_weights)
     if given:
         return tuple(float(w) for w in given)
-    return tuple((i + 1) / cfg.model.num_layers for i in exit_layers(cfg))
+    return tuple((i + 1) / num_layers for i in exit_layers(section, num_layers))
 
 
 def bucket_tokens(count: int, seq_len: int) -> int:
@@ -72,7 +71,8 @@ class EarlyExit(Plugin):
     fixed_on_resume = ("early_exit.enabled", "early_exit.first", "early_exit.every")
     logged_metrics = (PROCESSED, FORCED, EXITED, EXIT_CE, CONFIDENCE)
 
-    def config(self) -> ml_collections.ConfigDict:
+    @classmethod
+    def config(cls) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict()
         c.enabled = False
         c.first = 2  # the first exit point follows this many layers
@@ -87,11 +87,11 @@ class EarlyExit(Plugin):
         c.hysteresis = 0.1  # shrink only below (1 - hysteresis) x the current bucket
         return c
 
-    def validate(self, cfg: ml_collections.ConfigDict) -> None:
-        e = cfg.early_exit
+    @classmethod
+    def validate(cls, e: ml_collections.ConfigDict, facts: ModelFacts) -> None:
         if not e.enabled:
             return
-        layers = cfg.model.num_layers
+        layers = facts.num_layers
         if e.first < 1 or e.every < 1:
             raise ConfigError(f"early_exit.first={e.first} and early_exit.every={e.every} "
                               "must be >= 1")
@@ -108,12 +108,12 @@ class EarlyExit(Plugin):
             raise ConfigError(f"early_exit.threshold={e.threshold} must be in (0, 1]")
         if e.start_step < 0:
             raise ConfigError(f"early_exit.start_step={e.start_step} must be >= 0")
-        n = len(exit_layers(cfg))
+        n = len(exit_layers(e, layers))
         weights = tuple(e.loss_weights)
         if weights and (len(weights) != n or min(weights) < 0):
             raise ConfigError(
                 f"early_exit.loss_weights={weights} needs {n} weights >= 0, one per exit point "
-                f"(after layers {[i + 1 for i in exit_layers(cfg)]}), or () for the default"
+                f"(after layers {[i + 1 for i in exit_layers(e, layers)]}), or () for the default"
             )
         if not 0 <= e.max_forced < 1 or e.window < 1:
             raise ConfigError(f"early_exit.max_forced={e.max_forced} must be in [0, 1) and "
@@ -121,30 +121,24 @@ class EarlyExit(Plugin):
         if e.headroom < 0 or not 0 <= e.hysteresis < 1:
             raise ConfigError(f"early_exit.headroom={e.headroom} must be >= 0 and "
                               f"early_exit.hysteresis={e.hysteresis} in [0, 1)")
-        for other in ("mod", "sparse_attention"):
-            if other in cfg and cfg[other].enabled:
-                raise ConfigError(
-                    f"early_exit.enabled with {other}.enabled: both choose what a block computes "
-                    "(one block wrapper per layer); turn one of them off"
-                )
-        if moe_layer_indices(cfg):
-            raise ConfigError(
-                f"early_exit.enabled with MoE layers (moe.every={cfg.moe.every}): expert "
-                "capacities are sized for every token, not a layer's bucket; set moe.every=0"
-            )
 
-    def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
+    def claims(self) -> dict[str, range]:
+        """Every layer's wrapper, token set and attention: buckets of remaining tokens."""
+        every = range(self.facts.num_layers)
+        return {"block_wrapper": every, "token_set": every, "attention": every}
+
+    def initial_plan(self, plan: Plan) -> Plan:
         return plan.with_part(
             NAME,
-            tokens=(cfg.data.seq_len,) * cfg.model.num_layers,
-            active=cfg.early_exit.start_step == 0,
+            tokens=(self.facts.seq_len,) * self.facts.num_layers,
+            active=self.section.start_step == 0,
         )
 
-    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
-        cfg, e = exp.cfg, exp.cfg.early_exit
+    def layer_options(self, plan: Plan) -> Sequence[Any] | None:
+        e, layers = self.section, self.facts.num_layers
         part = plan.part(NAME)
-        weights = dict(zip(exit_layers(cfg), exit_weights(cfg), strict=True))
-        first = exit_layers(cfg)[0]
+        weights = dict(zip(exit_layers(e, layers), exit_weights(e, layers), strict=True))
+        first = exit_layers(e, layers)[0]
         return tuple(
             None if i < first else ExitLayer(
                 tokens=int(tokens),
@@ -156,14 +150,14 @@ class EarlyExit(Plugin):
             for i, tokens in enumerate(part["tokens"])
         )
 
-    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
+    def layer_costs(self, plan: Plan) -> Sequence[float] | None:
         """Seed 000 §2.5: the share of the tokens a layer processes (its bucket)."""
-        seq = exp.cfg.data.seq_len
+        seq = self.facts.seq_len
         return [t / seq for t in plan.part(NAME)["tokens"]]
 
-    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
-        e = cfg.early_exit
-        return [ExitBuckets(seq_len=cfg.data.seq_len, first=exit_layers(cfg)[0],
+    def policies(self) -> list[Policy]:
+        e, first = self.section, exit_layers(self.section, self.facts.num_layers)[0]
+        return [ExitBuckets(seq_len=self.facts.seq_len, first=first,
                             start_step=e.start_step, max_forced=e.max_forced, window=e.window,
                             headroom=e.headroom, hysteresis=e.hysteresis)]
 
@@ -216,5 +210,3 @@ class ExitBuckets:
             records=(record,),
         )
 
-
-register(EarlyExit())

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ml_collections
 import numpy as np
 
-from dynjax.config import ConfigError, gpt_config
 from dynjax.dynamism import freezing_math as fm
-from dynjax.dynamism.base import Plugin, register
+from dynjax.dynamism.base import Plugin
 from dynjax.dynamism.plasticity import PlasticityProbe
+from dynjax.errors import ConfigError
+from dynjax.model.facts import ModelFacts
 from dynjax.recompile import History, Plan, Policy, Proposal
-
-if TYPE_CHECKING:
-    from dynjax.experiment import Experiment
 
 GRAD_NORMS = "layer_grad_norm"  # [L] per step, NaN for frozen layers
 PLASTICITY = "freezing/plasticity"  # [L] at measured steps, NaN for the frozen prefix
@@ -45,10 +43,10 @@ class FreezingPlugin(Plugin):
     name = "freezing"
     logged_metrics = (PLASTICITY,)
 
-    def __init__(self) -> None:
-        self._probe: tuple[Experiment, PlasticityProbe] | None = None  # the current run's
+    _probe: PlasticityProbe | None = None  # this run's, made at its first measurement
 
-    def config(self) -> ml_collections.ConfigDict:
+    @classmethod
+    def config(cls) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict()
         c.enabled = False
         c.metric = "gradient"  # "gradient" (AutoFreeze) | "plasticity" (Egeria)
@@ -64,8 +62,8 @@ class FreezingPlugin(Plugin):
         c.max_fraction = 0.5  # at most this fraction of the layers
         return c
 
-    def validate(self, cfg: ml_collections.ConfigDict) -> None:
-        f = cfg.freezing
+    @classmethod
+    def validate(cls, f: ml_collections.ConfigDict, facts: ModelFacts) -> None:
         if not f.enabled:
             return
         try:
@@ -87,16 +85,15 @@ class FreezingPlugin(Plugin):
                 f"two intervals of the Controller's last {HISTORY_STEPS} steps"
             )
         if f.metric == "plasticity":
-            self._check_plasticity(cfg)
-        if fm.max_frozen_layers(cfg.model.num_layers, f.max_fraction) < 1:
+            cls._check_plasticity(f, facts.batch_size)
+        if fm.max_frozen_layers(facts.num_layers, f.max_fraction) < 1:
             raise ConfigError(
                 f"freezing.max_fraction={f.max_fraction} of model.num_layers="
-                f"{cfg.model.num_layers} allows no frozen layer: raise freezing.max_fraction"
+                f"{facts.num_layers} allows no frozen layer: raise freezing.max_fraction"
             )
 
     @staticmethod
-    def _check_plasticity(cfg: ml_collections.ConfigDict) -> None:
-        f = cfg.freezing
+    def _check_plasticity(f: ml_collections.ConfigDict, batch_size: int) -> None:
         if (f.patience + 1) * f.reference_every > HISTORY_STEPS:
             raise ConfigError(
                 f"freezing.patience={f.patience} + 1 periods of freezing.reference_every="
@@ -108,23 +105,24 @@ class FreezingPlugin(Plugin):
                 f"freezing.every={f.every} must be < freezing.reference_every="
                 f"{f.reference_every}: a reference period needs a measurement after its refresh"
             )
-        if not isinstance(f.probe_size, int) or not 1 <= f.probe_size <= cfg.train.batch_size:
+        if not isinstance(f.probe_size, int) or not 1 <= f.probe_size <= batch_size:
             raise ConfigError(
                 f"freezing.probe_size={f.probe_size!r} must be an integer in [1, "
-                f"train.batch_size={cfg.train.batch_size}]"
+                f"train.batch_size={batch_size}]"
             )
 
-    def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
+    @classmethod
+    def resumed_plan(cls, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
         """What froze stays frozen (its optimizer state was kept, not updated), unless freezing
         was switched off."""
         if "freezing.enabled" in changed and not implied.frozen_layers and saved.frozen_layers:
             return saved.replace(frozen_layers=())
         return saved
 
-    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
-        f = cfg.freezing
+    def policies(self) -> list[Policy]:
+        f = self.section
         limits = dict(
-            num_layers=cfg.model.num_layers, start_step=f.start_step, max_fraction=f.max_fraction
+            num_layers=self.facts.num_layers, start_step=f.start_step, max_fraction=f.max_fraction
         )
         if f.metric == "plasticity":
             return [
@@ -138,16 +136,16 @@ class FreezingPlugin(Plugin):
         return [GradientFreezing(every=f.every, percentile=f.percentile, **limits)]
 
     def measure(
-        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan
     ) -> dict[str, Any]:
         """Egeria's measurements: refresh the reference at multiples of
         ``freezing.reference_every``; every ``freezing.every`` steps in between, each layer's
         plasticity (NaN for the frozen prefix, whose outputs cannot move). A resumed run has no
         reference until its first refresh."""
-        f = exp.cfg.freezing
+        f = self.section
         if f.metric != "plasticity" or step % f.every and step % f.reference_every:
             return {}
-        probe, rounds = self._run_probe(exp), exp.stage_rounds("plasticity")
+        probe, rounds = self._run_probe(), self.link.rounds("plasticity")
         if step % f.reference_every == 0:
             probe.refresh(states, rounds)
             return {}
@@ -157,20 +155,20 @@ class FreezingPlugin(Plugin):
         values[: fm.prefix_length(plan.frozen_layers)] = np.nan
         return {PLASTICITY: values}
 
-    def _run_probe(self, exp: Experiment) -> PlasticityProbe:
-        """The probe of ``exp``'s run: the first ``freezing.probe_size`` sequences of its first
-        training batch (fixed by the data order's seed)."""
-        if self._probe is None or self._probe[0] is not exp:
-            tokens = exp.order.batch(0).inputs[: exp.cfg.freezing.probe_size]
-            self._probe = (exp, PlasticityProbe(gpt_config(exp.cfg), tokens))
-        return self._probe[1]
+    def _run_probe(self) -> PlasticityProbe:
+        """This run's probe: the first ``freezing.probe_size`` sequences of its first training
+        batch (fixed by the data order's seed)."""
+        if self._probe is None:
+            tokens = self.link.first_inputs()[: self.section.probe_size]
+            self._probe = PlasticityProbe(self.facts.model, tokens)
+        return self._probe
 
-    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
+    def layer_costs(self, plan: Plan) -> Sequence[float] | None:
         prefix = fm.prefix_length(plan.frozen_layers)
         frozen = set(plan.frozen_layers)
         return [
             FROZEN_PREFIX_COST if i < prefix else FROZEN_COST if i in frozen else 1.0
-            for i in range(exp.ctx.num_layers)
+            for i in range(self.facts.num_layers)
         ]
 
 
@@ -257,5 +255,3 @@ class PlasticityFreezing:
         peak = fm.window_plasticity(steps, plasticity, **window)
         return _freeze(plan, prefix, new, plasticity=_finite_or_none(peak))
 
-
-register(FreezingPlugin())

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
-from dynjax.config import ConfigError, moe_layer_indices
-from dynjax.dynamism.base import Plugin, register
+from dynjax.dynamism.base import Plugin
+from dynjax.errors import ConfigError
+from dynjax.model.facts import ModelFacts
 from dynjax.model.hooks import BlockPart
 from dynjax.model.mod import (
     ACCURACY,
@@ -31,19 +32,17 @@ from dynjax.model.mod import (
 )
 
 if TYPE_CHECKING:
-    from dynjax.experiment import Experiment
     from dynjax.recompile import Plan
 
 
-def routed_layers(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
+def routed_layers(section: ml_collections.ConfigDict, num_layers: int) -> tuple[int, ...]:
     """Indices of the routed layers: every ``mod.every``-th, as `moe.every` places MoE blocks."""
-    n = cfg.mod.every
-    return tuple(i for i in range(cfg.model.num_layers) if (i + 1) % n == 0)
+    return tuple(i for i in range(num_layers) if (i + 1) % section.every == 0)
 
 
-def routed_tokens(cfg: ml_collections.ConfigDict) -> int:
+def routed_tokens(section: ml_collections.ConfigDict, seq_len: int) -> int:
     """Tokens per sequence a routed block computes: ``mod.capacity`` of the sequence."""
-    return max(1, round(cfg.mod.capacity * cfg.data.seq_len))
+    return max(1, round(section.capacity * seq_len))
 
 
 class MixtureOfDepths(Plugin):
@@ -52,7 +51,8 @@ class MixtureOfDepths(Plugin):
     fixed_on_resume = ("mod.enabled", "mod.every", "mod.predictor_hidden")
     logged_metrics = (ACCURACY, PREDICTOR_LOSS, ROUTER_WEIGHT)
 
-    def config(self) -> ml_collections.ConfigDict:
+    @classmethod
+    def config(cls) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict()
         c.enabled = False
         c.every = 2  # route every n-th block (the paper's best: every other block)
@@ -63,8 +63,8 @@ class MixtureOfDepths(Plugin):
         c.eval_routing = "predictor"
         return c
 
-    def validate(self, cfg: ml_collections.ConfigDict) -> None:
-        m = cfg.mod
+    @classmethod
+    def validate(cls, m: ml_collections.ConfigDict, facts: ModelFacts) -> None:
         if not m.enabled:
             return
         if m.every < 1:
@@ -80,33 +80,33 @@ class MixtureOfDepths(Plugin):
                 f"mod.eval_routing={m.eval_routing!r} is not one of {EVAL_ROUTINGS}: set "
                 '"predictor" (causal, as sampling routes) or "topk" (the training\'s routing)'
             )
-        if not routed_layers(cfg):
+        if not routed_layers(m, facts.num_layers):
             raise ConfigError(
                 f"mod.every={m.every} routes no layer of model.num_layers="
-                f"{cfg.model.num_layers}: set mod.every <= model.num_layers"
-            )
-        both = sorted(set(routed_layers(cfg)) & set(moe_layer_indices(cfg)))
-        if both:
-            raise ConfigError(
-                f"mod.every={m.every} routes MoE layers {both} (moe.every={cfg.moe.every}): a "
-                "routed block must be dense; set moe.every=0 or a mod.every whose layers differ"
+                f"{facts.num_layers}: set mod.every <= model.num_layers"
             )
 
-    def block_parts(self, cfg: ml_collections.ConfigDict) -> Sequence[BlockPart]:
-        return tuple((i, NAME, cfg.mod.predictor_hidden) for i in routed_layers(cfg))
+    @classmethod
+    def block_parts(cls, m: ml_collections.ConfigDict, facts: ModelFacts) -> Sequence[BlockPart]:
+        return tuple((i, NAME, m.predictor_hidden) for i in routed_layers(m, facts.num_layers))
 
-    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
-        cfg = exp.cfg
-        m = cfg.mod
-        record = RoutedBlock(routed_tokens(cfg), float(m.predictor_weight), m.eval_routing)
-        routed = set(routed_layers(cfg))
-        return tuple(record if i in routed else None for i in range(cfg.model.num_layers))
+    @property
+    def routed(self) -> tuple[int, ...]:
+        return routed_layers(self.section, self.facts.num_layers)
 
-    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
-        cfg = exp.cfg
-        fraction = routed_tokens(cfg) / cfg.data.seq_len
-        routed = set(routed_layers(cfg))
-        return [fraction if i in routed else 1.0 for i in range(cfg.model.num_layers)]
+    def claims(self) -> dict[str, tuple[int, ...]]:
+        """A routed block's wrapper, token set (a dense block: every token of the layer) and
+        attention (over the routed tokens only)."""
+        return {"block_wrapper": self.routed, "token_set": self.routed, "attention": self.routed}
 
+    def layer_options(self, plan: Plan) -> Sequence[Any] | None:
+        m = self.section
+        tokens = routed_tokens(m, self.facts.seq_len)
+        record = RoutedBlock(tokens, float(m.predictor_weight), m.eval_routing)
+        routed = set(self.routed)
+        return tuple(record if i in routed else None for i in range(self.facts.num_layers))
 
-register(MixtureOfDepths())
+    def layer_costs(self, plan: Plan) -> Sequence[float] | None:
+        fraction = routed_tokens(self.section, self.facts.seq_len) / self.facts.seq_len
+        routed = set(self.routed)
+        return [fraction if i in routed else 1.0 for i in range(self.facts.num_layers)]

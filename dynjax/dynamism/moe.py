@@ -30,17 +30,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
-from dynjax.config import ConfigError, at_least, microbatches, moe_layer_indices
-from dynjax.dynamism.base import Plugin, register
+from dynjax.dynamism.base import Plugin, plan_context
+from dynjax.errors import ConfigError, at_least
+from dynjax.model.facts import ModelFacts
 from dynjax.model.moe import (
     BIAS,
     REUSE,
@@ -48,7 +47,6 @@ from dynjax.model.moe import (
     BiasBalancing,
     Chunking,
     SlotLayout,
-    host_offload_supported,
 )
 from dynjax.recompile import (
     CachingPolicy,
@@ -64,16 +62,10 @@ from dynjax.recompile.granularity import (
     STEP_ROWS,
     STEP_SECONDS,
     AdaptiveGranularity,
-    Speeds,
     choose_reuse,
     chunks_of,
     reuse_costs,
 )
-from pallas_kernels.timing import median_seconds
-
-if TYPE_CHECKING:
-    from dynjax.experiment import Experiment
-
 
 EXPERT_TOKENS = "moe/expert_tokens"  # [MoE layers, E] per step: tokens each expert computed
 
@@ -83,6 +75,7 @@ class MoEPlugin(Plugin):
     and caching. On when `moe.every > 0`."""
 
     name = "moe"
+    switch = "every"
     fixed_on_resume = (
         "moe.every",
         "moe.num_experts",
@@ -92,7 +85,8 @@ class MoEPlugin(Plugin):
     )
     logged_metrics = ("moe/unrouted",)  # [MoE layers] tokens no expert computed in the step
 
-    def config(self) -> ml_collections.ConfigDict:
+    @classmethod
+    def config(cls) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict()
         c.num_experts = 8
         c.top_k = 2
@@ -148,27 +142,29 @@ class MoEPlugin(Plugin):
         c.granularity.warmup = 1  # steps after a change of n or B not timed
         return c
 
-    def enabled(self, cfg: ml_collections.ConfigDict) -> bool:
-        return cfg.moe.every > 0
+    @classmethod
+    def enabled(cls, section: ml_collections.ConfigDict) -> bool:
+        return section.every > 0
 
-    def validate(self, cfg: ml_collections.ConfigDict) -> None:
-        m, moe, mesh = cfg.model, cfg.moe, cfg.mesh
+    @classmethod
+    def validate(cls, moe: ml_collections.ConfigDict, facts: ModelFacts) -> None:
+        expert = facts.expert_shards
         if moe.every < 0:
             raise ConfigError(f"moe.every={moe.every} must be >= 0 (0 = no MoE layers)")
         if moe.every:
-            if not moe_layer_indices(cfg):
+            if not facts.model.moe_layers:
                 raise ConfigError(
-                    f"moe.every={moe.every} > model.num_layers={m.num_layers}: no layer would "
-                    "be MoE"
+                    f"moe.every={moe.every} > model.num_layers={facts.num_layers}: no layer "
+                    "would be MoE"
                 )
             if not 1 <= moe.top_k <= moe.num_experts:
                 raise ConfigError(
                     f"moe.top_k={moe.top_k} must be in [1, moe.num_experts={moe.num_experts}]"
                 )
-            if moe.num_experts % mesh.expert:
+            if moe.num_experts % expert:
                 raise ConfigError(
                     f"moe.num_experts={moe.num_experts} must be divisible by "
-                    f"mesh.expert={mesh.expert}"
+                    f"mesh.expert={expert}"
                 )
             if moe.dispatch not in ("static", "ragged"):
                 raise ConfigError(
@@ -184,17 +180,17 @@ class MoEPlugin(Plugin):
                     f"moe.capacity.factor={moe.capacity.factor} (dropless) leaves nothing for "
                     "moe.capacity.policy='dynamic' to size: set a factor > 0 or policy='static'"
                 )
-            _check_routing(cfg)
-            _check_chunks(cfg)
+            _check_routing(moe)
+            _check_chunks(moe, facts)
             if moe.capacity.policy not in ("static", "dynamic"):
                 raise ConfigError(
                     f"moe.capacity.policy={moe.capacity.policy!r} is not one of "
                     "('static', 'dynamic')"
                 )
-            _check_moe(cfg)
-        elif mesh.expert != 1:
+            _check_moe(moe)
+        elif expert != 1:
             raise ConfigError(
-                f"mesh.expert={mesh.expert} needs MoE layers: set moe.every > 0 or mesh.expert=1"
+                f"mesh.expert={expert} needs MoE layers: set moe.every > 0 or mesh.expert=1"
             )
         else:
             moe_policies = {
@@ -211,16 +207,29 @@ class MoEPlugin(Plugin):
                     f"{', '.join(asked)} needs MoE layers: set moe.every > 0, or turn it off"
                 )
 
-    def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
-        factor = cfg.moe.capacity.factor
-        if factor <= 0:  # dropless: an expert can take every token of a group
-            factor = ctx.num_experts / ctx.top_k
-        plan = plan.replace(capacities=static_capacities(ctx, factor))
-        reuse = cfg.moe.memory_reuse
+    def claims(self) -> dict[str, tuple[int, ...]]:
+        """The MoE layers' token sets: capacities are sized for every token of a group."""
+        return {"token_set": self.facts.model.moe_layers}
+
+    @classmethod
+    def speed_probe(
+        cls, moe: ml_collections.ConfigDict, facts: ModelFacts
+    ) -> tuple[int, int, int] | None:
+        """With ``moe.memory_reuse="auto"``: eq. 10's (rows of one partition, d_model, hidden)
+        at the static capacities, for the edge to time on this machine."""
+        if moe.memory_reuse != "auto" or not cls.enabled(moe):
+            return None
+        model = facts.model
+        hidden = model.expert_mlp_dim or model.mlp_dim
+        return _static_rows(moe, facts) // moe.chunks, model.d_model, hidden
+
+    def initial_plan(self, plan: Plan) -> Plan:
+        moe, ctx = self.section, self.ctx
+        plan = plan.replace(capacities=static_capacities(ctx, _static_factor(moe, ctx)))
+        reuse = moe.memory_reuse
         if reuse == "auto":  # eq. 10 on this machine's speeds, reported at the first step
-            d, hidden = cfg.model.d_model, cfg.moe.expert_mlp_dim or cfg.model.mlp_dim
-            rows = dispatch_rows(plan, ctx, cfg.mesh.expert) // cfg.moe.chunks
-            speeds = measure_speeds(rows, d, hidden)
+            rows, d, hidden = self.speed_probe(moe, self.facts)
+            speeds = self.link.speeds
             reuse = choose_reuse(speeds, rows, d, hidden)
             self._reuse_event = {
                 "event": "moe_memory_reuse",
@@ -230,10 +239,11 @@ class MoEPlugin(Plugin):
                 "predicted_seconds": reuse_costs(speeds, rows, d, hidden),
             }
         return plan.with_part(
-            "moe", chunks=(cfg.moe.chunks,) * ctx.num_moe_layers, memory_reuse=reuse
+            "moe", chunks=(moe.chunks,) * ctx.num_moe_layers, memory_reuse=reuse
         )
 
-    def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
+    @classmethod
+    def resumed_plan(cls, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
         """Capacities follow `moe.capacity.*` (back to the static factor when it changed),
         cached routing follows `moe.caching.*` (off until the policy decides again), the
         partitions and memory reuse `moe.chunks`, `moe.memory_reuse` and `moe.granularity.*`."""
@@ -250,65 +260,64 @@ class MoEPlugin(Plugin):
             plan = plan.with_part("moe", **implied.part("moe"))
         return plan
 
-    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
+    def layer_options(self, plan: Plan) -> Sequence[Any] | None:
         """Each MoE layer's `Chunking` (None for the others; none at all for the plain layer,
         one partition and no memory reuse, so its program is exactly the layer without them),
         and with bias balancing its `BiasBalancing` record (under `BIAS`), which runs the
         routed-bias state rule `dynjax.model.moe.balance_rule` after each step."""
         chunks, reuse = chunks_of(plan), plan.part("moe").get("memory_reuse", "none")
         chunking = not (set(chunks) <= {1} and reuse == "none")
-        balancing = exp.model_cfg.routed_bias
+        model = self.facts.model
+        balancing = model.routed_bias
         if not chunking and not balancing:
             return None
-        records: list[dict[str, Any] | None] = [None] * exp.ctx.num_layers
-        for layer, n in zip(exp.model_cfg.moe_layers, chunks, strict=True):
+        records: list[dict[str, Any] | None] = [None] * model.num_layers
+        for layer, n in zip(model.moe_layers, chunks, strict=True):
             records[layer] = {
                 "moe": Chunking(n, reuse) if chunking else None,
-                BIAS: BiasBalancing(exp.cfg.moe.bias_balancing.rate) if balancing else None,
+                BIAS: BiasBalancing(self.section.bias_balancing.rate) if balancing else None,
             }
         return records
 
     def measure(
-        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan
     ) -> dict[str, Any]:
         """With ``moe.granularity``: the wall seconds, partitions and dispatch rows of the step
         before this one (`STEP_SECONDS`, `STEP_CHUNKS`, `STEP_ROWS`), what Alg. 1 times. The
         loop dispatches asynchronously but waits for step t - Δ's metrics, so in steady state
         an iteration lasts one device step. The seconds are NaN when the Plan changed after
         that step (the swap's stall is in them)."""
-        if not self.enabled(exp.cfg) or not exp.cfg.moe.granularity.enabled:
+        if not self.section.granularity.enabled:
             return {}
         now, last = time.perf_counter(), self._last_step
-        self._last_step = (exp, step, now, plan)
-        if last is None or last[0] is not exp or last[1] != step - 1:
+        self._last_step = (step, now, plan)
+        if last is None or last[0] != step - 1:
             return {}
-        seconds = now - last[2] if last[3] == plan else float("nan")
+        seconds = now - last[1] if last[2] == plan else float("nan")
         return {
             STEP_SECONDS: np.float64(seconds),
-            STEP_CHUNKS: np.int64(max(chunks_of(last[3]), default=1)),
-            STEP_ROWS: np.int64(dispatch_rows(last[3], exp.ctx, exp.cfg.mesh.expert)),
+            STEP_CHUNKS: np.int64(max(chunks_of(last[2]), default=1)),
+            STEP_ROWS: np.int64(dispatch_rows(last[2], self.ctx, self.facts.expert_shards)),
         }
 
     def before_step(
-        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan
     ) -> list[dict[str, Any]]:
         """The strategy ``moe.memory_reuse="auto"`` chose, with the speeds and eq. 10 costs it
         chose by, as an event of the first step."""
         event, self._reuse_event = self._reuse_event, None
         return [] if event is None else [{**event, "step": step}]
 
-    _last_step: tuple | None = None  # (experiment, step, perf_counter, plan) of `measure`
+    _last_step: tuple | None = None  # (step, perf_counter, plan) of this run's last `measure`
     _reuse_event: dict[str, Any] | None = None  # `initial_plan`'s auto choice, not yet emitted
 
-    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
-        moe, out = cfg.moe, []
-        if not self.enabled(cfg):
-            return out
+    def policies(self) -> list[Policy]:
+        moe, out = self.section, []
         if moe.capacity.policy == "dynamic":
             c = moe.capacity
             out.append(
                 DynamicCapacity(
-                    exp.ctx,
+                    self.ctx,
                     target_drop_rate=c.target_drop_rate,
                     min_factor=c.min_factor,
                     max_factor=c.max_factor,
@@ -322,11 +331,11 @@ class MoEPlugin(Plugin):
             g = moe.granularity
             out.append(
                 AdaptiveGranularity(
-                    chunk_candidates(exp.cfg),
+                    chunk_candidates(moe, self.facts),
                     trials=g.trials,
                     warmup=g.warmup,
-                    d_model=cfg.model.d_model,
-                    hidden=cfg.moe.expert_mlp_dim or cfg.model.mlp_dim,
+                    d_model=self.facts.model.d_model,
+                    hidden=self.facts.model.expert_mlp_dim or self.facts.model.mlp_dim,
                 )
             )
         if moe.caching.enabled:
@@ -342,63 +351,79 @@ class MoEPlugin(Plugin):
         return out
 
     def wrap_optimizer(
-        self, cfg: ml_collections.ConfigDict, optimizer: optax.GradientTransformation
+        self, optimizer: optax.GradientTransformation
     ) -> optax.GradientTransformation:
         """With bias balancing, the `RoutedBias` leaves bypass ``optimizer`` (no moments, no
         weight decay, a zero update): only the step's balancing rule moves them."""
-        if not cfg.moe.bias_balancing.enabled:
+        if not self.section.bias_balancing.enabled:
             return optimizer
         return optax.multi_transform({"trained": optimizer, BIAS: optax.set_to_zero()}, _labels)
 
-    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
+    @property
+    def ragged(self) -> bool:
+        """Whether the MoE layers take the ragged path (capacities as a step input)."""
+        return self.section.dispatch == "ragged"
+
+    def layer_costs(self, plan: Plan) -> Sequence[float] | None:
         """Static path: an MoE layer costs what its busiest expert-parallel rank computes (seed
         000 §2.1: the layer's time is its slowest rank's, the others wait in the all-to-all),
         over a rank's share at capacity factor 1. Every rank runs the same program, local slot
         j sized for the largest capacity among the experts in slot j (`SlotLayout`), so the
         busiest rank computes ``shard_slots`` rows per group; with one rank that is the mean
         capacity. The ragged path computes the tokens it is given: `metric_costs`."""
-        if not plan.capacities or exp.ragged:
+        if not plan.capacities or self.ragged:
             return None
-        shards = exp.cfg.mesh.expert
-        share = exp.ctx.num_experts // shards * base_capacity(exp.ctx)
-        costs = [1.0] * exp.ctx.num_layers
-        for layer, caps in zip(exp.model_cfg.moe_layers, plan.capacities, strict=True):
+        shards, ctx = self.facts.expert_shards, self.ctx
+        share = ctx.num_experts // shards * base_capacity(ctx)
+        costs = [1.0] * ctx.num_layers
+        for layer, caps in zip(self.facts.model.moe_layers, plan.capacities, strict=True):
             costs[layer] = SlotLayout(tuple(caps), shards).shard_slots / share
         return costs
 
-    def metric_costs(
-        self, metrics: Mapping[str, Any], exp: Experiment
-    ) -> Sequence[float] | None:
+    def metric_costs(self, metrics: Mapping[str, Any]) -> Sequence[float] | None:
         """Ragged path: the tokens the busiest expert-parallel rank's experts computed in the
         step (``moe/expert_tokens``, kept pairs), over a rank's share of the step's
         batch * seq * top_k pairs (seed 000 §2.1)."""
-        if not exp.ragged or EXPERT_TOKENS not in metrics:
+        if not self.ragged or EXPERT_TOKENS not in metrics:
             return None
         tokens = np.asarray(metrics[EXPERT_TOKENS], np.float64)  # [MoE layers, E]
-        shards = exp.cfg.mesh.expert
+        shards = self.facts.expert_shards
         busiest = tokens.reshape(len(tokens), shards, -1).sum(-1).max(-1)
-        ctx = exp.ctx
+        ctx = self.ctx
         share = ctx.batch_size * ctx.group_tokens * ctx.top_k / shards
         costs = [1.0] * ctx.num_layers
-        for layer, busy in zip(exp.model_cfg.moe_layers, busiest, strict=True):
+        for layer, busy in zip(self.facts.model.moe_layers, busiest, strict=True):
             costs[layer] = float(busy / share)
         return costs
 
 
-def local_groups(cfg: ml_collections.ConfigDict) -> int:
+def local_groups(facts: ModelFacts) -> int:
     """Dispatch groups (sequences) per expert-parallel shard in one microbatch: what
     ``moe.chunks`` partitions."""
-    mesh = cfg.mesh
-    return cfg.train.batch_size // (mesh.data * mesh.expert * microbatches(cfg))
+    return facts.batch_size // (facts.batch_shards * facts.microbatches)
 
 
-def chunk_candidates(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
+def chunk_candidates(moe: ml_collections.ConfigDict, facts: ModelFacts) -> tuple[int, ...]:
     """Alg. 1's candidates: the powers of two up to ``moe.granularity.max_chunks`` that divide
     the groups per shard, and ``moe.chunks``."""
-    groups = local_groups(cfg)
-    powers = [2**i for i in range(cfg.moe.granularity.max_chunks.bit_length())]
-    ok = [n for n in powers if n <= cfg.moe.granularity.max_chunks and groups % n == 0]
-    return tuple(sorted({*ok, cfg.moe.chunks}))
+    groups = local_groups(facts)
+    powers = [2**i for i in range(moe.granularity.max_chunks.bit_length())]
+    ok = [n for n in powers if n <= moe.granularity.max_chunks and groups % n == 0]
+    return tuple(sorted({*ok, moe.chunks}))
+
+
+def _static_factor(moe: ml_collections.ConfigDict, ctx: PlanContext) -> float:
+    """``moe.capacity.factor``; dropless (<= 0): an expert can take every token of a group."""
+    factor = moe.capacity.factor
+    return ctx.num_experts / ctx.top_k if factor <= 0 else factor
+
+
+def _static_rows(moe: ml_collections.ConfigDict, facts: ModelFacts) -> int:
+    """`dispatch_rows` of a fresh run's Plan (the static capacities)."""
+    ctx = plan_context(facts)
+    plan = Plan(microbatches=facts.microbatches)
+    plan = plan.replace(capacities=static_capacities(ctx, _static_factor(moe, ctx)))
+    return dispatch_rows(plan, ctx, facts.expert_shards)
 
 
 def dispatch_rows(plan: Plan, ctx: PlanContext, shards: int) -> int:
@@ -412,42 +437,6 @@ def dispatch_rows(plan: Plan, ctx: PlanContext, shards: int) -> int:
     return int(round(groups * float(np.mean(totals))))
 
 
-def measure_speeds(rows: int, d_model: int, hidden: int, repeats: int = 5) -> Speeds:
-    """Seed 002 §II-C's W_comp, W_comm, W_mem on this machine, medians of ``repeats``: an expert
-    GEMM of one partition, an all-to-all of T_DI over the local devices (none with one device:
-    infinitely fast) and a copy of T_DI to pinned host memory (0 where the backend has none).
-    The slowdown factors of running them together (μ, η) are left at 1: measuring them needs
-    concurrent streams (GPU)."""
-    rows = max(rows, 1)
-    a = jnp.ones((rows, d_model), jnp.float32)
-    w = jnp.ones((d_model, hidden), jnp.float32)
-
-    def seconds(fn, *args) -> float:  # > 0: the speeds divide by it
-        return max(median_seconds(fn, *args, repeats=repeats), 1e-9)
-
-    comp = 2 * rows * d_model * hidden / seconds(jax.jit(jnp.matmul), a, w)
-    devices = jax.local_devices()
-    comm = float("inf")
-    if len(devices) > 1:
-        n = len(devices)
-        mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
-        x = jnp.ones((n * n, max(rows // n, 1), d_model), jnp.float32)
-        a2a = jax.jit(
-            jax.shard_map(
-                lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True),
-                mesh=mesh,
-                in_specs=P("x"),
-                out_specs=P("x"),
-            )
-        )
-        comm = x.nbytes / n / seconds(a2a, jax.device_put(x, jax.NamedSharding(mesh, P("x"))))
-    mem = 0.0
-    if host_offload_supported():
-        host = jax.sharding.SingleDeviceSharding(devices[0], memory_kind="pinned_host")
-        mem = a.nbytes / seconds(lambda v: jax.device_put(v, host), a)
-    return Speeds(comp=comp, comm=comm, mem=mem)
-
-
 def _labels(params):
     """`BIAS` for each `RoutedBias` leaf, "trained" for the others."""
 
@@ -457,9 +446,8 @@ def _labels(params):
     return jax.tree_util.tree_map_with_path(label, params)
 
 
-def _check_routing(cfg: ml_collections.ConfigDict) -> None:
+def _check_routing(moe: ml_collections.ConfigDict) -> None:
     """``moe.routing`` and ``moe.bias_balancing``, and what expert choice cannot combine with."""
-    moe = cfg.moe
     if moe.routing not in ROUTINGS:
         raise ConfigError(f"moe.routing={moe.routing!r} is not one of {ROUTINGS}")
     if moe.bias_balancing.enabled and moe.bias_balancing.rate <= 0:
@@ -484,10 +472,9 @@ def _check_routing(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_chunks(cfg: ml_collections.ConfigDict) -> None:
+def _check_chunks(moe: ml_collections.ConfigDict, facts: ModelFacts) -> None:
     """``moe.chunks``, ``moe.memory_reuse`` and ``moe.granularity`` (seed 002 §III)."""
-    moe = cfg.moe
-    groups = local_groups(cfg)
+    groups = local_groups(facts)
     if moe.chunks < 1 or groups % moe.chunks:
         raise ConfigError(
             f"moe.chunks={moe.chunks} must be >= 1 and divide the {groups} dispatch groups "
@@ -506,10 +493,9 @@ def _check_chunks(cfg: ml_collections.ConfigDict) -> None:
         at_least({"moe.granularity.warmup": g.warmup}, 0)
 
 
-def _check_moe(cfg: ml_collections.ConfigDict) -> None:
+def _check_moe(moe: ml_collections.ConfigDict) -> None:
     """The MoE block's loss weights and the keys of the policies that are on: everything
     `DynamicCapacity`, `CachingPolicy` and `AssignmentCache` would reject, named by key."""
-    moe = cfg.moe
     at_least(
         {
             "moe.expert_mlp_dim": moe.expert_mlp_dim,
@@ -559,5 +545,3 @@ def _check_caching(c: ml_collections.ConfigDict, num_experts: int) -> None:
             "must be <= 32767, or set moe.caching.enabled=False"
         )
 
-
-register(MoEPlugin())

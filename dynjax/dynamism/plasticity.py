@@ -10,7 +10,7 @@ gathered onto one device): the embedding where it lives, then every layer in ord
 activation moving to the next stage's devices as between pipeline stages.
 
 In a pipeline over several processes each process runs its own stages' layers, the activation
-passing between processes through the host (`Experiment.stage_rounds`); each layer's change is
+passing between processes through the host (`RunLink.rounds`); each layer's change is
 computed where its reference was taken and the per-layer values are exchanged, so every process
 returns the same ``[L]`` array.
 
@@ -54,7 +54,7 @@ class PlasticityProbe:
     def outputs(self, states: Sequence[dict[str, Any]], rounds: Rounds = ALONE) -> dict[int, Any]:
         """This process's layers' outputs on the probe batch ``[B, S, d]`` by layer index, from
         its per-stage ``{"params", ...}`` dicts in stage order (`Plugin.measure`'s ``states``).
-        In a pipeline over processes (``rounds``: `Experiment.stage_rounds`), the activation
+        In a pipeline over processes (``rounds``: `RunLink.rounds`), the activation
         goes from each process's last stage to the next process's first through the host, in
         process order (the stages' order), one exchange per process boundary."""
         x, out = None, {}

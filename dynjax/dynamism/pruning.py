@@ -61,10 +61,11 @@ import ml_collections
 import numpy as np
 import optax
 
-from dynjax.config import ConfigError, at_least, gpt_config
 from dynjax.dynamism import pruning_math as pm
-from dynjax.dynamism.base import Plugin, register
-from dynjax.model import fresh_params
+from dynjax.dynamism.base import Plugin
+from dynjax.errors import ConfigError, at_least
+from dynjax.model import GPTConfig, fresh_params
+from dynjax.model.facts import ModelFacts
 from dynjax.model.gpt import init_std
 from dynjax.model.hooks import register_weight_hook
 from dynjax.model.pruned import LINEARS, SparseLinears, column_blocks
@@ -73,7 +74,6 @@ from dynjax.parallel.peers import ALONE, Rounds
 from dynjax.recompile import History, Proposal
 
 if TYPE_CHECKING:
-    from dynjax.experiment import Experiment
     from dynjax.recompile import Plan, Policy
 
 NAME = "pruning"
@@ -291,7 +291,8 @@ class PruningPlugin(Plugin):
     fixed_on_resume = ("pruning.enabled", "pruning.include")
     logged_metrics = (DENSITY,)
 
-    def config(self) -> ml_collections.ConfigDict:
+    @classmethod
+    def config(cls) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict()
         c.enabled = False
         c.initial_sparsity = 0.0  # S_i: the target at the first event (t0)
@@ -311,8 +312,8 @@ class PruningPlugin(Plugin):
         c.sparse_below = 0.0
         return c
 
-    def validate(self, cfg: ml_collections.ConfigDict) -> None:
-        p = cfg.pruning
+    @classmethod
+    def validate(cls, p: ml_collections.ConfigDict, facts: ModelFacts) -> None:
         if not p.enabled:
             return
         at_least({"pruning.start_step": p.start_step}, 0)
@@ -332,7 +333,7 @@ class PruningPlugin(Plugin):
             re.compile(p.include)
         except re.error as err:
             raise ConfigError(f"pruning.include={p.include!r} is not a regex: {err}") from None
-        shapes = prunable_shapes(cfg)
+        shapes = prunable_shapes(p.include, facts.model)
         if not shapes:
             raise ConfigError(f"pruning.include={p.include!r} matches no parameter of the model")
         if p.granularity == "block":
@@ -345,7 +346,8 @@ class PruningPlugin(Plugin):
                 "block-sparse matmul skips whole blocks only"
             )
 
-    def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
+    @classmethod
+    def resumed_plan(cls, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
         """The masks live in the state; the Plan part (which linears multiply block-sparsely)
         stays, unless a pruning key changed: then every linear is dense again until the
         policy sees the state's blocks."""
@@ -354,43 +356,47 @@ class PruningPlugin(Plugin):
         return saved.replace(parts={k: v for k, v in saved.parts if k != NAME})
 
     def wrap_optimizer(
-        self, cfg: ml_collections.ConfigDict, optimizer: optax.GradientTransformation
+        self, optimizer: optax.GradientTransformation
     ) -> optax.GradientTransformation:
-        return masked(optimizer, cfg.pruning.include)
+        return masked(optimizer, self.section.include)
 
-    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
-        return self.records(exp, plan)
+    @functools.cached_property
+    def abstract_params(self) -> dict[str, Any]:
+        """Shapes and dtypes of the model's parameters."""
+        return jax.eval_shape(lambda: fresh_params(self.facts.model, 0))
 
-    @staticmethod
-    def records(exp: Experiment, plan: Plan | None = None) -> tuple[PrunedLayer, ...]:
-        p = exp.cfg.pruning
+    def layer_options(self, plan: Plan) -> Sequence[Any] | None:
+        return self.records(plan)
+
+    def records(self, plan: Plan | None = None) -> tuple[PrunedLayer, ...]:
+        p = self.section
         part = {} if plan is None else plan.part(NAME)
         return layer_records(
-            exp.abstract_params,
+            self.abstract_params,
             p.include,
-            exp.ctx.top_k,
-            exp.ctx.num_experts,
+            self.ctx.top_k,
+            self.ctx.num_experts,
             block_size=p.block_size if p.granularity == "block" else 0,
             sparse=part.get("sparse", ()),
             loop=part.get("loop", True),  # False only in Plans made to count FLOPs
         )
 
-    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
-        p = cfg.pruning
+    def policies(self) -> list[Policy]:
+        p = self.section
         if p.granularity != "block" or not p.sparse_below:
             return []
-        rows = linear_block_rows(exp.abstract_params, p.block_size)
+        rows = linear_block_rows(self.abstract_params, p.block_size)
         return [SparsePath(block_rows=rows, sparse_below=p.sparse_below)]
 
-    def metric_costs(self, metrics: Mapping[str, Any], exp: Experiment) -> Sequence[float] | None:
+    def metric_costs(self, metrics: Mapping[str, Any]) -> Sequence[float] | None:
         """Seed 000 §2.2: a layer's load is its retained fraction of the dense cost."""
         density = metrics.get(DENSITY)
         return None if density is None else [float(d) for d in np.asarray(density)]
 
     def before_step(
-        self, step: int, states: Sequence[dict[str, Any]], plan: Plan, exp: Experiment
+        self, step: int, states: Sequence[dict[str, Any]], plan: Plan
     ) -> list[dict[str, Any]]:
-        p = exp.cfg.pruning
+        p = self.section
         schedule = dict(start=p.start_step, every=p.every, steps=p.steps)
         if not pm.is_pruning_step(step, **schedule):
             return []
@@ -398,17 +404,16 @@ class PruningPlugin(Plugin):
         target = pm.sparsity_at(
             step, initial=p.initial_sparsity, final=p.final_sparsity, **schedule
         )
-        shapes = {
-            n: tuple(w.shape) for n, w in pm.prunable_leaves(exp.abstract_params, p.include).items()
-        }
+        prunable = pm.prunable_leaves(self.abstract_params, p.include)
+        shapes = {n: tuple(w.shape) for n, w in prunable.items()}
         keep, total, counts = prune(
             states,
             target,
             include=p.include,
             granularity=p.granularity,
             block_size=p.block_size,
-            scales=ranking_scales(exp.cfg, shapes),
-            rounds=exp.stage_rounds(NAME),
+            scales=ranking_scales(p, self.facts.model, shapes),
+            rounds=self.link.rounds(NAME),
         )
         return [
             {
@@ -418,7 +423,7 @@ class PruningPlugin(Plugin):
                 "granularity": p.granularity,
                 "kept": keep,  # elements, or blocks
                 "total": total,
-                "layer_density": layer_densities(counts, shapes, self.records(exp)),
+                "layer_density": layer_densities(counts, shapes, self.records()),
                 "seconds": time.perf_counter() - began,
             }
         ]
@@ -484,13 +489,13 @@ class SparsePath:
 
 
 def ranking_scales(
-    cfg: ml_collections.ConfigDict, names: Collection[str]
+    section: ml_collections.ConfigDict, model: GPTConfig, names: Collection[str]
 ) -> dict[str, float] | None:
-    """What `prune` divides the scores of each prunable matrix in ``names`` (paths) by under
-    ``cfg``: its init std for ``pruning.scale="init"``, None (raw magnitudes) for ``"none"``."""
-    if cfg.pruning.scale == "none":
+    """What `prune` divides the scores of each prunable matrix in ``names`` (paths) of ``model``
+    by under the `pruning` ``section``: its init std for ``pruning.scale="init"``, None (raw
+    magnitudes) for ``"none"``."""
+    if section.scale == "none":
         return None
-    model = gpt_config(cfg)
     return {n: init_std(model, n) for n in names}
 
 
@@ -543,10 +548,10 @@ def block_mask(mask: jax.Array, block_size: int) -> jax.Array:
     return jnp.any(tiles, axis=(-3, -1))
 
 
-def prunable_shapes(cfg: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
-    """The shapes of the parameters ``pruning.include`` selects, from the real model."""
-    params = jax.eval_shape(lambda: fresh_params(gpt_config(cfg), 0))
-    return {n: tuple(w.shape) for n, w in pm.prunable_leaves(params, cfg.pruning.include).items()}
+def prunable_shapes(include: str, model: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The shapes of the parameters ``include`` (`pruning.include`) selects of ``model``."""
+    params = jax.eval_shape(lambda: fresh_params(model, 0))
+    return {n: tuple(w.shape) for n, w in pm.prunable_leaves(params, include).items()}
 
 
 def _check_blocks(block_size: int, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -562,5 +567,3 @@ def _check_blocks(block_size: int, shapes: Mapping[str, tuple[int, ...]]) -> Non
                 "divides model.d_model, model.mlp_dim and moe.expert_mlp_dim"
             )
 
-
-register(PruningPlugin())

@@ -15,7 +15,7 @@ onto rank 0. Here each pipeline stage only ever sends the host a few counts per 
 
 In a pipeline over several processes, each process counts its own stages and the per-round
 counts (one integer; the tie vectors once) are summed through the coordinator's key-value store
-(`Experiment.stage_rounds`): about 33 exchanges of a few bytes per pruning event.
+(`RunLink.rounds`): about 33 exchanges of a few bytes per pruning event.
 
 The kept set is exactly what a single-device top-k with that tie rule keeps. Pipeline stages hold
 consecutive layers in order, so the global order is the model's layer order whatever the layout.
@@ -253,7 +253,7 @@ def global_masks(
     int32 vector per stage. Each array must hold fewer than 2**31 entries.
 
     ``rounds``: where other processes hold further stages (a pipeline over processes,
-    `Experiment.stage_rounds`), ``stage_scores`` are this process's; each round's counts are
+    `RunLink.rounds`), ``stage_scores`` are this process's; each round's counts are
     summed over the processes, whose stages come in process order, and ``keep`` counts over all.
     Every process makes the same call.
     """

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 import ml_collections
 import numpy as np
 
-from dynjax.config import ConfigError
-from dynjax.dynamism.base import Plugin, register
+from dynjax.dynamism.base import Plugin
 from dynjax.dynamism.histograms import overflow_at, resized_budget
+from dynjax.errors import ConfigError
+from dynjax.model.facts import ModelFacts
 from dynjax.model.hashed_attention import (
     NAME,
     NEEDED_HIST,
@@ -39,12 +40,12 @@ from dynjax.recompile import History, Proposal
 from pallas_kernels import backend
 
 if TYPE_CHECKING:
-    from dynjax.experiment import Experiment
-    from dynjax.recompile import Plan, PlanContext, Policy
+    from dynjax.recompile import Plan, Policy
 
 
-def num_blocks(cfg: ml_collections.ConfigDict) -> int:
-    return cfg.data.seq_len // cfg.sparse_attention.block
+def num_blocks(section: ml_collections.ConfigDict, seq_len: int) -> int:
+    """Key blocks of a sequence (``section``: `sparse_attention`)."""
+    return seq_len // section.block
 
 
 def bucket_budget(blocks: int, num: int) -> int:
@@ -56,7 +57,8 @@ class SparseAttention(Plugin):
     name = NAME
     logged_metrics = (OVERFLOW, PAIR_FRACTION)
 
-    def config(self) -> ml_collections.ConfigDict:
+    @classmethod
+    def config(cls) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict()
         c.enabled = False
         c.buckets = 8  # LSH buckets per head (even: bucket = argmax([xR, -xR]))
@@ -71,28 +73,29 @@ class SparseAttention(Plugin):
         c.kernel = "xla"
         return c
 
-    def validate(self, cfg: ml_collections.ConfigDict) -> None:
-        a = cfg.sparse_attention
+    @classmethod
+    def validate(cls, a: ml_collections.ConfigDict, facts: ModelFacts) -> None:
         if not a.enabled:
             return
+        seq_len = facts.seq_len
         if a.buckets < 2 or a.buckets % 2:
             raise ConfigError(
                 f"sparse_attention.buckets={a.buckets} must be even and >= 2 (argmax of [xR, -xR])"
             )
-        if a.block < 1 or cfg.data.seq_len % a.block:
+        if a.block < 1 or seq_len % a.block:
             raise ConfigError(
-                f"sparse_attention.block={a.block} must divide data.seq_len={cfg.data.seq_len}"
+                f"sparse_attention.block={a.block} must divide data.seq_len={seq_len}"
             )
-        if cfg.data.seq_len // a.block < 2:
+        if seq_len // a.block < 2:
             raise ConfigError(
                 f"sparse_attention.block={a.block} leaves one block of data.seq_len="
-                f"{cfg.data.seq_len}: nothing to skip; use a block of at most half the sequence"
+                f"{seq_len}: nothing to skip; use a block of at most half the sequence"
             )
         if a.kernel not in ("xla", "pallas"):
             raise ConfigError(f"sparse_attention.kernel={a.kernel!r} must be 'xla' or 'pallas'")
         if a.kernel == "pallas":
             # The same config must lower on a GPU: Triton tiles are powers of two >= 16.
-            head_dim = cfg.model.d_model // cfg.model.num_heads
+            head_dim = facts.model.d_model // facts.model.num_heads
             for key, size in (("sparse_attention.block", a.block), ("model.d_model", head_dim)):
                 try:
                     backend.check_tile(key, size, interpret=False)
@@ -112,46 +115,49 @@ class SparseAttention(Plugin):
                 f"sparse_attention.headroom={a.headroom} must be >= 0 and "
                 f"sparse_attention.hysteresis={a.hysteresis} in [0, 1)"
             )
-        if "mod" in cfg and cfg.mod.enabled:
-            raise ConfigError(
-                "sparse_attention.enabled with mod.enabled: a routed block attends over a "
-                "subset of tokens that need not fill whole blocks; turn one of them off"
-            )
 
-    def initial_plan(self, plan: Plan, cfg: ml_collections.ConfigDict, ctx: PlanContext) -> Plan:
-        return plan.with_part(NAME, budgets=(num_blocks(cfg),) * cfg.model.num_layers)
+    def claims(self) -> dict[str, range]:
+        """Every layer's attention: its blocks hold whole runs of the sequence's tokens."""
+        return {"attention": range(self.facts.num_layers)}
 
-    def layer_options(self, plan: Plan, exp: Experiment) -> Sequence[Any] | None:
-        a = exp.cfg.sparse_attention
+    @property
+    def num_blocks(self) -> int:
+        return num_blocks(self.section, self.facts.seq_len)
+
+    def initial_plan(self, plan: Plan) -> Plan:
+        return plan.with_part(NAME, budgets=(self.num_blocks,) * self.facts.num_layers)
+
+    def layer_options(self, plan: Plan) -> Sequence[Any] | None:
+        a = self.section
         return tuple(
             HashedAttention(a.buckets, a.block, int(budget), a.seed, layer, a.kernel)
             for layer, budget in enumerate(plan.part(NAME)["budgets"])
         )
 
-    def layer_costs(self, plan: Plan, exp: Experiment) -> Sequence[float] | None:
+    def layer_costs(self, plan: Plan) -> Sequence[float] | None:
         """Seed 000 §2.4: the fraction of (query block, key block) pairs computed. The dense
         layer it is relative to computes every pair (XLA's causal attention masks the upper
         triangle but computes it), so a budget of b of the nb key blocks costs b / nb. The
         Pallas path has no budget: its cost comes from the metrics (`metric_costs`)."""
-        if exp.cfg.sparse_attention.kernel == "pallas":
+        if self.section.kernel == "pallas":
             return None
-        nb = num_blocks(exp.cfg)
+        nb = self.num_blocks
         return [b / nb for b in plan.part(NAME)["budgets"]]
 
-    def metric_costs(self, metrics: Mapping[str, Any], exp: Experiment) -> Sequence[float] | None:
+    def metric_costs(self, metrics: Mapping[str, Any]) -> Sequence[float] | None:
         """The Pallas path computes every needed block: a layer costs its needed pairs over all
         nb x nb pairs (the budget path's unit), i.e. ``pair_fraction`` x (nb + 1) / (2 nb)."""
         fraction = metrics.get(PAIR_FRACTION)
-        if exp.cfg.sparse_attention.kernel != "pallas" or fraction is None:
+        if self.section.kernel != "pallas" or fraction is None:
             return None
-        nb = num_blocks(exp.cfg)
+        nb = self.num_blocks
         return [float(f) * (nb + 1) / (2 * nb) for f in np.asarray(fraction)]
 
-    def policies(self, cfg: ml_collections.ConfigDict, exp: Experiment) -> list[Policy]:
-        a = cfg.sparse_attention
+    def policies(self) -> list[Policy]:
+        a = self.section
         if a.kernel == "pallas":  # no budget to size
             return []
-        return [AttentionBudget(num_blocks=num_blocks(cfg), max_overflow=a.max_overflow,
+        return [AttentionBudget(num_blocks=self.num_blocks, max_overflow=a.max_overflow,
                                 window=a.window, headroom=a.headroom, hysteresis=a.hysteresis)]
 
 
@@ -192,5 +198,3 @@ class AttentionBudget:
             records=(record,),
         )
 
-
-register(SparseAttention())

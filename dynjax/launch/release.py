@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from dynjax.config import ConfigError
+from dynjax.errors import ConfigError
 
 ReleaseHook = Callable[[Sequence[jax.Device]], None]
 log = logging.getLogger("dynjax")

@@ -75,15 +75,12 @@ def plans_at(
 
 def moe_layer_indices(run: Run) -> list[int] | None:
     """The model layers holding an MoE block, None without a config that says."""
-    import ml_collections
-
-    from dynjax import config as config_lib
+    from dynjax.model import facts  # lazily: the report reads workdirs without JAX
 
     every, layers = run.config_value("moe.every"), run.config_value("model.num_layers")
     if not (is_number(every) and is_number(layers)):
         return None
-    cfg = ml_collections.ConfigDict({"moe": {"every": every}, "model": {"num_layers": layers}})
-    return list(config_lib.moe_layer_indices(cfg))
+    return list(facts.moe_layer_indices(layers, every))
 
 
 @dataclass

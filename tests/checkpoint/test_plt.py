@@ -9,7 +9,8 @@ import pytest
 
 from dynjax.checkpoint import layout
 from dynjax.checkpoint.pec import ExpertLedger
-from dynjax.config import ConfigError, validate_config
+from dynjax.config import validate_config
+from dynjax.errors import ConfigError
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 

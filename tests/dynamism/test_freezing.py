@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from dynjax.checkpoint import Checkpointer
-from dynjax.config import ConfigError, validate_config
-from dynjax.dynamism import enabled_plugins, layer_costs
+from dynjax.config import validate_config
+from dynjax.dynamism import layer_costs
 from dynjax.dynamism.freezing import GradientFreezing
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.recompile import History, Plan
 from dynjax.train import train
@@ -56,7 +57,7 @@ def test_frozen_layers_cost_their_forward_and_bad_settings_are_named():
     plan = exp.initial_plan().replace(frozen_layers=(0, 1, 3))
     # The run's own plugins, as train.py passes them: a plugin another test module registered
     # (tests/dynamism/test_base.py's toy) is disabled here and has no Plan part to cost.
-    costs = layer_costs(enabled_plugins(exp.cfg), plan, exp)
+    costs = layer_costs(exp.plugins, plan)
     assert costs == pytest.approx([1 / 3, 1 / 3, 1.0, 2 / 3])
     with pytest.raises(ConfigError, match="freezing.percentile"):
         validate_config(tiny_config(freezing__enabled=True, freezing__percentile=0.0), 1)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dynjax.config import ConfigError, gpt_config, validate_config
+from dynjax.config import gpt_config, validate_config
 from dynjax.dynamism.freezing import PLASTICITY
 from dynjax.dynamism.plasticity import PlasticityProbe
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.parallel.peers import Rounds
 from dynjax.train import train

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dynjax.config import ConfigError, gpt_config, validate_config
+from dynjax.config import gpt_config, validate_config
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model import Block, fresh_params
 from dynjax.model.attention import rotary

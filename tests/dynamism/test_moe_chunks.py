@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dynjax.config import ConfigError, validate_config
+from dynjax.config import validate_config
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model import MoE, RaggedCapacities
 from dynjax.model.moe import REUSE, Chunking

@@ -12,8 +12,9 @@ import pytest
 from flax import nnx
 
 from dynjax.checkpoint import Checkpointer
-from dynjax.config import ConfigError, validate_config
+from dynjax.config import validate_config
 from dynjax.dynamism.moe import MoEPlugin
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model import MoE, RaggedCapacities
 from dynjax.model.moe import BIAS
@@ -239,18 +240,22 @@ def test_static_cost_is_the_busiest_ranks_slots():
     exp = Experiment.from_config(tiny_config(moe__every=2, mesh__expert=2))
     plan = exp.initial_plan().replace(capacities=((2, 5, 3, 4),))
     base = S_TINY * 2 / 4
-    assert MoEPlugin().layer_costs(plan, exp) == pytest.approx([1.0, 8 / (2 * base)])
+    assert MoEPlugin(exp.cfg.moe, exp.facts).layer_costs(plan) == pytest.approx(
+        [1.0, 8 / (2 * base)]
+    )
     one = Experiment.from_config(tiny_config(moe__every=2))
-    assert MoEPlugin().layer_costs(plan, one) == pytest.approx([1.0, 14 / (4 * base)])
+    assert MoEPlugin(one.cfg.moe, one.facts).layer_costs(plan) == pytest.approx(
+        [1.0, 14 / (4 * base)]
+    )
 
 
 def test_ragged_cost_is_the_busiest_ranks_tokens():
     exp = Experiment.from_config(tiny_config(moe__every=2, mesh__expert=2, moe__dispatch="ragged"))
     tokens = np.array([[100, 40, 90, 30]])  # rank 0: 140, rank 1: 120
     share = 8 * S_TINY * 2 / 2
-    plugin = MoEPlugin()
-    assert plugin.layer_costs(exp.initial_plan(), exp) is None
-    costs = plugin.metric_costs({"moe/expert_tokens": tokens}, exp)
+    plugin = MoEPlugin(exp.cfg.moe, exp.facts)
+    assert plugin.layer_costs(exp.initial_plan()) is None
+    costs = plugin.metric_costs({"moe/expert_tokens": tokens})
     assert costs == pytest.approx([1.0, 140 / share])
 
 

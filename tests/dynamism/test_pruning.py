@@ -12,9 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.checkpoint import Checkpointer
 from dynjax.checkpoint.layout import split
-from dynjax.config import ConfigError, validate_config
+from dynjax.config import validate_config
 from dynjax.dynamism import pruning_math as pm
 from dynjax.dynamism.pruning import PruneState, PruningPlugin, named_masks, prune
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.train import train
 from dynjax.writers import read_jsonl
@@ -375,9 +376,10 @@ def test_a_plan_without_the_sparse_loop_counts_its_flops_in_full():
     exp = Experiment.from_config(cfg)
     looped = exp.initial_plan().with_part("pruning", sparse=((0, "mlp/up", 4),))
     unrolled = looped.with_part("pruning", loop=False)
-    assert [r.loop for r in PruningPlugin.records(exp, looped)] == [True, True]
-    assert [r.loop for r in PruningPlugin.records(exp, unrolled)] == [False, False]
-    assert [r.widths for r in PruningPlugin.records(exp, unrolled)] == [(("mlp/up", 4),), ()]
+    plugin = next(p for p in exp.plugins if isinstance(p, PruningPlugin))
+    assert [r.loop for r in plugin.records(looped)] == [True, True]
+    assert [r.loop for r in plugin.records(unrolled)] == [False, False]
+    assert [r.widths for r in plugin.records(unrolled)] == [(("mlp/up", 4),), ()]
     flops = {
         name: exp.lower_train_step(plan).compile().cost_analysis()["flops"]
         for name, plan in (("dense", exp.initial_plan()), ("loop", looped), ("one", unrolled))
@@ -409,7 +411,8 @@ def test_scale_free_ranking_keeps_every_matrix_alive(scale):
     host = exp.init_host_state()
     runtime = exp.runtime(exp.initial_plan(), host)
     weights = pm.prunable_leaves(host["params"])
-    [event] = PruningPlugin().before_step(0, runtime.stage_states(), exp.initial_plan(), exp)
+    plugin = PruningPlugin(cfg.pruning, exp.facts)
+    [event] = plugin.before_step(0, runtime.stage_states(), exp.initial_plan())
     model = gpt_config(cfg)
     units = {n: init_std(model, n) if scale == "init" else 1.0 for n in weights}
     want = reference_masks({n: w / units[n] for n, w in weights.items()}, event["kept"], 8)

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynjax.config import ConfigError, validate_config
+from dynjax.config import validate_config
 from dynjax.dynamism.histograms import overflow_at, smallest_budget
 from dynjax.dynamism.sparse_attention import AttentionBudget
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model.hashed_attention import (
     NEEDED_HIST,

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynjax.config import ConfigError, validate_config
-from dynjax.dynamism import enabled_plugins
+from dynjax.config import validate_config
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model.hashed_attention import (
     NEEDED_HIST,
@@ -287,9 +287,9 @@ def test_training_with_the_kernel_matches_the_xla_path_and_costs_the_needed_pair
     assert min(costs[0]["layer_cost"]) < 1.0
     cfg = pallas_config(**settings)
     exp = Experiment.from_config(cfg)
-    plugin = next(p for p in enabled_plugins(cfg) if p.name == "sparse_attention")
-    assert plugin.policies(cfg, exp) == []
-    assert plugin.layer_costs(exp.initial_plan(), exp) is None
+    plugin = next(p for p in exp.plugins if p.name == "sparse_attention")
+    assert plugin.policies() == []
+    assert plugin.layer_costs(exp.initial_plan()) is None
 
 
 @pytest.mark.slow

@@ -110,7 +110,8 @@ def test_tensor_parallelism_divides_the_matrices_bytes_per_device():
 
 
 def test_a_tensor_split_that_does_not_divide_the_model_is_refused():
-    from dynjax.config import ConfigError, validate_config
+    from dynjax.config import validate_config
+    from dynjax.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"mesh\.tensor=3 must divide model\.d_model=32"):
         validate_config(tiny_config(mesh__tensor=3), 8)

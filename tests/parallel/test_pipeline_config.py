@@ -3,7 +3,8 @@
 import pytest
 
 from dynjax import config as config_lib
-from dynjax.config import ConfigError, validate_config
+from dynjax.config import validate_config
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.recompile import Plan, PlanContext, PlanError
 from dynjax.train import main

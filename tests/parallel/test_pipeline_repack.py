@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from dynjax.config import ConfigError
+from dynjax.errors import ConfigError
 from dynjax.launch.release import RELEASED_FILE, load_release_hook, release
 from dynjax.parallel.profile import device_memory_limit
 from dynjax.train import train

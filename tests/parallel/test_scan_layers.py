@@ -15,8 +15,9 @@ import pytest
 from flax import nnx
 
 from dynjax.balance import schedule_tasks
-from dynjax.config import ConfigError, set_value, validate_config
+from dynjax.config import set_value, validate_config
 from dynjax.dynamism import pruning_math as pm
+from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.model.gpt import layer_runs, scan_runs

@@ -1,0 +1,107 @@
+"""`Schemes`: the explicit, ordered set of dynamism schemes a run may use.
+
+Nothing registers itself on import: the edge (`dynjax.config`, `dynjax.experiment`,
+`dynjax.train`) is handed a `Schemes` (the built-in one, `dynjax.dynamism.BUILTIN`, or that
+plus a user's, `Schemes.with_`) and passes it down. It collects the config sections, validates
+them, checks that the enabled schemes' claims do not clash, and builds the per-run instances.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection
+
+import ml_collections
+
+from dynjax.dynamism.base import CLAIMS, LOCAL, Plugin, RunLink
+from dynjax.errors import ConfigError
+from dynjax.model.facts import ModelFacts
+from dynjax.model.hooks import BlockPart
+from dynjax.recompile import Plan
+
+
+class Schemes:
+    """Plugin classes in order: the order sections appear, optimizers wrap and hooks run."""
+
+    def __init__(self, *plugins: type[Plugin]) -> None:
+        names = [p.name for p in plugins]
+        bad = [n for n in names if not n.isidentifier()]
+        if bad:
+            raise ValueError(f"a plugin needs an identifier as its name, got {bad}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two plugins are named {twice}")
+        self.plugins = tuple(plugins)
+
+    def with_(self, *plugins: type[Plugin]) -> Schemes:
+        """These schemes and ``plugins`` after them (e.g. a user's or a test's)."""
+        return Schemes(*self.plugins, *plugins)
+
+    def sections(self) -> dict[str, ml_collections.ConfigDict]:
+        """Each scheme's config section with its defaults, by name."""
+        return {p.name: p.config() for p in self.plugins}
+
+    def validate(self, cfg: ml_collections.ConfigDict, facts: ModelFacts) -> None:
+        """Every scheme's own checks (enabled or not), then the enabled ones' claims."""
+        for p in self.plugins:
+            p.validate(cfg[p.name], facts)
+        self.build(cfg, facts)
+
+    def block_parts(
+        self, cfg: ml_collections.ConfigDict, facts: ModelFacts
+    ) -> tuple[BlockPart, ...]:
+        """The submodules the enabled schemes add to the model (`GPTConfig.block_parts`)."""
+        return tuple(
+            part
+            for p in self.plugins
+            if p.enabled(cfg[p.name])
+            for part in p.block_parts(cfg[p.name], facts)
+        )
+
+    def build(
+        self, cfg: ml_collections.ConfigDict, facts: ModelFacts, link: RunLink = LOCAL
+    ) -> tuple[Plugin, ...]:
+        """One instance per enabled scheme, for one run, with its section frozen (what it read
+        once stays what it runs with); refuses schemes whose claims clash."""
+        built = tuple(
+            p(ml_collections.FrozenConfigDict(cfg[p.name]), facts, link)
+            for p in self.plugins
+            if p.enabled(cfg[p.name])
+        )
+        for a, b in itertools.combinations(built, 2):
+            _check_claims(a, b)
+        return built
+
+    def speed_probe(
+        self, cfg: ml_collections.ConfigDict, facts: ModelFacts
+    ) -> tuple[int, int, int] | None:
+        """What the first enabled scheme that needs this machine's speeds asks to time."""
+        for p in self.plugins:
+            probe = p.speed_probe(cfg[p.name], facts) if p.enabled(cfg[p.name]) else None
+            if probe is not None:
+                return probe
+        return None
+
+    def fixed_on_resume(self) -> tuple[str, ...]:
+        return tuple(key for p in self.plugins for key in p.fixed_on_resume)
+
+    def resumed_plan(self, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
+        """``saved`` with every scheme's `Plugin.resumed_plan` applied in order."""
+        for p in self.plugins:
+            saved = p.resumed_plan(saved, implied, changed)
+        return saved
+
+
+def _check_claims(a: Plugin, b: Plugin) -> None:
+    theirs = b.claims()
+    for claim, layers in a.claims().items():
+        both = sorted(set(layers) & set(theirs.get(claim, ())))
+        if both:
+            raise ConfigError(
+                f"{_switch(a)} with {_switch(b)}: both claim {CLAIMS[claim]} ({claim!r}) of "
+                f"layers {both}; turn one of them off, or give them different layers"
+            )
+
+
+def _switch(p: Plugin) -> str:
+    return f"{p.name}.{p.switch}={p.section[p.switch]!r}"
