@@ -95,7 +95,7 @@ def test_a_plugin_passed_to_the_run_gets_a_config_section_and_its_checks():
 def test_a_config_file_names_its_schemes_for_the_command_line(tmp_path):
     path = tmp_path / "toy_config.py"
     path.write_text(
-        "from tests.test_dynamism import TOY as SCHEMES\n"
+        "from tests.dynamism.test_base import TOY as SCHEMES\n"
         "from tests.tiny import tiny_config\n\n\n"
         "def get_config():\n"
         "    return tiny_config(SCHEMES)\n"
