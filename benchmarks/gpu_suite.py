@@ -58,7 +58,6 @@ import importlib.metadata
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -77,6 +76,7 @@ from sparse_matmul import _with_backward, balanced_block_mask
 
 from dynjax.model.moe import MoE, RaggedCapacities, SlotLayout, assign_slots, grouped_ffn, route
 from dynjax.model.sparse_linear import block_mask_of, block_pruned_matmul, column_block_index
+from dynjax.writers import read_jsonl
 from pallas_kernels import (
     BlockSparseMatrix,
     block_sparse_attention,
@@ -467,49 +467,93 @@ def peak_overrides(env: Env) -> list[str]:
     return [f"train.peak_flops={H100_BF16_PEAK}"] if ("h100" in kind or "h200" in kind) else []
 
 
-def run_train(env: Env, name: str, overrides: list[str], *, steps: int, log_every: int,
-              dtype: str = "bfloat16", config: str = "configs/quickstart.py") -> dict:
-    """One ``python -m dynjax.train`` run; medians of its logged intervals after the first one
-    and after its last Plan swap (warm-up, then the state the run ends in)."""
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """A run's logs so far: its Plan swaps and its timed intervals after the warm-up one."""
+
+    events: list[dict]
+    metrics: list[dict]
+    log_every: int
+
+    @classmethod
+    def read(cls, workdir: Path, log_every: int) -> Progress:
+        logs = [read_jsonl(workdir / f) if (workdir / f).is_file() else []
+                for f in ("events.jsonl", "metrics.jsonl")]
+        return cls(*logs, log_every)
+
+    @property
+    def swaps(self) -> list[dict]:
+        return [e for e in self.events if e["event"] == "recompile"]
+
+    @property
+    def last_swap(self) -> int:
+        return max((e["swap_step"] for e in self.swaps), default=0)
+
+    @property
+    def settled(self) -> list[dict]:
+        """Timed intervals after the first (dispatch warm-up) and wholly after the last swap."""
+        timed = [m for m in self.metrics if "tokens_per_sec" in m][1:]
+        return [m for m in timed if m["step"] - self.log_every >= self.last_swap]
+
+    def enough(self, swaps: int, intervals: int) -> bool:
+        return len(self.swaps) >= swaps and len(self.settled) >= intervals
+
+
+def run_train(env: Env, name: str, overrides: list[str], *, log_every: int, intervals: int,
+              swaps: int = 0, dtype: str = "bfloat16") -> dict:
+    """One ``python -m dynjax.train`` run, stopped once its logs hold ``swaps`` Plan swaps and
+    then ``intervals`` logged intervals (or after ``cap_s`` seconds, or at the section's
+    deadline): a run measured in its final state whatever its background compiles take, and
+    with no final eval or checkpoint. Medians are over those intervals."""
+    cap_s = 45.0 if env.tiny else 120.0
     workdir = Path(tempfile.mkdtemp(prefix=f"gpu_suite_{name.replace(' ', '_')}_"))
-    overrides = [f"train.steps={steps}", f"train.log_every={log_every}",
-                 f"train.eval_every={10 * steps}", f"train.checkpoint_every={10 * steps}",
+    never = 10**7  # steps: the run is stopped from here
+    overrides = [f"train.steps={never}", f"train.log_every={log_every}",
+                 f"train.eval_every={never}", f"train.checkpoint_every={never}",
                  f"train.dtype={dtype}", *peak_overrides(env), *overrides]
-    command = [sys.executable, "-m", "dynjax.train", "--config", config, "--workdir",
-               str(workdir), *(f"--config.{o}" for o in overrides)]
+    command = [sys.executable, "-m", "dynjax.train", "--config", "configs/quickstart.py",
+               "--workdir", str(workdir), *(f"--config.{o}" for o in overrides)]
     env_vars = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(ROOT), os.environ.get("PYTHONPATH", "")]))}
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=ROOT, env=env_vars, capture_output=True, text=True,
-                          timeout=max(env.deadline - time.perf_counter(), 30))
+    stop = min(start + cap_s, max(env.deadline, start + 30))
+    with open(workdir / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env_vars, stdout=subprocess.DEVNULL,
+                                stderr=err)
+        while proc.poll() is None and time.perf_counter() < stop:
+            time.sleep(0.5)
+            if Progress.read(workdir, log_every).enough(swaps, intervals):
+                break
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        elif proc.returncode:
+            lines = [x for x in (workdir / "stderr.txt").read_text().splitlines()
+                     if x.strip() and "JAX_TRACEBACK" not in x]
+            raise RuntimeError(f"{name}: dynjax.train exited {proc.returncode}: "
+                               + " / ".join(lines[-2:]))
     wall = time.perf_counter() - start
-    if proc.returncode:
-        lines = [x for x in proc.stderr.splitlines() if x.strip() and "JAX_TRACEBACK" not in x]
-        raise RuntimeError(f"{name}: dynjax.train exited {proc.returncode}: "
-                           + " / ".join(lines[-2:]))
-    shutil.rmtree(workdir / "checkpoints", ignore_errors=True)  # the final save: GBs at scale
-    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    events = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
-    swaps = [e for e in events if e["event"] == "recompile"]
-    last_swap = max((e["swap_step"] for e in swaps), default=0)
-    # The first interval holds dispatch warm-up, the last the final eval and checkpoint.
-    timed = [m for m in metrics if "tokens_per_sec" in m][1:-1]
-    settled = [m for m in timed if m["step"] - log_every >= last_swap] or timed[-1:]
+    for log in workdir.glob("*.jsonl"):  # a line torn by the kill: dropped
+        log.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(log)))
+    run = Progress.read(workdir, log_every)
+    settled = run.settled
+    if not settled:
+        raise RuntimeError(f"{name}: no timed interval after {len(run.swaps)} swaps in "
+                           f"{wall:.0f} s (cap {cap_s:.0f} s)")
     median = lambda key: (statistics.median(m[key] for m in settled)  # noqa: E731
-                          if settled and key in settled[0] else None)
-    tokens_per_sec = median("tokens_per_sec")
-    compile_event = next(e for e in events if e["event"] == "compile")
+                          if key in settled[0] else None)
+    compile_event = next(e for e in run.events if e["event"] == "compile")
     return {
         "workdir": workdir, "command": " ".join(command[1:]), "wall_s": wall,
-        "tokens_per_sec": tokens_per_sec, "mfu": median("mfu"),
-        "final_loss": metrics[-1].get("loss") if metrics else None,
-        "intervals": len(settled), "last_swap_step": last_swap,
+        "tokens_per_sec": median("tokens_per_sec"), "mfu": median("mfu"),
+        "final_loss": settled[-1].get("loss"), "intervals": len(settled),
+        "reached": run.enough(swaps, intervals), "last_swap_step": run.last_swap,
         "compile_s": compile_event["lower_seconds"] + compile_event["compile_seconds"],
-        "swaps": len(swaps),
-        "swap_stall_s": [round(e["swap_stall_seconds"], 4) for e in swaps],
-        "swap_compile_s": [round(e["lower_seconds"] + e["compile_seconds"], 2) for e in swaps],
-        "final_plan": (swaps[-1] if swaps else compile_event)["plan"],
-        "events": events,
+        "swaps": len(run.swaps),
+        "swap_stall_s": [round(e["swap_stall_seconds"], 4) for e in run.swaps],
+        "swap_compile_s": [round(e["lower_seconds"] + e["compile_seconds"], 2)
+                           for e in run.swaps],
+        "final_plan": (run.swaps[-1] if run.swaps else compile_event)["plan"],
     }
 
 
@@ -526,11 +570,11 @@ def shape_of(layers: int, d_model: int, heads: int, seq: int, batch: int) -> str
 def train(env: Env) -> Iterator[dict]:
     if env.tiny:
         shapes = {"GPT-2 small shape": (2, 64, 4, 64, 4), "large dense": (3, 64, 4, 128, 2)}
-        steps, log_every, expert_mlp = 8, 2, 128
+        intervals, log_every, expert_mlp = 3, 2, 128
     else:
         shapes = {"GPT-2 small shape": (12, 768, 12, 1024, 16),
                   "large dense": (24, 2048, 16, 2048, 2)}
-        steps, log_every, expert_mlp = 50, 5, 1536
+        intervals, log_every, expert_mlp = 5, 5, 1536
     runs = {name: model_overrides(*s) for name, s in shapes.items()}
     small = shapes["GPT-2 small shape"]
     runs["MoE, top-2 of 8 every other layer"] = [
@@ -543,7 +587,7 @@ def train(env: Env) -> Iterator[dict]:
         if not env.time_left():
             yield skipped(name, "section budget spent", shapes=shape)
             continue
-        run = run_train(env, name, overrides, steps=steps, log_every=log_every)
+        run = run_train(env, name, overrides, log_every=log_every, intervals=intervals)
         yield {"name": name, "status": "ok", "dtype": "bfloat16", "shapes": shape,
                "tokens_per_sec": run["tokens_per_sec"],
                "mfu": run["mfu"] if run["mfu"] is not None else "n/a",
@@ -597,10 +641,10 @@ def dispatch_vs_device(env: Env, shape: tuple, steps: int) -> dict:
 def scheme_setting(env: Env) -> dict:
     """The shape the schemes run at and each scheme's overrides, both modes."""
     if env.tiny:
-        shape, long_seq, block, steps, log_every = (4, 64, 4, 64, 4), 256, 16, 16, 2
+        shape, long_seq, block, intervals, log_every = (4, 64, 4, 64, 4), 256, 16, 3, 2
         every, window, attn_block = 2, 3, 16
-    else:  # ~20 ms steps: 300 leave time for a background compile to land and settle after
-        shape, long_seq, block, steps, log_every = (8, 768, 12, 1024, 8), 8192, 128, 300, 10
+    else:
+        shape, long_seq, block, intervals, log_every = (8, 768, 12, 1024, 8), 8192, 128, 5, 10
         every, window, attn_block = 5, 5, 64
     layers = shape[0]
     schemes = {
@@ -625,9 +669,16 @@ def scheme_setting(env: Env) -> dict:
             "sparse_attention.enabled=True", f"sparse_attention.kernel={attn}",
             f"sparse_attention.window={window}", f"sparse_attention.block={attn_block}"],
     }
-    return {"shape": shape, "long": (layers, shape[1], shape[2], long_seq, 1), "steps": steps,
+    return {"shape": shape, "long": (layers, shape[1], shape[2], long_seq, 1),
+            "intervals": intervals,
             "log_every": log_every, "schemes": schemes, "long_schemes": long,
             "attn_block": attn_block}
+
+
+# The schemes whose state arrives with a Plan swap (a policy's proposal, compiled in the
+# background): measured after it lands ("reached" says whether it did before the run's cap).
+SWAPPING = ("freezing, half the layers", "pruning 90%, block-sparse path",
+            "early exit, final buckets")
 
 
 def schemes(env: Env) -> Iterator[dict]:
@@ -641,7 +692,8 @@ def schemes(env: Env) -> Iterator[dict]:
                 yield skipped(name, "section budget spent", shapes=shape_of(*shape))
                 continue
             run = run_train(env, name, [*model_overrides(*shape), *overrides],
-                            steps=s["steps"], log_every=s["log_every"])
+                            log_every=s["log_every"], intervals=s["intervals"],
+                            swaps=int(name in SWAPPING))
             rate = run["tokens_per_sec"]
             baseline = rate if baseline is None else baseline
             stalls += run["swap_stall_s"]
@@ -650,7 +702,8 @@ def schemes(env: Env) -> Iterator[dict]:
                    "step_ms": 1e3 * shape[3] * shape[4] / rate if rate else None,
                    "tokens_per_sec": rate, "vs_without": rate / baseline if rate else None,
                    "swaps": run["swaps"], "last_swap_step": run["last_swap_step"],
-                   "intervals": run["intervals"], "swap_stall_s": run["swap_stall_s"],
+                   "intervals": run["intervals"], "reached": run["reached"],
+                   "swap_stall_s": run["swap_stall_s"],
                    "swap_compile_s": run["swap_compile_s"],
                    "final_state": final_state(plan), "overrides": " ".join(overrides)}
     name = "background recompile swap stall"
@@ -701,8 +754,9 @@ def traces(env: Env) -> Iterator[dict]:
         if not env.time_left():
             yield skipped(case, "section budget spent", shapes=shape_of(*shape))
             continue
-        run = run_train(env, f"trace {case}", overrides, steps=s["steps"],
-                        log_every=s["log_every"], dtype=TRACE_DTYPE)
+        run = run_train(env, f"trace {case}", overrides, log_every=s["log_every"],
+                        intervals=s["intervals"], swaps=int(scheme in SWAPPING),
+                        dtype=TRACE_DTYPE)
         path = out / f"{case.replace(' ', '_')}.jsonl"
         record(run["workdir"], path, case, f"1x {jax.devices()[0].device_kind}",
                command=run["command"], note="gpu_suite" + (" --tiny" if env.tiny else ""))
@@ -711,8 +765,9 @@ def traces(env: Env) -> Iterator[dict]:
         bwd = np.median([x["layer_backward_seconds"] for x in samples], axis=0)
         yield {"name": case, "status": "ok", "dtype": TRACE_DTYPE, "shapes": shape_of(*shape),
                "trace": str(path.relative_to(env.out)), "samples": len(samples),
-               "median_layer_fwd_ms": [round(1e3 * x, 3) for x in fwd],
-               "median_layer_bwd_ms": [round(1e3 * x, 3) for x in bwd],
+               "swaps": run["swaps"], "reached": run["reached"],
+               "median_layer_fwd_ms": [round(1e3 * float(x), 3) for x in fwd],
+               "median_layer_bwd_ms": [round(1e3 * float(x), 3) for x in bwd],
                "overrides": " ".join(overrides)}
 
 
