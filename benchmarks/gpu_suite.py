@@ -471,9 +471,11 @@ def tokamax_ragged_dot(env: Env, rows: int, d: int, h: int, num: int) -> Iterato
 
 
 def peak_overrides(env: Env) -> list[str]:
-    """``train.peak_flops`` for MFU: the H100/H200 SXM bf16 dense peak; none elsewhere."""
+    """``train.peak_flops`` for MFU: the H100/H200 SXM bf16 dense peak; elsewhere none, so
+    dynjax's own table decides (PCIe/NVL parts: their lower peaks; CPU: no MFU, "n/a")."""
     kind = jax.devices()[0].device_kind.lower()
-    return [f"train.peak_flops={H100_BF16_PEAK}"] if ("h100" in kind or "h200" in kind) else []
+    sxm = ("h100" in kind or "h200" in kind) and not ("pcie" in kind or "nvl" in kind)
+    return [f"train.peak_flops={H100_BF16_PEAK}"] if sxm else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -829,6 +831,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    # Before JAX starts its backend: this process and the dynjax.train runs it starts share the
+    # GPU, so neither takes 75% of its memory up front (JAX's default); both grow on demand.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     env = Env(tiny=args.tiny, out=args.out, repeats=2 if args.tiny else 10)
     results = Results(args.out, args.tiny)
     m = results.meta
