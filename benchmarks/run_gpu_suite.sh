@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# benchmarks/gpu_suite.py on a lent H100/H200, in two device calls of under 10 minutes each.
+#
+# Before the session asks for the machine, on this machine (it has the network):
+#   bash /work/shared/tools/gpu_wheels.sh      # the missing pure-Python wheels into ./.whl
+# Then two `run` calls with carry [".whl"] and timeout_s 600, in the repository root:
+#   bash benchmarks/run_gpu_suite.sh kernels    # kernels, attention, spmm, moe
+#   bash benchmarks/run_gpu_suite.sh training   # train, schemes, traces
+# Each writes $OUT/gpu_suite/gpu_suite.{json,md} (the second adds to the first's when the
+# machine stayed warm; otherwise merge the two JSON files' records) and, the second, the GPU
+# traces $OUT/gpu_suite/traces/<case>.jsonl for benchmarks/dynmo_cases.py (8 files in all: what
+# comes back from $OUT). `timeout` stops a hang before the call's limit; the JSON and .md are
+# rewritten after every record, so what finished comes back.
+set -uo pipefail
+half=${1:?"which half: kernels or training"}
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache  # a warm machine's second call reuses compiles
+out=${OUT:-/tmp/out}/gpu_suite
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"
+case $half in
+  kernels) only=kernels,attention,spmm,moe ;;
+  training) only=train,schemes,traces ;;
+  *) echo "unknown half '$half': kernels or training" >&2; exit 2 ;;
+esac
+timeout -k 10 560 python3 benchmarks/gpu_suite.py --out "$out" --only "$only"
+status=$?
+tail -n 60 "$out/gpu_suite.md"
+exit $status
