@@ -223,7 +223,7 @@ class PipelineRuntime:
         ragged MoE path the next steps take the new capacities as an input)."""
         migration = self.pipeline.swap(executable)
         if self.ragged:
-            self.pipeline.set_capacities(plan.capacities)
+            self.pipeline.set_capacities(plan.part("moe")["capacities"])
         return migration if migration is not None and migration.layers else None
 
     def checkpoint_state(self) -> dict[str, Any]:
