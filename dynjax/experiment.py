@@ -313,17 +313,23 @@ class Experiment:
             self.cfg.train.batch_size,
             self.cfg.data.seq_len,
             cached=(moe, self.model_cfg.top_k) if cached_routing_of(plan) else None,
-            capacities=(moe, self.model_cfg.num_experts) if self.ragged else None,
+            inputs=self.step_inputs(plan),
         )
 
     def device_batch(
         self, batch: Batch, cached: np.ndarray | None = None, plan: Plan | None = None
     ) -> dict[str, jax.Array]:
-        """A host batch (or this process's rows of it, `batch_rows`) on the mesh; on the ragged
-        MoE path with ``plan``'s capacities."""
+        """A host batch (or this process's rows of it, `batch_rows`) on the mesh, with
+        ``plan``'s step inputs."""
         if self.ragged and plan is None:
             raise ValueError("moe.dispatch='ragged' takes the Plan's capacities: pass plan")
-        return place_batch(self.mesh, batch, cached, capacities_of(plan) if self.ragged else None)
+        inputs = {} if plan is None else self.step_inputs(plan)
+        return place_batch(self.mesh, batch, cached, inputs)
+
+    def step_inputs(self, plan: Plan) -> dict[str, dict[int, np.ndarray]]:
+        """The step inputs of ``plan`` (`Plugin.step_inputs`): arrays its steps read rather
+        than compile in."""
+        return {k: v for p in self.plugins for k, v in p.step_inputs(plan).items()}
 
     # -- the pipeline ---------------------------------------------------------------------------
 
@@ -380,14 +386,13 @@ class Experiment:
                 state if state is not None else self.init_host_state(),
                 self.pipeline_spec(plan),
             )
-            if self.ragged:
-                pipeline.set_capacities(capacities_of(plan))
+            pipeline.set_inputs(self.step_inputs(plan))
             return PipelineRuntime(
                 pipeline,
                 ctx=self.ctx,
                 batch_size=t.batch_size,
                 seq_len=self.cfg.data.seq_len,
-                ragged=self.ragged,
+                step_inputs=self.step_inputs,
                 val_batches=self.val_batches,
                 rounds=self.stage_rounds,
             )

@@ -82,6 +82,7 @@ class Plugin:
     - `claims`: what it takes of which layers (`CLAIMS`), checked against the other schemes;
     - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
     - `plan_problems`: what is wrong with a Plan's part for this run (checked with the Plan);
+    - `step_inputs`: per-layer arrays the steps of a Plan read as inputs (no recompile);
     - `layer_options`: the per-layer records its block hooks and state rules read;
     - `policies`: the Controller policies the section asks for (pure `propose(history, plan)`);
     - `layer_costs`: each layer's relative cost under a Plan (a dense layer = 1.0; seed 000 §2
@@ -168,6 +169,12 @@ class Plugin:
 
     def initial_plan(self, plan: Plan) -> Plan:
         return plan
+
+    def step_inputs(self, plan: Plan) -> dict[str, dict[int, np.ndarray]]:
+        """Arrays every step of ``plan`` reads as inputs rather than compiles in, by name, one
+        row per layer that reads it (``{layer: row}``): a change of their values runs the same
+        programs (e.g. MoE's ragged capacities). Each stage gets the rows of its own layers."""
+        return {}
 
     def plan_problems(self, plan: Plan) -> list[str]:
         """Every problem of ``plan``'s part for this run, each with its fix; the Plan's

@@ -235,6 +235,14 @@ class MoEPlugin(Plugin):
     def plan_problems(self, plan: Plan) -> list[str]:
         return plan_problems(plan, self.moe)
 
+    def step_inputs(self, plan: Plan) -> dict[str, dict[int, np.ndarray]]:
+        """On the ragged path, each MoE layer's per-expert capacities (``capacities``, int32
+        [E]): an input of the step, so a change within the bucketed totals compiles nothing."""
+        if not self.ragged:
+            return {}
+        rows = zip(self.facts.model.moe_layers, capacities_of(plan), strict=True)
+        return {"capacities": {layer: np.asarray(caps, np.int32) for layer, caps in rows}}
+
     def initial_plan(self, plan: Plan) -> Plan:
         moe = self.section
         caps = static_capacities(self.moe, _static_factor(moe, self.moe))
