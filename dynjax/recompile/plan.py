@@ -79,8 +79,9 @@ class Plan:
       runs no backward at all (layer freezing, seed 000 §4.2.3).
     parts: each dynamism plugin's part of the Plan (DESIGN.md "Dynamism plugins"), as sorted
       ``(plugin name, part)`` pairs; a part is ``(field, value)`` pairs of JSON data (numbers,
-      strings, bools and nested tuples), read with `part` and changed with `with_part`. Nested
-      tuples of the same shape diff entry by entry.
+      strings, bools and nested tuples), read with `part` and changed with `with_part`. Tables
+      (tuples of tuples of scalars, e.g. MoE's per-expert capacities) of the same shape diff
+      entry by entry.
 
     >>> a = Plan().with_part("toy", width=((4, 4),))
     >>> b = a.with_part("toy", width=((4, 6),), on=True)
