@@ -64,6 +64,7 @@ import numpy as np
 from dynmo_cases import cadence, resizes, swap_seconds, swaps, synthetic_cases
 
 from dynjax.config import load_config, microbatches
+from dynjax.dynamism.moe.part import capacities_of
 from dynjax.experiment import Experiment
 from dynjax.model import ModelParts
 from dynjax.model.facts import moe_layer_indices
@@ -129,7 +130,7 @@ def resized(case: str | None, plan: Plan, layers: str, moe_layers: tuple[int, ..
         return tuple(out)
 
     if case == "MoE":
-        return plan.replace(capacities=half(plan.capacities, moe_layers))
+        return plan.with_part("moe", capacities=half(capacities_of(plan), moe_layers))
     name, field = {"sparse attention": ("sparse_attention", "budgets"),
                    "early exit": ("early_exit", "tokens")}[case]
     sizes = plan.part(name)[field]

@@ -34,11 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dynjax.model import MoE, SlotLayout  # noqa: E402
-from dynjax.model.moe import REUSE, Chunking  # noqa: E402
-from dynjax.parallel import expert_parallel, make_mesh  # noqa: E402
-from dynjax.recompile import History, Plan  # noqa: E402
-from dynjax.recompile.granularity import (  # noqa: E402
+from dynjax.dynamism.moe.granularity import (  # noqa: E402
     STEP_CHUNKS,
     STEP_ROWS,
     STEP_SECONDS,
@@ -46,6 +42,10 @@ from dynjax.recompile.granularity import (  # noqa: E402
     chunks_of,
     saved_bytes,
 )
+from dynjax.model import MoE, SlotLayout  # noqa: E402
+from dynjax.model.moe import REUSE, Chunking  # noqa: E402
+from dynjax.parallel import expert_parallel, make_mesh  # noqa: E402
+from dynjax.recompile import History, Plan  # noqa: E402
 
 SHARDS, E, K, S = 4, 8, 2, 128
 CHUNKS = (1, 2, 4, 8)
@@ -128,7 +128,7 @@ def time_tables(d: int, h: int, group_counts, rounds: int) -> None:
     print("   B rows | chosen n | its time | best fixed n | its time | ratio")
     policy = AdaptiveGranularity(CHUNKS, trials=3, warmup=1)
     for rows, programs, seconds in adaptive:
-        plan = Plan(capacities=((1,),)).with_part("moe", chunks=(1,), memory_reuse="none")
+        plan = Plan().with_part("moe", capacities=((1,),), chunks=(1,), memory_reuse="none")
         entries = []
         for step in range(24):
             n = chunks_of(plan)[0]

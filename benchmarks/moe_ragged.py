@@ -25,8 +25,10 @@ import jax
 import numpy as np
 
 from dynjax.config import default_config
+from dynjax.dynamism.moe.capacity import LOADS, DynamicCapacity, ragged_totals
+from dynjax.dynamism.moe.part import capacities_of, moe_context
 from dynjax.experiment import Experiment
-from dynjax.recompile import LOADS, DynamicCapacity, History, ragged_totals
+from dynjax.recompile import History
 
 
 def small_config(num_experts: int, dispatch: str):
@@ -55,9 +57,10 @@ def compile_seconds(exp: Experiment, plan) -> float:
 def uneven(exp: Experiment, seed: int):
     """Per-expert capacities between factor 0.5 and 2 (a DynamicCapacity-like Plan)."""
     rng = np.random.default_rng(seed)
-    lo, hi = exp.ctx.group_tokens * exp.ctx.top_k // exp.ctx.num_experts // 2, exp.ctx.group_tokens
-    caps = rng.integers(max(lo, 1), hi // 2 + 1, size=(exp.ctx.num_moe_layers, exp.ctx.num_experts))
-    return exp.initial_plan().replace(capacities=tuple(map(tuple, caps.tolist())))
+    moe = moe_context(exp.facts)
+    lo, hi = moe.group_tokens * moe.top_k // moe.num_experts // 2, moe.group_tokens
+    caps = rng.integers(max(lo, 1), hi // 2 + 1, size=(moe.num_moe_layers, moe.num_experts))
+    return exp.initial_plan().with_part("moe", capacities=tuple(map(tuple, caps.tolist())))
 
 
 def step_times(exps: dict[str, Experiment], plan, steps: int, rounds: int) -> dict[str, float]:
@@ -81,7 +84,7 @@ def step_times(exps: dict[str, Experiment], plan, steps: int, rounds: int) -> di
 
 def simulated_recompiles(exp: Experiment, steps: int, cache_size: int) -> dict[str, int]:
     """Recompiles of DynamicCapacity over ``steps`` synthetic steps, static vs ragged keys."""
-    ctx, cfg = exp.ctx, exp.cfg
+    ctx, cfg = moe_context(exp.facts), exp.cfg
     c = cfg.moe.capacity
     policy = DynamicCapacity(
         ctx,
@@ -94,10 +97,13 @@ def simulated_recompiles(exp: Experiment, steps: int, cache_size: int) -> dict[s
         hysteresis=c.hysteresis,
     )
     rng = np.random.default_rng(0)
-    groups, pairs = ctx.batch_size, ctx.group_tokens * ctx.top_k
+    groups, pairs = exp.ctx.batch_size, ctx.group_tokens * ctx.top_k
     logits = rng.normal(0, 0.5, size=(ctx.num_moe_layers, ctx.num_experts))
     plan, entries = exp.initial_plan(), []
-    key = {"static": lambda p: p, "ragged": lambda p: ragged_totals(ctx, p.capacities, 1, c.bucket)}
+    key = {
+        "static": lambda p: p,
+        "ragged": lambda p: ragged_totals(ctx, capacities_of(p), 1, c.bucket),
+    }
     caches = {name: OrderedDict({fn(plan): None}) for name, fn in key.items()}
     counts = {"static": 0, "ragged": 0, "plan changes": 0}
     for t in range(steps):

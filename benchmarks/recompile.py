@@ -208,11 +208,17 @@ def step_series(run: dict) -> dict[int, dict]:
     return {m["step"] - 1: m for m in run["metrics"] if "loss" in m}
 
 
+def moe_view(plan: dict) -> dict:
+    """A logged Plan (as a dict) with its MoE part's keys (capacities, cached routing) on top."""
+    return {**plan, **plan.get("parts", {}).get("moe", {})}
+
+
 def plan_timeline(run: dict, steps: int) -> list[dict]:
-    """The Plan (as a dict) each training step ran with, from the compile and recompile events."""
+    """The Plan (as a dict, `moe_view`) each training step ran with, from the compile and
+    recompile events."""
     first = next(e for e in run["events"] if e["event"] == "compile")
-    swaps = {e["swap_step"]: e["plan"] for e in run["events"] if e["event"] == "recompile"}
-    plan, out = first["plan"], []
+    swaps = {e["swap_step"]: moe_view(e["plan"]) for e in recompiles(run)}
+    plan, out = moe_view(first["plan"]), []
     for s in range(steps):
         plan = swaps.get(s, plan)
         out.append(plan)
@@ -327,7 +333,7 @@ def oracle_ratios(
     Expert FLOPs are proportional to the capacity slots above 1 (Table 2's FLOPs are linear).
     """
     sys.path.insert(0, str(REPO))
-    from dynjax.recompile import required_capacity
+    from dynjax.dynamism.moe.capacity import required_capacity
 
     n, num_layers, g, e = loads.shape
     pooled = loads.transpose(1, 0, 2, 3).reshape(num_layers, n * g, e)
@@ -351,19 +357,21 @@ def analyse_plans(
     """
     _analysis_cache(args)
     from dynjax.config import load_config
+    from dynjax.dynamism.moe.part import moe_context
     from dynjax.experiment import Experiment
     from dynjax.recompile import Plan
 
     cfg = load_config(CONFIG, _common(steps, args.aux_loss))
     exp = Experiment.from_config(cfg)
-    ctx = exp.ctx
+    ctx = moe_context(exp.facts)
     ones = {"capacities": [[1] * ctx.num_experts for _ in range(ctx.num_moe_layers)]}
     compiled, flops = {}, {}
     for p in [ones, *plans, *time_plans.values()]:
         key = json.dumps(p["capacities"])
         if key in flops:
             continue
-        plan = Plan.from_dict({**template, "capacities": p["capacities"]})
+        saved = Plan.from_dict({k: template[k] for k in Plan().to_dict()})
+        plan = saved.with_part("moe", capacities=p["capacities"])
         c = exp.lower_train_step(plan).compile()
         ca = c.cost_analysis()
         ca = ca[0] if isinstance(ca, list | tuple) else ca
@@ -442,7 +450,7 @@ def time_caching(args, common: list[str]) -> dict[str, float]:
     plan = exp_on.initial_plan()
     off = exp_off.lower_train_step(plan).compile()
     routed = exp_on.lower_train_step(plan).compile()
-    cached = exp_on.lower_train_step(plan.replace(cached_routing=True)).compile()
+    cached = exp_on.lower_train_step(plan.with_part("moe", cached_routing=True)).compile()
     host = [exp_on.order.batch(t) for t in range(args.time_steps)]
     plain = [exp_on.device_batch(b) for b in host]
     state = exp_on.init_state()
@@ -712,7 +720,8 @@ def caching_benchmark(args) -> tuple[str, dict, list[dict]]:
         f"{len(evs)} swaps"
         + (": " if evs else "")
         + ", ".join(
-            f"step {e['swap_step']} {'on' if e['plan']['cached_routing'] else 'off'}" for e in evs
+            f"step {e['swap_step']} {'on' if moe_view(e['plan'])['cached_routing'] else 'off'}"
+            for e in evs
         ),
         f"final loss (mean of last 20 steps): on {last(s_on):.4f}, off {last(s_off):.4f} "
         f"(diff {last(s_on) - last(s_off):+.4f}); eval loss: on {fmt(on['eval_loss'])}, off "
@@ -767,9 +776,11 @@ class CapacityChanges:
     def propose(self, history, plan):
         if history.latest_step is None or history.latest_step < self.due:
             return None
+        from dynjax.dynamism.moe.part import capacities_of
+
         self.due = history.latest_step + self.every
-        *rest, last = plan.capacities
-        return plan.replace(capacities=(*rest, tuple(c + 1 for c in last)))
+        *rest, last = capacities_of(plan)
+        return plan.with_part("moe", capacities=(*rest, tuple(c + 1 for c in last)))
 
 
 class TrainingThreadClock:

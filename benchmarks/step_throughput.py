@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from dynjax.config import load_config
+from dynjax.dynamism.moe.part import capacities_of
 from dynjax.experiment import Experiment
 from dynjax.model import GPT, lm_loss
 from dynjax.recompile import Budget, Compiler, Controller, Monitor
@@ -34,7 +35,7 @@ def hand_written(exp: Experiment, plan):
     opt_state = opt.init(params)
 
     def loss_fn(p, x, y):
-        logits, _ = nnx.merge(graphdef, p)(x, capacities=plan.capacities)
+        logits, _ = nnx.merge(graphdef, p)(x, capacities=capacities_of(plan))
         return lm_loss(logits, y)
 
     @jax.jit

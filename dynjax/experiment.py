@@ -24,6 +24,9 @@ from dynjax import resume
 from dynjax.balance import schedule_tasks
 from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
 from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context, plan_layer_options
+from dynjax.dynamism.moe.capacity import ragged_totals
+from dynjax.dynamism.moe.part import NAME as MOE
+from dynjax.dynamism.moe.part import cached_routing_of, capacities_of, moe_context
 from dynjax.errors import ConfigError
 from dynjax.launch.distributed import Peers as ProcessPeers
 from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
@@ -52,7 +55,7 @@ from dynjax.parallel.single import EvalSteps, abstract_batch, lower_step, place_
 from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
-from dynjax.recompile import Plan, PlanContext, PlanError, ragged_totals
+from dynjax.recompile import Plan, PlanContext, PlanError
 from dynjax.recompile.speeds import measure_speeds
 
 
@@ -125,6 +128,7 @@ class Experiment:
             speeds=None if probe is None else measure_speeds(*probe),
         )
         plugins = schemes.build(cfg, facts, link)
+        ctx = dataclasses.replace(ctx, checks=tuple(p.plan_problems for p in plugins))
         return cls(
             cfg=cfg,
             model_cfg=model_cfg,
@@ -244,7 +248,7 @@ class Experiment:
     @property
     def ragged(self) -> bool:
         """Whether the MoE layers take the ragged path (capacities as a step input)."""
-        return self.ctx.num_moe_layers > 0 and self.cfg.moe.dispatch == "ragged"
+        return bool(self.model_cfg.moe_layers) and self.cfg.moe.dispatch == "ragged"
 
     def ragged_totals(self, plan: Plan) -> tuple[int, ...]:
         """The ragged path's static buffers of ``plan``; () on the static path."""
@@ -252,8 +256,8 @@ class Experiment:
             return ()
         moe = self.cfg.moe
         return ragged_totals(
-            self.ctx,
-            plan.capacities,
+            moe_context(self.facts),
+            capacities_of(plan),
             self.cfg.mesh.expert,
             moe.capacity.bucket,
             expert_choice=moe.routing == "expert_choice",
@@ -265,18 +269,18 @@ class Experiment:
         same totals share one executable (issue 12 §1)."""
         if not self.ragged:
             return plan
-        return plan.replace(capacities=()), self.ragged_totals(plan)
+        return plan.with_part(MOE, capacities=()), self.ragged_totals(plan)
 
     def step_options(self, plan: Plan) -> StepOptions:
         return StepOptions(
-            capacities=() if self.ragged else plan.capacities,
+            capacities=() if self.ragged else capacities_of(plan),
             ragged_totals=self.ragged_totals(plan),
-            cached_routing=plan.cached_routing,
+            cached_routing=cached_routing_of(plan),
             microbatches=plan.microbatches,
             dtype=plan.dtype,
             aux_loss_weight=self.cfg.moe.aux_loss_weight,
             z_loss_weight=self.cfg.moe.z_loss_weight,
-            return_assignments=self.ctx.num_moe_layers > 0 and self.cfg.moe.caching.enabled,
+            return_assignments=bool(self.model_cfg.moe_layers) and self.cfg.moe.caching.enabled,
             frozen_layers=plan.frozen_layers,
             layer_options=self.layer_options(plan),
         )
@@ -303,23 +307,29 @@ class Experiment:
         return lower_step(step, self.abstract_state, self.abstract_batch(plan))
 
     def abstract_batch(self, plan: Plan) -> dict[str, jax.ShapeDtypeStruct]:
-        moe = self.ctx.num_moe_layers
+        moe = len(self.model_cfg.moe_layers)
         return abstract_batch(
             self.mesh,
             self.cfg.train.batch_size,
             self.cfg.data.seq_len,
-            cached=(moe, self.ctx.top_k) if plan.cached_routing else None,
-            capacities=(moe, self.ctx.num_experts) if self.ragged else None,
+            cached=(moe, self.model_cfg.top_k) if cached_routing_of(plan) else None,
+            inputs=self.step_inputs(plan),
         )
 
     def device_batch(
         self, batch: Batch, cached: np.ndarray | None = None, plan: Plan | None = None
     ) -> dict[str, jax.Array]:
-        """A host batch (or this process's rows of it, `batch_rows`) on the mesh; on the ragged
-        MoE path with ``plan``'s capacities."""
+        """A host batch (or this process's rows of it, `batch_rows`) on the mesh, with
+        ``plan``'s step inputs."""
         if self.ragged and plan is None:
             raise ValueError("moe.dispatch='ragged' takes the Plan's capacities: pass plan")
-        return place_batch(self.mesh, batch, cached, plan.capacities if self.ragged else None)
+        inputs = {} if plan is None else self.step_inputs(plan)
+        return place_batch(self.mesh, batch, cached, inputs)
+
+    def step_inputs(self, plan: Plan) -> dict[str, dict[int, np.ndarray]]:
+        """The step inputs of ``plan`` (`Plugin.step_inputs`): arrays its steps read rather
+        than compile in."""
+        return {k: v for p in self.plugins for k, v in p.step_inputs(plan).items()}
 
     # -- the pipeline ---------------------------------------------------------------------------
 
@@ -327,11 +337,11 @@ class Experiment:
         stages = stage_specs(
             plan.stage_layers,
             moe_layers=self.model_cfg.moe_layers,
-            capacities=plan.capacities,
+            capacities=capacities_of(plan),
             frozen_layers=plan.frozen_layers,
             microbatches=plan.microbatches,
             batch_size=self.cfg.train.batch_size,
-            cached_routing=plan.cached_routing,
+            cached_routing=cached_routing_of(plan),
             dtype=plan.dtype,
             options=self.layer_options(plan),
             ragged_totals=self.ragged_totals(plan),
@@ -348,7 +358,7 @@ class Experiment:
             grad_clip=t.grad_clip,
             aux_loss_weight=moe.aux_loss_weight,
             z_loss_weight=moe.z_loss_weight,
-            return_assignments=self.ctx.num_moe_layers > 0 and moe.caching.enabled,
+            return_assignments=bool(self.model_cfg.moe_layers) and moe.caching.enabled,
             fsdp=self.cfg.parallel.fsdp,
         )
         # Up to `cache_size` Plans' worth of stage programs: about four kinds per stage, and
@@ -376,14 +386,13 @@ class Experiment:
                 state if state is not None else self.init_host_state(),
                 self.pipeline_spec(plan),
             )
-            if self.ragged:
-                pipeline.set_capacities(plan.capacities)
+            pipeline.set_inputs(self.step_inputs(plan))
             return PipelineRuntime(
                 pipeline,
                 ctx=self.ctx,
                 batch_size=t.batch_size,
                 seq_len=self.cfg.data.seq_len,
-                ragged=self.ragged,
+                step_inputs=self.step_inputs,
                 val_batches=self.val_batches,
                 rounds=self.stage_rounds,
             )

@@ -45,6 +45,8 @@ from dynjax.checkpoint.strategy import (
 )
 from dynjax.data import Batch, Prefetcher
 from dynjax.dynamism import BUILTIN, Schemes, layer_costs
+from dynjax.dynamism.moe.caching import STABILITY, AssignmentCache
+from dynjax.dynamism.moe.part import base_capacity, cached_routing_of, capacities_of, moe_context
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
@@ -57,8 +59,6 @@ from dynjax.parallel.peers import Rounds
 from dynjax.parallel.profile import device_memory_limit
 from dynjax.parallel.runtime import Runtime
 from dynjax.recompile import (
-    STABILITY,
-    AssignmentCache,
     Budget,
     Compiler,
     Controller,
@@ -393,10 +393,10 @@ class _Loop:
         self.controller = self._controller(policies)
         self.cache = (
             AssignmentCache(
-                exp.ctx.num_moe_layers,
+                len(exp.model_cfg.moe_layers),
                 cfg.data.seq_len,
-                exp.ctx.top_k,
-                exp.ctx.num_experts,
+                exp.model_cfg.top_k,
+                exp.model_cfg.num_experts,
                 max_entries=cfg.moe.caching.max_entries,
             )
             if exp.step_options(plan).return_assignments
@@ -518,7 +518,7 @@ class _Loop:
     def dispatch(self, step: int, batch: Batch) -> dict[str, Any]:
         """Dispatch ``step`` (profiled where due); its metrics as device arrays."""
         runtime, executable = self.runtime, self.executable
-        cached = self.cache.lookup(batch.sample_ids) if self.plan.cached_routing else None
+        cached = self.cache.lookup(batch.sample_ids) if cached_routing_of(self.plan) else None
         if self.fault_at == step + 1:
             self.fault_at = 0  # once: the re-run of this step goes through
             raise InjectedFault(f"step {step + 1} (checkpoint.inject_fault_at)")
@@ -689,12 +689,11 @@ class _Logger:
         if "moe/tokens_per_expert" in metrics:
             record["tokens_per_expert"] = metrics["moe/tokens_per_expert"].tolist()
             record["capacity_factor"] = float(
-                np.mean(plan.capacities)
-                / (self.exp.ctx.group_tokens * self.exp.ctx.top_k / self.exp.ctx.num_experts)
+                np.mean(capacities_of(plan)) / base_capacity(moe_context(self.exp.facts))
             )
         if STABILITY in metrics and np.isfinite(metrics[STABILITY]):
             record["routing_stability"] = float(metrics[STABILITY])
-            record["cached_routing"] = plan.cached_routing
+            record["cached_routing"] = cached_routing_of(plan)
         self.writer.write(done, record)
         bar.set_postfix(
             loss=f"{record['loss']:.3f}",

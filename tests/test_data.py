@@ -180,7 +180,7 @@ def test_both_runtimes_evaluate_a_validation_set_smaller_than_a_batch(tmp_path, 
 
 def test_eval_steps_are_kept_for_the_last_cache_size_plans():
     exp = Experiment.from_config(tiny_config(moe__every=2, recompile__cache_size=2))
-    a, b, c = (exp.initial_plan().replace(capacities=((n,) * 4,)) for n in (3, 4, 5))
+    a, b, c = (exp.initial_plan().with_part("moe", capacities=((n,) * 4,)) for n in (3, 4, 5))
     first = exp.eval_step(a)
     assert exp.eval_step(a) is first
     exp.eval_step(b)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dynjax.dynamism.moe.part import capacities_of
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.recompile import Plan
@@ -105,15 +106,15 @@ def test_a_resume_keeps_what_the_policies_decided_unless_its_keys_changed():
     cfg = tiny_config(moe__every=1, mesh__stage=2, pipeline__schedule="gpipe")
     exp = Experiment.from_config(cfg)
     initial = exp.initial_plan()
-    decided = initial.replace(
-        capacities=((5, 9, 12, 3), (7, 7, 7, 7)), cached_routing=True, stage_layers=(1, 1)
+    decided = initial.replace(stage_layers=(1, 1)).with_part(
+        "moe", capacities=((5, 9, 12, 3), (7, 7, 7, 7)), cached_routing=True
     )
     assert exp.resumed_plan(decided, {}) == decided
     assert exp.resumed_plan(decided, {"train.learning_rate": (1e-3, 2e-3)}) == decided
     new_factor = exp.resumed_plan(decided, {"moe.capacity.factor": (1.0, 1.25)})
-    assert new_factor == decided.replace(capacities=initial.capacities)
+    assert new_factor == decided.with_part("moe", capacities=capacities_of(initial))
     schedule = exp.resumed_plan(decided.replace(schedule="1f1b"), {"pipeline.schedule": (0, 0)})
-    assert schedule.schedule == "gpipe" and schedule.capacities == decided.capacities
+    assert schedule.schedule == "gpipe" and capacities_of(schedule) == capacities_of(decided)
 
 
 def test_config_changes_counts_keys_an_older_run_lacked_with_their_default():
@@ -132,9 +133,10 @@ class RaiseCapacities:
     name = "raise"
 
     def propose(self, history, plan):
-        if history.latest_step is None or history.latest_step < 3 or plan.capacities[0][0] > 20:
+        caps = capacities_of(plan)
+        if history.latest_step is None or history.latest_step < 3 or caps[0][0] > 20:
             return None
-        return plan.replace(capacities=tuple(tuple(c + 1 for c in cs) for cs in plan.capacities))
+        return plan.with_part("moe", capacities=tuple(tuple(c + 1 for c in cs) for cs in caps))
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from dynjax.recompile import PlanContext
 
 if TYPE_CHECKING:
     from dynjax.recompile import Plan, Policy
-    from dynjax.recompile.granularity import Speeds
+    from dynjax.recompile.speeds import Speeds
 
 # What a scheme may claim of a layer (`Plugin.claims`): two enabled schemes that claim the same
 # thing of the same layer cannot run together (`Schemes.build` refuses them).
@@ -42,10 +42,6 @@ def plan_context(facts: ModelFacts) -> PlanContext:
     """The Plan's view of ``facts`` (what decides whether a Plan is possible)."""
     m = facts.model
     return PlanContext(
-        num_moe_layers=len(m.moe_layers),
-        num_experts=m.num_experts,
-        top_k=m.top_k,
-        group_tokens=facts.seq_len,
         batch_size=facts.batch_size,
         num_layers=m.num_layers,
         pipeline_stages=facts.pipeline_stages,
@@ -85,6 +81,8 @@ class Plugin:
     state of the run lives on the instance):
     - `claims`: what it takes of which layers (`CLAIMS`), checked against the other schemes;
     - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
+    - `plan_problems`: what is wrong with a Plan's part for this run (checked with the Plan);
+    - `step_inputs`: per-layer arrays the steps of a Plan read as inputs (no recompile);
     - `layer_options`: the per-layer records its block hooks and state rules read;
     - `policies`: the Controller policies the section asks for (pure `propose(history, plan)`);
     - `layer_costs`: each layer's relative cost under a Plan (a dense layer = 1.0; seed 000 §2
@@ -171,6 +169,17 @@ class Plugin:
 
     def initial_plan(self, plan: Plan) -> Plan:
         return plan
+
+    def step_inputs(self, plan: Plan) -> dict[str, dict[int, np.ndarray]]:
+        """Arrays every step of ``plan`` reads as inputs rather than compiles in, by name, one
+        row per layer that reads it (``{layer: row}``): a change of their values runs the same
+        programs (e.g. MoE's ragged capacities). Each stage gets the rows of its own layers."""
+        return {}
+
+    def plan_problems(self, plan: Plan) -> list[str]:
+        """Every problem of ``plan``'s part for this run, each with its fix; the Plan's
+        validation lists them with its own (`PlanContext.checks`)."""
+        return []
 
     def layer_options(self, plan: Plan) -> Sequence[Any] | None:
         """Each layer's static record for the scheme's block hook (None for a layer it leaves

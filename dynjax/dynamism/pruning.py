@@ -374,8 +374,8 @@ class PruningPlugin(Plugin):
         return layer_records(
             self.abstract_params,
             p.include,
-            self.ctx.top_k,
-            self.ctx.num_experts,
+            self.facts.model.top_k,
+            self.facts.model.num_experts,
             block_size=p.block_size if p.granularity == "block" else 0,
             sparse=part.get("sparse", ()),
             loop=part.get("loop", True),  # False only in Plans made to count FLOPs

@@ -60,7 +60,7 @@ def evaluate(
                 loss = programs.get("eval", last)
                 t = batch.place("targets", m, m_count, stage_inputs.rows(last.index))
                 ctx = {} if carry is None else {"carry": carry}
-                ctx.update(stage_inputs.capacities_of(last))
+                ctx.update(stage_inputs.inputs_of(last))
                 losses.append(loss(stages.state[last.index]["params"], x, ctx, t))
     return float(np.mean(jax.device_get(losses))) if losses else None
 

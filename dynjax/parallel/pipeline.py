@@ -32,6 +32,7 @@ from dynjax.parallel.profiler import PendingProfile, Profiler
 from dynjax.parallel.stage_inputs import StageInputs
 from dynjax.parallel.stage_state import Migration, StageState, state_layout
 from dynjax.parallel.stages import PipelineSpec
+from dynjax.parallel.step_inputs import StepInputs
 from dynjax.parallel.step_run import StepRunner
 from dynjax.parallel.timeline import PendingTimeline, TimedSteps
 
@@ -85,9 +86,9 @@ class Pipeline:
         """The full ``{"params", "opt_state"}`` tree as host arrays."""
         return jax.device_get(self.full_state())
 
-    def set_capacities(self, capacities: Any) -> None:
-        """`StageInputs.set_capacities`: the ragged MoE path's capacities from the next step."""
-        self.inputs.set_capacities(capacities)
+    def set_inputs(self, inputs: StepInputs) -> None:
+        """`StageInputs.set_inputs`: the step inputs from the next step on."""
+        self.inputs.set_inputs(inputs)
 
     def swap(self, exe: PipelineExecutable) -> Migration | None:
         """Run ``exe`` from the next step. A spec with the same `state_layout` only switches

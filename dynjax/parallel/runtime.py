@@ -24,6 +24,7 @@ from dynjax.parallel.pipeline import Pipeline, host_metrics
 from dynjax.parallel.profiler import PendingProfile
 from dynjax.parallel.stage_state import Migration
 from dynjax.parallel.stages import PipelineSpec
+from dynjax.parallel.step_inputs import StepInputs
 
 if TYPE_CHECKING:  # carried, never built here: parallel sits below recompile and the data
     from dynjax.data import Batch
@@ -150,11 +151,11 @@ class PipelineRuntime:
         ctx: PlanContext,
         batch_size: int,
         seq_len: int,
-        ragged: bool,
+        step_inputs: Callable[[Plan], StepInputs],
         val_batches: Sequence[Batch],
         rounds: Callable[[str], Rounds],
     ) -> None:
-        self.pipeline, self.ctx, self.ragged = pipeline, ctx, ragged
+        self.pipeline, self.ctx, self.step_inputs = pipeline, ctx, step_inputs
         self.batch_size, self.seq_len = batch_size, seq_len
         self.val_batches, self.rounds = val_batches, rounds
         self.available_stages = ctx.pipeline_stages
@@ -219,11 +220,10 @@ class PipelineRuntime:
 
     def swap(self, plan: Plan, executable) -> Migration | None:
         """Migrate layers to their new stages when the state layout changed (`Pipeline.swap`);
-        a change of capacities, cached routing or schedule swaps without waiting (on the
-        ragged MoE path the next steps take the new capacities as an input)."""
+        a change of step inputs, cached routing or schedule swaps without waiting (the next
+        steps take the new Plan's step inputs)."""
         migration = self.pipeline.swap(executable)
-        if self.ragged:
-            self.pipeline.set_capacities(plan.capacities)
+        self.pipeline.set_inputs(self.step_inputs(plan))
         return migration if migration is not None and migration.layers else None
 
     def checkpoint_state(self) -> dict[str, Any]:

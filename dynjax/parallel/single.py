@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.parallel.feed import place_rows
 from dynjax.parallel.mesh import TOKEN_AXES, batch_sharding
+from dynjax.parallel.step_inputs import StepInputs, rows_of
 
 if TYPE_CHECKING:
     from dynjax.data import Batch
@@ -40,20 +41,19 @@ def abstract_batch(
     seq_len: int,
     *,
     cached: tuple[int, int] | None,
-    capacities: tuple[int, int] | None,
+    inputs: StepInputs,
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """A step's batch as ``jax.ShapeDtypeStruct``s: tokens, plus with ``cached`` (MoE layers,
-    top-k) the cached routing and with ``capacities`` (MoE layers, experts) the ragged path's
-    capacities."""
+    top-k) the cached routing, and the step ``inputs`` (replicated)."""
     b, s = batch_size, seq_len
     tokens = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(mesh))
     batch = {"inputs": tokens, "targets": tokens}
     if cached is not None:
         shape = (cached[0], b, s, cached[1])
         batch["cached"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=_cached(mesh))
-    if capacities is not None:
-        batch["capacities"] = jax.ShapeDtypeStruct(
-            capacities, jnp.int32, sharding=NamedSharding(mesh, P())
+    for name, rows in rows_of(inputs).items():
+        batch[name] = jax.ShapeDtypeStruct(
+            rows.shape, rows.dtype, sharding=NamedSharding(mesh, P())
         )
     return batch
 
@@ -62,10 +62,10 @@ def place_batch(
     mesh: jax.sharding.Mesh,
     batch: Batch,
     cached: np.ndarray | None,
-    capacities: tuple[int, ...] | None,
+    inputs: StepInputs,
 ) -> dict[str, jax.Array]:
-    """A host batch (or this process's rows of it) on the mesh, with the cached routing and
-    the ragged path's ``capacities`` where given."""
+    """A host batch (or this process's rows of it) on the mesh, with the cached routing where
+    given and the step ``inputs``."""
     sharding, rows = batch_sharding(mesh), np.arange(len(batch.sample_ids))
     out = {
         "inputs": place_rows(batch.inputs, batch.rows, rows, sharding),
@@ -73,9 +73,8 @@ def place_batch(
     }
     if cached is not None:
         out["cached"] = jax.device_put(cached, _cached(mesh))
-    if capacities is not None:
-        caps = np.asarray(capacities, np.int32)
-        out["capacities"] = jax.device_put(caps, NamedSharding(mesh, P()))
+    for name, rows in rows_of(inputs).items():
+        out[name] = jax.device_put(rows, NamedSharding(mesh, P()))
     return out
 
 

@@ -1,5 +1,5 @@
 """What a stage's programs read besides its parameters and activations: batch rows, context,
-the ragged MoE path's capacities and the early-exit readout.
+the step inputs of its layers (`dynjax.parallel.step_inputs`) and the early-exit readout.
 
 The training step and evaluation place these the same way (`stage_programs` module docstring:
 ``ctx``), so they come from one place.
@@ -19,6 +19,7 @@ from dynjax.parallel.mesh import TOKEN_AXES
 from dynjax.parallel.stage_programs import READOUT_UNITS
 from dynjax.parallel.stage_state import StageState
 from dynjax.parallel.stages import PipelineSpec, StageSpec
+from dynjax.parallel.step_inputs import StepInputs, rows_of
 
 
 class Batch(Protocol):
@@ -33,10 +34,10 @@ class StageInputs:
     def __init__(self, stages: StageState) -> None:
         self.stages = stages
         self.transport = stages.transport
-        # The ragged MoE path's per-expert capacities [MoE layers, E] (`set_capacities`), and
-        # each stage's rows of them on its sub-mesh, placed once per (stage, MoE layers).
-        self.capacities: np.ndarray | None = None
-        self._stage_capacities: dict[tuple[int, tuple[int, ...]], jax.Array] = {}
+        # The step inputs (`set_inputs`), and each stage's rows of them on its sub-mesh, placed
+        # once per (stage, layers).
+        self.inputs: StepInputs = {}
+        self._stage_inputs: dict[tuple[int, tuple[int, ...]], dict[str, jax.Array]] = {}
 
     def rows(self, stage: int) -> NamedSharding:
         return self.transport.sharding(stage, P(TOKEN_AXES))
@@ -49,35 +50,29 @@ class StageInputs:
         m_count = spec.microbatches
         return [(self.rows(s), rows[m::m_count]) for s in fed for m in range(m_count)]
 
-    def set_capacities(self, capacities: Any) -> None:
-        """The ragged MoE path's per-expert capacities ([MoE layers, E], model order) that the
-        next steps and evaluations run with: an input of the stage programs (``ctx``), so a
-        change within the stages' totals (`StageSpec.ragged_totals`) compiles nothing."""
-        self.capacities = np.asarray(capacities, np.int32)
-        self._stage_capacities = {}
+    def set_inputs(self, inputs: StepInputs) -> None:
+        """The step inputs the next steps and evaluations run with: inputs of the stage
+        programs (``ctx``), so changing their values compiles nothing."""
+        self.inputs = inputs
+        self._stage_inputs = {}
 
-    def capacities_of(self, stage: StageSpec) -> dict[str, jax.Array]:
-        """``{"capacities": the stage's rows}`` on its sub-mesh; empty off the ragged path."""
-        if not stage.ragged_totals:
-            return {}
-        key = (stage.index, stage.moe)
-        if key not in self._stage_capacities:
-            if self.capacities is None:
-                raise ValueError("the ragged MoE path runs with capacities: set_capacities first")
-            moe = [i for st in self.stages.spec.stages for i in st.moe]
-            rows = self.capacities[[moe.index(i) for i in stage.moe]]
+    def inputs_of(self, stage: StageSpec) -> dict[str, jax.Array]:
+        """The rows of the stage's layers of each step input, on its sub-mesh."""
+        key = (stage.index, stage.layers)
+        if key not in self._stage_inputs:
             sharding = self.transport.sharding(stage.index, P())
-            self._stage_capacities[key] = jax.device_put(rows, sharding)
-        return {"capacities": self._stage_capacities[key]}
+            rows = rows_of(self.inputs, stage.layers)
+            self._stage_inputs[key] = {k: jax.device_put(v, sharding) for k, v in rows.items()}
+        return self._stage_inputs[key]
 
     def context(
         self, stage: StageSpec, carry: Any, batch: Batch, m: int, m_count: int
     ) -> dict[str, Any]:
         """What the stage's wrappers read for microbatch ``m`` of ``m_count`` besides the
-        readout (carry, targets), and the ragged MoE path's capacities: stored with the stage
+        readout (carry, targets), and the step inputs of its layers: stored with the stage
         input for the backward."""
         ctx = {} if carry is None else {"carry": carry}
-        ctx.update(self.capacities_of(stage))
+        ctx.update(self.inputs_of(stage))
         if stage.needs_targets:
             ctx["targets"] = batch.place("targets", m, m_count, self.rows(stage.index))
         return ctx

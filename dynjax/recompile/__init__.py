@@ -4,14 +4,6 @@ The training step is a pure function of a static `Plan`; a `Controller` runs pol
 the `Monitor` reads Δ steps late, and swaps in a new Plan once the `Compiler` has built it.
 """
 
-from dynjax.recompile.caching import STABILITY, AssignmentCache, CachingPolicy
-from dynjax.recompile.capacity import (
-    LOADS,
-    DynamicCapacity,
-    drop_fraction,
-    ragged_totals,
-    required_capacity,
-)
 from dynjax.recompile.compiler import (
     Compiler,
     CompileResult,
@@ -21,29 +13,17 @@ from dynjax.recompile.compiler import (
 from dynjax.recompile.controller import Controller, Swap
 from dynjax.recompile.events import EventLog
 from dynjax.recompile.monitor import Monitor
-from dynjax.recompile.plan import (
-    Plan,
-    PlanContext,
-    PlanError,
-    base_capacity,
-    capacity_for_factor,
-    static_capacities,
-)
+from dynjax.recompile.plan import Plan, PlanContext, PlanError
 from dynjax.recompile.policy import History, Policy, Proposal
 from dynjax.recompile.rebalance import Rebalance, moved_layers
 from dynjax.recompile.repack import Repack
 from dynjax.recompile.rounds import Budget
 
 __all__ = [
-    "LOADS",
-    "STABILITY",
-    "AssignmentCache",
     "Budget",
-    "CachingPolicy",
     "CompileResult",
     "Compiler",
     "Controller",
-    "DynamicCapacity",
     "EventLog",
     "History",
     "Monitor",
@@ -55,13 +35,7 @@ __all__ = [
     "Rebalance",
     "Repack",
     "Swap",
-    "base_capacity",
-    "capacity_for_factor",
     "default_cache_dir",
-    "drop_fraction",
     "enable_persistent_cache",
     "moved_layers",
-    "ragged_totals",
-    "required_capacity",
-    "static_capacities",
 ]

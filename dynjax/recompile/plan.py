@@ -9,8 +9,8 @@ have defaults, so a Plan saved before a field existed still loads (`Plan.from_di
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from dynjax.balance import SCHEDULES
@@ -26,27 +26,22 @@ class PlanError(ValueError):
 class PlanContext:
     """The facts about the model and batch that decide whether a Plan is possible.
 
-    `group_tokens` is the number of tokens in one dispatch group (one sequence of `seq_len`
-    tokens), the unit capacities are counted in. `pipeline_stages` is the number of stage
-    sub-meshes a Plan may use: the mesh's stages less those released after a re-pack (0: no
-    pipeline, the single-program step). A Plan may use fewer (stage s runs on sub-mesh s).
-    `batch_shards` is the devices one stage splits a microbatch over (mesh.data * mesh.expert).
+    `pipeline_stages` is the number of stage sub-meshes a Plan may use: the mesh's stages less
+    those released after a re-pack (0: no pipeline, the single-program step). A Plan may use
+    fewer (stage s runs on sub-mesh s). `batch_shards` is the devices one stage splits a
+    microbatch over (mesh.data * mesh.expert). `checks` are the run's plugins' checks of their
+    own parts (`Plugin.plan_problems`): each returns the problems it finds, with their fixes.
     """
 
-    num_moe_layers: int
-    num_experts: int
-    top_k: int
-    group_tokens: int
     batch_size: int
     num_layers: int = 0
     pipeline_stages: int = 0
     batch_shards: int = 1
+    checks: tuple[Callable[[Plan], list[str]], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if (
-            self.num_moe_layers < 0
-            or min(self.num_experts, self.top_k, self.group_tokens, self.batch_size) < 1
-            or self.top_k > self.num_experts
+            self.batch_size < 1
             or self.pipeline_stages < 0
             or self.batch_shards < 1
             or self.num_layers < self.pipeline_stages
@@ -72,10 +67,6 @@ def _thaw(value: Any) -> Any:
 class Plan:
     """Everything static about the compiled step; equal Plans share executables.
 
-    capacities: one tuple of E ints per MoE layer, in layer order: slots per expert per dispatch
-      group (one sequence), so they do not depend on batch size or mesh (seed 001 §4.1, Eq. 4).
-    cached_routing: dispatch with the cached sample assignment instead of waiting for the router
-      (seed 001 §4.2).
     microbatches: gradient-accumulation steps inside one train step; in a pipeline, the
       microbatches the schedule moves through the stages (one source of truth for both).
     dtype: compute dtype, one of `DTYPES`.
@@ -88,23 +79,20 @@ class Plan:
       runs no backward at all (layer freezing, seed 000 §4.2.3).
     parts: each dynamism plugin's part of the Plan (DESIGN.md "Dynamism plugins"), as sorted
       ``(plugin name, part)`` pairs; a part is ``(field, value)`` pairs of JSON data (numbers,
-      strings, bools and nested tuples), read with `part` and changed with `with_part`. MoE's
-      part predates them and keeps its own fields, `capacities` and `cached_routing`, so Plans
-      saved before and policies that name them work unchanged.
+      strings, bools and nested tuples), read with `part` and changed with `with_part`. Tables
+      (tuples of tuples of scalars, e.g. MoE's per-expert capacities) of the same shape diff
+      entry by entry.
 
-    >>> a = Plan(capacities=((4, 4),))
-    >>> b = a.replace(capacities=((4, 6),), cached_routing=True)
+    >>> a = Plan().with_part("toy", width=((4, 4),))
+    >>> b = a.with_part("toy", width=((4, 6),), on=True)
     >>> a.diff(b)
-    {'capacities[0][1]': (4, 6), 'cached_routing': (False, True)}
+    {'parts.toy.on': (None, True), 'parts.toy.width[0][1]': (4, 6)}
     >>> Plan.from_dict(b.to_dict()) == b
     True
-    >>> c = b.with_part("toy", width=(8, 4))
-    >>> c.part("toy"), b.diff(c)
-    ({'width': (8, 4)}, {'parts.toy.width': (None, [8, 4])})
+    >>> b.part("toy")
+    {'on': True, 'width': ((4, 6),)}
     """
 
-    capacities: tuple[tuple[int, ...], ...] = ()
-    cached_routing: bool = False
     microbatches: int = 1
     dtype: str = "float32"
     stage_layers: tuple[int, ...] = ()
@@ -117,9 +105,6 @@ class Plan:
             object.__setattr__(self, f.name, _freeze(getattr(self, f.name)))
         parts = self.parts.items() if isinstance(self.parts, dict) else self.parts
         object.__setattr__(self, "parts", _freeze_parts(dict(parts)))
-        # NumPy integers from a policy would hash equal but break JSON: store Python ints.
-        caps = tuple(tuple(int(c) for c in layer) for layer in self.capacities)
-        object.__setattr__(self, "capacities", caps)
         object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
         # A set of layers: one order, so equal sets are equal Plans.
         frozen = tuple(sorted({int(i) for i in self.frozen_layers}))
@@ -140,29 +125,7 @@ class Plan:
 
     def validate(self, ctx: PlanContext) -> None:
         """Raise `PlanError` listing every problem of this Plan for `ctx`, each with its fix."""
-        problems = []
-        if len(self.capacities) != ctx.num_moe_layers:
-            problems.append(
-                f"capacities has {len(self.capacities)} layers but the model has "
-                f"{ctx.num_moe_layers} MoE layers: build it with static_capacities(ctx, factor)"
-            )
-        for layer, caps in enumerate(self.capacities):
-            if len(caps) != ctx.num_experts:
-                problems.append(
-                    f"capacities[{layer}] has {len(caps)} experts but the model has "
-                    f"{ctx.num_experts}: give one capacity per expert"
-                )
-            for expert, c in enumerate(caps):
-                if c < 1:
-                    problems.append(
-                        f"capacities[{layer}][{expert}] = {c} is below 1: an expert needs at "
-                        "least one slot (raise the minimum capacity factor)"
-                    )
-                elif c > ctx.group_tokens:
-                    problems.append(
-                        f"capacities[{layer}][{expert}] = {c} exceeds the {ctx.group_tokens} "
-                        "tokens of a dispatch group: clip it to group_tokens"
-                    )
+        problems = [p for check in ctx.checks for p in check(self)]
         if self.microbatches < 1:
             problems.append(f"microbatches = {self.microbatches} must be at least 1")
         elif ctx.batch_size % self.microbatches:
@@ -221,8 +184,8 @@ class Plan:
     def diff(self, other: Plan) -> dict[str, tuple[Any, Any]]:
         """Changed fields as `name -> (self value, other value)`, JSON-serialisable.
 
-        Capacities of the same shape are compared entry by entry: only changed experts appear,
-        under keys `capacities[layer][expert]`.
+        Nested tuples of the same shape (e.g. per-expert capacities) are compared entry by
+        entry: only changed entries appear, under keys like `parts.moe.capacities[layer][expert]`.
         """
         out: dict[str, tuple[Any, Any]] = {}
         for f in dataclasses.fields(self):
@@ -231,11 +194,6 @@ class Plan:
                 continue
             if f.name == "parts":
                 out.update(_parts_diff(self, other))
-            elif f.name == "capacities" and [len(x) for x in old] == [len(x) for x in new]:
-                for layer, (a, b) in enumerate(zip(old, new, strict=True)):
-                    for expert, (ca, cb) in enumerate(zip(a, b, strict=True)):
-                        if ca != cb:
-                            out[f"capacities[{layer}][{expert}]"] = (ca, cb)
             else:
                 out[f.name] = (_thaw(old), _thaw(new))
         return out
@@ -248,12 +206,11 @@ class Plan:
     def __str__(self) -> str:
         lines = ["Plan"]
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "capacities":
-                lines.append(f"  capacities: {len(value)} MoE layers")
-                lines += [f"    layer {i}: {' '.join(map(str, c))}" for i, c in enumerate(value)]
-            else:
-                lines.append(f"  {f.name}: {value}")
+            if f.name != "parts":
+                lines.append(f"  {f.name}: {getattr(self, f.name)}")
+        for name, part in self.parts:
+            lines.append(f"  {name}:")
+            lines += [f"    {key}: {value}" for key, value in part]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -264,7 +221,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        """Inverse of `to_dict`; fields missing from `d` (saved before they existed) default."""
+        """Inverse of `to_dict`; fields missing from `d` (saved before they existed) default.
+        MoE's ``capacities`` and ``cached_routing``, top-level fields of Plans saved before it
+        became a plugin, go into its part."""
+        d = dict(d)
+        legacy = {k: d.pop(k) for k in _LEGACY_MOE if k in d}
+        if legacy.get("capacities") or legacy.get("cached_routing"):
+            parts = dict(d.get("parts", {}))
+            parts["moe"] = {"cached_routing": False, **legacy, **dict(parts.get("moe", {}))}
+            d["parts"] = parts
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -272,6 +237,10 @@ class Plan:
                 f"unknown Plan fields {unknown}: the Plan was saved by a newer dynjax; upgrade"
             )
         return cls(**d)
+
+
+# Top-level fields of Plans saved before MoE was a plugin; now keys of its part.
+_LEGACY_MOE = ("capacities", "cached_routing")
 
 
 def _freeze_parts(parts: dict[str, Any]) -> tuple:
@@ -287,24 +256,29 @@ def _parts_diff(a: Plan, b: Plan) -> dict[str, tuple[Any, Any]]:
     for name in sorted(set(dict(a.parts)) | set(dict(b.parts))):
         old, new = a.part(name), b.part(name)
         for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                out[f"parts.{name}.{key}"] = (_thaw(old.get(key)), _thaw(new.get(key)))
+            out.update(_entry_diff(f"parts.{name}.{key}", old.get(key), new.get(key)))
     return out
 
 
-def base_capacity(ctx: PlanContext) -> float:
-    """Slots per expert per group at capacity factor 1.0: group_tokens * top_k / E (Eq. 4)."""
-    return ctx.group_tokens * ctx.top_k / ctx.num_experts
+def _entry_diff(key: str, old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
+    """``{key: (old, new)}`` if they differ; tables (tuples of tuples) of the same shape entry
+    by entry, as ``key[row][column]``."""
+    if old == new:
+        return {}
+    if _shape(old) is not None and _shape(old) == _shape(new):
+        return {
+            f"{key}[{i}][{j}]": (a, b)
+            for i, (row_a, row_b) in enumerate(zip(old, new, strict=True))
+            for j, (a, b) in enumerate(zip(row_a, row_b, strict=True))
+            if a != b
+        }
+    return {key: (_thaw(old), _thaw(new))}
 
 
-def capacity_for_factor(ctx: PlanContext, factor: float) -> int:
-    """ceil(factor * base_capacity), clipped to [1, group_tokens] (seed 001 §4.1, Eq. 4)."""
-    # The small tolerance keeps float noise (0.1 * 30 = 3.0000000000000004) from adding a slot.
-    c = math.ceil(factor * base_capacity(ctx) - 1e-9)
-    return min(max(c, 1), ctx.group_tokens)
-
-
-def static_capacities(ctx: PlanContext, factor: float) -> tuple[tuple[int, ...], ...]:
-    """A static, global capacity factor (the baseline of seed 001 §5.2) as Plan.capacities."""
-    c = capacity_for_factor(ctx, factor)
-    return tuple((c,) * ctx.num_experts for _ in range(ctx.num_moe_layers))
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """The row lengths of a table of scalars; None for anything else."""
+    if not isinstance(value, tuple) or not all(isinstance(row, tuple) for row in value):
+        return None
+    if any(isinstance(v, tuple) for row in value for v in row):
+        return None
+    return tuple(len(row) for row in value)

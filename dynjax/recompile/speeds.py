@@ -6,14 +6,30 @@ plugins as a fact (`RunLink.speeds`), so no plugin hook times the device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dynjax.model.moe import host_offload_supported
-from dynjax.recompile.granularity import Speeds
 from pallas_kernels.timing import median_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Speeds:
+    """Measured speeds (seed 002 §II-C): ``comp`` FLOP/s of the expert matmuls, ``comm`` bytes/s
+    of the all-to-all, ``mem`` bytes/s of device-host copies (0: the backend cannot offload).
+    ``mu_comp``, ``mu_all``: the all-to-all's speed factor while experts compute, and while
+    copies run too; ``eta_all``: the copies' factor while both others run (Fig. 3)."""
+
+    comp: float
+    comm: float
+    mem: float
+    mu_comp: float = 1.0
+    mu_all: float = 1.0
+    eta_all: float = 1.0
 
 
 def measure_speeds(rows: int, d_model: int, hidden: int, repeats: int = 5) -> Speeds:

@@ -138,7 +138,7 @@ def expert_load(run: Run) -> ExpertLoad | None:
     groups = groups_per_step(run, tokens)
     plans = plans_at(plan_changes(run.events), steps)
     for t, plan in enumerate(plans):
-        caps = np.asarray((plan or {}).get("capacities") or [], dtype=np.float64)
+        caps = np.asarray(_capacities(plan or {}), dtype=np.float64)
         if groups is not None and caps.shape == shape:
             capacity[t] = caps * groups
     layers = moe_layer_indices(run)
@@ -349,3 +349,8 @@ def event_marks(run: Run) -> dict[str, np.ndarray]:
         if kind in out:
             out[kind].append(int(at))
     return {k: np.array(sorted(v), dtype=np.int64) for k, v in out.items() if v}
+
+
+def _capacities(plan: dict) -> list:
+    """The capacities of a logged Plan: in MoE's part, or a top-level field of older runs'."""
+    return plan.get("parts", {}).get("moe", {}).get("capacities") or plan.get("capacities") or []

@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 
+from dynjax.dynamism.moe.part import capacities_of
 from dynjax.experiment import Experiment
 from dynjax.model import lm_loss
 from dynjax.parallel.step import cast_floats
@@ -60,7 +61,7 @@ def test_frozen_layers_keep_parameters_and_moments_the_others_match_stopped_grad
             lambda path, x: jax.lax.stop_gradient(x) if frozen(path) else x, p)
         from flax import nnx
         model = nnx.merge(exp.graphdef, cast_floats(p, np.float32))
-        caps = exp.initial_plan().capacities
+        caps = capacities_of(exp.initial_plan())
         logits, stats = model(batch.inputs, capacities=caps)
         aux = sum(np.float32(0) + s.aux_loss.mean() for s in stats)
         return lm_loss(logits, batch.targets) + CFG.moe.aux_loss_weight * aux

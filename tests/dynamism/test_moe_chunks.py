@@ -14,13 +14,7 @@ import pytest
 from flax import nnx
 
 from dynjax.config import validate_config
-from dynjax.errors import ConfigError
-from dynjax.experiment import Experiment
-from dynjax.model import MoE, RaggedCapacities
-from dynjax.model.moe import REUSE, Chunking
-from dynjax.parallel import expert_parallel, make_mesh
-from dynjax.recompile import History, Plan
-from dynjax.recompile.granularity import (
+from dynjax.dynamism.moe.granularity import (
     RESTORE,
     STEP_CHUNKS,
     STEP_ROWS,
@@ -35,6 +29,12 @@ from dynjax.recompile.granularity import (
     saved_bytes,
     workload,
 )
+from dynjax.errors import ConfigError
+from dynjax.experiment import Experiment
+from dynjax.model import MoE, RaggedCapacities
+from dynjax.model.moe import REUSE, Chunking
+from dynjax.parallel import expert_parallel, make_mesh
+from dynjax.recompile import History, Plan
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
@@ -278,7 +278,7 @@ def test_policy_searches_then_follows_ranges():
     """Synthetic step times with a best n that grows with B (n=2 at B=100, n=4 at B=400)."""
     truth = {100: {1: 1.0, 2: 0.8, 4: 0.9}, 400: {1: 4.0, 2: 3.5, 4: 3.0}}
     policy = AdaptiveGranularity((1, 2, 4), trials=2, warmup=1, d_model=16, hidden=64)
-    plan = Plan(capacities=((4, 4),)).with_part("moe", chunks=(1,), memory_reuse="S4")
+    plan = Plan().with_part("moe", capacities=((4, 4),), chunks=(1,), memory_reuse="S4")
     steps, rows, proposals = [], 100, []
     for _ in range(40):
         n = chunks_of(plan)[0]

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from dynjax.config import validate_config
+from dynjax.dynamism.moe.part import capacities_of
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model import MoE, RaggedCapacities
@@ -136,7 +137,7 @@ def test_ragged_train_step_equals_static(setup):
     for dispatch in ("static", "ragged"):
         exp = Experiment.from_config(tiny_config(moe__every=1, moe__dispatch=dispatch, **setup))
         plan = exp.initial_plan()
-        plan = plan.replace(capacities=((3, 9, 5, 12), (8, 8, 2, 6)))
+        plan = plan.with_part("moe", capacities=((3, 9, 5, 12), (8, 8, 2, 6)))
         out.append(_one_step(exp, plan, jax.device_get(exp.init_state()), exp.order.batch(0)))
     (p_s, o_s, m_s), (p_r, o_r, m_r) = out
     assert m_s["moe/dropped"].sum() > 0
@@ -163,8 +164,8 @@ class ShiftCapacity:
         if step < self.last + 3:
             return None
         self.last = step
-        caps = tuple(caps[1:] + caps[:1] for caps in plan.capacities)
-        return Proposal(plan.replace(capacities=caps), "rotate")
+        caps = tuple(caps[1:] + caps[:1] for caps in capacities_of(plan))
+        return Proposal(plan.with_part("moe", capacities=caps), "rotate")
 
 
 @pytest.mark.slow
@@ -180,7 +181,7 @@ def test_runtime_capacity_changes_swap_without_compiling(tmp_path):
     )
     exp = Experiment.from_config(cfg)
     first = exp.initial_plan()  # 20 slots per expert: a total of min(80, 32 * 2) = 64 rows
-    start = first.replace(capacities=((4, 12, 28, 32),))
+    start = first.with_part("moe", capacities=((4, 12, 28, 32),))
     assert exp.compile_key(start) == exp.compile_key(first)
     summary = train(cfg, tmp_path, policies=[ShiftCapacity(start)], progress=False)
     swaps = events_of(tmp_path, "recompile")
@@ -238,7 +239,7 @@ def test_ragged_pipeline_takes_new_capacities_with_the_same_programs():
                       mesh__stage=2)
     exp = Experiment.from_config(cfg)
     first = exp.initial_plan()  # 20 slots per expert: a total of min(80, 32 * 2) = 64 rows
-    tight = first.replace(capacities=((2, 30, 4, 28), (16, 16, 16, 16)))
+    tight = first.with_part("moe", capacities=((2, 30, 4, 28), (16, 16, 16, 16)))
     assert exp.pipeline_spec(tight) == exp.pipeline_spec(first)
     executable = exp.lower_train_step(first).compile()
     batch = exp.order.batch(0)
@@ -249,7 +250,7 @@ def test_ragged_pipeline_takes_new_capacities_with_the_same_programs():
         metrics = runtime.host_metrics(0, jax.device_get(runtime.step(executable, batch, None)))
         drops.append(metrics["moe/dropped"])
     single = Experiment.from_config(tiny_config(moe__every=1, moe__dispatch="ragged"))
-    plan = single.initial_plan().replace(capacities=tight.capacities)
+    plan = single.initial_plan().with_part("moe", capacities=capacities_of(tight))
     _, _, want = _one_step(single, plan, jax.device_get(single.init_state()), batch)
     before, after = drops
     assert after[0] > before[0]

@@ -238,7 +238,7 @@ def test_static_cost_is_the_busiest_ranks_slots():
     """Capacities (2, 5, 3, 4) over 2 expert ranks: every rank computes max(2, 3) + max(5, 4) = 8
     slots per group (the padded layout), against 2 * base at factor 1."""
     exp = Experiment.from_config(tiny_config(moe__every=2, mesh__expert=2))
-    plan = exp.initial_plan().replace(capacities=((2, 5, 3, 4),))
+    plan = exp.initial_plan().with_part("moe", capacities=((2, 5, 3, 4),))
     base = S_TINY * 2 / 4
     assert MoEPlugin(exp.cfg.moe, exp.facts).layer_costs(plan) == pytest.approx(
         [1.0, 8 / (2 * base)]

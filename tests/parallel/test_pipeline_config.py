@@ -11,16 +11,7 @@ from dynjax.train import main
 
 from ..tiny import tiny_config
 
-CTX = PlanContext(
-    num_moe_layers=0,
-    num_experts=1,
-    top_k=1,
-    group_tokens=8,
-    batch_size=8,
-    num_layers=4,
-    pipeline_stages=3,
-    batch_shards=2,
-)
+CTX = PlanContext(batch_size=8, num_layers=4, pipeline_stages=3, batch_shards=2)
 
 
 @pytest.mark.parametrize(
@@ -121,8 +112,7 @@ def test_pipeline_plan_fields_round_trip_and_old_plans_load():
     old = Plan.from_dict({"capacities": [], "cached_routing": False, "microbatches": 1,
                           "dtype": "float32"})  # saved before the pipeline existed
     assert old.stage_layers == () and old.schedule == "1f1b" and old.frozen_layers == ()
-    single = PlanContext(num_moe_layers=0, num_experts=1, top_k=1, group_tokens=8,
-                         batch_size=8, num_layers=4)
+    single = PlanContext(batch_size=8, num_layers=4)
     old.validate(single)
     old.replace(frozen_layers=(1,)).validate(single)  # the single-program step freezes too
     with pytest.raises(PlanError, match=r"frozen_layers \[4\] are not layers"):

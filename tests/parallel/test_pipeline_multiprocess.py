@@ -339,7 +339,7 @@ def test_the_routing_cache_switches_on_in_every_process_at_the_same_step(
          if e["event"] == "recompile"]
         for w in workdirs
     ]
-    assert swaps[0] == swaps[1] and swaps[0][0][1] == {"cached_routing": [False, True]}
+    assert swaps[0] == swaps[1] and swaps[0][0][1] == {"parts.moe.cached_routing": [False, True]}
     switched = swaps[0][0][0]
     records = [[r for r in read_jsonl(w / "metrics.jsonl") if "routing_stability" in r]
                for w in workdirs]

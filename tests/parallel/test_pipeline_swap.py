@@ -61,9 +61,9 @@ def test_only_moved_or_frozen_layers_change_the_state_layout():
 @pytest.mark.slow
 def test_a_capacity_change_swaps_without_migrating_or_waiting(exp, monkeypatch):
     old = exp.initial_plan()
-    new = old.replace(capacities=NEW_CAPACITIES)
+    new = old.with_part("moe", capacities=NEW_CAPACITIES)
     new.validate(exp.ctx)
-    cached = new.replace(cached_routing=True)
+    cached = new.with_part("moe", cached_routing=True)
     before, after, after_cached = (
         exp.lower_train_step(p).compile() for p in (old, new, cached)
     )
@@ -93,7 +93,7 @@ def test_a_capacity_change_swaps_without_migrating_or_waiting(exp, monkeypatch):
 def test_profiling_a_swapped_in_plan_compiles_nothing_on_the_training_thread(exp, monkeypatch):
     compiler = Compiler(functools.partial(exp.lower_train_step, profiling=True))
     old = exp.initial_plan()
-    new = old.replace(capacities=NEW_CAPACITIES)
+    new = old.with_part("moe", capacities=NEW_CAPACITIES)
     try:
         runtime = exp.runtime(old)
         runtime.profile_step(compiler.get(old).executable, exp.order.batch(0), None)

@@ -1,5 +1,6 @@
 """Controller: background recompiles swapped in at step boundaries, rejections, budget, errors."""
 
+import functools
 import json
 import threading
 import time
@@ -10,23 +11,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dynjax.dynamism.moe.capacity import DynamicCapacity
+from dynjax.dynamism.moe.part import (
+    MoEContext,
+    cached_routing_of,
+    capacities_of,
+    plan_problems,
+    static_capacities,
+)
 from dynjax.recompile import (
     Budget,
     Compiler,
     Controller,
-    DynamicCapacity,
     EventLog,
     Monitor,
     Plan,
     PlanContext,
     Proposal,
     Rebalance,
-    static_capacities,
 )
 
 from ..helpers import SetMicrobatches, Toggle, ToyLowerer, profile
 
-CTX = PlanContext(num_moe_layers=0, num_experts=1, top_k=1, group_tokens=8, batch_size=4)
+CTX = PlanContext(batch_size=4)
 GENEROUS = Budget(max_recompiles=10, window_steps=100)
 
 
@@ -169,11 +176,14 @@ def test_one_round_compiles_the_changes_of_all_policies_together():
         name: str = "cache"
 
         def propose(self, history, plan):
-            return None if plan.cached_routing else plan.replace(cached_routing=True)
+            return None if cached_routing_of(plan) else plan.with_part("moe", cached_routing=True)
 
     run = train([SetMicrobatches(2), Cached()], steps=60)
     (event,) = run.of("recompile")
-    assert event["plan_diff"] == {"microbatches": (1, 2), "cached_routing": (False, True)}
+    assert event["plan_diff"] == {
+        "microbatches": (1, 2),
+        "parts.moe.cached_routing": (None, True),
+    }
     assert event["policy"] == "set_microbatches+cache"
     assert event["reason"] == "set_microbatches: test wants it; cache"
 
@@ -216,13 +226,14 @@ def test_events_are_json_lines(tmp_path):
 
 def test_dynamic_capacity_end_to_end_on_a_toy_moe_step():
     """The capacity policy drives recompiles of a step whose shapes depend on capacities."""
-    ctx = PlanContext(num_moe_layers=1, num_experts=4, top_k=1, group_tokens=64, batch_size=8)
+    ctx = MoEContext(num_moe_layers=1, num_experts=4, top_k=1, group_tokens=64)
+    moe_check = functools.partial(plan_problems, ctx=ctx)
     rng = np.random.default_rng(0)
     share = np.array([0.45, 0.3, 0.2, 0.05])
     loads = rng.multinomial(64, share, size=(400, 1, 8))  # [steps, L, G, E]
 
     def lower_fn(plan):
-        caps = np.asarray(plan.capacities)
+        caps = np.asarray(capacities_of(plan))
 
         def step(group_loads):  # [L, G, E]: a stand-in for MoE layers compiled for `caps`
             kept = jnp.minimum(group_loads, caps[:, None, :]).sum()
@@ -230,7 +241,7 @@ def test_dynamic_capacity_end_to_end_on_a_toy_moe_step():
 
         return jax.jit(step).lower(jax.ShapeDtypeStruct((1, 8, 4), jnp.int32))
 
-    plan = Plan(capacities=static_capacities(ctx, 1.0))
+    plan = Plan().with_part("moe", capacities=static_capacities(ctx, 1.0))
     compiler = Compiler(lower_fn)
     executable = compiler.get(plan).executable
     events: list[dict] = []
@@ -240,7 +251,7 @@ def test_dynamic_capacity_end_to_end_on_a_toy_moe_step():
         compiler,
         [policy],
         emit=events.append,
-        validate=lambda p: p.validate(ctx),
+        validate=lambda p: p.validate(PlanContext(batch_size=8, checks=(moe_check,))),
         budget=Budget(4, 1000),
     )
     monitor = Monitor(delta=2)
@@ -263,7 +274,7 @@ def test_dynamic_capacity_end_to_end_on_a_toy_moe_step():
         compiler.shutdown()
     recompiles = [e for e in events if e["event"] == "recompile"]
     assert 1 <= len(recompiles) <= 2, events
-    caps = np.asarray(controller.plan.capacities[0])
+    caps = np.asarray(capacities_of(controller.plan)[0])
     assert caps[0] > 16 > caps[3]  # the hot expert grew, the cold one shrank
     assert np.mean(dropped[-100:]) <= 0.01 < np.mean(dropped[:10])
 

@@ -49,7 +49,7 @@ def test_both_processes_swap_to_process_0s_plans_at_the_same_steps(tmp_path, mes
     workdirs = (tmp_path, tmp_path / "process_1")
     swaps = [
         [
-            (e["swap_step"], e["plan"]["capacities"], e["cache_hit"])
+            (e["swap_step"], e["plan"]["parts"]["moe"]["capacities"], e["cache_hit"])
             for e in read_jsonl(w / "events.jsonl")
             if e["event"] == "recompile"
         ]

@@ -8,16 +8,26 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynjax.recompile import plan as plan_module
-from dynjax.recompile.plan import (
-    Plan,
-    PlanContext,
-    PlanError,
-    capacity_for_factor,
+from dynjax.dynamism.moe.part import (
+    MoEContext,
+    cached_routing_of,
+    capacities_of,
+    plan_problems,
     static_capacities,
+    with_capacities,
 )
+from dynjax.recompile import plan as plan_module
+from dynjax.recompile.plan import Plan, PlanContext, PlanError
 
-CTX = PlanContext(num_moe_layers=2, num_experts=4, top_k=2, group_tokens=64, batch_size=8)
+MOE = MoEContext(num_moe_layers=2, num_experts=4, top_k=2, group_tokens=64)
+# The Plan's validation with MoE's check of its part, as a run with MoE layers has it.
+CTX = PlanContext(batch_size=8, checks=(lambda plan: plan_problems(plan, MOE),))
+
+
+def moe_plan(capacities, cached_routing: bool = False, **fields) -> Plan:
+    """A Plan with MoE's part: these capacities and cached routing."""
+    plan = with_capacities(Plan(**fields), capacities)
+    return plan.with_part("moe", cached_routing=cached_routing)
 
 
 def test_docstring_examples():
@@ -25,46 +35,46 @@ def test_docstring_examples():
 
 
 def test_equal_plans_hash_equal_whatever_the_container():
-    a = Plan(capacities=((32, 32, 40, 24), (32,) * 4), microbatches=2)
-    b = Plan(capacities=[np.array([32, 32, 40, 24]), [32] * 4], microbatches=2)
+    a = moe_plan(((32, 32, 40, 24), (32,) * 4), microbatches=2)
+    b = moe_plan([np.array([32, 32, 40, 24]), [32] * 4], microbatches=2)
     assert a == b and hash(a) == hash(b)
     assert {a: "exe"}[b] == "exe"
-    assert all(type(c) is int for layer in b.capacities for c in layer)
-    assert a != a.replace(cached_routing=True)
+    assert all(type(c) is int for layer in capacities_of(b) for c in layer)
+    assert a != a.with_part("moe", cached_routing=True)
 
 
 def test_diff_lists_only_changed_experts():
-    a = Plan(capacities=static_capacities(CTX, 1.0))
-    b = a.replace(capacities=((32, 48, 32, 32), (32, 32, 32, 16)), dtype="bfloat16")
+    a = moe_plan(static_capacities(MOE, 1.0))
+    b = with_capacities(a, ((32, 48, 32, 32), (32, 32, 32, 16))).replace(dtype="bfloat16")
     diff = a.diff(b)
     assert diff == {
-        "capacities[0][1]": (32, 48),
-        "capacities[1][3]": (32, 16),
+        "parts.moe.capacities[0][1]": (32, 48),
+        "parts.moe.capacities[1][3]": (32, 16),
         "dtype": ("float32", "bfloat16"),
     }
     json.dumps(diff)
     assert a.format_diff(b).splitlines() == [
-        "capacities[0][1]: 32 -> 48",
-        "capacities[1][3]: 32 -> 16",
         "dtype: float32 -> bfloat16",
+        "parts.moe.capacities[0][1]: 32 -> 48",
+        "parts.moe.capacities[1][3]: 32 -> 16",
     ]
     assert a.diff(a) == {} and a.format_diff(a) == "(no change)"
 
 
 def test_diff_of_capacities_with_another_shape_shows_both_whole():
-    a = Plan(capacities=((4, 4),))
-    b = Plan(capacities=((4, 4), (8, 8)))
-    assert a.diff(b) == {"capacities": ([[4, 4]], [[4, 4], [8, 8]])}
+    a = moe_plan(((4, 4),))
+    b = moe_plan(((4, 4), (8, 8)))
+    assert a.diff(b) == {"parts.moe.capacities": ([[4, 4]], [[4, 4], [8, 8]])}
 
 
 def test_str_shows_every_field_and_layer():
-    text = str(Plan(capacities=((1, 2), (3, 4)), microbatches=2))
-    assert "layer 0: 1 2" in text and "layer 1: 3 4" in text
+    text = str(moe_plan(((1, 2), (3, 4)), microbatches=2))
+    assert "capacities: ((1, 2), (3, 4))" in text
     assert "microbatches: 2" in text and "cached_routing: False" in text
 
 
 def test_valid_plan_passes():
-    Plan(capacities=static_capacities(CTX, 1.25), microbatches=4, dtype="bfloat16").validate(CTX)
+    moe_plan(static_capacities(MOE, 1.25), microbatches=4, dtype="bfloat16").validate(CTX)
 
 
 @pytest.mark.parametrize(
@@ -80,7 +90,8 @@ def test_valid_plan_passes():
     ],
 )
 def test_invalid_plans_name_the_field(changes, words):
-    plan = Plan(capacities=static_capacities(CTX, 1.0)).replace(**changes)
+    caps = changes.pop("capacities", static_capacities(MOE, 1.0))
+    plan = moe_plan(caps).replace(**changes)
     with pytest.raises(PlanError) as err:
         plan.validate(CTX)
     assert isinstance(err.value, ValueError)
@@ -89,21 +100,29 @@ def test_invalid_plans_name_the_field(changes, words):
 
 
 def test_validation_reports_every_problem_at_once():
-    plan = Plan(capacities=((0, 32, 32, 32), (32,) * 4), microbatches=3, dtype="int8")
+    plan = moe_plan(((0, 32, 32, 32), (32,) * 4), microbatches=3, dtype="int8")
     with pytest.raises(PlanError) as err:
         plan.validate(CTX)
     assert len(str(err.value).splitlines()) == 4  # header + three problems
 
 
 def test_json_round_trip_restores_an_equal_hashable_plan():
-    plan = Plan(capacities=((8, 16), (24, 8)), cached_routing=True, microbatches=2)
+    plan = moe_plan(((8, 16), (24, 8)), cached_routing=True, microbatches=2)
     back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert back == plan and hash(back) == hash(plan)
-    assert isinstance(back.capacities[0], tuple)
+    assert isinstance(capacities_of(back)[0], tuple)
 
 
 def test_from_dict_defaults_fields_saved_before_they_existed():
-    assert Plan.from_dict({"capacities": [[4, 4]]}) == Plan(capacities=((4, 4),))
+    assert Plan.from_dict({"capacities": [[4, 4]]}) == moe_plan(((4, 4),))
+
+
+def test_from_dict_moves_older_top_level_moe_fields_into_its_part():
+    old = {"capacities": [[4, 4]], "cached_routing": True, "parts": {"moe": {"chunks": [2]}}}
+    plan = Plan.from_dict(old)
+    assert capacities_of(plan) == ((4, 4),) and cached_routing_of(plan)
+    assert plan.part("moe")["chunks"] == (2,)
+    assert Plan.from_dict({"capacities": [], "cached_routing": False}) == Plan()
 
 
 def test_from_dict_rejects_unknown_fields():
@@ -118,23 +137,11 @@ def test_from_dict_rejects_unknown_fields():
     dtype=st.sampled_from(["float32", "bfloat16"]),
 )
 def test_round_trip_and_self_diff_property(caps, cached, micro, dtype):
-    plan = Plan(capacities=caps, cached_routing=cached, microbatches=micro, dtype=dtype)
+    plan = moe_plan(caps, cached_routing=cached, microbatches=micro, dtype=dtype)
     back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert back == plan and hash(back) == hash(plan) and plan.diff(back) == {}
 
 
-def test_static_capacities_follow_eq4_and_clip():
-    # C = ceil(factor * group_tokens * top_k / E) = ceil(1.1 * 64 * 2 / 4) = ceil(35.2)
-    assert static_capacities(CTX, 1.1) == ((36,) * 4,) * 2
-    assert capacity_for_factor(CTX, 1.0) == 32
-    assert capacity_for_factor(CTX, 100.0) == 64  # never more than a group holds
-    assert capacity_for_factor(CTX, 1e-6) == 1  # never below one slot
-    ctx = PlanContext(num_moe_layers=1, num_experts=1, top_k=1, group_tokens=30, batch_size=1)
-    assert capacity_for_factor(ctx, 0.1) == 3  # 0.1 * 30 is 3.0000000000000004 in floats
-
-
 def test_an_impossible_context_is_refused():
     with pytest.raises(PlanError):
-        PlanContext(num_moe_layers=1, num_experts=2, top_k=4, group_tokens=8, batch_size=1)
-    with pytest.raises(PlanError):
-        PlanContext(num_moe_layers=1, num_experts=0, top_k=1, group_tokens=8, batch_size=1)
+        PlanContext(batch_size=0)

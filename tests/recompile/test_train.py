@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from dynjax.dynamism.moe.part import capacities_of
 from dynjax.experiment import Experiment
 from dynjax.recompile import Proposal
 from dynjax.train import train
@@ -11,6 +12,8 @@ from dynjax.writers import read_jsonl
 
 from ..helpers import events_of, train_with_warm_cache
 from ..tiny import tiny_config
+
+ROUTING = "parts.moe.cached_routing"  # its key in a Plan diff
 
 
 @pytest.mark.slow
@@ -28,7 +31,7 @@ def test_capacity_change_without_drops_keeps_outputs_and_state():
 
     params_a, opt_a, metrics_a = run(ample)
     tight = np.maximum(metrics_a["moe/group_loads"].max(axis=1), 1)  # [L, E]: the most needed
-    plan_b = ample.replace(capacities=tuple(map(tuple, tight.tolist())))
+    plan_b = ample.with_part("moe", capacities=tuple(map(tuple, tight.tolist())))
     assert plan_b != ample
     params_b, opt_b, metrics_b = run(plan_b)
     assert metrics_a["moe/dropped"].sum() == metrics_b["moe/dropped"].sum() == 0
@@ -62,7 +65,7 @@ def test_dynamic_capacity_recompiles_in_the_background(tmp_path):
     assert summary.compiled == sum(not r["cache_hit"] for r in recompiles)
     first = recompiles[0]
     assert first["steps_during_compile"] > 0 and first["swap_step"] > first["step"]
-    assert any(k.startswith("capacities[") for k in first["plan_diff"])
+    assert any(k.startswith("parts.moe.capacities[") for k in first["plan_diff"])
     assert first["swap_stall_seconds"] < 1.0
     records = [r for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r]
     assert records[0]["capacity_factor"] == 0.25 and records[0]["dropped_fraction"] > 0.01
@@ -76,8 +79,8 @@ class InvalidPlan:
 
     def propose(self, history, plan):
         if history.latest_step is not None and history.latest_step >= 2:
-            bad = tuple((0,) + caps[1:] for caps in plan.capacities)
-            return Proposal(plan.replace(capacities=bad), "test")
+            bad = tuple((0,) + caps[1:] for caps in capacities_of(plan))
+            return Proposal(plan.with_part("moe", capacities=bad), "test")
         return None
 
 
@@ -110,8 +113,8 @@ def test_caching_switches_on_when_routing_is_stable(tmp_path):
         recompile__delta_launch=1,
     )
     workdir, _ = train_with_warm_cache(cfg, tmp_path)
-    switches = [e for e in events_of(workdir, "recompile") if "cached_routing" in e["plan_diff"]]
-    assert switches and switches[0]["plan_diff"]["cached_routing"] == [False, True]
+    switches = [e for e in events_of(workdir, "recompile") if ROUTING in e["plan_diff"]]
+    assert switches and switches[0]["plan_diff"][ROUTING] == [False, True]
     records = [r for r in read_jsonl(workdir / "metrics.jsonl") if "routing_stability" in r]
     assert records and all(0.0 <= r["routing_stability"] <= 1.0 for r in records)
     assert any(r["cached_routing"] for r in records)

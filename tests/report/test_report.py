@@ -97,12 +97,13 @@ def test_moe_capacity_is_the_plans_slots_per_step(runs):
     assert (load.tokens.sum(axis=2) == 8 * 32 * 2).all()
     # The first Plan: ceil(1.25 x 32 x 2 / 4) = 20 slots per sequence, x 8 sequences per step.
     first_plan = report.plan_changes(run.events)[0][1]
-    assert first_plan["capacities"] == [[20] * 4] * 2
+    assert first_plan["parts"]["moe"]["capacities"] == [[20] * 4] * 2
     assert (load.capacity[0] == 160).all()
     changes = report.plan_changes(run.events)
     for t, step in enumerate(steps):
         plan = [p for b, p in changes if b < step][-1]
-        np.testing.assert_array_equal(load.capacity[t], np.array(plan["capacities"]) * 8)
+        caps = plan["parts"]["moe"]["capacities"]
+        np.testing.assert_array_equal(load.capacity[t], np.array(caps) * 8)
 
 
 def test_pipeline_load_layout_and_decisions(runs):

@@ -8,17 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dynjax.recompile.capacity import (
+from dynjax.dynamism.moe.capacity import (
     LOADS,
     DynamicCapacity,
     drop_fraction,
     required_capacity,
 )
-from dynjax.recompile.plan import Plan, PlanContext, static_capacities
-from dynjax.recompile.policy import History
+from dynjax.dynamism.moe.part import MoEContext, capacities_of, static_capacities, with_capacities
+from dynjax.recompile import History, Plan
 
 # 2 MoE layers, 8 experts, top-2, 128-token groups: factor 1.0 is 32 slots per expert
-CTX = PlanContext(num_moe_layers=2, num_experts=8, top_k=2, group_tokens=128, batch_size=16)
+CTX = MoEContext(num_moe_layers=2, num_experts=8, top_k=2, group_tokens=128)
+GROUPS = 16  # dispatch groups (sequences) per step
 BASE = 32
 
 
@@ -28,7 +29,7 @@ def skewed_loads(steps: int, seed: int = 0, share=None) -> list[np.ndarray]:
     share = np.array(share if share is not None else [6, 4, 3, 2, 2, 1, 1, 1], float)
     share /= share.sum()
     return [
-        rng.multinomial(2 * 128, share, size=(CTX.num_moe_layers, CTX.batch_size))
+        rng.multinomial(2 * 128, share, size=(CTX.num_moe_layers, GROUPS))
         for _ in range(steps)
     ]
 
@@ -38,7 +39,7 @@ def history(loads: list[np.ndarray], start: int = 0) -> History:
 
 
 def baseline() -> Plan:
-    return Plan(capacities=static_capacities(CTX, 1.0))
+    return with_capacities(Plan(), static_capacities(CTX, 1.0))
 
 
 def policy(**kwargs) -> DynamicCapacity:
@@ -53,7 +54,7 @@ def window_loads(loads: list[np.ndarray]) -> np.ndarray:
 def test_hot_experts_get_more_capacity_cold_ones_less():
     loads = skewed_loads(20)
     proposal = policy().propose(history(loads), baseline())
-    caps = np.asarray(proposal.plan.capacities)
+    caps = np.asarray(capacities_of(proposal.plan))
     assert (caps[:, 0] > BASE).all()
     assert (caps[:, 5:] <= BASE).all() and caps[:, 5:].mean() < BASE
     assert (np.diff(caps[:, [0, 1, 2, 5]], axis=1) <= 0).all()  # ordered like the load
@@ -65,9 +66,9 @@ def test_drop_rate_on_the_window_meets_the_target(target):
     loads = skewed_loads(20, seed=1)
     capacity = policy(target_drop_rate=target, max_factor=4.0)  # no expert capped
     plan = capacity.propose(history(loads), baseline()).plan
-    dropped = drop_fraction(window_loads(loads), np.asarray(plan.capacities))
+    dropped = drop_fraction(window_loads(loads), np.asarray(capacities_of(plan)))
     assert (dropped <= target).all()
-    assert (drop_fraction(window_loads(loads), np.asarray(baseline().capacities)) > 0.05).all()
+    assert (drop_fraction(window_loads(loads), np.asarray(capacities_of(baseline()))) > 0.05).all()
 
 
 def test_capacities_are_bucketed_and_clipped():
@@ -75,7 +76,7 @@ def test_capacities_are_bucketed_and_clipped():
     assert capacity.buckets.tolist() == [16, 24, 32, 40, 48, 56, 64]
     share = [40, 4, 3, 2, 2, 1, 1, 0]  # expert 0 needs more than max_factor, expert 7 nothing
     plan = capacity.propose(history(skewed_loads(20, share=share)), baseline()).plan
-    caps = np.asarray(plan.capacities)
+    caps = np.asarray(capacities_of(plan))
     assert set(caps.ravel()) <= set(capacity.buckets.tolist())
     assert (caps[:, 0] == 64).all() and (caps[:, 7] == 16).all()
 
@@ -96,7 +97,7 @@ def test_growing_load_grows_capacity_at_once():
     plan = capacity.propose(history(skewed_loads(20)), baseline()).plan
     hotter = skewed_loads(20, seed=3, share=[6, 4, 3, 2, 2, 1, 1, 4])  # expert 7 heats up
     proposal = capacity.propose(history(hotter), plan)
-    old, new = np.asarray(plan.capacities), np.asarray(proposal.plan.capacities)
+    old, new = np.asarray(capacities_of(plan)), np.asarray(capacities_of(proposal.plan))
     assert (new[:, 7] > old[:, 7]).all()
     assert (drop_fraction(window_loads(hotter), new) <= 0.01).all()
 
@@ -104,11 +105,11 @@ def test_growing_load_grows_capacity_at_once():
 def test_small_decrease_keeps_capacity_large_one_shrinks_it():
     capacity = policy(hysteresis=0.25)
     plan = capacity.propose(history(skewed_loads(20)), baseline()).plan
-    caps = np.asarray(plan.capacities)
+    caps = np.asarray(capacities_of(plan))
     slightly = skewed_loads(20, seed=5, share=[5.6, 4, 3, 2, 2, 1, 1, 1])
     assert capacity.propose(history(slightly), plan) is None
     much = skewed_loads(20, seed=5, share=[2, 4, 3, 2, 2, 1, 1, 1])
-    shrunk = np.asarray(capacity.propose(history(much), plan).plan.capacities)
+    shrunk = np.asarray(capacities_of(capacity.propose(history(much), plan).plan))
     assert (shrunk[:, 0] < caps[:, 0]).all()
 
 

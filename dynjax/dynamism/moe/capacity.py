@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from dynjax.recompile.plan import Plan, PlanContext, base_capacity, capacity_for_factor
-from dynjax.recompile.policy import History, Proposal
+from dynjax.dynamism.moe.part import (
+    MoEContext,
+    base_capacity,
+    capacities_of,
+    capacity_for_factor,
+    with_capacities,
+)
+from dynjax.recompile import History, Plan, Proposal
 
 LOADS = "moe/group_loads"  # int [num_moe_layers, G, E]: tokens routed per group, before dropping
 
 
 def ragged_totals(
-    ctx: PlanContext,
+    ctx: MoEContext,
     capacities: tuple[tuple[int, ...], ...],
     shards: int,
     bucket: float,
@@ -111,7 +117,7 @@ class DynamicCapacity:
 
     def __init__(
         self,
-        ctx: PlanContext,
+        ctx: MoEContext,
         *,
         target_drop_rate: float = 0.01,
         min_factor: float = 0.5,
@@ -140,13 +146,13 @@ class DynamicCapacity:
         self.buckets = np.unique([capacity_for_factor(ctx, f) for f in factors])
 
     def propose(self, history: History, plan: Plan) -> Proposal | None:
-        if not plan.capacities:
+        if not capacities_of(plan):
             return None
         steps = history.values(LOADS, self.window)
         if len(steps) < self.window:
             return None
         loads = np.concatenate([np.asarray(x) for x in steps], axis=1)  # [L, window * G, E]
-        current = np.asarray(plan.capacities)  # [L, E]
+        current = np.asarray(capacities_of(plan))  # [L, E]
         if loads.ndim != 3 or loads.shape[::2] != current.shape:
             raise ValueError(
                 f"{LOADS} has shape {loads.shape[::2]} (layers, experts) but the "
@@ -167,7 +173,7 @@ class DynamicCapacity:
             f"{drop_fraction(loads, new).mean():.2%}, "
             f"mean capacity factor {current.mean() / base:.2f} -> {new.mean() / base:.2f}"
         )
-        return Proposal(plan.replace(capacities=tuple(map(tuple, new.tolist()))), reason)
+        return Proposal(with_capacities(plan, new.tolist()), reason)
 
     def _bucket(self, capacity: np.ndarray) -> np.ndarray:
         """The smallest bucket >= `capacity` (the largest bucket if none is)."""

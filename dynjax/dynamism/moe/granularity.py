@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from dynjax.recompile.plan import Plan
-from dynjax.recompile.policy import History, Proposal
+from dynjax.recompile import History, Plan, Proposal
+from dynjax.recompile.speeds import Speeds
 
 STRATEGIES = ("S1", "S2", "S3", "S4")
 # Table II: how a strategy restores (T_DI, T_M) in the backward.
@@ -39,21 +39,6 @@ RESTORE = {
 STEP_SECONDS = "moe/last_step_seconds"
 STEP_CHUNKS = "moe/last_step_chunks"
 STEP_ROWS = "moe/last_step_rows"
-
-
-@dataclasses.dataclass(frozen=True)
-class Speeds:
-    """Measured speeds (seed 002 §II-C): ``comp`` FLOP/s of the expert matmuls, ``comm`` bytes/s
-    of the all-to-all, ``mem`` bytes/s of device-host copies (0: the backend cannot offload).
-    ``mu_comp``, ``mu_all``: the all-to-all's speed factor while experts compute, and while
-    copies run too; ``eta_all``: the copies' factor while both others run (Fig. 3)."""
-
-    comp: float
-    comm: float
-    mem: float
-    mu_comp: float = 1.0
-    mu_all: float = 1.0
-    eta_all: float = 1.0
 
 
 def workload(strategy: str, hidden_ratio: float) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -2,8 +2,8 @@
 
 Seed 001 §4.1 (dynamic per-expert capacities) and §4.2 (sample-assignment caching); seed 000
 §2.1 (MoE's load: a layer's cost follows the tokens its experts are given). The MoE block
-itself is `dynjax.model.moe`; its Plan part is the Plan's `capacities` and `cached_routing`
-fields (they predate the plugin interface and saved Plans name them).
+itself is `dynjax.model.moe`; its Plan part (`dynjax.dynamism.moe.part`) holds the capacities
+and cached routing, its policies are `capacity`, `caching` and `granularity` beside it.
 
 Routing variants (issue 12 §2): ``moe.routing="expert_choice"`` (Zhou et al. 2022) and
 auxiliary-loss-free balancing (``moe.bias_balancing``, DeepSeek-V3 §2.1.2). The balancing bias
@@ -28,6 +28,7 @@ RECOMPILE, timed by the step seconds this plugin measures between steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -37,7 +38,27 @@ import ml_collections
 import numpy as np
 import optax
 
-from dynjax.dynamism.base import Plugin, plan_context
+from dynjax.dynamism.base import Plugin
+from dynjax.dynamism.moe.caching import CachingPolicy
+from dynjax.dynamism.moe.capacity import DynamicCapacity
+from dynjax.dynamism.moe.granularity import (
+    STEP_CHUNKS,
+    STEP_ROWS,
+    STEP_SECONDS,
+    AdaptiveGranularity,
+    choose_reuse,
+    chunks_of,
+    reuse_costs,
+)
+from dynjax.dynamism.moe.part import (
+    NAME,
+    MoEContext,
+    base_capacity,
+    capacities_of,
+    moe_context,
+    plan_problems,
+    static_capacities,
+)
 from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts
 from dynjax.model.moe import (
@@ -48,24 +69,7 @@ from dynjax.model.moe import (
     Chunking,
     SlotLayout,
 )
-from dynjax.recompile import (
-    CachingPolicy,
-    DynamicCapacity,
-    Plan,
-    PlanContext,
-    Policy,
-    base_capacity,
-    static_capacities,
-)
-from dynjax.recompile.granularity import (
-    STEP_CHUNKS,
-    STEP_ROWS,
-    STEP_SECONDS,
-    AdaptiveGranularity,
-    choose_reuse,
-    chunks_of,
-    reuse_costs,
-)
+from dynjax.recompile import Plan, Policy
 
 EXPERT_TOKENS = "moe/expert_tokens"  # [MoE layers, E] per step: tokens each expert computed
 
@@ -74,7 +78,7 @@ class MoEPlugin(Plugin):
     """The `moe` section: model shape (experts, top-k, which layers), loss weights, capacities
     and caching. On when `moe.every > 0`."""
 
-    name = "moe"
+    name = NAME
     switch = "every"
     fixed_on_resume = (
         "moe.every",
@@ -223,9 +227,25 @@ class MoEPlugin(Plugin):
         hidden = model.expert_mlp_dim or model.mlp_dim
         return _static_rows(moe, facts) // moe.chunks, model.d_model, hidden
 
+    @functools.cached_property
+    def moe(self) -> MoEContext:
+        """The model facts the part is sized and checked against."""
+        return moe_context(self.facts)
+
+    def plan_problems(self, plan: Plan) -> list[str]:
+        return plan_problems(plan, self.moe)
+
+    def step_inputs(self, plan: Plan) -> dict[str, dict[int, np.ndarray]]:
+        """On the ragged path, each MoE layer's per-expert capacities (``capacities``, int32
+        [E]): an input of the step, so a change within the bucketed totals compiles nothing."""
+        if not self.ragged:
+            return {}
+        rows = zip(self.facts.model.moe_layers, capacities_of(plan), strict=True)
+        return {"capacities": {layer: np.asarray(caps, np.int32) for layer, caps in rows}}
+
     def initial_plan(self, plan: Plan) -> Plan:
-        moe, ctx = self.section, self.ctx
-        plan = plan.replace(capacities=static_capacities(ctx, _static_factor(moe, ctx)))
+        moe = self.section
+        caps = static_capacities(self.moe, _static_factor(moe, self.moe))
         reuse = moe.memory_reuse
         if reuse == "auto":  # eq. 10 on this machine's speeds, reported at the first step
             rows, d, hidden = self.speed_probe(moe, self.facts)
@@ -239,7 +259,11 @@ class MoEPlugin(Plugin):
                 "predicted_seconds": reuse_costs(speeds, rows, d, hidden),
             }
         return plan.with_part(
-            "moe", chunks=(moe.chunks,) * ctx.num_moe_layers, memory_reuse=reuse
+            NAME,
+            capacities=caps,
+            cached_routing=False,
+            chunks=(moe.chunks,) * self.moe.num_moe_layers,
+            memory_reuse=reuse,
         )
 
     @classmethod
@@ -247,25 +271,30 @@ class MoEPlugin(Plugin):
         """Capacities follow `moe.capacity.*` (back to the static factor when it changed),
         cached routing follows `moe.caching.*` (off until the policy decides again), the
         partitions and memory reuse `moe.chunks`, `moe.memory_reuse` and `moe.granularity.*`."""
-        fields = {"capacities": "moe.capacity.", "cached_routing": "moe.caching."}
-        plan = saved.replace(
-            **{
-                field: getattr(implied, field)
-                for field, prefix in fields.items()
-                if any(key.startswith(prefix) for key in changed)
-            }
-        )
-        mpipe = ("moe.chunks", "moe.memory_reuse", "moe.granularity.")
-        if not plan.part("moe") or any(k.startswith(mpipe) for k in changed):
-            plan = plan.with_part("moe", **implied.part("moe"))
-        return plan
+        saved_part, implied_part = saved.part(NAME), implied.part(NAME)
+        if not implied_part:  # a dense model (`moe.every` is fixed on resume)
+            return saved
+        follows = {
+            "capacities": ("moe.capacity.",),
+            "cached_routing": ("moe.caching.",),
+            # Plans saved before MPipeMoE have no partitions: take the config's
+            "chunks": ("moe.chunks", "moe.memory_reuse", "moe.granularity."),
+            "memory_reuse": ("moe.chunks", "moe.memory_reuse", "moe.granularity."),
+        }
+        part = {
+            key: implied_part[key]
+            if key not in saved_part or any(k.startswith(prefixes) for k in changed)
+            else saved_part[key]
+            for key, prefixes in follows.items()
+        }
+        return saved.with_part(NAME, **part)
 
     def layer_options(self, plan: Plan) -> Sequence[Any] | None:
         """Each MoE layer's `Chunking` (None for the others; none at all for the plain layer,
         one partition and no memory reuse, so its program is exactly the layer without them),
         and with bias balancing its `BiasBalancing` record (under `BIAS`), which runs the
         routed-bias state rule `dynjax.model.moe.balance_rule` after each step."""
-        chunks, reuse = chunks_of(plan), plan.part("moe").get("memory_reuse", "none")
+        chunks, reuse = chunks_of(plan), plan.part(NAME).get("memory_reuse", "none")
         chunking = not (set(chunks) <= {1} and reuse == "none")
         model = self.facts.model
         balancing = model.routed_bias
@@ -297,7 +326,7 @@ class MoEPlugin(Plugin):
         return {
             STEP_SECONDS: np.float64(seconds),
             STEP_CHUNKS: np.int64(max(chunks_of(last[2]), default=1)),
-            STEP_ROWS: np.int64(dispatch_rows(last[2], self.ctx, self.facts.expert_shards)),
+            STEP_ROWS: np.int64(dispatch_rows(last[2], self.facts)),
         }
 
     def before_step(
@@ -317,7 +346,7 @@ class MoEPlugin(Plugin):
             c = moe.capacity
             out.append(
                 DynamicCapacity(
-                    self.ctx,
+                    self.moe,
                     target_drop_rate=c.target_drop_rate,
                     min_factor=c.min_factor,
                     max_factor=c.max_factor,
@@ -371,12 +400,12 @@ class MoEPlugin(Plugin):
         j sized for the largest capacity among the experts in slot j (`SlotLayout`), so the
         busiest rank computes ``shard_slots`` rows per group; with one rank that is the mean
         capacity. The ragged path computes the tokens it is given: `metric_costs`."""
-        if not plan.capacities or self.ragged:
+        if not capacities_of(plan) or self.ragged:
             return None
-        shards, ctx = self.facts.expert_shards, self.ctx
-        share = ctx.num_experts // shards * base_capacity(ctx)
-        costs = [1.0] * ctx.num_layers
-        for layer, caps in zip(self.facts.model.moe_layers, plan.capacities, strict=True):
+        shards = self.facts.expert_shards
+        share = self.moe.num_experts // shards * base_capacity(self.moe)
+        costs = [1.0] * self.facts.num_layers
+        for layer, caps in zip(self.facts.model.moe_layers, capacities_of(plan), strict=True):
             costs[layer] = SlotLayout(tuple(caps), shards).shard_slots / share
         return costs
 
@@ -389,9 +418,9 @@ class MoEPlugin(Plugin):
         tokens = np.asarray(metrics[EXPERT_TOKENS], np.float64)  # [MoE layers, E]
         shards = self.facts.expert_shards
         busiest = tokens.reshape(len(tokens), shards, -1).sum(-1).max(-1)
-        ctx = self.ctx
-        share = ctx.batch_size * ctx.group_tokens * ctx.top_k / shards
-        costs = [1.0] * ctx.num_layers
+        moe = self.moe
+        share = self.facts.batch_size * moe.group_tokens * moe.top_k / shards
+        costs = [1.0] * self.facts.num_layers
         for layer, busy in zip(self.facts.model.moe_layers, busiest, strict=True):
             costs[layer] = float(busy / share)
         return costs
@@ -412,7 +441,7 @@ def chunk_candidates(moe: ml_collections.ConfigDict, facts: ModelFacts) -> tuple
     return tuple(sorted({*ok, moe.chunks}))
 
 
-def _static_factor(moe: ml_collections.ConfigDict, ctx: PlanContext) -> float:
+def _static_factor(moe: ml_collections.ConfigDict, ctx: MoEContext) -> float:
     """``moe.capacity.factor``; dropless (<= 0): an expert can take every token of a group."""
     factor = moe.capacity.factor
     return ctx.num_experts / ctx.top_k if factor <= 0 else factor
@@ -420,20 +449,21 @@ def _static_factor(moe: ml_collections.ConfigDict, ctx: PlanContext) -> float:
 
 def _static_rows(moe: ml_collections.ConfigDict, facts: ModelFacts) -> int:
     """`dispatch_rows` of a fresh run's Plan (the static capacities)."""
-    ctx = plan_context(facts)
-    plan = Plan(microbatches=facts.microbatches)
-    plan = plan.replace(capacities=static_capacities(ctx, _static_factor(moe, ctx)))
-    return dispatch_rows(plan, ctx, facts.expert_shards)
+    ctx = moe_context(facts)
+    caps = static_capacities(ctx, _static_factor(moe, ctx))
+    plan = Plan(microbatches=facts.microbatches).with_part(NAME, capacities=caps)
+    return dispatch_rows(plan, facts)
 
 
-def dispatch_rows(plan: Plan, ctx: PlanContext, shards: int) -> int:
+def dispatch_rows(plan: Plan, facts: ModelFacts) -> int:
     """Alg. 1's B: rows one expert-parallel shard dispatches per MoE layer in a microbatch
     (static path: its groups times the layer's slot buffer; mean over the MoE layers). The
     ragged path's buffers are bucketed totals of the same capacities, so B moves with them too."""
-    groups = ctx.batch_size // (plan.microbatches * ctx.batch_shards)
-    if not plan.capacities:
+    groups = facts.batch_size // (plan.microbatches * facts.batch_shards)
+    caps = capacities_of(plan)
+    if not caps:
         return 0
-    totals = [SlotLayout(tuple(c), shards).total for c in plan.capacities]
+    totals = [SlotLayout(tuple(c), facts.expert_shards).total for c in caps]
     return int(round(groups * float(np.mean(totals))))
 
 

@@ -4,7 +4,8 @@ Router assignments converge early in training (seed 001 Fig. 10). Once they are 
 experts can be dispatched with the assignment a sample got the previous time it was seen, so they
 need not wait for the router; the router still runs, its output refreshes the cache for the next
 time, and the gating weights applied are the current ones. `AssignmentCache` keeps assignments on
-the host and measures stability; `CachingPolicy` switches `Plan.cached_routing` on and off.
+the host and measures stability; `CachingPolicy` switches the MoE part's ``cached_routing`` on
+and off.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from dynjax.recompile.plan import Plan
-from dynjax.recompile.policy import History, Proposal
+from dynjax.dynamism.moe.part import NAME, cached_routing_of
+from dynjax.recompile import History, Plan, Proposal
 
 STABILITY = "moe/routing_stability"  # scalar per step; NaN when no sample of the step repeated
 
@@ -122,15 +123,15 @@ class CachingPolicy:
         if not measured:
             return None
         stability = sum(measured) / len(measured)
-        if not plan.cached_routing and stability >= self.on_threshold:
+        if not cached_routing_of(plan) and stability >= self.on_threshold:
             if history.latest_step >= self.warmup_steps:
                 return Proposal(
-                    plan.replace(cached_routing=True),
+                    plan.with_part(NAME, cached_routing=True),
                     f"routing stability {stability:.1%} >= {self.on_threshold:.0%}",
                 )
-        elif plan.cached_routing and stability < self.off_threshold:
+        elif cached_routing_of(plan) and stability < self.off_threshold:
             return Proposal(
-                plan.replace(cached_routing=False),
+                plan.with_part(NAME, cached_routing=False),
                 f"routing stability {stability:.1%} < {self.off_threshold:.0%}",
             )
         return None

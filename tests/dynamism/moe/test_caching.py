@@ -5,9 +5,12 @@ import math
 import numpy as np
 import pytest
 
-from dynjax.recompile.caching import STABILITY, AssignmentCache, CachingPolicy
-from dynjax.recompile.plan import Plan
-from dynjax.recompile.policy import History
+from dynjax.dynamism.moe.caching import STABILITY, AssignmentCache, CachingPolicy
+from dynjax.dynamism.moe.part import cached_routing_of
+from dynjax.recompile import History, Plan
+
+OFF = Plan().with_part("moe", cached_routing=False)  # a Plan with MoE's part, routing uncached
+ON = OFF.with_part("moe", cached_routing=True)
 
 
 def test_stability_counts_tokens_whose_expert_set_did_not_change():
@@ -70,29 +73,29 @@ def stability_history(values, start=0):
 def test_switches_on_at_96_percent_only_after_warmup():
     policy = CachingPolicy(warmup_steps=50, window=3)
     stable = [0.97, 0.98, 0.99]
-    assert policy.propose(stability_history(stable, start=10), Plan()) is None  # warm-up
-    proposal = policy.propose(stability_history(stable, start=60), Plan())
-    assert proposal.plan == Plan(cached_routing=True) and "98.0%" in proposal.reason
+    assert policy.propose(stability_history(stable, start=10), OFF) is None  # warm-up
+    proposal = policy.propose(stability_history(stable, start=60), OFF)
+    assert proposal.plan == ON and "98.0%" in proposal.reason
     almost = [0.95, 0.96, 0.96]  # mean 0.9567 < 0.96
-    assert policy.propose(stability_history(almost, start=60), Plan()) is None
+    assert policy.propose(stability_history(almost, start=60), OFF) is None
 
 
 def test_switches_off_below_90_percent_and_holds_in_between():
     policy = CachingPolicy(warmup_steps=0, window=2)
-    on = Plan(cached_routing=True)
+    on = ON
     between = stability_history([0.93, 0.91])
     assert policy.propose(between, on) is None  # stays on
-    assert policy.propose(between, Plan()) is None  # stays off
+    assert policy.propose(between, OFF) is None  # stays off
     proposal = policy.propose(stability_history([0.91, 0.88]), on)
-    assert proposal.plan == Plan() and "< 90%" in proposal.reason
+    assert proposal.plan == OFF and "< 90%" in proposal.reason
 
 
 def test_steps_without_repeats_are_ignored():
     policy = CachingPolicy(warmup_steps=0, window=2)
     values = [0.99, 0.99, math.nan, math.nan, math.nan]
-    assert policy.propose(stability_history(values), Plan()).plan.cached_routing
-    assert policy.propose(History.of([(0, {"loss": 1.0})]), Plan()) is None
-    assert policy.propose(stability_history([math.nan] * 3), Plan()) is None
+    assert cached_routing_of(policy.propose(stability_history(values), OFF).plan)
+    assert policy.propose(History.of([(0, {"loss": 1.0})]), OFF) is None
+    assert policy.propose(stability_history([math.nan] * 3), OFF) is None
 
 
 def test_stability_from_the_cache_drives_the_policy():
@@ -103,7 +106,7 @@ def test_stability_from_the_cache_drives_the_policy():
     route = rng.integers(0, E, size=(L, len(ids), S))
     cache = AssignmentCache(L, S, k, E)
     policy = CachingPolicy(warmup_steps=0, window=2)
-    plan, entries, switched_at = Plan(), [], None
+    plan, entries, switched_at = OFF, [], None
     for epoch in range(12):
         flip = 0.5 / (epoch + 1) ** 2  # the share of tokens whose expert changes
         changed = rng.random(route.shape) < flip
@@ -117,4 +120,4 @@ def test_stability_from_the_cache_drives_the_policy():
             proposal = policy.propose(History.of(entries), plan)
             if proposal is not None:
                 plan, switched_at = proposal.plan, step
-    assert plan.cached_routing and switched_at > 3
+    assert cached_routing_of(plan) and switched_at > 3
