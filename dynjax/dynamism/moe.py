@@ -42,6 +42,7 @@ from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts
 from dynjax.model.moe import (
     BIAS,
+    BIAS_HOOKS,
     REUSE,
     ROUTINGS,
     BiasBalancing,
@@ -76,6 +77,7 @@ class MoEPlugin(Plugin):
 
     name = "moe"
     switch = "every"
+    hook_sets = (BIAS_HOOKS,)  # auxiliary-loss-free balancing's state rule
     fixed_on_resume = (
         "moe.every",
         "moe.num_experts",
