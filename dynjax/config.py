@@ -233,7 +233,8 @@ def model_facts(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> M
     its batch: read here, once, so no plugin reads the config."""
     facts = _bare_facts(cfg)
     parts = schemes.block_parts(cfg, facts)
-    return dataclasses.replace(facts, model=dataclasses.replace(facts.model, block_parts=parts))
+    model = dataclasses.replace(facts.model, block_parts=parts, hooks=schemes.hooks())
+    return dataclasses.replace(facts, model=model)
 
 
 def _bare_facts(cfg: ml_collections.ConfigDict) -> ModelFacts:

@@ -283,6 +283,7 @@ class Experiment:
             return_assignments=bool(self.model_cfg.moe_layers) and self.cfg.moe.caching.enabled,
             frozen_layers=plan.frozen_layers,
             layer_options=self.layer_options(plan),
+            hooks=self.model_cfg.hooks,
         )
 
     def layer_options(self, plan: Plan) -> tuple[LayerOptions, ...]:
@@ -345,6 +346,7 @@ class Experiment:
             dtype=plan.dtype,
             options=self.layer_options(plan),
             ragged_totals=self.ragged_totals(plan),
+            hooks=self.model_cfg.hooks,
         )
         tasks = schedule_tasks(plan.schedule, len(stages), plan.microbatches)
         return PipelineSpec(stages, plan.schedule, tasks)

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from dynjax.model.facts import ModelFacts
-from dynjax.model.hooks import BlockPart, LayerOptions, layer_options
+from dynjax.model.hooks import BlockPart, HookSet, LayerOptions, layer_options
 from dynjax.parallel.peers import ALONE, Rounds
 from dynjax.recompile import PlanContext
 
@@ -74,7 +74,9 @@ class Plugin:
     - `config`: the section `cfg.<name>` with its one default per key, `enabled` included;
     - `validate`: raise `dynjax.errors.ConfigError` naming the key and the fix, given the
       section and the run's `ModelFacts` (a scheme's keys may contradict the model even off);
-    - `block_parts`: extra submodules it adds to chosen layers (`hooks.register_block_part`);
+    - `hook_sets`: the model hooks its scheme uses (`dynjax.model.hooks.HookSet`), named like
+      the records it gives; class level, since its block parts are parameters of the model;
+    - `block_parts`: extra submodules it adds to chosen layers (`HookSet.part`);
     - `resumed_plan`: what a resumed run with a changed config keeps of the saved part.
 
     Per run (an instance of an enabled scheme: its section, frozen, its facts and `RunLink`;
@@ -103,6 +105,8 @@ class Plugin:
     fixed_on_resume: ClassVar[tuple[str, ...]] = ()
     # Host metrics written to metrics.jsonl at every logged step (scalars, or per-layer lists).
     logged_metrics: ClassVar[tuple[str, ...]] = ()
+    # The model hooks the scheme's records run (`Schemes.hooks` collects every scheme's).
+    hook_sets: ClassVar[tuple[HookSet, ...]] = ()
 
     def __init__(
         self,
@@ -138,7 +142,7 @@ class Plugin:
         cls, section: ml_collections.ConfigDict, facts: ModelFacts
     ) -> Sequence[BlockPart]:
         """(layer, part name, hashable settings) of each submodule the enabled scheme adds to
-        a layer (`dynjax.model.hooks.register_block_part`): parameters of the model, so keys
+        a layer (a part of its `hook_sets`, `HookSet.part`): parameters of the model, so keys
         that change them belong in `fixed_on_resume`."""
         return ()
 
@@ -186,7 +190,7 @@ class Plugin:
         alone), or None for none at all. Records must be hashable: they key the compile cache,
         so a change recompiles only the pipeline stages whose layers' records changed. A layer
         that needs records under other names too (e.g. for a state rule,
-        `hooks.register_state_rule`) gets a dict ``{name: record}`` instead of one record."""
+        `HookSet.state_rule`) gets a dict ``{name: record}`` instead of one record."""
         return None
 
     def policies(self) -> list[Policy]:

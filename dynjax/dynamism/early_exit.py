@@ -31,6 +31,7 @@ from dynjax.model.early_exit import (
     EXIT_CE,
     EXITED,
     FORCED,
+    HOOKS,
     NAME,
     NEEDED_HIST,
     PROCESSED,
@@ -67,6 +68,7 @@ def bucket_tokens(count: int, seq_len: int) -> int:
 
 class EarlyExit(Plugin):
     name = NAME
+    hook_sets = (HOOKS,)
     # The exit points decide what the loss trains (and where buckets start).
     fixed_on_resume = ("early_exit.enabled", "early_exit.first", "early_exit.every")
     logged_metrics = (PROCESSED, FORCED, EXITED, EXIT_CE, CONFIDENCE)

@@ -25,6 +25,7 @@ from dynjax.model.hooks import BlockPart
 from dynjax.model.mod import (
     ACCURACY,
     EVAL_ROUTINGS,
+    HOOKS,
     NAME,
     PREDICTOR_LOSS,
     ROUTER_WEIGHT,
@@ -47,6 +48,7 @@ def routed_tokens(section: ml_collections.ConfigDict, seq_len: int) -> int:
 
 class MixtureOfDepths(Plugin):
     name = NAME
+    hook_sets = (HOOKS,)
     # The routers and predictors are parameters of the routed layers.
     fixed_on_resume = ("mod.enabled", "mod.every", "mod.predictor_hidden")
     logged_metrics = (ACCURACY, PREDICTOR_LOSS, ROUTER_WEIGHT)

@@ -67,7 +67,7 @@ from dynjax.errors import ConfigError, at_least
 from dynjax.model import GPTConfig, fresh_params
 from dynjax.model.facts import ModelFacts
 from dynjax.model.gpt import init_std
-from dynjax.model.hooks import register_weight_hook
+from dynjax.model.hooks import HookSet
 from dynjax.model.pruned import LINEARS, SparseLinears, column_blocks
 from dynjax.model.sparse_linear import bucket_blocks
 from dynjax.parallel.peers import ALONE, Rounds
@@ -224,7 +224,9 @@ def zero_pattern(weights: dict[str, jax.Array], record: PrunedLayer):
     return replaced, metrics
 
 
-register_weight_hook(NAME, zero_pattern, {DENSITY: "mean", COLUMN_BLOCKS: "mean"})
+HOOKS = HookSet(
+    NAME, weight=zero_pattern, reductions=((DENSITY, "mean"), (COLUMN_BLOCKS, "mean"))
+)
 
 
 def layer_records(
@@ -287,6 +289,7 @@ def layer_densities(
 
 class PruningPlugin(Plugin):
     name = NAME
+    hook_sets = (HOOKS,)
     # The masks are optimizer state: their presence and which leaves have one decide its layout.
     fixed_on_resume = ("pruning.enabled", "pruning.include")
     logged_metrics = (DENSITY,)

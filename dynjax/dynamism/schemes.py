@@ -16,7 +16,7 @@ import ml_collections
 from dynjax.dynamism.base import CLAIMS, LOCAL, Plugin, RunLink
 from dynjax.errors import ConfigError
 from dynjax.model.facts import ModelFacts
-from dynjax.model.hooks import BlockPart
+from dynjax.model.hooks import BlockPart, Hooks
 from dynjax.recompile import Plan
 
 
@@ -46,6 +46,12 @@ class Schemes:
         for p in self.plugins:
             p.validate(cfg[p.name], facts)
         self.build(cfg, facts)
+
+    def hooks(self) -> Hooks:
+        """The model hooks of every scheme (enabled or not: a hook runs only on layers whose
+        records name it), in scheme order: the run's, carried down as data (`GPTConfig.hooks`,
+        `StepOptions.hooks`)."""
+        return Hooks(tuple(s for p in self.plugins for s in p.hook_sets))
 
     def block_parts(
         self, cfg: ml_collections.ConfigDict, facts: ModelFacts

@@ -29,6 +29,7 @@ from dynjax.dynamism.histograms import overflow_at, resized_budget
 from dynjax.errors import ConfigError
 from dynjax.model.facts import ModelFacts
 from dynjax.model.hashed_attention import (
+    HOOKS,
     NAME,
     NEEDED_HIST,
     OVERFLOW,
@@ -55,6 +56,7 @@ def bucket_budget(blocks: int, num: int) -> int:
 
 class SparseAttention(Plugin):
     name = NAME
+    hook_sets = (HOOKS,)  # its metrics' reductions: the attention reads its record itself
     logged_metrics = (OVERFLOW, PAIR_FRACTION)
 
     @classmethod

@@ -29,10 +29,9 @@ import jax.numpy as jnp
 import optax
 
 from dynjax.model.hooks import (
+    HookSet,
     LayerContext,
     Residual,
-    register_block_wrapper,
-    register_metrics,
 )
 
 NAME = "early_exit"
@@ -131,11 +130,14 @@ def run_exit_layer(
     return x.at[rows, chosen].set(after), stats, {**inner, **metrics}
 
 
-register_block_wrapper(
-    NAME, run_exit_layer, needs=("readout", "targets"), carry={REMAINING: (jnp.bool_, True)}
-)
-register_metrics(
-    {NEEDED_HIST: "sum", FORCED: "sum", PROCESSED: "mean", EXIT_CE: "mean", LOSS: "mean",
-     EXITED: "mean", CONFIDENCE: "mean"},
+HOOKS = HookSet(
+    NAME,
+    wrapper=run_exit_layer,
+    needs=frozenset({"readout", "targets"}),
+    carry=((REMAINING, jnp.bool_, True),),
+    reductions=(
+        (NEEDED_HIST, "sum"), (FORCED, "sum"), (PROCESSED, "mean"), (EXIT_CE, "mean"),
+        (LOSS, "mean"), (EXITED, "mean"), (CONFIDENCE, "mean"),
+    ),
     losses=(LOSS,),
 )

@@ -23,17 +23,7 @@ from flax import nnx
 
 from dynjax.model.attention import CausalSelfAttention
 from dynjax.model.hashed_attention import hashed_record
-from dynjax.model.hooks import (
-    BlockPart,
-    LayerContext,
-    LayerOptions,
-    apply_block_hooks,
-    apply_weight_hooks,
-    block_wrapper,
-    carrying_wrappers,
-    initial_carry,
-    make_block_part,
-)
+from dynjax.model.hooks import NO_HOOKS, BlockPart, Hooks, LayerContext, LayerOptions
 from dynjax.model.mlp import MLP
 from dynjax.model.moe import MoE, MoEStats, RaggedCapacities
 from dynjax.model.pruned import sparse_linears
@@ -56,6 +46,9 @@ class GPTConfig:
     routed_bias: bool = False  # a `RoutedBias` per MoE block (auxiliary-loss-free balancing)
     # Plugins' extra submodules per layer: (layer, part name, settings), `hooks.BlockPart`.
     block_parts: tuple[BlockPart, ...] = ()
+    # The hooks plugins' records run, and their parts' factories (`Schemes.hooks`; none by
+    # default): data, so equal configs build and key equal programs.
+    hooks: Hooks = NO_HOOKS
     # Run consecutive layers with identical static options under one `jax.lax.scan`
     # (`run_layers`): compile time about flat in depth, for a copy of their weights per step.
     scan_layers: bool = False
@@ -102,11 +95,12 @@ class Block(nnx.Module):
             )
         else:
             self.mlp = MLP(d, cfg.mlp_dim, out_std=cfg.residual_std, rngs=rngs)
+        self.hooks = cfg.hooks  # what the records of its options run
         for layer, name, settings in cfg.block_parts:
             if layer == index:
                 if hasattr(self, name):
                     raise ValueError(f"block part {name!r} of layer {index} shadows an attribute")
-                setattr(self, name, make_block_part(name, cfg, settings, rngs))
+                setattr(self, name, cfg.hooks.make_part(name, cfg, settings, rngs))
 
     def __call__(
         self,
@@ -137,14 +131,14 @@ class Block(nnx.Module):
                 return x + y, stats, metrics
             return x + self.mlp(self.norm2(x), sparse), None, metrics
 
-        wrapped = block_wrapper(options)
+        wrapped = self.hooks.block_wrapper(options)
         if wrapped is None:
             x, stats, inner = residual(x, None)
         else:  # a scheme that picks the tokens the block computes (mixture of depths)
             name, wrapper, record = wrapped
             part = getattr(self, name, None)
             x, stats, inner = wrapper(residual, x, record, part, context or LayerContext())
-        x, metrics = apply_block_hooks(x, options)
+        x, metrics = self.hooks.apply_block_hooks(x, options)
         return x, stats, {**inner, **metrics}
 
 
@@ -188,7 +182,7 @@ def _static_key(block: Block, options: LayerOptions, capacity: Any, frozen: bool
 
 def _run_block(block, x, capacity, cached, opts, parallel, context):
     """One layer: its weight hooks, then the block. (output, MoE stats or None, metrics)."""
-    block, weight_metrics = apply_weight_hooks(block, opts)
+    block, weight_metrics = block.hooks.apply_weight_hooks(block, opts)
     x, stats, metrics = block(
         x, capacities=capacity, parallel=parallel, cached=cached, options=opts, context=context
     )
@@ -292,7 +286,7 @@ def run_layers(
     ``frozen`` flags the blocks that get no gradient) runs as one ``jax.lax.scan``, so the
     program holds one body per run rather than one per layer (MaxText's ``scan_layers`` idea,
     kept per run so that layers whose options diverge still run as they are). The wrappers'
-    declared carry starts filled (`hooks.initial_carry`), as a scan's carry keeps its keys.
+    declared carry starts filled (`Hooks.initial_carry`), as a scan's carry keeps its keys.
     """
     context = context if context is not None else LayerContext()
     if len(capacities) != sum(b.is_moe for b in blocks):
@@ -309,7 +303,8 @@ def run_layers(
     ]
     if scan:
         runs = scan_runs(blocks, options, caps, frozen)
-        fill = initial_carry(carrying_wrappers(options), x.shape[:2])
+        hooks = blocks[0].hooks if blocks else NO_HOOKS  # one model's blocks share theirs
+        fill = hooks.initial_carry(hooks.carrying_wrappers(options), x.shape[:2])
         context.carry = {**fill, **context.carry}
     else:
         runs = tuple((i, i + 1) for i in range(len(blocks)))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from dynjax.model.hooks import LayerOptions, register_metrics
+from dynjax.model.hooks import HookSet, LayerOptions
 from dynjax.model.moe import ExpertParallel
 from pallas_kernels import hashed_block_sparse_attention
 from pallas_kernels.block_index import range_blocks
@@ -42,7 +42,9 @@ from pallas_kernels.block_index import range_blocks
 NAME = "sparse_attention"
 NEEDED_HIST, OVERFLOW, PAIR_FRACTION = (f"{NAME}/{m}" for m in (
     "needed_hist", "overflow", "pair_fraction"))
-register_metrics({NEEDED_HIST: "sum", OVERFLOW: "mean", PAIR_FRACTION: "mean"})
+HOOKS = HookSet(
+    NAME, reductions=((NEEDED_HIST, "sum"), (OVERFLOW, "mean"), (PAIR_FRACTION, "mean"))
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,24 +1,27 @@
 """Per-layer static options and the block hooks that read them (DESIGN.md "Dynamism plugins").
 
 A dynamism plugin gives each layer a frozen record (its *layer options*, computed once per
-Plan); a `Block` receives the records of all plugins as `LayerOptions` and runs the hook
-registered under each record's name on its output. A hook may change the block's output and
-returns named metrics, which the steps fold generically by the reduction registered with
-them. A *weight hook* runs before the block instead, on the block's parameters (e.g. pruning
+Plan); a `Block` receives the records of all plugins as `LayerOptions` and runs the hook of the
+`HookSet` named like each record on its output. A hook may change the block's output and
+returns named metrics, which the steps fold generically by the reduction its set declares.
+The run's sets travel as data (`Hooks`): each plugin class names the sets its scheme uses,
+`dynjax.dynamism.Schemes.hooks` assembles them at the edge, and the model config and step
+options carry them to where they run; importing a module registers nothing.
+A *weight hook* runs before the block instead, on the block's parameters (e.g. pruning
 masks the gradients of its pruned weights and reports their density). Schemes that change the
-inside of a block (e.g. sparse matmuls) read their record there; their metrics still go
-through `register_metrics`.
+inside of a block (e.g. sparse matmuls) read their record there; their metrics' reductions
+still go in a `HookSet` of that name.
 
 Schemes that change *which tokens* a block computes (mixture of depths) need two more hooks: a
 *block part*, a parameterised submodule a plugin adds to chosen layers (its parameters live under
 the layer, so they migrate, checkpoint and restore with it), and a *block wrapper*, which runs the
-block's residual body on tokens it chooses. A metric registered as a *loss* is added to the
+block's residual body on tokens it chooses. A metric declared as a *loss* is added to the
 training loss by both steps, so a part's auxiliary objective trains without them knowing it.
 
 Schemes that score tokens in the middle of the stack (early exit) also get the forward's
 `LayerContext`: the model's readout (final norm + LM head), the targets, and a per-token carry
 that flows from layer to layer (which tokens remain). A wrapper declares what it needs of the
-context (`register_block_wrapper` ``needs``, ``carry``), so a pipeline stage, which holds only
+context (`HookSet` ``needs``, ``carry``), so a pipeline stage, which holds only
 some layers, gets exactly that: the readout's parameters sent from the last stage, the
 microbatch's targets, and the carry from the stage before it.
 
@@ -31,17 +34,18 @@ would: mixture of depths then routes by its causal predictor instead of the sequ
 
 Schemes that keep state of their own in a layer and move it after each step from that step's
 metrics, outside the optimizer (auxiliary-loss-free balancing's routed bias, DeepSeek-V3
-§2.1.2), register a *state rule*: both steps (the single program, and each pipeline stage's
+§2.1.2), declare a *state rule*: both steps (the single program, and each pipeline stage's
 update program on its own layers) run it after the optimizer update on every trainable layer
 whose options hold a record of its name, with the layer's step metrics (`StateRule`). The
 state is a variable of the layer, so it moves with the layer between stages and is
 checkpointed, restored and resharded by path like the weights; the variables a rule owns are
-named when it registers, so the steps keep them in float32 (`full_precision`).
+named in its set, so the steps keep them in float32 (`full_precision`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -98,205 +102,210 @@ PartFactory = Callable[[Any, Any, nnx.Rngs], nnx.Module]
 # (layer index, part name, hashable settings): one entry of `GPTConfig.block_parts`
 BlockPart = tuple[int, str, Any]
 
-_HOOKS: dict[str, BlockHook] = {}
-_WEIGHT_HOOKS: dict[str, WeightHook] = {}
-_WRAPPERS: dict[str, BlockWrapper] = {}
-_PARTS: dict[str, PartFactory] = {}
-_STATE_RULES: dict[str, StateRule] = {}
-_RULE_STATE: set[str] = set()  # attribute names of the variables state rules own
-_REDUCTIONS: dict[str, str] = {}
-_LOSSES: set[str] = set()
 CONTEXT_NEEDS = ("readout", "targets")  # what of a `LayerContext` a wrapper may need
-_NEEDS: dict[str, frozenset[str]] = {}  # wrapper -> the parts of the context it reads
-_CARRY: dict[str, dict[str, tuple[Any, Any]]] = {}  # wrapper -> {carry key: (dtype, fill)}
+# (carry key, dtype, fill): one per-token [B, S] array a wrapper leaves for the layers after it
+CarryEntry = tuple[str, Any, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class HookSet:
+    """What the model runs for layers whose options hold a record ``name``: the code a scheme
+    adds to the forward and how its metrics reduce. Frozen and hashable (it names functions,
+    which hash by identity), so the model config and the specs that carry it key the compile
+    cache; a module that defines hooks exposes its `HookSet` as a value and registers nothing.
+
+    - ``block``: ``hook(block_output, record) -> (output, metrics)`` after the block;
+    - ``weight``: ``hook(weights, record) -> (replacements, metrics)`` before it: ``weights``
+      maps the block's parameter paths (``"attn/qkv/kernel"``, ``"moe/w_in"``) to arrays, the
+      block then runs with the replaced weights (part of the differentiated forward);
+    - ``wrapper``: ``wrapper(residual, x, record, part, context)`` runs the block's residual
+      body instead of it running on all tokens (one wrapper per block: a layer whose options
+      name two is refused when it runs); ``part`` is the block's part of the same name (None
+      without one), ``context`` the forward's `LayerContext`, of which the wrapper reads
+      ``needs`` (`CONTEXT_NEEDS`) and leaves ``carry`` (``(key, dtype, fill)``, the fill being
+      its value before any layer wrote it); a pipeline passes exactly these between stages;
+    - ``part``: ``factory(cfg, settings, rngs)``, the module `GPTConfig.block_parts` entries
+      of this name build as the attribute ``name`` of their layer's block;
+    - ``state_rule``: ``rule(state, metrics, record)`` after each step's optimizer update on
+      every trainable layer holding the record (module docstring, `StateRule`); ``rule_state``
+      names the attributes of the variables it moves (e.g. ``"routed_bias"``): the steps keep
+      them in float32 whatever the compute dtype, since a rule's small steps would be lost in
+      bfloat16 (keeping them out of the optimizer is the plugin's, `Plugin.wrap_optimizer`);
+    - ``reductions``: ``(metric, reduction)`` of each metric (`REDUCTIONS`; undeclared ones
+      reduce by "mean"); ``losses``: scalar metrics that are also terms of the training loss
+      (summed over the layers).
+    """
+
+    name: str
+    block: BlockHook | None = None
+    weight: WeightHook | None = None
+    wrapper: BlockWrapper | None = None
+    part: PartFactory | None = None
+    state_rule: StateRule | None = None
+    rule_state: tuple[str, ...] = ()
+    needs: frozenset[str] = frozenset()
+    carry: tuple[CarryEntry, ...] = ()
+    reductions: tuple[tuple[str, str], ...] = ()
+    losses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = set(self.needs) - set(CONTEXT_NEEDS)
+        if bad:
+            raise ValueError(f"unknown context needs {sorted(bad)}: use some of {CONTEXT_NEEDS}")
+        wrong = {k: v for k, v in self.reductions if v not in REDUCTIONS}
+        if wrong:
+            raise ValueError(f"unknown reductions {wrong}: use one of {REDUCTIONS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """A run's hook sets, assembled at the edge (`dynjax.dynamism.Schemes.hooks`) and carried
+    down as data (`GPTConfig.hooks`, `StepOptions.hooks`): every lookup below reads them, no
+    module table. Equal sets give equal, equally hashed `Hooks`, so equal Plans keep equal
+    compile-cache keys."""
+
+    sets: tuple[HookSet, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.sets]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two hook sets are named {twice}")
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, HookSet]:
+        return {s.name: s for s in self.sets}
+
+    def _set(self, name: str) -> HookSet:
+        """The hook set ``name`` (an empty one for a record no hook reads)."""
+        return self._by_name.get(name) or HookSet(name)
+
+    def _named(self, options: LayerOptions, kind: str) -> list[tuple[str, Any, Any]]:
+        """(name, its hook of ``kind``, record) of each record of ``options`` that has one."""
+        found = [(name, getattr(self._set(name), kind), record) for name, record in options]
+        return [f for f in found if f[1] is not None]
+
+    def reduction(self, metric: str) -> str:
+        """How ``metric`` folds over microbatches (default "mean")."""
+        return self._reductions.get(metric, "mean")
+
+    @functools.cached_property
+    def _reductions(self) -> dict[str, str]:
+        return {k: v for s in self.sets for k, v in s.reductions}
+
+    def loss(self, layer_metrics: Sequence[Mapping[str, jax.Array]]) -> jax.Array:
+        """The loss terms the layers' metrics hold (`HookSet.losses`), summed."""
+        losses = sorted({name for s in self.sets for name in s.losses})
+        return sum(
+            (m[name] for m in layer_metrics for name in losses if name in m), jnp.float32(0)
+        )
+
+    def make_part(self, name: str, cfg: Any, settings: Any, rngs: nnx.Rngs) -> nnx.Module:
+        factory = self._set(name).part
+        if factory is None:
+            raise ValueError(f"no hook set has a block part {name!r}: give the run its scheme")
+        return factory(cfg, settings, rngs)
+
+    def block_wrapper(self, options: LayerOptions) -> tuple[str, BlockWrapper, Any] | None:
+        """(name, wrapper, record) of the one block wrapper ``options`` name, or None."""
+        found = self._named(options, "wrapper")
+        if len(found) > 1:
+            names = [f[0] for f in found]
+            raise ValueError(f"a block takes one block wrapper, its options name {names}")
+        return found[0] if found else None
+
+    def context_needs(self, options: Sequence[LayerOptions]) -> frozenset[str]:
+        """What of the `LayerContext` the wrappers of layers with ``options`` read."""
+        return frozenset(
+            n for opts in options for name, _ in opts for n in self._set(name).needs
+        )
+
+    def carrying_wrappers(self, options: Sequence[LayerOptions]) -> tuple[str, ...]:
+        """The wrappers named by ``options`` that declare a carry, sorted."""
+        names = {name for opts in options for name, _ in opts}
+        return tuple(sorted(n for n in names if self._set(n).carry))
+
+    def carry_dtypes(self, wrappers: Sequence[str]) -> dict[str, Any]:
+        """``{carry key: dtype}`` of the carry ``wrappers`` declare."""
+        return {k: dtype for w in wrappers for k, dtype, _ in self._by_name[w].carry}
+
+    def initial_carry(
+        self, wrappers: Sequence[str], shape: tuple[int, int]
+    ) -> dict[str, jax.Array]:
+        """The carry of ``wrappers`` before any layer: each key [B, S] filled with its fill."""
+        return {
+            k: jnp.full(shape, fill, dtype)
+            for w in wrappers
+            for k, dtype, fill in self._by_name[w].carry
+        }
+
+    def state_rules(self, options: LayerOptions) -> list[tuple[str, StateRule, Any]]:
+        """(name, rule, record) of each state rule ``options`` name, in name order."""
+        return self._named(options, "state_rule")
+
+    def full_precision(self, attribute: Any) -> bool:
+        """Whether a variable named ``attribute`` is a state rule's: kept in float32."""
+        return attribute in self._rule_state
+
+    @functools.cached_property
+    def _rule_state(self) -> frozenset[str]:
+        return frozenset(a for s in self.sets for a in s.rule_state)
+
+    def apply_state_rules(
+        self, layer: Mapping[str, Any], metrics: Mapping[str, jax.Array], options: LayerOptions
+    ) -> dict[str, Any]:
+        """One layer's state (a pure dict, as the steps hold it) after every state rule its
+        options name, given the layer's step metrics (`StateRule`)."""
+        rules = self.state_rules(options)
+        if not rules:
+            return dict(layer)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(layer)
+        names = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in paths]
+        state = dict(zip(names, (leaf for _, leaf in paths), strict=True))
+        for name, rule, record in rules:
+            own = {k: v for k, v in metrics.items() if k.startswith(f"{name}/") or k == MOE_LOADS}
+            replaced = rule(dict(state), own, record)
+            unknown = set(replaced) - set(state)
+            if unknown:
+                raise ValueError(
+                    f"state rule {name!r} returned {sorted(unknown)}: not in the layer"
+                )
+            state.update(replaced)
+        return jax.tree_util.tree_unflatten(treedef, [state[n] for n in names])
+
+    def apply_block_hooks(self, x: jax.Array, options: LayerOptions) -> tuple[jax.Array, dict]:
+        """The block output after every hook its options name, and the hooks' metrics."""
+        metrics: dict[str, jax.Array] = {}
+        for _, hook, record in self._named(options, "block"):
+            x, out = hook(x, record)
+            metrics.update(out)
+        return x, metrics
+
+    def apply_weight_hooks(
+        self, block: nnx.Module, options: LayerOptions
+    ) -> tuple[nnx.Module, dict]:
+        """A copy of ``block`` whose weights went through every weight hook its options name
+        (``block`` itself when none does), and the hooks' metrics."""
+        hooked = self._named(options, "weight")
+        if not hooked:
+            return block, {}
+        graphdef, state = nnx.split(block)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+        names = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in paths]
+        weights = dict(zip(names, (leaf for _, leaf in paths), strict=True))
+        metrics: dict[str, jax.Array] = {}
+        for _, hook, record in hooked:
+            replaced, out = hook(dict(weights), record)
+            weights.update(replaced)
+            metrics.update(out)
+        pure = jax.tree_util.tree_unflatten(treedef, [weights[n] for n in names])
+        nnx.replace_by_pure_dict(state, pure)
+        return nnx.merge(graphdef, state), metrics
+
+
+NO_HOOKS = Hooks()  # a model whose layers' records run nothing (the default of every holder)
 
 
 def layer_options(records: Mapping[str, Any]) -> LayerOptions:
     """``{plugin: record}`` -> `LayerOptions` (records of None are left out)."""
     return tuple(sorted((k, v) for k, v in records.items() if v is not None))
-
-
-def register_block_hook(
-    name: str, hook: BlockHook, metrics: Mapping[str, str] | None = None
-) -> None:
-    """Run ``hook(block_output, record)`` on every layer whose options hold a record ``name``;
-    it returns ``(output, metrics)``, metrics named ``"<name>/<metric>"``. ``metrics`` gives
-    each metric's reduction over microbatches (`REDUCTIONS`)."""
-    _HOOKS[name] = hook
-    register_metrics(metrics or {})
-
-
-def register_weight_hook(
-    name: str, hook: WeightHook, metrics: Mapping[str, str] | None = None
-) -> None:
-    """Run ``hook(weights, record)`` before every block whose options hold a record ``name``:
-    ``weights`` maps the block's parameter paths (``"attn/qkv/kernel"``, ``"moe/w_in"``) to
-    arrays; it returns ``(replacements, metrics)``, the block then runs with the replaced
-    weights (what it does to them is part of the differentiated forward)."""
-    _WEIGHT_HOOKS[name] = hook
-    register_metrics(metrics or {})
-
-
-def register_block_wrapper(
-    name: str,
-    wrapper: BlockWrapper,
-    metrics: Mapping[str, str] | None = None,
-    *,
-    needs: Sequence[str] = (),
-    carry: Mapping[str, tuple[Any, Any]] | None = None,
-) -> None:
-    """Run every block whose options hold a record ``name`` through
-    ``wrapper(residual, x, record, part, context)`` instead of its residual body on all tokens;
-    ``part`` is the block's part registered under the same name (None without one), ``context``
-    the forward's `LayerContext`. One wrapper per block: a layer whose options name two is
-    refused when it runs.
-
-    ``needs`` names the parts of the context it reads (`CONTEXT_NEEDS`); ``carry`` declares
-    each per-token [B, S] array it leaves in ``context.carry`` as ``{key: (dtype, fill)}``, the
-    fill being its value before any layer wrote it. A pipeline passes exactly these between
-    stages (the carry is not differentiated)."""
-    bad = set(needs) - set(CONTEXT_NEEDS)
-    if bad:
-        raise ValueError(f"unknown context needs {sorted(bad)}: use some of {CONTEXT_NEEDS}")
-    _WRAPPERS[name] = wrapper
-    _NEEDS[name] = frozenset(needs)
-    _CARRY[name] = dict(carry or {})
-    register_metrics(metrics or {})
-
-
-def register_block_part(name: str, factory: PartFactory) -> None:
-    """Let `GPTConfig.block_parts` entries named ``name`` build ``factory(cfg, settings, rngs)``
-    as the attribute ``name`` of their layer's block."""
-    _PARTS[name] = factory
-
-
-def register_state_rule(name: str, rule: StateRule, state: Sequence[str]) -> None:
-    """Run ``rule(state, metrics, record)`` after each step's optimizer update on every
-    trainable layer whose options hold a record ``name`` (module docstring, `StateRule`).
-    ``state`` names the attributes of the variables it moves (e.g. ``"routed_bias"``): the steps
-    keep them in float32 whatever the compute dtype, since a rule's small steps would be lost
-    in bfloat16. Keeping them out of the optimizer is the plugin's (`Plugin.wrap_optimizer`)."""
-    _STATE_RULES[name] = rule
-    _RULE_STATE.update(state)
-
-
-def state_rules(options: LayerOptions) -> list[tuple[str, StateRule, Any]]:
-    """(name, rule, record) of each state rule ``options`` name, in name order."""
-    return [(name, _STATE_RULES[name], record) for name, record in options if name in _STATE_RULES]
-
-
-def full_precision(attribute: Any) -> bool:
-    """Whether a variable named ``attribute`` is a state rule's: kept in float32."""
-    return attribute in _RULE_STATE
-
-
-def apply_state_rules(
-    layer: Mapping[str, Any], metrics: Mapping[str, jax.Array], options: LayerOptions
-) -> dict[str, Any]:
-    """One layer's state (a pure dict, as the steps hold it) after every state rule its
-    options name, given the layer's step metrics (`StateRule`)."""
-    rules = state_rules(options)
-    if not rules:
-        return dict(layer)
-    paths, treedef = jax.tree_util.tree_flatten_with_path(layer)
-    names = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in paths]
-    state = dict(zip(names, (leaf for _, leaf in paths), strict=True))
-    for name, rule, record in rules:
-        own = {k: v for k, v in metrics.items() if k.startswith(f"{name}/") or k == MOE_LOADS}
-        replaced = rule(dict(state), own, record)
-        unknown = set(replaced) - set(state)
-        if unknown:
-            raise ValueError(f"state rule {name!r} returned {sorted(unknown)}: not in the layer")
-        state.update(replaced)
-    return jax.tree_util.tree_unflatten(treedef, [state[n] for n in names])
-
-
-def make_block_part(name: str, cfg: Any, settings: Any, rngs: nnx.Rngs) -> nnx.Module:
-    if name not in _PARTS:
-        raise ValueError(f"no block part registered as {name!r}: import the plugin defining it")
-    return _PARTS[name](cfg, settings, rngs)
-
-
-def block_wrapper(options: LayerOptions) -> tuple[str, BlockWrapper, Any] | None:
-    """(name, wrapper, record) of the one block wrapper ``options`` name, or None."""
-    found = [(name, _WRAPPERS[name], record) for name, record in options if name in _WRAPPERS]
-    if len(found) > 1:
-        names = [f[0] for f in found]
-        raise ValueError(f"a block takes one block wrapper, its options name {names}")
-    return found[0] if found else None
-
-
-def context_needs(options: Sequence[LayerOptions]) -> frozenset[str]:
-    """What of the `LayerContext` the wrappers of layers with ``options`` read."""
-    return frozenset(n for opts in options for name, _ in opts for n in _NEEDS.get(name, ()))
-
-
-def carrying_wrappers(options: Sequence[LayerOptions]) -> tuple[str, ...]:
-    """The wrappers named by ``options`` that declare a carry, sorted."""
-    return tuple(sorted({name for opts in options for name, _ in opts if _CARRY.get(name)}))
-
-
-def carry_dtypes(wrappers: Sequence[str]) -> dict[str, Any]:
-    """``{carry key: dtype}`` of the carry ``wrappers`` declare."""
-    return {k: dtype for w in wrappers for k, (dtype, _) in _CARRY[w].items()}
-
-
-def initial_carry(wrappers: Sequence[str], shape: tuple[int, int]) -> dict[str, jax.Array]:
-    """The carry of ``wrappers`` before any layer: each key [B, S] filled with its fill."""
-    return {
-        k: jnp.full(shape, fill, dtype) for w in wrappers for k, (dtype, fill) in _CARRY[w].items()
-    }
-
-
-def register_metrics(metrics: Mapping[str, str], losses: tuple[str, ...] = ()) -> None:
-    """Declare how per-layer metrics fold over microbatches (default: "mean"); ``losses`` name
-    scalar metrics that are also terms of the training loss (summed over the layers)."""
-    bad = {k: v for k, v in metrics.items() if v not in REDUCTIONS}
-    if bad:
-        raise ValueError(f"unknown reductions {bad}: use one of {REDUCTIONS}")
-    _REDUCTIONS.update(metrics)
-    _LOSSES.update(losses)
-
-
-def hook_loss(layer_metrics: Sequence[Mapping[str, jax.Array]]) -> jax.Array:
-    """The loss terms the layers' metrics hold (`register_metrics` ``losses``), summed."""
-    return sum(
-        (m[name] for m in layer_metrics for name in sorted(_LOSSES) if name in m),
-        jnp.float32(0),
-    )
-
-
-def reduction(metric: str) -> str:
-    return _REDUCTIONS.get(metric, "mean")
-
-
-def apply_block_hooks(x: jax.Array, options: LayerOptions) -> tuple[jax.Array, dict]:
-    """The block output after every hook its options name, and the hooks' metrics."""
-    metrics: dict[str, jax.Array] = {}
-    for name, record in options:
-        hook = _HOOKS.get(name)
-        if hook is None:
-            continue
-        x, out = hook(x, record)
-        metrics.update(out)
-    return x, metrics
-
-
-def apply_weight_hooks(block: nnx.Module, options: LayerOptions) -> tuple[nnx.Module, dict]:
-    """A copy of ``block`` whose weights went through every weight hook its options name
-    (``block`` itself when none does), and the hooks' metrics."""
-    hooked = [(_WEIGHT_HOOKS[name], record) for name, record in options if name in _WEIGHT_HOOKS]
-    if not hooked:
-        return block, {}
-    graphdef, state = nnx.split(block)
-    paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
-    names = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in paths]
-    weights = dict(zip(names, (leaf for _, leaf in paths), strict=True))
-    metrics: dict[str, jax.Array] = {}
-    for hook, record in hooked:
-        replaced, out = hook(dict(weights), record)
-        weights.update(replaced)
-        metrics.update(out)
-    pure = jax.tree_util.tree_unflatten(treedef, [weights[n] for n in names])
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state), metrics

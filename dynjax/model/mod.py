@@ -28,11 +28,9 @@ import optax
 from flax import nnx
 
 from dynjax.model.hooks import (
+    HookSet,
     LayerContext,
     Residual,
-    register_block_part,
-    register_block_wrapper,
-    register_metrics,
 )
 
 NAME = "mod"
@@ -130,6 +128,6 @@ def predicted_members(logits: jax.Array, tokens: int) -> tuple[jax.Array, jax.Ar
     return chosen, jnp.take_along_axis(member, chosen, axis=1)
 
 
-register_block_part(NAME, lambda cfg, hidden, rngs: DepthRouter(cfg, hidden, rngs))
-register_block_wrapper(NAME, route_depth)
-register_metrics({LOSS: "mean"}, losses=(LOSS,))
+HOOKS = HookSet(
+    NAME, wrapper=route_depth, part=DepthRouter, reductions=((LOSS, "mean"),), losses=(LOSS,)
+)

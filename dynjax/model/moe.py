@@ -68,7 +68,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dynjax.model.hooks import MOE_LOADS, register_state_rule
+from dynjax.model.hooks import MOE_LOADS, HookSet
 
 ROUTINGS = ("token_choice", "expert_choice")
 BIAS = "routed_bias"  # the `RoutedBias` attribute of an MoE block: its path ends in moe/routed_bias
@@ -190,13 +190,13 @@ def balance_bias(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array:
 def balance_rule(
     state: dict[str, jax.Array], metrics: Mapping[str, jax.Array], record: BiasBalancing
 ) -> dict[str, jax.Array]:
-    """The state rule (`hooks.register_state_rule`) that moves an MoE layer's `RoutedBias` by
+    """The state rule (`HookSet.state_rule`) that moves an MoE layer's `RoutedBias` by
     `balance_bias` from the step's routed loads (`hooks.MOE_LOADS`)."""
     path = f"moe/{BIAS}"
     return {path: balance_bias(state[path], metrics[MOE_LOADS], record.rate)}
 
 
-register_state_rule(BIAS, balance_rule, state=(BIAS,))
+BIAS_HOOKS = HookSet(BIAS, state_rule=balance_rule, rule_state=(BIAS,))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ import numpy as np
 from dynjax.parallel.evaluation import evaluate
 from dynjax.parallel.executable import PipelineExecutable, PipelinePrograms
 from dynjax.parallel.feed import Placement
+from dynjax.parallel.metrics import fold_stages
 from dynjax.parallel.peers import Rounds
 from dynjax.parallel.profile import Profile, TaskTime
 from dynjax.parallel.profiler import PendingProfile, Profiler
@@ -192,31 +193,8 @@ class Pipeline:
 
 
 def host_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Host copies of `Pipeline.step` metrics of every stage -> the single-program metrics."""
+    """Host copies of `Pipeline.step` metrics of every stage -> the single-program metrics
+    (`metrics.fold_stages`), with any others of ``raw`` (e.g. a profile's metrics)."""
     by_stage: Mapping[int, Mapping[str, np.ndarray]] = raw["stages"]
-    stages = [by_stage[s] for s in sorted(by_stage)]
-    f32 = np.float32
-    out: dict[str, Any] = {
-        "loss": stages[-1]["ce"],
-        "aux_loss": f32(sum(f32(s["aux"]) for s in stages)),
-        "z_loss": f32(sum(f32(s["z"]) for s in stages)),
-        "grad_norm": stages[0]["grad_norm"],
-        # Per-layer metrics: stages hold consecutive layers, so layer order is stage order.
-        "layer_grad_norm": np.concatenate([s["layer_grad_norm"] for s in stages]),
-        **{k: v for k, v in raw.items() if k != "stages"},  # e.g. a profile's metrics
-    }
-    for name in sorted({n for s in stages for n in s["layers"]}):
-        out[name] = np.concatenate([s["layers"][name] for s in stages if name in s["layers"]])
-    moe = [s for s in stages if "loads" in s]
-    if moe:
-        loads = np.concatenate([s["loads"] for s in moe])  # [L, B, E] in layer order
-        dropped = np.concatenate([s["dropped"] for s in moe])
-        out["moe/group_loads"] = loads
-        out["moe/dropped"] = dropped
-        out["moe/tokens_per_expert"] = loads.sum(axis=1)
-        out["moe/unrouted"] = np.concatenate([s["unrouted"] for s in moe])
-        out["moe/expert_tokens"] = np.concatenate([s["expert_tokens"] for s in moe])
-        out["dropped_fraction"] = f32(dropped.sum()) / f32(loads.sum())
-        if "assignments" in moe[0]:
-            out["moe/assignments"] = np.concatenate([s["assignments"] for s in moe])
-    return out
+    out = fold_stages([by_stage[s] for s in sorted(by_stage)])
+    return {**out, **{k: v for k, v in raw.items() if k != "stages"}}

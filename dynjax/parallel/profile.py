@@ -86,16 +86,19 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
     """
     one = dataclasses.replace(
         stage, first=False, last=False, layers=(), moe=(), capacities=(), frozen=(), options=(),
-        embed_frozen=False, input_grads=trainable_before, cached_routing=False, ragged_totals=(),
+        needs=(), embed_frozen=False, input_grads=trainable_before, cached_routing=False,
+        ragged_totals=(),
     )
     if unit == ("embed",):
         return dataclasses.replace(one, first=True, embed_frozen=stage.embed_frozen)
     if unit == ("head",):
         return dataclasses.replace(one, last=True)
     i = unit[1]
-    options = (stage.layer_options()[stage.layers.index(i)],) if stage.options else ()
+    at = stage.layers.index(i)
+    options = (stage.layer_options()[at],) if stage.options else ()
+    needs = (stage.needs[at],) if stage.needs else ()
     one = dataclasses.replace(
-        one, layers=(i,), frozen=(i,) if i in stage.frozen else (), options=options
+        one, layers=(i,), frozen=(i,) if i in stage.frozen else (), options=options, needs=needs
     )
     if i not in stage.moe:
         return one

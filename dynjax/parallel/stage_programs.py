@@ -19,11 +19,11 @@ expert parallel over ``'expert'`` exactly as the single-program step (`dynjax.pa
   clips with the *global* norm (the sum of all stages' squared norms, in stage order, so every
   stage computes the same factor), applies the optimizer to the trainable units only (frozen
   units keep their parameters and optimizer state), folds the microbatch metrics, and runs
-  the state rules of its trainable layers on them (`hooks.register_state_rule`).
+  the state rules of its trainable layers on them (`HookSet.state_rule`).
 * ``eval(params, x, ctx, targets) -> loss`` (last stage only).
 
 ``ctx`` holds what the stage's block wrappers read of the `LayerContext` beyond activations
-(`hooks.register_block_wrapper` ``needs`` and ``carry``), only what they need, and on the ragged
+(`HookSet` ``needs`` and ``carry``), only what they need, and on the ragged
 MoE path ``capacities``, the stage's MoE layers' per-expert capacities [len(spec.moe), E] int32
 (a runtime input like the single-program step's, issue 12 §1): ``carry``, the
 per-token arrays the previous stage's layers left (a stage input and output beside the
@@ -50,17 +50,16 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.model import ModelParts, RaggedCapacities, lm_loss
 from dynjax.model.gpt import run_layers
-from dynjax.model.hooks import LayerContext, carry_dtypes, hook_loss, initial_carry
+from dynjax.model.hooks import LayerContext
 from dynjax.parallel.layout import select
 from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
+from dynjax.parallel.metrics import fold_microbatches, hook_metrics, moe_metrics, stack_layers
 from dynjax.parallel.stages import StageSpec
 from dynjax.parallel.step import (
     DTYPES,
     cast_floats,
-    fold_layer_metrics,
     layer_grad_norms,
     overlay,
-    stack_layer_metrics,
     update_layer_state,
     update_trainable,
 )
@@ -92,17 +91,22 @@ def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, ctx, 
     The first stage takes tokens [b, S] and embeds them; the last returns float32 logits.
     """
     parts, dtype = setup.parts, DTYPES[spec.dtype]
-    p = cast_floats(params, dtype)
+    hooks = parts.cfg.hooks
+    p = cast_floats(params, dtype, hooks)
     if spec.first:
         x = nnx.merge(parts.embed, p["embed"])(x)
         if parts.learned_positions:
             x = x + p["pos"][: x.shape[1]].astype(x.dtype)
-    held = p if spec.last else cast_floats(ctx["readout"], dtype) if "readout" in ctx else None
+    held = p if spec.last else None
+    if not spec.last and "readout" in ctx:
+        held = cast_floats(ctx["readout"], dtype, hooks)
     readout = None
     if held is not None:
         norm, head = nnx.merge(parts.norm, held["norm"]), nnx.merge(parts.head, held["head"])
         readout = lambda h: head(norm(h)).astype(jnp.float32)
-    carry = initial_carry(spec.carry, x.shape[:2]) if spec.first else dict(ctx.get("carry", {}))
+    carry = dict(ctx.get("carry", {}))
+    if spec.first:
+        carry = hooks.initial_carry(spec.carry, x.shape[:2])
     context = LayerContext(
         readout=readout, targets=ctx.get("targets"), carry=carry, inference=spec.inference
     )
@@ -123,7 +127,7 @@ def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, ctx, 
     )
     if spec.last:
         return readout(x), {}, stats, layer_metrics
-    return x, {k: context.carry[k] for k in carry_dtypes(spec.carry)}, stats, layer_metrics
+    return x, {k: context.carry[k] for k in hooks.carry_dtypes(spec.carry)}, stats, layer_metrics
 
 
 def _microbatch_metrics(
@@ -132,18 +136,13 @@ def _microbatch_metrics(
     """(the stage's share of the loss to minimise, its metrics) for one microbatch."""
     aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
     z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
-    local = setup.aux_loss_weight * aux + setup.z_loss_weight * z + hook_loss(layer_metrics)
-    metrics: Metrics = {"aux": aux, "z": z, "layers": stack_layer_metrics(layer_metrics)}
+    hook_loss = setup.parts.cfg.hooks.loss(layer_metrics)
+    local = setup.aux_loss_weight * aux + setup.z_loss_weight * z + hook_loss
+    metrics: Metrics = {"aux_loss": aux, "z_loss": z, **stack_layers(layer_metrics)}
+    metrics.update(moe_metrics(stats, setup.return_assignments))
     if ce is not None:
-        metrics["ce"] = ce
+        metrics["loss"] = ce
         local = ce + local
-    if stats:
-        metrics["loads"] = jnp.stack([s.group_loads for s in stats])  # [Ls, b, E]
-        metrics["dropped"] = jnp.stack([jnp.sum(s.dropped) for s in stats])  # [Ls]
-        metrics["unrouted"] = jnp.stack([jnp.sum(s.unrouted) for s in stats])  # [Ls]
-        metrics["expert_tokens"] = jnp.stack([jnp.sum(s.expert_tokens, 0) for s in stats])
-        if setup.return_assignments:
-            metrics["assignments"] = jnp.stack([s.router_experts for s in stats])  # [Ls,b,S,k]
     return local, metrics
 
 
@@ -226,45 +225,25 @@ def update_fn(setup: StageSetup, spec: StageSpec):
             grads = jax.tree.map(lambda g: jnp.where(norm < clip, g, (g / norm) * clip), grads)
         trainable = select(params, trainable_units)
         trainable, opt_state = update_trainable(setup.optimizer, grads, opt_state, trainable)
-        folded = _fold(metrics, norm)
+        folded = fold_microbatches(metrics, setup.parts.cfg.hooks)
+        folded["grad_norm"] = norm
         loads = None
-        if "loads" in metrics[0]:
-            loads = sum(jnp.sum(mb["loads"], axis=1) for mb in metrics)  # [Ls, E]
+        if "moe/group_loads" in folded:
+            loads = jnp.sum(folded["moe/group_loads"], axis=1)  # [Ls, E]
         trainable = update_layer_state(
-            trainable, params, spec.layers, spec.options, folded["layers"], loads
+            trainable,
+            params,
+            spec.layers,
+            spec.options,
+            hook_metrics(folded),
+            loads,
+            setup.parts.cfg.hooks,
         )
         zeros = jax.tree.map(jnp.zeros_like, acc)
         folded["layer_grad_norm"] = layer_grad_norms(grads, spec.layers)  # before clipping
         return overlay(params, trainable), opt_state, zeros, folded
 
     return update
-
-
-def _fold(metrics: Sequence[Metrics], grad_norm: jax.Array) -> Metrics:
-    """Microbatch metrics -> step metrics, rows back in batch order (as `step._join_microbatches`).
-
-    Microbatch j holds rows j, j+M, j+2M, ... of the batch.
-    """
-
-    def join(key: str) -> jax.Array:
-        stacked = jnp.stack([mb[key] for mb in metrics])  # [M, Ls, b, ...]
-        moved = jnp.moveaxis(stacked, 0, 2)  # [Ls, b, M, ...]
-        return moved.reshape(moved.shape[0], -1, *moved.shape[3:])
-
-    out: Metrics = {
-        k: jnp.mean(jnp.stack([mb[k] for mb in metrics])) for k in ("ce", "aux", "z")
-        if k in metrics[0]
-    }
-    out["grad_norm"] = grad_norm
-    out["layers"] = fold_layer_metrics([mb["layers"] for mb in metrics])
-    if "loads" in metrics[0]:
-        out["loads"] = join("loads")
-        out["dropped"] = sum(mb["dropped"] for mb in metrics)
-        out["unrouted"] = sum(mb["unrouted"] for mb in metrics)
-        out["expert_tokens"] = sum(mb["expert_tokens"] for mb in metrics)
-    if "assignments" in metrics[0]:
-        out["assignments"] = join("assignments")
-    return out
 
 
 def evaluate_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
@@ -319,7 +298,7 @@ def stage_shapes(
     x = tokens if spec.first else acts
     carry = {
         k: jax.ShapeDtypeStruct((b, seq_len), d, sharding=rows)
-        for k, d in carry_dtypes(spec.carry).items()
+        for k, d in setup.parts.cfg.hooks.carry_dtypes(spec.carry).items()
     }
     ctx: dict[str, Any] = {} if spec.first or not carry else {"carry": carry}
     replicated = NamedSharding(mesh, P())

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from dynjax.model.hooks import LayerOptions, carrying_wrappers, context_needs
+from dynjax.model.hooks import NO_HOOKS, Hooks, LayerOptions
 from dynjax.parallel.layout import Unit
 
 
@@ -38,8 +38,10 @@ class StageSpec:
     options: tuple[LayerOptions, ...] = ()  # each layer's plugin records (empty: none)
     inference: bool = False  # evaluation programs: block wrappers run causally (`LayerContext`)
     # The block wrappers (of any stage) whose carry crosses stage boundaries: the input of a
-    # stage after the first and the output of one before the last hold it (`hooks` ``carry``).
+    # stage after the first and the output of one before the last hold it (`HookSet.carry`).
     carry: tuple[str, ...] = ()
+    # What of the `LayerContext` each layer's wrapper reads (`HookSet.needs`; empty: none).
+    needs: tuple[frozenset[str], ...] = ()
     # The ragged MoE path (``capacities`` then empty): each MoE layer's static buffer
     # (`RaggedCapacities.shard_total`); the per-expert capacities are a runtime input of the
     # stage's programs (``ctx["capacities"]`` [len(moe), E] int32), so changing them within
@@ -67,12 +69,12 @@ class StageSpec:
     def needs_readout(self) -> bool:
         """A stage before the last whose wrappers read the model's readout: it gets the last
         stage's norm and head parameters each step and returns their gradient."""
-        return not self.last and "readout" in context_needs(self.layer_options())
+        return not self.last and any("readout" in n for n in self.needs)
 
     @property
     def needs_targets(self) -> bool:
         """A stage before the last whose wrappers read the targets (the last has them)."""
-        return not self.last and "targets" in context_needs(self.layer_options())
+        return not self.last and any("targets" in n for n in self.needs)
 
     @property
     def has_backward(self) -> bool:
@@ -119,13 +121,15 @@ def stage_specs(
     dtype: str,
     options: Sequence[LayerOptions] = (),
     ragged_totals: Sequence[int] = (),
+    hooks: Hooks = NO_HOOKS,
 ) -> tuple[StageSpec, ...]:
     """Split the model into consecutive stages of ``stage_layers[s]`` layers each.
 
     A frozen prefix of the model (the embedding and every layer before the first trainable one,
     seed 000 §4.2.3) needs no gradient: stages after it still pass input gradients back to it.
     ``options`` holds each model layer's plugin records; a stage carries those of its layers, so
-    only stages whose records change compile anew. ``ragged_totals`` (one per MoE layer):
+    only stages whose records change compile anew; ``hooks`` is what the records run (what
+    the stages' wrappers read and carry). ``ragged_totals`` (one per MoE layer):
     the ragged MoE path, whose stages hold their layers' totals in place of their capacities.
     """
     frozen = set(frozen_layers)
@@ -134,6 +138,7 @@ def stage_specs(
         (i for i in range(sum(stage_layers)) if i not in frozen), None
     )
     caps = dict(zip(moe_layers, capacities, strict=True))
+    needs = [hooks.context_needs([o]) for o in options]
     totals = dict(zip(moe_layers, ragged_totals, strict=True)) if ragged_totals else {}
     specs, start = [], 0
     for s, count in enumerate(stage_layers):
@@ -156,7 +161,8 @@ def stage_specs(
                 cached_routing=cached_routing,
                 dtype=dtype,
                 options=tuple(options[start : start + count]) if any(options) else (),
-                carry=carrying_wrappers(options),
+                carry=hooks.carrying_wrappers(options),
+                needs=tuple(needs[start : start + count]) if any(needs) else (),
                 ragged_totals=tuple(totals[i] for i in layers if i in totals),
             )
         )

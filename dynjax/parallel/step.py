@@ -19,16 +19,9 @@ import optax
 from flax import nnx
 
 from dynjax.model import ExpertParallel, RaggedCapacities, lm_loss
-from dynjax.model.hooks import (
-    MOE_LOADS,
-    LayerOptions,
-    apply_state_rules,
-    full_precision,
-    hook_loss,
-    reduction,
-    state_rules,
-)
+from dynjax.model.hooks import MOE_LOADS, NO_HOOKS, Hooks, LayerOptions
 from dynjax.parallel.layout import by_path, fill, select
+from dynjax.parallel.metrics import fold_stacked, moe_metrics, moe_totals, stack_layers
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -53,17 +46,18 @@ class StepOptions:
     layer_options: tuple[LayerOptions, ...] = ()  # each layer's plugin records; () = none
     # The forward evaluates rather than trains: block wrappers run causally (`LayerContext`).
     inference: bool = False
+    hooks: Hooks = NO_HOOKS  # what the records run, and how their metrics fold (`GPTConfig.hooks`)
 
 
-def cast_floats(tree, dtype):
-    """Floating leaves in the compute ``dtype``, but a state rule's variables
-    (`hooks.full_precision`): a rule's steps (the routed bias's 1e-3) are below bfloat16's
+def cast_floats(tree, dtype, hooks: Hooks):
+    """Floating leaves in the compute ``dtype``, but a state rule's variables of ``hooks``
+    (`Hooks.full_precision`): a rule's steps (the routed bias's 1e-3) are below bfloat16's
     resolution at their magnitude."""
 
     def cast(path, a):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             return a
-        return a if full_precision(getattr(path[-1], "key", None)) else a.astype(dtype)
+        return a if hooks.full_precision(getattr(path[-1], "key", None)) else a.astype(dtype)
 
     return jax.tree_util.tree_map_with_path(cast, tree)
 
@@ -74,7 +68,7 @@ def forward_loss(
     """Loss to minimise and its parts for one (micro)batch: (total, (ce, aux, z, MoE stats,
     the layers' hook metrics stacked by name)). ``capacities``: the ragged path's runtime
     per-expert capacities [L, E] (with ``opts.ragged_totals``)."""
-    model = nnx.merge(graphdef, cast_floats(params, DTYPES[opts.dtype]))
+    model = nnx.merge(graphdef, cast_floats(params, DTYPES[opts.dtype], opts.hooks))
     logits, stats, layer_metrics = model.forward(
         inputs,
         capacities=moe_capacities(opts, capacities),
@@ -88,8 +82,9 @@ def forward_loss(
     ce = lm_loss(logits, targets)
     aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
     z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
-    total = ce + opts.aux_loss_weight * aux + opts.z_loss_weight * z + hook_loss(layer_metrics)
-    return total, (ce, aux, z, stats, stack_layer_metrics(layer_metrics))
+    total = ce + opts.aux_loss_weight * aux + opts.z_loss_weight * z
+    total = total + opts.hooks.loss(layer_metrics)
+    return total, (ce, aux, z, stats, stack_layers(layer_metrics))
 
 
 def moe_capacities(opts: StepOptions, capacities: jax.Array | None) -> tuple:
@@ -98,28 +93,6 @@ def moe_capacities(opts: StepOptions, capacities: jax.Array | None) -> tuple:
     if not opts.ragged_totals:
         return opts.capacities
     return tuple(RaggedCapacities(capacities[j], t) for j, t in enumerate(opts.ragged_totals))
-
-
-def stack_layer_metrics(layer_metrics: Sequence[Mapping[str, jax.Array]]) -> dict:
-    """Each hook metric stacked over the layers that report it, in layer order: [Lr, ...]."""
-    names = sorted({name for m in layer_metrics for name in m})
-    return {n: jnp.stack([m[n] for m in layer_metrics if n in m]) for n in names}
-
-
-def fold_layer_metrics(per_microbatch: Sequence[Mapping[str, jax.Array]]) -> dict:
-    """Per-microbatch stacked hook metrics -> the step's, by each metric's reduction: "mean"
-    and "sum" over microbatches, "rows" back in batch order (microbatch j holds rows j, j+M,
-    ... of the batch, as `_split_microbatches` cuts them)."""
-    out = {}
-    for name in per_microbatch[0]:
-        stacked = jnp.stack([mb[name] for mb in per_microbatch])  # [M, Lr, ...]
-        kind = reduction(name)
-        if kind == "rows":
-            moved = jnp.moveaxis(stacked, 0, 2)  # [Lr, b, M, ...]
-            out[name] = moved.reshape(moved.shape[0], -1, *moved.shape[3:])
-        else:
-            out[name] = jnp.sum(stacked, 0) if kind == "sum" else jnp.mean(stacked, 0)
-    return out
 
 
 def layer_grad_norms(grads: Mapping[str, Any], layers: Sequence[int]) -> jax.Array:
@@ -138,9 +111,11 @@ def update_layer_state(
     options: Sequence[LayerOptions],
     layer_metrics: Mapping[str, jax.Array],
     moe_loads: jax.Array | None,
+    hooks: Hooks,
 ) -> dict[str, Any]:
-    """``units`` (the trainable units after the optimizer update) with the state rules of each
-    of their layers applied (`hooks.register_state_rule`; frozen layers keep their state).
+    """``units`` (the trainable units after the optimizer update) with the state rules of
+    ``hooks`` of each of their layers applied (`HookSet.state_rule`; frozen layers keep their
+    state).
 
     ``layers``: the program's layers in order, ``options`` their `LayerOptions` (empty: none);
     ``layer_metrics`` the step's hook metrics stacked over the layers that report each
@@ -148,14 +123,14 @@ def update_layer_state(
     record; ``moe_loads`` [Lm, E] the step's routed pairs of each MoE layer of ``params`` among
     ``layers`` (`hooks.MOE_LOADS`)."""
     options = options or ((),) * len(layers)
-    ruled = [(i, o) for i, o in zip(layers, options, strict=True) if state_rules(o)]
+    ruled = [(i, o) for i, o in zip(layers, options, strict=True) if hooks.state_rules(o)]
     if not ruled:
         return dict(units)
     moe = [i for i in layers if "moe" in params["layers"][i]]
     holders = {
         name: [i for i, o in zip(layers, options, strict=True) if name in dict(o)]
         for _, o in ruled
-        for name, _, _ in state_rules(o)
+        for name, _, _ in hooks.state_rules(o)
     }
     got = dict(units.get("layers", {}))
     for i, opts in ruled:
@@ -171,26 +146,8 @@ def update_layer_state(
                             f"layers, but {len(rows)} layers hold its record"
                         )
                     metrics[metric] = stacked[rows.index(i)]
-        got[i] = apply_state_rules(got[i], metrics, opts)
+        got[i] = hooks.apply_state_rules(got[i], metrics, opts)
     return {**units, "layers": got}
-
-
-def _moe_metrics(stats, opts: StepOptions) -> dict[str, jax.Array]:
-    if not stats:
-        return {}
-    loads = jnp.stack([s.group_loads for s in stats])  # [L, B, E]
-    dropped = jnp.stack([jnp.sum(s.dropped) for s in stats])  # [L]
-    metrics = {
-        "moe/group_loads": loads,
-        "moe/dropped": dropped,
-        "moe/tokens_per_expert": jnp.sum(loads, axis=1),  # [L, E]
-        "moe/unrouted": jnp.stack([jnp.sum(s.unrouted) for s in stats]),  # [L] tokens
-        "moe/expert_tokens": jnp.stack([jnp.sum(s.expert_tokens, 0) for s in stats]),  # [L, E]
-        "dropped_fraction": jnp.sum(dropped) / jnp.sum(loads),  # of (token, choice) pairs
-    }
-    if opts.return_assignments:
-        metrics["moe/assignments"] = jnp.stack([s.router_experts for s in stats])  # [L, B, S, k]
-    return metrics
 
 
 def _split_microbatches(x: jax.Array, m: int) -> jax.Array:
@@ -286,11 +243,10 @@ def make_train_step(
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
             grads, (ce, aux, z, st, lm) = jax.lax.scan(body, zeros, xs)
             grads = jax.tree.map(lambda g: g / m, grads)
-            ce, aux, z = jnp.mean(ce), jnp.mean(aux), jnp.mean(z)
             stats = [type(s)(*(_join_microbatches(f) for f in s)) for s in st]
-            layer_metrics = fold_layer_metrics(
-                [jax.tree.map(lambda a, j=j: a[j], lm) for j in range(m)]
-            )
+            folded = fold_stacked({"loss": ce, "aux_loss": aux, "z_loss": z, **lm}, opts.hooks)
+            ce, aux, z = folded.pop("loss"), folded.pop("aux_loss"), folded.pop("z_loss")
+            layer_metrics = folded
         trainable = select(params, trainable_units(params, opts.frozen_layers))
         trainable, opt_state = update_trainable(optimizer, grads, opt_state, trainable)
         loads = jnp.stack([jnp.sum(s.group_loads, axis=0) for s in stats]) if stats else None
@@ -301,12 +257,14 @@ def make_train_step(
             opts.layer_options,
             layer_metrics,
             loads,
+            opts.hooks,
         )
         params = overlay(params, trainable)
         metrics = {"loss": ce, "aux_loss": aux, "z_loss": z, "grad_norm": optax.tree.norm(grads)}
         metrics["layer_grad_norm"] = layer_grad_norms(grads, range(len(params["layers"])))
         metrics.update(layer_metrics)
-        metrics.update(_moe_metrics(stats, opts))
+        metrics.update(moe_metrics(stats, opts.return_assignments))
+        metrics.update(moe_totals(metrics))
         return params, opt_state, metrics
 
     return step

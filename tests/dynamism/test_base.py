@@ -13,7 +13,7 @@ from dynjax.config import default_config, load_run, validate_config
 from dynjax.dynamism import BUILTIN, Plugin, layer_costs
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
-from dynjax.model.hooks import register_block_hook, register_block_part, register_state_rule
+from dynjax.model.hooks import HookSet
 from dynjax.recompile import History, Plan, Proposal
 from dynjax.resume import check_resumable, config_changes
 from dynjax.train import train
@@ -22,11 +22,19 @@ from dynjax.writers import read_jsonl
 from ..tiny import tiny_config
 
 
+def scale_block_output(x, scale):
+    """The toy's block hook: scales the block's output and reports its mean |x| per row."""
+    return x * scale, {"toy/mean_abs": jnp.mean(jnp.abs(x), axis=(1, 2))}
+
+
 class Toy(Plugin):
     """A scheme defined outside the library: a width per layer, a cost, a resume-fixed key."""
 
     name = "toy"
     fixed_on_resume = ("toy.seed",)
+    hook_sets = (
+        HookSet("toy", block=scale_block_output, reductions=(("toy/mean_abs", "rows"),)),
+    )
 
     @classmethod
     def config(cls):
@@ -74,13 +82,7 @@ class Narrow:
         return None if new == widths else Proposal(plan.with_part("toy", widths=new), f"{new}")
 
 
-def scale_block_output(x, scale):
-    """The toy's block hook: scales the block's output and reports its mean |x| per row."""
-    return x * scale, {"toy/mean_abs": jnp.mean(jnp.abs(x), axis=(1, 2))}
-
-
 TOY = BUILTIN.with_(Toy)  # the schemes a run with the toy is given
-register_block_hook("toy", scale_block_output, {"toy/mean_abs": "rows"})
 
 
 def test_a_plugin_passed_to_the_run_gets_a_config_section_and_its_checks():
@@ -219,20 +221,6 @@ def test_a_changed_layer_option_recompiles_only_its_stage():
     assert exp.pipeline_spec(changed).stages[0] == exp.pipeline_spec(plan).stages[0]
 
 
-class Tally(Plugin):
-    """A scheme with state of its own outside the optimizer: layers 1 and 3 keep a running sum
-    of their block's mean |output| (a block part's variable), moved by a state rule."""
-
-    name = "tally"
-
-    @classmethod
-    def block_parts(cls, section, facts):
-        return [(1, "tally", None), (3, "tally", None)]
-
-    def layer_options(self, plan):
-        return [i in (1, 3) or None for i in range(self.facts.num_layers)]
-
-
 class TallyState(nnx.Module):
     def __init__(self, cfg, settings, rngs):
         self.seen = nnx.Variable(jnp.zeros((), jnp.float32))
@@ -242,10 +230,30 @@ def add_seen(state, metrics, record):
     return {"tally/seen": state["tally/seen"] + metrics["tally/mean_abs"]}
 
 
+def mean_abs(x, record):
+    return x, {"tally/mean_abs": jnp.mean(jnp.abs(x))}
+
+
+class Tally(Plugin):
+    """A scheme with state of its own outside the optimizer: layers 1 and 3 keep a running sum
+    of their block's mean |output| (a block part's variable), moved by a state rule."""
+
+    name = "tally"
+    hook_sets = (
+        HookSet(
+            "tally", block=mean_abs, part=TallyState, state_rule=add_seen, rule_state=("seen",)
+        ),
+    )
+
+    @classmethod
+    def block_parts(cls, section, facts):
+        return [(1, "tally", None), (3, "tally", None)]
+
+    def layer_options(self, plan):
+        return [i in (1, 3) or None for i in range(self.facts.num_layers)]
+
+
 TALLY = BUILTIN.with_(Tally)
-register_block_part("tally", TallyState)
-register_block_hook("tally", lambda x, r: (x, {"tally/mean_abs": jnp.mean(jnp.abs(x))}))
-register_state_rule("tally", add_seen, state=("seen",))
 
 
 @pytest.mark.slow

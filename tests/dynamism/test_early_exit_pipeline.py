@@ -15,7 +15,17 @@ from flax import nnx
 from dynjax.balance import schedule_tasks
 from dynjax.balance.schedules import Task
 from dynjax.model import GPT, GPTConfig, ModelParts
-from dynjax.model.early_exit import EXIT_CE, EXITED, FORCED, LOSS, NAME, PROCESSED, ExitLayer
+from dynjax.model.early_exit import (
+    EXIT_CE,
+    EXITED,
+    FORCED,
+    HOOKS,
+    LOSS,
+    NAME,
+    PROCESSED,
+    ExitLayer,
+)
+from dynjax.model.hooks import Hooks
 from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
 from dynjax.parallel.executable import PipelinePrograms
 from dynjax.parallel.pipeline import Pipeline, host_metrics
@@ -31,7 +41,8 @@ from ..helpers import assert_close, logged
 from ..tiny import tiny_config
 
 S, L, M, B, STEPS, LR, CLIP = 8, 4, 2, 8, 3, 0.3, 0.5
-CFG = GPTConfig(vocab_size=64, num_layers=L, d_model=16, num_heads=2, mlp_dim=32, max_len=S)
+CFG = GPTConfig(vocab_size=64, num_layers=L, d_model=16, num_heads=2, mlp_dim=32, max_len=S,
+                hooks=Hooks((HOOKS,)))
 TOKENS = (S, S, 6, 4)  # layers 2 and 3 compute a bucket of the remaining tokens
 WEIGHTS = (0.25, 0.5, 0.75)  # exit points after layers 0, 1 and 2
 
@@ -74,7 +85,7 @@ def options():
 @functools.cache
 def reference():
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))))
-    opts = StepOptions(microbatches=M, layer_options=options())
+    opts = StepOptions(microbatches=M, layer_options=options(), hooks=CFG.hooks)
     parallel = expert_parallel(make_mesh(1, 1, 1))
     step = jax.jit(make_train_step(graphdef, optimizer(), opts, parallel))
     state = initial_state()
@@ -100,7 +111,7 @@ def programs(stages: int, fsdp: bool = False):
 def spec_for(assignment, schedule="1f1b"):
     stages = stage_specs(assignment, moe_layers=(), capacities=(), frozen_layers=(),
                          microbatches=M, batch_size=B, cached_routing=False, dtype="float32",
-                         options=options())
+                         options=options(), hooks=CFG.hooks)
     return PipelineSpec(stages, schedule, schedule_tasks(schedule, len(assignment), M))
 
 

@@ -60,7 +60,7 @@ def test_frozen_layers_keep_parameters_and_moments_the_others_match_stopped_grad
         p = jax.tree_util.tree_map_with_path(
             lambda path, x: jax.lax.stop_gradient(x) if frozen(path) else x, p)
         from flax import nnx
-        model = nnx.merge(exp.graphdef, cast_floats(p, np.float32))
+        model = nnx.merge(exp.graphdef, cast_floats(p, np.float32, exp.model_cfg.hooks))
         caps = capacities_of(exp.initial_plan())
         logits, stats = model(batch.inputs, capacities=caps)
         aux = sum(np.float32(0) + s.aux_loss.mean() for s in stats)

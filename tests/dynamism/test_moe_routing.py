@@ -13,6 +13,7 @@ from flax import nnx
 
 from dynjax.checkpoint import Checkpointer
 from dynjax.config import validate_config
+from dynjax.dynamism import BUILTIN
 from dynjax.dynamism.moe import MoEPlugin
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
@@ -302,7 +303,7 @@ def test_the_bias_stays_float32_in_a_bfloat16_step():
     from dynjax.parallel.step import cast_floats
 
     params = {"layers": {1: {"moe": {BIAS: jnp.full((E,), 0.1001), "router": jnp.ones((D, E))}}}}
-    cast = cast_floats(params, jnp.bfloat16)["layers"][1]["moe"]
+    cast = cast_floats(params, jnp.bfloat16, BUILTIN.hooks())["layers"][1]["moe"]
     assert cast[BIAS].dtype == jnp.float32 and cast["router"].dtype == jnp.bfloat16
     assert float(cast[BIAS][0]) == pytest.approx(0.1001, abs=1e-7)
 

@@ -63,6 +63,7 @@ from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts
 from dynjax.model.moe import (
     BIAS,
+    BIAS_HOOKS,
     REUSE,
     ROUTINGS,
     BiasBalancing,
@@ -80,6 +81,7 @@ class MoEPlugin(Plugin):
 
     name = NAME
     switch = "every"
+    hook_sets = (BIAS_HOOKS,)  # auxiliary-loss-free balancing's state rule
     fixed_on_resume = (
         "moe.every",
         "moe.num_experts",

@@ -1,0 +1,123 @@
+"""The one metric folder of both runtimes: a step's metrics, folded by declared reductions.
+
+Every metric a step reports is named, and its name says how it folds: over the microbatches of
+a step (`fold_microbatches`, inside the compiled programs) and over the stages of a pipeline
+(`fold_stages`, on the host). The step's own metrics declare theirs in `STEP_REDUCTIONS`; a
+block hook's metric (per layer) declares its microbatch reduction in its `HookSet` and folds
+over stages by concatenating layers, since stages hold consecutive layers. So the single
+program (one stage, the whole batch) and the pipeline (per stage, per microbatch) fold with the
+same code and report the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dynjax.model.hooks import Hooks
+
+# name -> (over microbatches, over stages). Over microbatches: "mean", "sum", or "rows" back in
+# batch order (`hooks.REDUCTIONS`); over stages: "last" (the stage holding the loss), "first"
+# (equal on every stage), "sum", or "layers" (concatenated in layer order).
+STEP_REDUCTIONS: dict[str, tuple[str, str]] = {
+    "loss": ("mean", "last"),
+    "aux_loss": ("mean", "sum"),
+    "z_loss": ("mean", "sum"),
+    "moe/group_loads": ("rows", "layers"),  # [L, B, E] (token, choice) pairs, pre-drop
+    "moe/dropped": ("sum", "layers"),  # [L] pairs dropped for lack of capacity
+    "moe/unrouted": ("sum", "layers"),  # [L] tokens no expert computes
+    "moe/expert_tokens": ("sum", "layers"),  # [L, E] tokens each expert computes
+    "moe/assignments": ("rows", "layers"),  # [L, B, S, k] the router's top-k (caching)
+    "grad_norm": ("mean", "first"),  # the global norm: every stage computes it
+    "layer_grad_norm": ("mean", "layers"),  # [L]
+}
+
+
+def stack_layers(layer_metrics: Sequence[Mapping[str, jax.Array]]) -> dict[str, jax.Array]:
+    """Each hook metric stacked over the layers that report it, in layer order: [Lr, ...]."""
+    names = sorted({name for m in layer_metrics for name in m})
+    return {n: jnp.stack([m[n] for m in layer_metrics if n in m]) for n in names}
+
+
+def moe_metrics(stats: Sequence[Any], assignments: bool) -> dict[str, jax.Array]:
+    """The per-layer MoE metrics of one forward from its MoE layers' stats in order (none
+    without MoE layers); ``assignments`` adds the router's top-k per token."""
+    if not stats:
+        return {}
+    metrics = {
+        "moe/group_loads": jnp.stack([s.group_loads for s in stats]),
+        "moe/dropped": jnp.stack([jnp.sum(s.dropped) for s in stats]),
+        "moe/unrouted": jnp.stack([jnp.sum(s.unrouted) for s in stats]),
+        "moe/expert_tokens": jnp.stack([jnp.sum(s.expert_tokens, 0) for s in stats]),
+    }
+    if assignments:
+        metrics["moe/assignments"] = jnp.stack([s.router_experts for s in stats])
+    return metrics
+
+
+def moe_totals(metrics: Mapping[str, Any], xp: Any = jnp) -> dict[str, Any]:
+    """What follows from the folded MoE metrics of the whole model (none without them): each
+    layer's routed pairs per expert and the fraction of pairs dropped. ``xp``: ``jnp`` inside a
+    program, ``np`` on the host."""
+    if "moe/group_loads" not in metrics:
+        return {}
+    loads, dropped = metrics["moe/group_loads"], metrics["moe/dropped"]
+    return {
+        "moe/tokens_per_expert": xp.sum(loads, axis=1),  # [L, E]
+        "dropped_fraction": xp.float32(xp.sum(dropped)) / xp.float32(xp.sum(loads)),
+    }
+
+
+def reduction(name: str, hooks: Hooks) -> str:
+    """How metric ``name`` folds over microbatches."""
+    return STEP_REDUCTIONS[name][0] if name in STEP_REDUCTIONS else hooks.reduction(name)
+
+
+def fold_stacked(stacked: Mapping[str, jax.Array], hooks: Hooks) -> dict[str, jax.Array]:
+    """Metrics stacked over microbatches ([M, ...] each) -> the step's, by each metric's
+    reduction: "mean" and "sum" over microbatches, "rows" back in batch order (microbatch j
+    holds rows j, j+M, ... of the batch, as `step._split_microbatches` cuts them)."""
+    out = {}
+    for name, a in stacked.items():
+        kind = reduction(name, hooks)
+        if kind == "rows":
+            moved = jnp.moveaxis(a, 0, 2)  # [L, b, M, ...]
+            out[name] = moved.reshape(moved.shape[0], -1, *moved.shape[3:])
+        else:
+            out[name] = jnp.sum(a, 0) if kind == "sum" else jnp.mean(a, 0)
+    return out
+
+
+def fold_microbatches(
+    per_microbatch: Sequence[Mapping[str, jax.Array]], hooks: Hooks
+) -> dict[str, jax.Array]:
+    """`fold_stacked` of one metrics dict per microbatch."""
+    names = per_microbatch[0]
+    return fold_stacked({n: jnp.stack([mb[n] for mb in per_microbatch]) for n in names}, hooks)
+
+
+def hook_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The block hooks' metrics among a step's (what the state rules read)."""
+    return {k: v for k, v in metrics.items() if k not in STEP_REDUCTIONS}
+
+
+def fold_stages(stages: Sequence[Mapping[str, np.ndarray]]) -> dict[str, Any]:
+    """Host copies of every stage's step metrics, in stage order -> the single program's."""
+    f32 = np.float32
+    out: dict[str, Any] = {}
+    for name in sorted({n for s in stages for n in s}):
+        kind = STEP_REDUCTIONS[name][1] if name in STEP_REDUCTIONS else "layers"
+        have = [s[name] for s in stages if name in s]
+        if kind == "last":
+            out[name] = stages[-1][name]
+        elif kind == "first":
+            out[name] = stages[0][name]
+        elif kind == "sum":
+            out[name] = f32(sum(f32(a) for a in have))
+        else:
+            out[name] = np.concatenate(have)
+    return {**out, **moe_totals(out, np)}
