@@ -391,7 +391,7 @@ class Experiment:
             pipeline.set_inputs(self.step_inputs(plan))
             return PipelineRuntime(
                 pipeline,
-                ctx=self.ctx,
+                pipeline_stages=self.ctx.pipeline_stages,
                 batch_size=t.batch_size,
                 seq_len=self.cfg.data.seq_len,
                 step_inputs=self.step_inputs,
@@ -402,7 +402,7 @@ class Experiment:
         return SingleProgramRuntime(
             state,
             plan,
-            ctx=self.ctx,
+            pipeline_stages=self.ctx.pipeline_stages,
             mesh=self.mesh,
             batch_size=t.batch_size,
             seq_len=self.cfg.data.seq_len,

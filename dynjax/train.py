@@ -456,7 +456,9 @@ class _Loop:
         budget = self.cfg.recompile.budget
 
         def validate(proposed: Plan) -> None:
-            proposed.validate(self.runtime.plan_context(self.controller.plan))
+            used = len(self.controller.plan.stage_layers)
+            stages = self.runtime.stages_available(used)
+            proposed.validate(dataclasses.replace(self.exp.ctx, pipeline_stages=stages))
 
         return Controller(
             self.plan,

@@ -8,8 +8,7 @@ the config.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -26,9 +25,12 @@ from dynjax.parallel.stage_state import Migration
 from dynjax.parallel.stages import PipelineSpec
 from dynjax.parallel.step_inputs import StepInputs
 
-if TYPE_CHECKING:  # carried, never built here: parallel sits below recompile and the data
+if TYPE_CHECKING:  # carried, never built here: parallel sits below the data
     from dynjax.data import Batch
-    from dynjax.recompile import Plan, PlanContext
+
+# A `dynjax.recompile.Plan`: runtimes carry it to the callables they were given, never read it
+# (parallel sits below recompile).
+Plan = Hashable
 
 
 class Runtime(Protocol):
@@ -46,8 +48,8 @@ class Runtime(Protocol):
     def swap(self, plan: Plan, executable) -> Migration | None:
         """Run ``plan`` from the next step on; the migration if layers moved."""
 
-    def plan_context(self, current: Plan) -> PlanContext:
-        """What a new Plan is validated against while ``current`` is the Controller's."""
+    def stages_available(self, used: int) -> int:
+        """The stage sub-meshes a new Plan may use while the Controller's Plan uses ``used``."""
 
     def release_unused(self) -> tuple[tuple[int, ...], list[jax.Device]]:
         """Give back the stage sub-meshes the current Plan leaves unused."""
@@ -74,7 +76,7 @@ class SingleProgramRuntime:
         state: dict[str, Any],
         plan: Plan,
         *,
-        ctx: PlanContext,
+        pipeline_stages: int,
         mesh: jax.sharding.Mesh,
         batch_size: int,
         seq_len: int,
@@ -82,7 +84,8 @@ class SingleProgramRuntime:
         eval_step: Callable[[Plan], Callable],
         val_batches: Sequence[Batch],
     ) -> None:
-        self.state, self.plan, self.ctx, self.mesh = state, plan, ctx, mesh
+        self.state, self.plan, self.mesh = state, plan, mesh
+        self.pipeline_stages = pipeline_stages
         self.batch_size, self.seq_len = batch_size, seq_len
         self._place_batch, self.eval_step, self.val_batches = place_batch, eval_step, val_batches
 
@@ -108,8 +111,8 @@ class SingleProgramRuntime:
         self.plan = plan
         return None
 
-    def plan_context(self, current: Plan) -> PlanContext:
-        return self.ctx
+    def stages_available(self, used: int) -> int:
+        return self.pipeline_stages
 
     def release_unused(self) -> tuple[tuple[int, ...], list[jax.Device]]:
         """One program over the whole mesh: nothing to give back."""
@@ -136,7 +139,7 @@ class PipelineRuntime:
 
     A Plan with fewer stages than the mesh (a re-pack, seed 000 §3.4) runs stage s on sub-mesh
     s; `release_unused` then gives the trailing sub-meshes back for good: later Plans may not
-    use them (`plan_context`), since a cluster scheduler may have handed them to another job.
+    use them (`stages_available`), since a cluster scheduler may have handed them to another job.
     A Plan with fewer stages is always released down to when swapped in, so no Plan ever uses
     more stage sub-meshes than the one before it.
 
@@ -148,24 +151,23 @@ class PipelineRuntime:
         self,
         pipeline: Pipeline,
         *,
-        ctx: PlanContext,
+        pipeline_stages: int,
         batch_size: int,
         seq_len: int,
         step_inputs: Callable[[Plan], StepInputs],
         val_batches: Sequence[Batch],
         rounds: Callable[[str], Rounds],
     ) -> None:
-        self.pipeline, self.ctx, self.step_inputs = pipeline, ctx, step_inputs
+        self.pipeline, self.step_inputs = pipeline, step_inputs
         self.batch_size, self.seq_len = batch_size, seq_len
         self.val_batches, self.rounds = val_batches, rounds
-        self.available_stages = ctx.pipeline_stages
+        self.available_stages = pipeline_stages
 
-    def plan_context(self, current: Plan) -> PlanContext:
-        """What a new Plan is validated against while ``current`` is the Controller's Plan: the
-        stage sub-meshes ``current`` uses. Those beyond it are released when it is swapped in
-        (the Controller publishes a Plan before the training loop swaps and releases)."""
-        stages = min(self.available_stages, len(current.stage_layers))
-        return dataclasses.replace(self.ctx, pipeline_stages=stages)
+    def stages_available(self, used: int) -> int:
+        """The stage sub-meshes the Controller's Plan uses (``used`` of them): those beyond it are
+        released when it is swapped in (the Controller publishes a Plan before the training
+        loop swaps and releases), so a new Plan may not count on them."""
+        return min(self.available_stages, used)
 
     def release_unused(self) -> tuple[tuple[int, ...], list[jax.Device]]:
         """Give back the stage sub-meshes the current Plan does not use: returns their indices
