@@ -107,7 +107,7 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     c.balance.recompile_seconds = 10.0  # what a move costs besides copying
     c.balance.comm_seconds = 0.0  # one activation hop per microbatch (network-aware, 003 §D.2)
     # Re-pack onto fewer stages when memory allows (seed 000 §3.4); the unused stage sub-meshes
-    # are released for good (README "Re-packing").
+    # are released for good (docs/parallelism.md).
     c.balance.repack = False
     c.balance.repack_every = 50  # decide at every n-th metrics step
     c.balance.repack_target = 0  # stages to pack to; 0 = as few as fit
@@ -120,14 +120,14 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.async_save = True
-    # Partial expert checkpoints (MoC-System, seed 004 §3; README "Partial expert checkpoints"):
+    # Partial expert checkpoints (MoC-System, seed 004 §3; docs/checkpointing.md):
     # K experts of each MoE layer per save; 0 = all (a full checkpoint)
     c.checkpoint.experts_per_save = 0
     c.checkpoint.pec_content = "WO"  # partial: "W" expert weights, "O" their Adam moments, both
     c.checkpoint.pec_selection = "sequential"  # "sequential" (interleaved) | "load_aware"
     c.checkpoint.plt_limit = 0.0375  # proportion of lost tokens that dynamic K keeps below
     c.checkpoint.dynamic_k = False  # double K after a recovery above plt_limit (§5.3)
-    # Two-level checkpoints (seed 004 §5.1-§5.2; README "Partial expert checkpoints"): a host
+    # Two-level checkpoints (seed 004 §5.1-§5.2; docs/checkpointing.md): a host
     # memory snapshot every n steps (0 = off: saves every train.checkpoint_every instead) ...
     c.checkpoint.snapshot_every = 0
     c.checkpoint.snapshot_experts = 0  # ... of K_snapshot experts per MoE layer (0 = all)

@@ -1,5 +1,5 @@
 """Errors every layer raises: a leaf module, so the config, the data and the plugins can share
-them without importing each other (DESIGN.md "Where things live": no circle)."""
+them without importing each other (docs/architecture.md "The layers of the house": no circle)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The loop dispatches steps without waiting for them: metrics reach the host through the Monitor
 Δ steps late, feed the logs and the Controller's policies, and a recompiled Plan is swapped in at
-the first step boundary where its executable is ready (DESIGN.md "The loop").
+the first step boundary where its executable is ready (docs/architecture.md "The loop").
 
 `train` is that loop, each part a named step: restore (`restore`), then per step the Plan swap,
 the plugins' hooks, the dispatch (or the recovery from a fault), the log and the checkpoint.
@@ -172,8 +172,8 @@ def train(
     the built-in ones, or those with a user's added, docs/plugins.md).
 
     ``policies`` are user policies run by the Controller after the ones the config asks for
-    (README "Writing a policy"). ``release_hook`` is called with the devices a re-pack frees
-    (default: ``balance.release_hook``; either way a ``release`` event is logged).
+    (docs/architecture.md "Writing a policy"). ``release_hook`` is called with the devices a
+    re-pack frees (default: ``balance.release_hook``; either way a ``release`` event is logged).
 
     In a multi-process run (`dynjax.launch`) every process runs this loop over its own devices
     (the single program's share of the mesh, or its pipeline stages) and reads only the batch

@@ -31,7 +31,7 @@ class MetricsWriter:
 
 
 class LayerCostsWriter:
-    """``layer_costs.jsonl`` (DESIGN.md "Dynamism plugins"): per logged or profiled step, each
+    """``layer_costs.jsonl`` (docs/plugins.md): per logged or profiled step, each
     layer's modelled cost under the Plan the step ran with and the state its host metrics
     report (e.g. pruned density), and its profiled forward and backward seconds on profiled
     steps: the traces the balancers are judged on."""

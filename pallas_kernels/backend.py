@@ -6,7 +6,7 @@ grid, with ``BlockSpec`` tiles, dynamic ``pl.ds`` slices of refs, scalar index l
 under ``interpret=True`` on CPU (how the tests check it) and lowers through the Pallas Triton
 backend on NVIDIA GPUs, which we select explicitly with ``pallas.triton.CompilerParams`` (jax
 0.10 otherwise routes ``pl.pallas_call`` to Mosaic GPU). The Triton backend is deprecated since
-JAX 0.11 in favour of Mosaic GPU (DESIGN.md), but the kernels JAX recommends there
+JAX 0.11 in favour of Mosaic GPU, but the kernels JAX recommends there
 (``plgpu.kernel`` with TMA copies, ``wgmma`` and barriers) are warpgroup programs specific to
 Hopper/Blackwell that cannot share one body with the CPU interpreter used here. Porting the inner
 loops to Mosaic GPU is the upgrade path once the Triton lowering is removed; the data layout

@@ -1,4 +1,4 @@
-"""Test session set-up: 8 fake CPU devices (DESIGN.md "Testing without GPUs") and shared fixtures.
+"""Test session set-up: 8 fake CPU devices (a parallel test needs no GPU) and shared fixtures.
 
 Layout: ``tests/<package>/`` tests ``dynjax/<package>/`` (and ``pallas_kernels/``); the tests of
 dynjax's top-level modules (config, data, train, resume, optim, flops, jax_private), notebooks

@@ -1,7 +1,7 @@
 """Event-driven simulation of one pipeline iteration.
 
-Wall-clock speedups of a pipeline cannot be measured on a CPU runner (DESIGN.md, "Testing without
-GPUs"), so measured per-stage times go through this simulator instead. Each stage executes its
+Wall-clock speedups of a pipeline cannot be measured on a CPU runner (its fake devices share the
+same cores), so measured per-stage times go through this simulator instead. Each stage executes its
 task list (:mod:`dynjax.balance.schedules`) in order, one task at a time; a forward waits for the
 previous stage's forward of that microbatch plus one hop of ``comm``, a backward for the next
 stage's backward plus one hop. Transfers are pure delays (no link contention).

@@ -1,4 +1,4 @@
-"""Dynamism schemes as plugins (DESIGN.md "Dynamism plugins", docs/plugins.md): one module
+"""Dynamism schemes as plugins (docs/plugins.md, docs/plugins.md): one module
 per scheme, collected explicitly in `BUILTIN`; a run gets `BUILTIN` or `BUILTIN.with_(...)`."""
 
 from dynjax.dynamism.base import (

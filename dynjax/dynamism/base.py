@@ -1,6 +1,6 @@
 """The plugin interface every dynamism scheme implements (docs/plugins.md).
 
-DESIGN.md "Dynamism plugins": a scheme (MoE capacities and caching, pruning, freezing, sparse
+docs/plugins.md: a scheme (MoE capacities and caching, pruning, freezing, sparse
 attention, early exit, mixture of depths; seed 000 §2) is one `Plugin` class in one module of
 `dynjax.dynamism`. A run is given its schemes explicitly (`dynjax.dynamism.Schemes`) and builds
 one instance of each enabled scheme at the edge, from the scheme's config section, the run's

@@ -38,7 +38,7 @@ lost every block in most layers from about half sparsity on, and those sublayers
 ``"init"`` divides each matrix's scores by the std it was initialised with
 (`dynjax.model.gpt.init_std`) before the one global threshold, so matrices compete on how far
 training moved them and every sublayer keeps blocks. It is not the better model by default: on
-300-step CPU runs the raw ranking reached the same or a lower loss (README, "Gradual pruning").
+300-step CPU runs the raw ranking reached the same or a lower loss (docs/schemes/pruning.md).
 
 ``granularity="block"`` ranks ``block_size`` x ``block_size`` blocks by their Frobenius norm
 instead (`pruning_math.block_scores`), so whole blocks are zero: what a block-sparse matmul can

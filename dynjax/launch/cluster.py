@@ -1,6 +1,6 @@
 """Where a process of a run is: `jax.distributed` arguments from what the launcher set.
 
-Three launchers start the processes of one run (README "Clusters"):
+Three launchers start the processes of one run (docs/parallelism.md, "Clusters"):
 
 - ``dynjax.launch.local`` sets ``DYNJAX_COORDINATOR``, ``DYNJAX_NUM_PROCESSES`` and
   ``DYNJAX_PROCESS_ID`` itself (those always win);

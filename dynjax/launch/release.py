@@ -4,7 +4,7 @@ When a re-packed Plan leaves stage sub-meshes unused, the training loop calls
 ``release(devices)`` once with their `jax.Device`s and records an ``event: "release"`` in
 events.jsonl. JAX cannot shrink a running process's device set, so the devices stay visible to
 the process, but dynjax never uses them again in this run; the hook is where a cluster learns
-they are free (README "Re-packing"): e.g. a Kubernetes PATCH that lowers the pod's GPU
+they are free (docs/parallelism.md): e.g. a Kubernetes PATCH that lowers the pod's GPU
 request, as DynMo does with ECK, or a message to a SLURM-side agent. Set it with
 ``balance.release_hook="package.module:function"`` (or ``train(..., release_hook=fn)``).
 """
@@ -120,7 +120,7 @@ def patch_pod_resources(devices: Sequence[jax.Device]) -> None:
     server with the pod's service-account token. Tries the ``pods/<name>/resize`` subresource
     (in-place resize) and falls back to patching the pod where the cluster has no such
     subresource (404). Whether a running pod's extended resource may change depends on the
-    cluster (README "Re-packing"); a refusal raises, which `release` records in the event.
+    cluster (docs/parallelism.md); a refusal raises, which `release` records in the event.
 
     Reads ``POD_NAME``, ``POD_NAMESPACE`` and ``DYNJAX_CONTAINER`` (set by the manifest) and
     ``DYNJAX_K8S_API`` (default: the in-cluster ``https://$KUBERNETES_SERVICE_HOST:port``)."""

@@ -1,7 +1,7 @@
 """Decoder-only GPT whose layers are a Python list of blocks, each with its own parameters.
 
 A list rather than a stored stack because layer shapes diverge during dynamic training (MoE
-capacities, pruned widths) and layers move between pipeline stages (DESIGN.md "Parallelism").
+capacities, pruned widths) and layers move between pipeline stages (docs/parallelism.md).
 Compile time still need not grow with depth: with ``GPTConfig.scan_layers`` the layer loop
 (`run_layers`) runs each run of consecutive layers with identical static options under one
 ``jax.lax.scan`` over their parameters, stacked inside the traced program (`layer_runs`).

@@ -1,4 +1,4 @@
-"""Per-layer static options and the block hooks that read them (DESIGN.md "Dynamism plugins").
+"""Per-layer static options and the block hooks that read them (docs/plugins.md).
 
 A dynamism plugin gives each layer a frozen record (its *layer options*, computed once per
 Plan); a `Block` receives the records of all plugins as `LayerOptions` and runs the hook of the

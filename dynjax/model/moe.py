@@ -34,7 +34,7 @@ Auxiliary losses follow Switch Transformer (seed 001 eq. 3: E * sum_e f_e * P_e)
 router z-loss, computed per group and averaged so they too are independent of the sharding. f_e
 is the fraction of the group's S * k (token, choice) pairs dispatched to expert e before dropping,
 so it sums to 1 over the experts; HF Mixtral and MaxText let it sum to k, so their balance loss is
-k times this one and their weight w is k * w here (README "Mixture of experts").
+k times this one and their weight w is k * w here (docs/schemes/moe.md).
 
 MPipeMoE (seed 002 §III-B..D, issue 12 §3): a `Chunking` record splits the layer's dispatch
 groups on each expert-parallel shard into ``chunks`` partitions along the token dimension (Fig.

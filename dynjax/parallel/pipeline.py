@@ -1,6 +1,6 @@
 """The MPMD pipeline runtime: per-stage state, the schedule's tasks, migration between stages.
 
-DESIGN.md "Parallelism": each stage runs its own programs (`stage_programs`) on its own
+docs/parallelism.md: each stage runs its own programs (`stage_programs`) on its own
 sub-mesh, so stages may hold different numbers of layers of different shapes and layers can
 move. `Pipeline` is what the rest of the library calls; each of its jobs lives in a module of
 its own:

@@ -1,5 +1,5 @@
 """The two runtimes behind one `Runtime` protocol: the single-program step and the MPMD
-pipeline. The training loop makes the same calls on either (DESIGN.md "The loop", step 3).
+pipeline. The training loop makes the same calls on either (docs/architecture.md "Runtime").
 
 A runtime holds the training state and runs steps of its current Plan; it takes what it needs as
 arguments (built once, at the edge, by `dynjax.experiment.Experiment.runtime`) and never reads

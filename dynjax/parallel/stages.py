@@ -1,6 +1,6 @@
 """What each pipeline stage computes, as frozen data: the compile key of its programs.
 
-DESIGN.md "Parallelism": the pipeline is MPMD, one program per stage on its own sub-mesh, so a
+docs/parallelism.md: the pipeline is MPMD, one program per stage on its own sub-mesh, so a
 stage's programs depend only on its own layers (their kinds, capacities, frozen flags), its
 position (first: embedding; last: norm, head, loss) and the microbatch shape. `StageSpec` holds
 exactly that, so a Plan change that leaves a stage's spec equal reuses its executables, and only

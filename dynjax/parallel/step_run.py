@@ -1,6 +1,6 @@
 """The run of one pipeline step: the schedule's tasks dispatched in their global order.
 
-DESIGN.md "Parallelism": a step walks the global dispatch order of the schedule's task lists
+docs/parallelism.md: a step walks the global dispatch order of the schedule's task lists
 (`dispatch`), sends activations (with the block wrappers' carry) and their gradients to the
 neighbour stage (`Transport.send`), accumulates gradients over the microbatches, sums the
 per-stage gradient norms over all stages for clipping and updates each stage's parameters.

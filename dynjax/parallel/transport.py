@@ -1,14 +1,14 @@
 """Moving arrays between stage sub-meshes, inside one process or across processes.
 
 Inside one process an array crosses stages as ``jax.device_put`` to the other stage's sharding
-would copy it (DESIGN.md "Parallelism"): an asynchronous device-to-device copy that never blocks
-the host, made by JAX's batched copy directly (`dynjax.jax_private.copy_to`), since
+would copy it (docs/parallelism.md): an asynchronous device-to-device copy that never blocks
+the host, made by JAX's batched copy directly (`jax_private.copy_to`), since
 ``device_put``'s own Python costs more host time than the rest of a pipeline task's dispatch.
 Across processes (``jax.distributed``, each process owning the devices of some stages) it crosses
 through a transfer both neighbours take part in: a jitted ``jax.shard_map`` ``ppermute`` over a
 mesh made of the two stages' devices, to which the sender contributes its shards and the
-receiver a zero buffer of the same layout, each from its own devices only (the recipe checked in
-DESIGN.md "Known facts"). Both processes issue their transfers in the schedule's one global
+receiver a zero buffer of the same layout, each from its own devices only (docs/parallelism.md
+"Several processes"). Both processes issue their transfers in the schedule's one global
 order (`dispatch`), so they meet.
 
 Small per-stage values that every stage needs (squared gradient norms) go to every stage the

@@ -11,7 +11,8 @@ statuses of boundary s - lag, and from the same statuses derives the same `Verdi
 compile, swap now (every process held the executable at s - lag, so it does at s), or drop the
 Plan (a process failed to build it). The lag lets a process run ahead of a slower one by as many
 steps as metrics arrive late (`Monitor`), so that when a peer dies, the survivors still log the
-steps it finished. DESIGN.md: "one process decides, all swap at the same step boundary".
+steps it finished. One process decides, all swap at the same step boundary (docs/parallelism.md,
+"Plans over processes").
 """
 
 from __future__ import annotations

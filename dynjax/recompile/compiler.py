@@ -3,7 +3,7 @@
 Seed 001 §3 requires that computing the new graph's hardware mapping overlaps with training on the
 current one. In JAX, tracing and lowering hold the GIL but XLA's `compile()` releases it, so
 `Compiler.submit` lowers on the calling thread and compiles on a single worker thread while the
-training thread keeps dispatching steps (DESIGN.md, "The loop" 2).
+training thread keeps dispatching steps (docs/architecture.md, "Compiler").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Plan: everything static about the compiled training step, as frozen, hashable data.
 
-Two equal Plans compile to the same executables (DESIGN.md, "The loop" 1), so a Plan is the key
+Two equal Plans compile to the same executables (docs/architecture.md, "Plan"), so a Plan is the key
 of the compile cache, the unit of a RECOMPILE (seed 001 §3) and what a checkpoint stores to resume
 the same program. Fields added later (the pipeline's stage assignment and schedule, frozen layers)
 have defaults, so a Plan saved before a field existed still loads (`Plan.from_dict`).
@@ -77,7 +77,7 @@ class Plan:
     frozen_layers: layers that compute no weight gradient and get no optimizer update. Freezing
       layer 0 freezes the token (and position) embedding with it, so a frozen prefix of the model
       runs no backward at all (layer freezing, seed 000 §4.2.3).
-    parts: each dynamism plugin's part of the Plan (DESIGN.md "Dynamism plugins"), as sorted
+    parts: each dynamism plugin's part of the Plan (docs/plugins.md), as sorted
       ``(plugin name, part)`` pairs; a part is ``(field, value)`` pairs of JSON data (numbers,
       strings, bools and nested tuples), read with `part` and changed with `with_part`. Tables
       (tuples of tuples of scalars, e.g. MoE's per-expert capacities) of the same shape diff

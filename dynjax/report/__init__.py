@@ -2,7 +2,7 @@
 
     python -m dynjax.report WORKDIR [--out DIR]     # DIR defaults to WORKDIR/report
 
-It reads the files of README "What a run writes" (``metrics.jsonl``, ``events.jsonl``,
+It reads the files of docs/running.md "What a run writes" (``metrics.jsonl``, ``events.jsonl``,
 ``layer_costs.jsonl``, ``config.json``, and ``process_<i>/`` of a multi-process run), on a
 finished run or a live one (a torn last line is skipped). A plot whose data the run does not
 have is skipped, with a line in report.md saying why.

@@ -93,7 +93,7 @@ def test_cached_routing_dispatches_cached_experts_with_current_gates(moe, x):
 
 
 def aux_loss_reference(moe: MoE, x: np.ndarray, cached=None) -> np.ndarray:
-    """README "Mixture of experts", per group: aux = E * sum_e f_e * P_e with f_e the fraction
+    """docs/schemes/moe.md, per group: aux = E * sum_e f_e * P_e with f_e the fraction
     of the group's S*k (token, choice) pairs dispatched to e before dropping (sums to 1) and
     P_e the mean router probability of e over the group's tokens."""
     logits = x @ np.asarray(moe.router[...], np.float64)
