@@ -106,12 +106,23 @@ def compare(reference: dict, current: dict, rtol: float) -> int:
             verdict = "bitwise" if worst == 0 else f"max rel diff {worst:.2e}"
             if not same and ref["swap_steps"] != cur["swap_steps"]:
                 same = True  # not comparable: another compile time moved a swap
-                verdict = f"swaps moved {ref['swap_steps']} -> {cur['swap_steps']}: {verdict}"
+                first = min(ref["swap_steps"][:1] + cur["swap_steps"][:1])
+                before = _equal_steps(ref["loss"][: first - 1], cur["loss"][: first - 1])
+                verdict = (
+                    f"swaps moved {ref['swap_steps']} -> {cur['swap_steps']}; before the first, "
+                    f"{before}"
+                )
             elif not same:
                 verdict = "DIFFERS: " + verdict
         bad += not same
         print(f"{key:28s} {verdict}")
     return bad
+
+
+def _equal_steps(ref: list[float], cur: list[float]) -> str:
+    """How the two curves compare over the steps both ran with the same Plans."""
+    worst = max((abs(a - b) / max(abs(a), 1e-30) for a, b in zip(ref, cur, strict=True)), default=0)
+    return f"steps 1-{len(ref)} " + ("bitwise" if worst == 0 else f"max rel diff {worst:.2e}")
 
 
 def main() -> int:
