@@ -48,7 +48,7 @@ Sections (timings are medians of several runs after a warm-up, blocking on the r
   and every swap's ``swap_stall_seconds`` from ``events.jsonl``.
 - ``traces``: the same schemes (and MoE) on the pipeline runtime with one stage
   (``pipeline.stage_layers="(L,)"``) profiling per-layer forward/backward seconds every logged
-  interval, in float32 (`TRACE_DTYPE`), copied with ``dynmo_cases.record`` into
+  interval, in bfloat16 (`TRACE_DTYPE`), copied with ``dynmo_cases.record`` into
   ``DIR/traces/<case>.jsonl``: ``dynmo_cases.cases_with_traces(DIR / "traces")`` reads them as
   GPU rows (copy them to ``benchmarks/traces/`` to replace the CPU-recorded ones).
 """
@@ -731,10 +731,8 @@ def final_state(plan: dict) -> str:
     return json.dumps(keep, separators=(",", ":"))[:300]
 
 
-# The one-stage pipeline's profiling programs fail to lower in bfloat16 (the stage backward's
-# cotangent is bf16 where the profiled unit outputs float32: dynjax.parallel.stage_programs), so
-# traces run in float32 (TF32 matmuls on GPU) until that is fixed.
-TRACE_DTYPE = "float32"
+# Traces time the layers in the dtype GPU runs train in.
+TRACE_DTYPE = "bfloat16"
 TRACE_CASES = {
     "freezing": "freezing, half the layers",
     "pruning": "pruning 90%, block-sparse path",

@@ -127,7 +127,10 @@ def apply_stage(setup: StageSetup, spec: StageSpec, mesh: Mesh, params, x, ctx, 
     )
     if spec.last:
         return readout(x), {}, stats, layer_metrics
-    return x, {k: context.carry[k] for k in hooks.carry_dtypes(spec.carry)}, stats, layer_metrics
+    # The activation a stage sends is in the compute dtype, as the next stage was lowered for
+    # (`stage_shapes`): layers may hand back a wider residual (float32 norms in a bfloat16 step).
+    carry = {k: context.carry[k] for k in hooks.carry_dtypes(spec.carry)}
+    return x.astype(dtype), carry, stats, layer_metrics
 
 
 def _microbatch_metrics(

@@ -62,3 +62,19 @@ def test_pipeline_run_resumes_on_one_stage_with_the_same_losses(tmp_path):
         assert a.keys() == b.keys() and a
         assert all(abs(a[s] - b[s]) <= 1e-4 * abs(a[s]) + 1e-6 for s in a), key
     assert logged(staged, "tokens_per_expert") == logged(single, "tokens_per_expert")
+
+
+@pytest.mark.slow
+def test_a_bfloat16_pipeline_trains_as_the_bfloat16_single_program(tmp_path):
+    """A stage sends its activation in the compute dtype the next stage was lowered for: a
+    bfloat16 pipeline used to fail to lower its first stage's backward (the layers handed back
+    a float32 residual, the next stage's input gradient came back in bfloat16). The stage
+    boundary rounds the residual to bfloat16, which the single program keeps wider."""
+    config = dict(model__num_layers=2, moe__every=0, train__dtype="bfloat16", mesh__data=1)
+    single, staged = tmp_path / "single", tmp_path / "staged"
+    train(pipeline_config(**config), single, progress=False)
+    train(pipeline_config(**config, mesh__stage=2), staged, progress=False)
+    want, got = logged(single, "loss"), logged(staged, "loss")
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    for step in want:
+        assert abs(got[step] - want[step]) <= 2e-3 * want[step], (step, got, want)
