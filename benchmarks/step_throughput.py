@@ -77,7 +77,7 @@ def dynjax_loop(exp: Experiment, plan):
             controller.poll(t)
             batch = exp.order.batch(t)
             state["params"], state["opt_state"], metrics = executable(
-                state["params"], state["opt_state"], exp.device_batch(batch)
+                state["params"], state["opt_state"], exp.device_batch(batch, plan=plan)
             )
             monitor.push(t, metrics)
             for s, m in monitor.pop_ready(t):
