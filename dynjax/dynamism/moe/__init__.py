@@ -188,11 +188,6 @@ class MoEPlugin(Plugin):
                 )
             _check_routing(moe)
             _check_chunks(moe, facts)
-            if moe.capacity.policy not in ("static", "dynamic"):
-                raise ConfigError(
-                    f"moe.capacity.policy={moe.capacity.policy!r} is not one of "
-                    "('static', 'dynamic')"
-                )
             _check_moe(moe)
         elif expert != 1:
             raise ConfigError(
@@ -526,8 +521,13 @@ def _check_chunks(moe: ml_collections.ConfigDict, facts: ModelFacts) -> None:
 
 
 def _check_moe(moe: ml_collections.ConfigDict) -> None:
-    """The MoE block's loss weights and the keys of the policies that are on: everything
-    `DynamicCapacity`, `CachingPolicy` and `AssignmentCache` would reject, named by key."""
+    """The capacity policy's name, the MoE block's loss weights and the keys of the policies that
+    are on: everything `DynamicCapacity`, `CachingPolicy` and `AssignmentCache` would reject,
+    named by key."""
+    if moe.capacity.policy not in ("static", "dynamic"):
+        raise ConfigError(
+            f"moe.capacity.policy={moe.capacity.policy!r} is not one of ('static', 'dynamic')"
+        )
     at_least(
         {
             "moe.expert_mlp_dim": moe.expert_mlp_dim,
