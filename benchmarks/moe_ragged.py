@@ -86,16 +86,7 @@ def simulated_recompiles(exp: Experiment, steps: int, cache_size: int) -> dict[s
     """Recompiles of DynamicCapacity over ``steps`` synthetic steps, static vs ragged keys."""
     ctx, cfg = moe_context(exp.facts), exp.cfg
     c = cfg.moe.capacity
-    policy = DynamicCapacity(
-        ctx,
-        target_drop_rate=c.target_drop_rate,
-        min_factor=c.min_factor,
-        max_factor=c.max_factor,
-        window=c.window,
-        headroom=c.headroom,
-        bucket=c.bucket,
-        hysteresis=c.hysteresis,
-    )
+    policy = DynamicCapacity.from_section(ctx, c)
     rng = np.random.default_rng(0)
     groups, pairs = exp.ctx.batch_size, ctx.group_tokens * ctx.top_k
     logits = rng.normal(0, 0.5, size=(ctx.num_moe_layers, ctx.num_experts))

@@ -340,19 +340,7 @@ class MoEPlugin(Plugin):
     def policies(self) -> list[Policy]:
         moe, out = self.section, []
         if moe.capacity.policy == "dynamic":
-            c = moe.capacity
-            out.append(
-                DynamicCapacity(
-                    self.moe,
-                    target_drop_rate=c.target_drop_rate,
-                    min_factor=c.min_factor,
-                    max_factor=c.max_factor,
-                    window=c.window,
-                    headroom=c.headroom,
-                    bucket=c.bucket,
-                    hysteresis=c.hysteresis,
-                )
-            )
+            out.append(DynamicCapacity.from_section(self.moe, moe.capacity))
         if moe.granularity.enabled:
             g = moe.granularity
             out.append(

@@ -7,6 +7,8 @@ runtime/accuracy trade-off, provided the policy does not recompile every iterati
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from dynjax.dynamism.moe.part import (
@@ -144,6 +146,15 @@ class DynamicCapacity:
         n = int(np.floor((max_factor - min_factor) / bucket + 1e-9))
         factors = [min_factor + i * bucket for i in range(n + 1)] + [max_factor]
         self.buckets = np.unique([capacity_for_factor(ctx, f) for f in factors])
+
+    @classmethod
+    def from_section(cls, ctx: MoEContext, c: Any) -> DynamicCapacity:
+        """The policy with the settings of a `moe.capacity` config section."""
+        keys = (
+            "target_drop_rate", "min_factor", "max_factor", "window", "headroom", "bucket",
+            "hysteresis",
+        )  # fmt: skip
+        return cls(ctx, **{k: c[k] for k in keys})
 
     def propose(self, history: History, plan: Plan) -> Proposal | None:
         if not capacities_of(plan):
