@@ -53,7 +53,6 @@ from dynjax.flops import config_flops_per_token, mfu, peak_flops
 from dynjax.launch.cluster import ClusterError
 from dynjax.launch.distributed import Peers, fail, initialize_from_env, joined
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
-from dynjax.model.facts import moe_layer_indices
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
 from dynjax.parallel.peers import Rounds
 from dynjax.parallel.profile import device_memory_limit
@@ -272,7 +271,7 @@ def checkpoints_for(run: _Run) -> Checkpoints:
         layers=tuple(exp.model_cfg.moe_layers),
         num_experts=cfg.moe.num_experts,
         ranks=cfg.mesh.expert,
-        k=ledger_k(cfg),
+        k=ledger_k(cfg, exp.model_cfg.moe_layers),
         selection=c.pec_selection,
         plt_limit=c.plt_limit,
         dynamic_k=c.dynamic_k,
@@ -299,11 +298,11 @@ def checkpoints_for(run: _Run) -> Checkpoints:
     return kind(storage, settings, every=cfg.train.checkpoint_every, **common)
 
 
-def ledger_k(cfg: ml_collections.ConfigDict) -> int:
+def ledger_k(cfg: ml_collections.ConfigDict, moe_layers: Sequence[int]) -> int:
     """K of the ledger: ``checkpoint.experts_per_save``, or with two-level checkpoints of an MoE
     model K_snapshot (all: E); 0 = no ledger."""
     c = cfg.checkpoint
-    if c.snapshot_every and moe_layer_indices(cfg.model.num_layers, cfg.moe.every):
+    if c.snapshot_every and moe_layers:
         return c.snapshot_experts or cfg.moe.num_experts
     return c.experts_per_save
 

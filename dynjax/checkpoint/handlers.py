@@ -10,9 +10,6 @@ reads (`parts.Sources`) keeps Orbax's defaults.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -22,19 +19,6 @@ import orbax.checkpoint as ocp
 from dynjax.checkpoint import layout
 from dynjax.checkpoint.read import META
 from jax_private import array_metadata_store
-
-
-@contextlib.contextmanager
-def quiet_orbax() -> Iterator[None]:
-    """Orbax's warnings off: for what it warns about although dynjax asks for it on purpose (a
-    user's `dynjax.train` would otherwise begin with them, before any `error:`)."""
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl.setLevel(level)
 
 
 def _replica_parallel_types() -> Any:

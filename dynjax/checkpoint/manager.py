@@ -135,7 +135,7 @@ class Checkpointer:
                 self._copies[step] = {}
 
     def all_steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
+        return self._reader.all_steps()
 
     def save(
         self,

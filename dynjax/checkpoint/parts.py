@@ -25,9 +25,10 @@ step's when the layer has moved between processes since.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,26 @@ import orbax.checkpoint as ocp
 
 from dynjax.checkpoint import layout
 from dynjax.checkpoint.errors import CheckpointError, CheckpointMismatch, ExpertsMissing
-from dynjax.checkpoint.handlers import quiet_orbax
 from dynjax.checkpoint.manager import Checkpointer, quarantine_target
 from dynjax.checkpoint.read import META, Slot, check_fits, qkv_columns_per_head, resolve_slot
 from dynjax.parallel.peers import Peers, Rounds
 
 log = logging.getLogger(__name__)
 PART = "process_{}"
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Orbax's warnings off: for what it warns about although dynjax asks for it on purpose (a
+    user's `dynjax.train` would otherwise begin with them, before any `error:`)."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
 
 
 def part_dir(root: Path, process: int) -> Path:
@@ -66,7 +80,7 @@ class Sources:
             active_processes={self.process},
             barrier_sync_key_prefix=f"read_{self.process}",
         )
-        with quiet_orbax():
+        with _quiet_orbax():
             options = ocp.CheckpointManagerOptions(read_only=True, multiprocessing_options=alone)
             return ocp.CheckpointManager(directory.absolute(), options=options)
 
