@@ -12,8 +12,9 @@ import dataclasses
 import difflib
 import importlib.util
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import ml_collections
 
@@ -175,16 +176,18 @@ def load_run(
     return cfg, getattr(module, "SCHEMES", BUILTIN)
 
 
-def valid_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
-    """All dotted leaf keys of ``cfg``, sorted."""
-    keys = []
+def leaves(cfg: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of ``cfg``, in the config's order."""
     for name, value in cfg.items():
-        dotted = f"{prefix}{name}"
         if isinstance(value, ml_collections.ConfigDict):
-            keys.extend(valid_keys(value, dotted + "."))
+            yield from leaves(value, f"{prefix}{name}.")
         else:
-            keys.append(dotted)
-    return sorted(keys)
+            yield f"{prefix}{name}", value
+
+
+def valid_keys(cfg: ml_collections.ConfigDict) -> list[str]:
+    """All dotted leaf keys of ``cfg``, sorted."""
+    return sorted(key for key, _ in leaves(cfg))
 
 
 def set_value(cfg: ml_collections.ConfigDict, dotted: str, raw: str) -> None:

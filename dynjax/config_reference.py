@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import inspect
 import io
-import pkgutil
 import sys
 import textwrap
 import tokenize
@@ -23,6 +21,7 @@ from pathlib import Path
 import ml_collections
 
 from dynjax import config as config_lib
+from dynjax.dynamism import BUILTIN
 
 # The page that explains each section's keys, relative to docs/.
 PAGES = {
@@ -146,20 +145,9 @@ def key_comments(source: str, prefix: str = "") -> dict[str, str]:
 
 
 def _plugin_config_sources() -> Iterator[tuple[str, str]]:
-    """(section, source of its ``config()``) for every plugin class in `dynjax.dynamism`."""
-    package = importlib.import_module("dynjax.dynamism")
-    for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
-        module = importlib.import_module(info.name)
-        for cls in vars(module).values():
-            name = getattr(cls, "name", None)
-            if (
-                inspect.isclass(cls)
-                and cls.__module__ == module.__name__
-                and "config" in vars(cls)
-                and isinstance(name, str)
-                and name
-            ):
-                yield name, inspect.getsource(cls.config)
+    """(section, source of its ``config()``) for every built-in scheme."""
+    for plugin in BUILTIN.plugins:
+        yield plugin.name, inspect.getsource(plugin.config)
 
 
 def all_comments() -> dict[str, str]:
@@ -170,14 +158,6 @@ def all_comments() -> dict[str, str]:
         comments.setdefault(section, "")
         comments.update(key_comments(source, section))
     return comments
-
-
-def _leaves(cfg: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, object]]:
-    for name, value in cfg.items():
-        if isinstance(value, ml_collections.ConfigDict):
-            yield from _leaves(value, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", value
 
 
 def _cell(text: str) -> str:
@@ -208,7 +188,8 @@ def render(cfg: ml_collections.ConfigDict, comments: dict[str, str]) -> str:
             text = ". ".join(part[:1].upper() + part[1:] for part in intro if part)
             lines.append(f"{text}.\n")
         lines.append("| key | default | description |\n|---|---|---|")
-        for key, default in sorted(_leaves(value, f"{section}."), key=lambda kv: rank(kv[0])):
+        keys = sorted(config_lib.leaves(value, f"{section}."), key=lambda kv: rank(kv[0]))
+        for key, default in keys:
             text = comments.get(key) or DESCRIPTIONS.get(key, "")
             lines.append(f"| `{key}` | `{_cell(repr(default))}` | {_cell(text)} |")
         lines.append("")

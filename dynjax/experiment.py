@@ -27,6 +27,7 @@ from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context, pla
 from dynjax.dynamism.moe.capacity import ragged_totals
 from dynjax.dynamism.moe.part import NAME as MOE
 from dynjax.dynamism.moe.part import cached_routing_of, capacities_of, moe_context
+from dynjax.dynamism.moe.speeds import measure_speeds
 from dynjax.errors import ConfigError
 from dynjax.launch.distributed import Peers as ProcessPeers
 from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
@@ -56,7 +57,6 @@ from dynjax.parallel.stage_programs import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError
-from dynjax.recompile.speeds import measure_speeds
 
 
 def optimizer(
@@ -80,7 +80,6 @@ def _named_rounds(rounds: dict[str, Rounds], split: bool, name: str) -> Rounds:
 @dataclasses.dataclass
 class Experiment:
     cfg: ml_collections.ConfigDict
-    model_cfg: GPTConfig
     ctx: PlanContext
     mesh: Any
     graphdef: Any
@@ -92,8 +91,12 @@ class Experiment:
     schemes: Schemes  # the schemes the run was given, enabled or not (its config's sections)
     facts: ModelFacts
     plugins: tuple[Plugin, ...]  # this run's instances of the enabled schemes
+    link: RunLink  # what the plugins were built with: the named exchanges between processes
     _layer_options: dict = dataclasses.field(default_factory=dict, repr=False)
-    _rounds: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def model_cfg(self) -> GPTConfig:
+        return self.facts.model
 
     def __post_init__(self) -> None:
         self._eval_steps = EvalSteps(
@@ -131,7 +134,6 @@ class Experiment:
         ctx = dataclasses.replace(ctx, checks=tuple(p.plan_problems for p in plugins))
         return cls(
             cfg=cfg,
-            model_cfg=model_cfg,
             ctx=ctx,
             # Devices in process order: each process of a multi-process run owns whole stages.
             mesh=make_mesh(
@@ -152,7 +154,7 @@ class Experiment:
             schemes=schemes,
             facts=facts,
             plugins=plugins,
-            _rounds=rounds,
+            link=link,
         )
 
     # -- state -------------------------------------------------------------------------------
@@ -419,8 +421,7 @@ class Experiment:
         process alone otherwise (one process, or one program whose arrays are global). One per
         ``name``, kept for the run (a runtime rebuilt by a recovery numbers on): every process
         makes the same calls."""
-        split = jax.process_count() > 1 and bool(self.ctx.pipeline_stages)
-        return _named_rounds(self._rounds, split, name)
+        return self.link.rounds(name)
 
     def eval_step(self, plan: Plan):
         """Jitted mean validation loss of one batch under ``plan``'s capacities (the last

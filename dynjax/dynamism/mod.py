@@ -20,7 +20,7 @@ import ml_collections
 
 from dynjax.dynamism.base import Plugin
 from dynjax.errors import ConfigError
-from dynjax.model.facts import ModelFacts
+from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.hooks import BlockPart
 from dynjax.model.mod import (
     ACCURACY,
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 def routed_layers(section: ml_collections.ConfigDict, num_layers: int) -> tuple[int, ...]:
     """Indices of the routed layers: every ``mod.every``-th, as `moe.every` places MoE blocks."""
-    return tuple(i for i in range(num_layers) if (i + 1) % section.every == 0)
+    return moe_layer_indices(num_layers, section.every)
 
 
 def routed_tokens(section: ml_collections.ConfigDict, seq_len: int) -> int:
