@@ -26,8 +26,8 @@ from dynjax.parallel.peers import ALONE, Rounds
 from dynjax.recompile import PlanContext
 
 if TYPE_CHECKING:
+    from dynjax.dynamism.moe.speeds import Speeds
     from dynjax.recompile import Plan, Policy
-    from dynjax.recompile.speeds import Speeds
 
 # What a scheme may claim of a layer (`Plugin.claims`): two enabled schemes that claim the same
 # thing of the same layer cannot run together (`Schemes.build` refuses them).
@@ -150,7 +150,7 @@ class Plugin:
     def speed_probe(
         cls, section: ml_collections.ConfigDict, facts: ModelFacts
     ) -> tuple[int, int, int] | None:
-        """(rows, d_model, hidden) of the GEMM whose speeds (`dynjax.recompile.speeds`) the
+        """(rows, d_model, hidden) of the GEMM whose speeds (`dynjax.dynamism.moe.speeds`) the
         enabled scheme's `initial_plan` reads from `RunLink.speeds`; None: it reads none."""
         return None
 

@@ -29,6 +29,7 @@ def evaluate(
     (`StageSpec.inference`), so the loss is the one causal sampling would see."""
     transport, programs = stages.transport, stages.programs
     losses = []
+    readout = stage_inputs.send_readout(stages.spec)  # the parameters stay as they are
     for inputs, targets in batches:
         size = math.gcd(len(inputs), stages.spec.stages[0].microbatch_size)
         # Only a stage with plugin records can run differently at inference: the others
@@ -38,7 +39,6 @@ def evaluate(
             for stage in stages.spec.stages
         ]
         m_count, last = len(inputs) // size, evaluated[-1]
-        readout = stage_inputs.send_readout(stages.spec)
         batch = EvalBatch(inputs, targets)
         for m in range(m_count):
             x, carry = None, None

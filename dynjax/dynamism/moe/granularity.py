@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from dynjax.dynamism.moe.speeds import Speeds
 from dynjax.recompile import History, Plan, Proposal
-from dynjax.recompile.speeds import Speeds
 
 STRATEGIES = ("S1", "S2", "S3", "S4")
 # Table II: how a strategy restores (T_DI, T_M) in the backward.
