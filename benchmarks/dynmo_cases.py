@@ -864,8 +864,9 @@ def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0, stages: 
             for v in (measured_layers(s, dense_meta, repeat, tiled) for s in dense_runs))
     name = meta["case"]
     paper, baseline = PAPER.get(name, (float("nan"), "-"))
-    timeline = [imbalance(s["stage_seconds"]) for s in samples]
     weights = tuple(float(e - t) for t, e in zip(steps, ends, strict=True))
+    timed = [(imbalance(s["stage_seconds"]), w)  # profiles whose timeline measured something
+             for s, w in zip(samples, weights, strict=True) if s["stage_seconds"] is not None]
     shape = f"{num_layers}x{stages}" + (" tiled" if tiled else "")
     variant = ", ".join(v for v, on in ((shape, deep),
                                         ("Plan medians", smooth)) if on)
@@ -876,7 +877,8 @@ def recorded_case(path: Path, *, smooth: bool = False, layers: int = 0, stages: 
         weights=weights, params=tuple(copies(meta["layer_params"], repeat, tiled).tolist()),
         micro=0 if deep else meta["microbatches"], changes=changes,
         dense_steps=dense_steps, unit_seconds=unit,
-        timeline_imbalance=float(np.average(timeline, weights=weights)),
+        timeline_imbalance=float(np.average([i for i, _ in timed], weights=[w for _, w in timed]))
+        if timed else np.nan,
         variant=variant, dense_samples=dense_samples, extrapolated=deep,
     )
 
@@ -973,7 +975,7 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
             if abs(measured - modelled) > 1e-3 * measured:
                 raise ValueError(f"step {line['step']} stage {s}: state bytes measured "
                                  f"{measured}, modelled {modelled}")
-        stage_seconds = [
+        stage_seconds = None if profile["timeline"] is None else [  # None: measured nothing
             float(np.mean([t[3] - t[2] for t in tasks if t[0] == "F"])
                   + np.mean([t[3] - t[2] for t in tasks if t[0] == "B"] or [0.0]))
             for tasks in profile["timeline"]
@@ -990,8 +992,9 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
             "embed_seconds": rounded(profile["embed_seconds"]),
             "head_seconds": rounded(profile["head_seconds"]),
             "layer_state_bytes": memory,
-            "stage_seconds": rounded(stage_seconds),
-            "iteration_seconds": round(profile["iteration_seconds"], 5),
+            "stage_seconds": stage_seconds and rounded(stage_seconds),
+            "iteration_seconds": None if stage_seconds is None
+            else round(profile["iteration_seconds"], 5),
             "units": profile.get("units", "measured"),  # "rescaled": from the step's timeline
         })
     first = plans[0][1]

@@ -92,7 +92,7 @@ def phases(workdir: Path, events: list[dict], steps: int, micro: int) -> list[di
             "devices": devices,
             "tok_s": statistics.median(window) if window else float("nan"),
         }
-        if profile is not None:
+        if profile is not None and profile["iteration_seconds"] is not None:  # None: untimed
             metrics = {
                 "profile/layer_forward_seconds": profile["layer_forward_seconds"],
                 "profile/layer_backward_seconds": profile["layer_backward_seconds"],

@@ -388,6 +388,8 @@ class ProfilePart:
     memory: Mapping[int, dict[str, int]]  # its stages' `stage_memory`
     timeline: Mapping[int, tuple[TaskTime, ...]]  # its stages' tasks, from its step's start
     units_measured: bool  # its units' times are as measured alone, not rescaled (`Profile`)
+    # Its timeline measured every stage of it (`PendingTimeline.watched`; `Profile`).
+    timeline_measured: bool = True
 
 
 def merged(
@@ -414,6 +416,7 @@ def merged(
         tuple(timeline[s] for s in stages),
         stage_layers,
         units_measured=any(part.units_measured for part in parts),
+        timeline_measured=all(part.timeline_measured for part in parts),
         seconds=seconds,
     )
 
@@ -425,8 +428,11 @@ class Profile:
     ``units_measured``: whether its unit times are as measured alone (a layout's first
     profile: the units a Plan change made new ran alone, the others kept their times,
     `unit_seconds`), or were rescaled from those by this step's timeline (`rescaled_units`);
-    ``seconds``: the host time profiling added beyond the timed step on the thread that asked
-    for it (the balancer's cost; the watcher threads' waiting is not counted).
+    ``timeline_measured``: whether every stage's watcher saw its tasks end (False: a loaded CPU
+    woke one only after they had, so the timeline, its span, bubble and stage times say
+    nothing and are neither offered to the policies nor logged); ``seconds``: the host time
+    profiling added beyond the timed step on the thread that asked for it (the balancer's
+    cost; the watcher threads' waiting is not counted).
     """
 
     units: UnitTimes
@@ -434,6 +440,7 @@ class Profile:
     timeline: tuple[tuple[TaskTime, ...], ...]  # [stages][tasks in execution order]
     stage_layers: tuple[int, ...]  # layers per stage of the layout that ran
     units_measured: bool = True
+    timeline_measured: bool = True
     seconds: float = 0.0
 
     @property
@@ -452,23 +459,27 @@ class Profile:
 
     def metrics(self) -> dict[str, np.ndarray]:
         """What policies read from the Monitor (host arrays, added to the step's metrics)."""
-        return {
+        out = {
             "profile/layer_forward_seconds": np.array(self.units.layer_forward),
             "profile/layer_backward_seconds": np.array(self.units.layer_backward),
             "profile/embed_seconds": np.array(self.units.embed),
             "profile/head_seconds": np.array(self.units.head),
-            "profile/stage_forward_seconds": self.stage_seconds("F"),
-            "profile/stage_backward_seconds": self.stage_seconds("B"),
             "profile/stage_memory_bytes": np.array([m["total"] for m in self.memory]),
             "profile/stage_input_bytes": np.array([m["stage_inputs"] for m in self.memory]),
             "profile/microbatch_input_bytes": np.array(
                 [m["microbatch_input"] for m in self.memory]
             ),
-            "profile/bubble_ratio": np.float64(self.bubble_ratio),
-            "profile/iteration_seconds": np.float64(self.iteration_seconds),
             # The layout that ran, so a policy tells a profile of the current Plan from an older.
             "profile/stage_layers": np.array(self.stage_layers),
         }
+        if self.timeline_measured:
+            out |= {
+                "profile/stage_forward_seconds": self.stage_seconds("F"),
+                "profile/stage_backward_seconds": self.stage_seconds("B"),
+                "profile/bubble_ratio": np.float64(self.bubble_ratio),
+                "profile/iteration_seconds": np.float64(self.iteration_seconds),
+            }
+        return out
 
     def event(self, step: int) -> dict[str, Any]:
         """The ``profile`` event of events.jsonl."""
@@ -480,11 +491,11 @@ class Profile:
             "embed_seconds": list(self.units.embed),
             "head_seconds": list(self.units.head),
             "stage_memory_bytes": [dict(m) for m in self.memory],
-            "iteration_seconds": self.iteration_seconds,
-            "bubble_ratio": self.bubble_ratio,
+            "iteration_seconds": self.iteration_seconds if self.timeline_measured else None,
+            "bubble_ratio": self.bubble_ratio if self.timeline_measured else None,
             "units": "measured" if self.units_measured else "rescaled",
             "seconds": self.seconds,
             "timeline": [
                 [[t.kind, t.microbatch, t.start, t.end] for t in stage] for stage in self.timeline
-            ],
+            ] if self.timeline_measured else None,
         }

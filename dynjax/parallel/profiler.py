@@ -115,7 +115,10 @@ class Profiler:
             self._measured_units = (exe.spec, known, units_busy_seconds(known, exe.spec))
 
             def kept() -> Profile:
-                part = ProfilePart(known, memory, pending.result(), units_measured=True)
+                part = ProfilePart(
+                    known, memory, pending.result(), units_measured=True,
+                    timeline_measured=_all_watched(pending),
+                )
                 return self._gathered(part, _layout(exe), 0.0)
 
             return metrics, PendingProfile(kept)
@@ -124,18 +127,23 @@ class Profiler:
     def _rescaled(
         self, exe: PipelineExecutable, pending: PendingTimeline, memory: dict[int, dict[str, int]]
     ) -> PendingProfile:
-        """The measured units' times scaled by each stage's busy time in this step's timeline."""
+        """The measured units' times scaled by each stage's busy time in this step's timeline;
+        a stage whose timeline measured nothing (`PendingTimeline.watched`) keeps them."""
         _, units, then = self._measured_units
 
         def rescaled() -> Profile:
             timeline = pending.result()
             start = time.perf_counter()
+            watched = pending.watched()
             factors = {
-                s: busy_seconds(row) / then[s] if then[s] > 0 else 1.0
+                s: busy_seconds(row) / then[s] if then[s] > 0 and s in watched else 1.0
                 for s, row in timeline.items()
             }
             units_now = rescaled_units(units, exe.spec, factors)
-            part = ProfilePart(units_now, memory, timeline, units_measured=False)
+            part = ProfilePart(
+                units_now, memory, timeline, units_measured=False,
+                timeline_measured=watched >= timeline.keys(),
+            )
             return self._gathered(part, _layout(exe), time.perf_counter() - start)
 
         return PendingProfile(rescaled)
@@ -162,7 +170,9 @@ class Profiler:
             repeats=repeats,
         )
         self._measured_units = (exe.spec, units, units_busy_seconds(units, exe.spec))
-        part = ProfilePart(units, memory, timeline, units_measured=True)
+        part = ProfilePart(
+            units, memory, timeline, units_measured=True, timeline_measured=_all_watched(pending)
+        )
         seconds = time.perf_counter() - start
         return PendingProfile(lambda: self._gathered(part, _layout(exe), seconds))
 
@@ -184,6 +194,11 @@ class Profiler:
             memory = stage_memory(exe.spec, held.state, held.acc, temps, held.programs.shapes)
             self._memory_of = (exe, memory)
         return self._memory_of[1]
+
+
+def _all_watched(pending: PendingTimeline) -> bool:
+    """Whether the step's timeline measured every stage of this process (after `result`)."""
+    return pending.watched() >= pending.result().keys()
 
 
 def _layout(exe: PipelineExecutable) -> tuple[int, ...]:

@@ -26,15 +26,19 @@ _MARK = jax.jit(lambda leaf: leaf.reshape(-1)[0] * 0)  # `TimedSteps._ready_mark
 _READY = "ready"  # `TimedSteps.start`'s watchers: not a task, the stage's state arriving
 _BEGIN, _END = object(), object()  # a watcher's markers of a timed step's first and last items
 WATCHER = "dynjax-watch-stage-"  # a watcher thread's name, before its stage's index
+# What a watcher notes of one task: (task, its dispatch, its input's arrival, its results' being
+# ready, whether the watcher saw them become ready), times from `time.perf_counter`.
+Seen = tuple[Any, float, float, float, bool]
 
 
 def _watch(tasks: queue.SimpleQueue) -> None:
     """One stage's watcher (`TimedSteps.start`), for the pipeline's life: for each
     (task, its dispatch, what it waits for from before the step, what it computed) of a step,
-    in order, notes in the step's records when the former arrived (-inf: nothing to wait for)
-    and when the results are ready. A step's items come between (`_BEGIN`, its records, its
-    errors) and (`_END`, the event to set once they are noted)."""
-    seen: list[tuple[Any, float, float, float]] = []
+    in order, notes in the step's records when the former arrived (-inf: nothing to wait for),
+    when the results are ready and whether it saw them become ready (False: they already were
+    when it looked, so their time is only an upper bound). A step's items come between
+    (`_BEGIN`, its records, its errors) and (`_END`, the event to set once they are noted)."""
+    seen: list[Seen] = []
     errors: list[BaseException] = []
     while (item := tasks.get()) is not None:
         task, dispatched, needs, computed = item
@@ -51,12 +55,13 @@ def _watch(tasks: queue.SimpleQueue) -> None:
             if needs:
                 jax.block_until_ready(needs)
                 arrived = time.perf_counter()
+            waited = not all(leaf.is_ready() for leaf in jax.tree.leaves(computed))
             jax.block_until_ready(computed)
             end = time.perf_counter() if computed else dispatched
         except BaseException as e:  # re-raised by `PendingTimeline.result`
             errors.append(e)
             continue
-        seen.append((task, dispatched, arrived, end))
+        seen.append((task, dispatched, arrived, end, waited))
 
 
 def _stop_watchers(watchers: dict[int, queue.SimpleQueue]) -> None:
@@ -69,9 +74,8 @@ class PendingTimeline:
     """The timeline of a dispatched step, which its stages' watcher threads are still taking."""
 
     def __init__(
-        self, done: list[threading.Event],
-        seen: dict[int, list[tuple[Any, float, float, float]]], errors: list[BaseException],
-        start: float,
+        self, done: list[threading.Event], seen: dict[int, list[Seen]],
+        errors: list[BaseException], start: float,
     ) -> None:
         self._done, self._seen, self._errors, self._start = done, seen, errors, start
 
@@ -83,21 +87,26 @@ class PendingTimeline:
             raise self._errors[0]
         return _timeline(self._seen, self._start)
 
+    def watched(self) -> set[int]:
+        """The stages whose timeline measured something: their watcher saw at least one task's
+        results become ready. A watcher that a loaded CPU wakes only after its stage's tasks
+        all ended notes them all ending then, a timeline near zero that says nothing of the
+        stage's speed. Call after `result`."""
+        return {s for s, row in self._seen.items() if any(entry[4] for entry in row)}
 
-def _timeline(
-    seen: Mapping[int, list[tuple[Any, float, float, float]]], start: float
-) -> dict[int, tuple[TaskTime, ...]]:
+
+def _timeline(seen: Mapping[int, list[Seen]], start: float) -> dict[int, tuple[TaskTime, ...]]:
     """Each watched stage's `TaskTime`s from what `TimedSteps.start`'s watchers saw:
     (task, its dispatch, -inf, its results ready) per task, in order; a `_READY` entry first,
     whose arrival is when the stage's state from before the step is. A task starts after the
     task that computed its input ended, where a watcher of this process saw that one end (on
     the neighbour stage)."""
     ends = {(task.kind, s, task.microbatch): end
-            for s, row in seen.items() for task, _, _, end in row if task != _READY}
+            for s, row in seen.items() for task, _, _, end, _ in row if task != _READY}
     out = {}
     for s, row in seen.items():
         times, free = [], start
-        for task, dispatched, arrived, end in row:
+        for task, dispatched, arrived, end, _ in row:
             if task == _READY:  # the stage idles until what it needs from before the step is in
                 free = max(free, arrived)
                 continue
@@ -149,7 +158,7 @@ class TimedSteps:
         run = self.runner.start(exe, inputs, targets, cached, rows)
         local = [s.index for s in self.stages.local(exe.spec)]
         queues = {s: self._watcher(s) for s in local}
-        seen: dict[int, list[tuple[Any, float, float, float]]] = {s: [] for s in local}
+        seen: dict[int, list[Seen]] = {s: [] for s in local}
         errors: list[BaseException] = []
         done = {s: threading.Event() for s in local}
         start = time.perf_counter()

@@ -134,9 +134,17 @@ class Rebalance:
         step, metrics = profile
         latest = history.latest_step
         periodic = self._periodic.due(latest)
-        stage_times = np.asarray(metrics[STAGE_FORWARD]) + np.asarray(metrics[STAGE_BACKWARD])
-        measured_imbalance = imbalance(stage_times)
-        triggered = 0 < self.threshold < measured_imbalance and step > self._judged
+        # A profile whose timeline measured nothing (`Profile.timeline_measured`) triggers no
+        # decision; a periodic one still runs on its unit times.
+        measured_imbalance = None
+        if STAGE_FORWARD in metrics:
+            stage_times = np.asarray(metrics[STAGE_FORWARD]) + np.asarray(metrics[STAGE_BACKWARD])
+            measured_imbalance = imbalance(stage_times)
+        triggered = (
+            measured_imbalance is not None
+            and 0 < self.threshold < measured_imbalance
+            and step > self._judged
+        )
         if not (periodic or triggered):
             return None
         if periodic:

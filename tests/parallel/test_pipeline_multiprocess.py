@@ -79,7 +79,7 @@ def test_the_balancer_decides_from_every_process_stages_and_moves_layers_between
     measured = lambda e: {k: v for k, v in e.items() if k not in ("time", "seconds")}
     for mine, theirs in zip(*profiles, strict=True):
         assert measured(mine) == measured(theirs)
-        assert len(mine["timeline"]) == 2 and all(mine["timeline"])
+        assert mine["timeline"] is None or (len(mine["timeline"]) == 2 and all(mine["timeline"]))
         assert len(mine["stage_memory_bytes"]) == 2
         assert len(mine["layer_forward_seconds"]) == 5
         assert min(mine["layer_forward_seconds"]) > 0 and min(mine["head_seconds"]) > 0

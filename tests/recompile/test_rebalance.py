@@ -99,6 +99,26 @@ def test_threshold_decides_once_on_each_unbalanced_profile():
     assert policy(every=0, threshold=1.5).propose(history(7, 7), PLAN) is None
 
 
+def test_a_profile_whose_timeline_measured_nothing_triggers_no_decision():
+    """Without stage times (`Profile.timeline_measured` False) the threshold has nothing to
+    judge; a periodic decision still runs on the profile's unit times."""
+    unmeasured = lambda latest: History.of(
+        (s, _without_timeline(profile((1.0,) * 4, (3, 1))) if s == 7 else {"loss": 1.0})
+        for s in range(latest + 1)
+    )
+    assert policy(every=0, threshold=0.5).propose(unmeasured(7), PLAN) is None
+    periodic = policy(every=10).propose(unmeasured(10), PLAN)
+    assert periodic.plan.stage_layers == (2, 2)
+    assert periodic.records[0]["measured_imbalance"] is None
+    assert periodic.records[0]["measured_seconds"] is None
+
+
+def _without_timeline(metrics):
+    gone = (rebalance_module.STAGE_FORWARD, rebalance_module.STAGE_BACKWARD,
+            rebalance_module.ITERATION)
+    return {k: v for k, v in metrics.items() if k not in gone}
+
+
 def test_by_param_partitions_parameter_counts():
     # times say (2, 2); parameter counts put the heavy last layer alone
     rebalance = policy(by="param", layer_params=[1, 1, 1, 5])
