@@ -128,21 +128,20 @@ class Profiler:
         self, exe: PipelineExecutable, pending: PendingTimeline, memory: dict[int, dict[str, int]]
     ) -> PendingProfile:
         """The measured units' times scaled by each stage's busy time in this step's timeline;
-        a stage whose timeline measured nothing (`PendingTimeline.watched`) keeps them."""
+        a timeline that measured nothing (`PendingTimeline.watched`) keeps them."""
         _, units, then = self._measured_units
 
         def rescaled() -> Profile:
             timeline = pending.result()
             start = time.perf_counter()
-            watched = pending.watched()
+            measured = _all_watched(pending)
             factors = {
-                s: busy_seconds(row) / then[s] if then[s] > 0 and s in watched else 1.0
+                s: busy_seconds(row) / then[s] if then[s] > 0 and measured else 1.0
                 for s, row in timeline.items()
             }
             units_now = rescaled_units(units, exe.spec, factors)
             part = ProfilePart(
-                units_now, memory, timeline, units_measured=False,
-                timeline_measured=watched >= timeline.keys(),
+                units_now, memory, timeline, units_measured=False, timeline_measured=measured
             )
             return self._gathered(part, _layout(exe), time.perf_counter() - start)
 

@@ -206,11 +206,12 @@ def test_training_on_a_pipeline_equals_one_program(tmp_path):
 def test_a_timed_step_counts_waiting_for_the_previous_step_as_idle():
     """A stage whose parameters (and readout) from the previous step arrive late begins its
     first task then: the wait is a bubble, not the task's time (which the balancer reads)."""
-    # (task, dispatched, the arrival of what it waits for from before the step, its end)
-    no = -math.inf
+    # (task, dispatched, the arrival of what it waits for from before the step, its end,
+    # whether the watcher saw it end)
+    no, F, B = -math.inf, Task("F", 0), Task("B", 0)
     seen = [
-        [(_READY, 0.0, 5.0, 0.0), (Task("F", 0), 1.0, no, 6.0), (Task("B", 0), 1.0, no, 9.5)],
-        [(_READY, 0.0, no, 0.0), (Task("F", 0), 1.0, no, 7.0), (Task("B", 0), 1.0, no, 8.0)],
+        [(_READY, 0.0, 5.0, 0.0, False), (F, 1.0, no, 6.0, True), (B, 1.0, no, 9.5, True)],
+        [(_READY, 0.0, no, 0.0, False), (F, 1.0, no, 7.0, True), (B, 1.0, no, 8.0, True)],
     ]
     (f0, b0), (f1, b1) = _timeline(dict(enumerate(seen)), 0.0).values()
     # A task starts when the one that computed its input ended (stage 1's F after stage 0's).
