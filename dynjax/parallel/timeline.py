@@ -100,7 +100,9 @@ def _timeline(seen: Mapping[int, list[Seen]], start: float) -> dict[int, tuple[T
     (task, its dispatch, -inf, its results ready) per task, in order; a `_READY` entry first,
     whose arrival is when the stage's state from before the step is. A task starts after the
     task that computed its input ended, where a watcher of this process saw that one end (on
-    the neighbour stage)."""
+    the neighbour stage) no later than this task's own end: a later note is that watcher's late
+    wake-up (a task cannot end before its input exists), which would cut this task to nothing,
+    and is left out."""
     ends = {(task.kind, s, task.microbatch): end
             for s, row in seen.items() for task, _, _, end, _ in row if task != _READY}
     out = {}
@@ -112,7 +114,8 @@ def _timeline(seen: Mapping[int, list[Seen]], start: float) -> dict[int, tuple[T
                 continue
             m = task.microbatch
             source = ("F", s - 1, m) if task.kind == "F" else ("B", s + 1, m)
-            begin = max(dispatched, free, arrived, ends.get(source, start))
+            computed = ends.get(source, start)
+            begin = max(dispatched, free, arrived, computed if computed <= end else start)
             free = max(end, begin)
             times.append(TaskTime(task.kind, m, begin - start, free - start))
         out[s] = tuple(times)

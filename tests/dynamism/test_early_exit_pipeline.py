@@ -217,3 +217,8 @@ def test_a_timed_step_counts_waiting_for_the_previous_step_as_idle():
     # A task starts when the one that computed its input ended (stage 1's F after stage 0's).
     assert (f0.start, f0.end) == (5.0, 6.0) and (b0.start, b0.end) == (8.0, 9.5)
     assert (f1.start, f1.end) == (6.0, 7.0) and (b1.start, b1.end) == (7.0, 8.0)
+    # Stage 0's watcher woke late and noted its F ending at 7.5, after stage 1's F (which
+    # needed its output) ended: that note is left out, not a task cut to nothing.
+    seen[0][1] = (F, 1.0, no, 7.5, True)
+    (_, _), (f1, _) = _timeline(dict(enumerate(seen)), 0.0).values()
+    assert (f1.start, f1.end) == (1.0, 7.0)
