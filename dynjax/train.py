@@ -52,6 +52,7 @@ from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
 from dynjax.launch.cluster import ClusterError
 from dynjax.launch.distributed import Peers, fail, initialize_from_env, joined
+from dynjax.launch.preemption import PREEMPTED_EXIT, StopRequest
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
 from dynjax.parallel.peers import Rounds
@@ -97,6 +98,9 @@ class RunSummary:
     # Of the `recompiles` Plan swaps, those that needed a new program: a swap that only moves
     # runtime values (ragged MoE capacities within their buckets) reuses the one it has.
     compiled: int = 0
+    # The signal the run stopped at, having saved ``final_step`` (`StopRequest`); None: it ran
+    # to ``train.steps``.
+    preempted_by: str | None = None
 
 
 def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
@@ -185,6 +189,19 @@ def train(
     writes its own stages' part (`PartedCheckpointer`), and a run resumes from either kind on
     any process count.
     """
+    with StopRequest() as stop:  # SIGTERM, SIGINT, SIGUSR1: stop at a boundary, saved
+        return _train(cfg, workdir, policies, progress, release_hook, schemes, stop)
+
+
+def _train(
+    cfg: ml_collections.ConfigDict,
+    workdir: str | Path,
+    policies: Sequence[Policy],
+    progress: bool,
+    release_hook: ReleaseHook | None,
+    schemes: Schemes,
+    stop: StopRequest,
+) -> RunSummary:
     began = time.perf_counter()
     run = _open_run(cfg, workdir, release_hook, schemes)
     checkpoints = checkpoints_for(run)
@@ -198,7 +215,10 @@ def train(
     try:
         step = start
         while step < steps:
-            loop.swap(step)
+            loop.swap(step, stop)
+            if loop.controller.preempted_by is not None:
+                loop.preempt(step, stop)
+                break
             measured = loop.before_step(step)
             batch = loop.batches.get(step)
             try:
@@ -212,10 +232,11 @@ def train(
             loop.log(step, batch, measured, metrics)
             loop.after_step(step + 1)
             step += 1
-        loop.finish()
+        else:
+            loop.finish()
     finally:
         loop.close()
-    return loop.summary(began)
+    return loop.summary(began, step)
 
 
 @dataclasses.dataclass
@@ -419,6 +440,7 @@ class _Loop:
             dynamic_ncols=True,
         )
         self.recompiles, self.compiled, self.eval_loss = 0, 0, None
+        self.preempted_by: str | None = None  # the signal the loop stopped at (`preempt`)
         self.fault_at = cfg.checkpoint.inject_fault_at
         self.release_unused(start, "resumed re-packed")
         # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
@@ -480,9 +502,10 @@ class _Loop:
             self.compiler.forget(lambda p: len(p.stage_layers) > runtime.available_stages)
             self.events(release(devices, stages, self.run.release_hook, step=step, reason=reason))
 
-    def swap(self, step: int) -> None:
-        """Swap in the Controller's new Plan if its executable is ready."""
-        swap = self.controller.poll(step)
+    def swap(self, step: int, stop: StopRequest) -> None:
+        """Swap in the Controller's new Plan if its executable is ready (and pass on a request
+        to stop: every process stops at the same boundary, `Controller.preempted_by`)."""
+        swap = self.controller.poll(step, stop.signal)
         if swap is None:
             return
         migration = self.runtime.swap(swap.plan, swap.executable)
@@ -579,6 +602,18 @@ class _Loop:
         self.catch_up()
         self.checkpoints.finish()
 
+    def preempt(self, step: int, stop: StopRequest) -> None:
+        """Stop at boundary ``step`` on a signal: every dispatched step's metrics logged, then
+        its checkpoint saved whole and waited for, and a ``preempted`` event (issue 32 §1)."""
+        self.finish()
+        signal = self.controller.preempted_by
+        saved = self.checkpoints.save_now(step, self.runtime, self.plan, self.catch_up)
+        self.checkpoints.finish()
+        waited = None if stop.at is None else round(time.perf_counter() - stop.at, 3)
+        self.events({"event": "preempted", "step": step, "signal": signal, "saved": saved,
+                     "seconds_since_signal": waited})
+        self.preempted_by = signal
+
     def close(self) -> None:
         self.batches.close()
         self.bar.close()
@@ -587,12 +622,12 @@ class _Loop:
         self.checkpoints.close()
         self.writer.close()
 
-    def summary(self, began: float) -> RunSummary:
-        logger, batches, done = self.logger, self.batches, self.steps - self.start
+    def summary(self, began: float, final_step: int) -> RunSummary:
+        logger, batches, done = self.logger, self.batches, max(final_step - self.start, 1)
         return RunSummary(
             self.run.workdir,
             self.start,
-            self.steps,
+            final_step,
             logger.last_loss,
             self.eval_loss,
             logger.median_rate(),
@@ -605,6 +640,7 @@ class _Loop:
             batches.build_seconds / done,
             batches.wait_seconds / done,
             self.compiled,
+            self.preempted_by,
         )
 
 
@@ -787,6 +823,16 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()  # a peer may wait for this process in a collective: do not wait
         fail()  # for it in JAX's shutdown barrier
     print(format_summary(summary))
+    if summary.preempted_by is not None:
+        saved = summary.final_step in summary.checkpoints
+        print(
+            f"preempted by {summary.preempted_by}: "
+            + (f"saved step {summary.final_step} in {Path(workdir) / 'checkpoints'}; "
+               if saved else f"step {summary.final_step} could not be saved (events.jsonl); ")
+            + "run the same command again to resume"
+            + f" (exit status {PREEMPTED_EXIT})"
+        )
+        return PREEMPTED_EXIT
     return 0
 
 

@@ -7,7 +7,10 @@ predecessor's). Each pipeline stage must lie in one process: K must be a multipl
 mesh.data * mesh.expert (a run without stages spans every process's devices). Output is
 prefixed ``[i]``; when one process fails the launcher says which and how, stops the others (they
 would wait for it) and exits with that process's status (128 + the signal's number if a signal
-killed it, as a shell reports it).
+killed it, as a shell reports it). SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 sent to the launcher go
+to every process (each in its own session, so a terminal's Ctrl-C reaches them once, through
+here): they stop at the same step, save it and exit with `PREEMPTED_EXIT`, as the launcher
+then does; a second signal aborts them.
 
     python -m dynjax.launch.local --processes 2 --devices-per-process 4 -- \\
         --config configs/quickstart.py --config.mesh.stage=4 --config.mesh.data=2
@@ -24,6 +27,7 @@ import sys
 import threading
 import time
 
+from dynjax.launch.preemption import PREEMPTED_EXIT, SIGNALS
 from dynjax.launch.watchdog import RESUME
 
 
@@ -67,15 +71,19 @@ def how_it_ended(returncode: int) -> str:
 
 def launch(processes: int, devices: int, command: list[str]) -> int:
     """Run ``command`` as each process of the run, to completion; the status of the first that
-    failed, else 0."""
+    failed, else `PREEMPTED_EXIT` if they stopped at a signal, else 0."""
     port = free_port()
     procs, relays = [], []
+    if threading.current_thread() is threading.main_thread():  # where Python allows handlers
+        for sig in SIGNALS:  # a scheduler's notice, or Ctrl-C: every process stops and saves
+            signal.signal(sig, lambda signum, frame: _forward(procs, signum))
     for rank in range(processes):
         proc = subprocess.Popen(
             command,
             env=process_env(rank, processes, devices, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         relay = threading.Thread(target=_relay, args=(rank, proc.stdout), daemon=True)
         relay.start()
@@ -85,7 +93,10 @@ def launch(processes: int, devices: int, command: list[str]) -> int:
     while True:
         running = any(proc.poll() is None for proc in procs)
         if failed is None:
-            failed = next((rank for rank, proc in enumerate(procs) if proc.poll()), None)
+            failed = next(
+                (r for r, proc in enumerate(procs) if proc.poll() not in (None, 0, PREEMPTED_EXIT)),
+                None,
+            )
             if failed is not None:  # the others would wait for it: stop them
                 print(
                     f"error: process {failed} (of {processes}) "
@@ -102,9 +113,16 @@ def launch(processes: int, devices: int, command: list[str]) -> int:
     for relay in relays:
         relay.join()
     if failed is None:
-        return 0
+        return PREEMPTED_EXIT if any(p.returncode == PREEMPTED_EXIT for p in procs) else 0
     code = procs[failed].returncode
     return 128 - code if code < 0 else code
+
+
+def _forward(procs: list[subprocess.Popen], signum: int) -> None:
+    """Send the launcher's signal on to every process still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
