@@ -219,10 +219,12 @@ class WholeCheckpoints:
         whole: bool = False,
     ) -> None:
         """Save after step ``done``: K experts per MoE layer where a ledger selects them, all
-        with ``whole``."""
+        with ``whole``. Every step's metrics up to ``done`` are logged first, so a process
+        killed right after the save leaves no step unlogged that the resumed run skips (and a
+        ledger's metadata counts every step up to this one)."""
         meta, experts = self.meta(plan), None
-        if self.ledger is not None:  # its metadata counts every step up to this one
-            catch_up()
+        catch_up()
+        if self.ledger is not None:
             experts = None if whole else self.ledger.select()
             meta["pec"] = self.ledger.meta_after(done, experts)
         started = self.storage.save(
