@@ -239,6 +239,10 @@ def _train(
     return loop.summary(began, step)
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is not finite: the model diverged (issue 32 §5)."""
+
+
 @dataclasses.dataclass
 class _Run:
     """What a run builds once from its config, before it restores: directories, experiment,
@@ -578,8 +582,11 @@ class _Loop:
         self.observe(self.monitor.drain())
 
     def observe(self, ready: list[tuple[int, dict[str, Any]]]) -> None:
-        """Steps' host metrics (with their profiles') to the checkpoints, logger and Controller."""
+        """Steps' host metrics (with their profiles') to the checkpoints, logger and Controller.
+        A non-finite loss or gradient norm stops the run (`NonFiniteError`): a save logs every
+        step up to it first, so no state after a diverged step is saved."""
         for s, m in ready:
+            self.require_finite(s, m)
             pending = self.profiles.pop(s, None)
             if pending is not None:
                 profile = pending.result()
@@ -588,6 +595,23 @@ class _Loop:
             m = self.runtime.host_metrics(s, m)
             self.checkpoints.counted(s + 1, m)
             self.logger.observe(s, m, self.cache, self.controller, self.bar)
+
+    def require_finite(self, step: int, metrics: dict[str, Any]) -> None:
+        """Raise `NonFiniteError` naming the step, what diverged and the newest checkpoint."""
+        bad = {k: float(metrics[k]) for k in ("loss", "grad_norm")
+               if k in metrics and not np.isfinite(metrics[k])}
+        if not bad:
+            return
+        saved = [s for s in self.checkpoints.storage.all_steps() if s <= step]
+        names = {"loss": "loss", "grad_norm": "gradient norm"}
+        what = ", ".join(f"{names[k]} {v}" for k, v in bad.items())
+        where = (f"the newest checkpoint before it is step {saved[-1]} in "
+                 f"{self.run.root / 'checkpoints'}, where a rerun resumes" if saved
+                 else "no checkpoint was saved before it")
+        raise NonFiniteError(
+            f"step {step + 1}: {what}: the model diverged and training stopped; {where}. "
+            "Lower train.learning_rate or raise train.warmup_steps, then rerun"
+        )
 
     def after_step(self, done: int) -> None:
         """Snapshot, evaluate and save after step ``done`` where due."""
@@ -814,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = sys.stderr.isatty() or "DYNJAX_PROGRESS" in os.environ
     try:
         summary = train(cfg, workdir, progress=progress, schemes=schemes)
-    except ConfigError as err:  # found once devices are known, before training
+    except (ConfigError, NonFiniteError) as err:  # found once devices are known, or diverged
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception:
