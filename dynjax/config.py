@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -164,10 +165,25 @@ def load_run(
         raise ConfigError(f"--config: no such config file {str(path)!r}")
     spec = importlib.util.spec_from_file_location(f"dynjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"{path}: a config file must define get_config() -> ConfigDict")
-    cfg = module.get_config()
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"{path}: a config file must define get_config() -> ConfigDict")
+        cfg = module.get_config()
+    except SyntaxError as err:
+        raise ConfigError(
+            f"{path}:{err.lineno}: {err.msg} (a Python syntax error in the config file): fix "
+            "that line"
+        ) from err
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's file: say where, not a traceback
+        lines = [f.lineno for f in traceback.extract_tb(err.__traceback__)
+                 if Path(f.filename).resolve() == path.resolve()]
+        where = f"{path}:{lines[-1]}" if lines else str(path)
+        raise ConfigError(
+            f"{where}: running the config file raised {type(err).__name__}: {err}; fix the file"
+        ) from err
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:

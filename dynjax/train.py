@@ -268,7 +268,8 @@ def _open_run(
     workdir = root = Path(workdir)
     if jax.process_index() > 0:
         workdir = workdir / f"process_{jax.process_index()}"
-    workdir.mkdir(parents=True, exist_ok=True)
+    for directory in (workdir, root / "checkpoints"):
+        writable_directory(directory)
     enable_persistent_cache(os.path.expanduser(cfg.recompile.cache_dir) or None)
     exp = Experiment.from_config(cfg, schemes)
     config_policies = policies_for(cfg, exp)  # their config errors come before any work
@@ -278,6 +279,22 @@ def _open_run(
         _check_multi_process(cfg, pipeline=bool(exp.ctx.pipeline_stages))
     peers = None if single else Peers()
     return _Run(cfg, exp, root, workdir, events, peers, config_policies, release_hook)
+
+
+def writable_directory(path: Path) -> None:
+    """Create ``path`` if missing and check that files can be written there, before any work:
+    a ``ConfigError`` naming it and the fix, not an ``OSError`` from deep inside a save."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--workdir: {path} is a file, not a directory; pass a directory "
+                          "(it is created if missing)")
+    probe = path / f".dynjax-write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--workdir: cannot write to {path} ({err.strerror}); pass a "
+                          "directory this user can write to, on a writable filesystem") from err
 
 
 def checkpoints_for(run: _Run) -> Checkpoints:

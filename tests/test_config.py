@@ -151,6 +151,35 @@ def test_config_file_adding_a_key_is_rejected(tmp_path):
         validate_config(load_config(path), num_devices=1)
 
 
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def get_config(:\n    pass\n", r"bad\.py:1: .*syntax error in the config file"),
+        ("def get_config():\n    return undefined_name\n",
+         r"bad\.py:2: running the config file raised NameError: name 'undefined_name'"),
+    ],
+)
+def test_a_config_file_that_does_not_run_is_an_error_naming_its_line(tmp_path, capsys, body,
+                                                                    message):
+    path = tmp_path / "bad.py"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=message):
+        config_lib.load_run(path)
+    assert main(["--config", str(path), f"--workdir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_a_workdir_that_cannot_be_written_is_an_error_before_any_work(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for workdir, message in ((a_file, "is a file, not a directory"),
+                             (a_file / "run", "cannot write to")):
+        assert main(["--config=tests/tiny.py", f"--workdir={workdir}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --workdir: ") and message in err and str(a_file) in err
+
+
 def test_cli_reports_config_errors_and_exits_2(capsys):
     assert main(["--config", "configs/quickstart.py", "--config.model.d_modle=64"]) == 2
     assert "unknown config key 'model.d_modle'" in capsys.readouterr().err
