@@ -211,8 +211,19 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, raw: str) -> None:
     keys = valid_keys(cfg)
     if dotted not in keys:
         close = difflib.get_close_matches(dotted, keys, n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown config key {dotted!r}.{hint} Valid keys: {', '.join(keys)}")
+        section = dotted.split(".")[0] + "."
+        siblings = [k for k in keys if k.startswith(section)]
+        if close:
+            hint = f" Did you mean {', '.join(close)}?"
+        elif siblings:
+            shown = ", ".join(siblings[:8]) + (", ..." if len(siblings) > 8 else "")
+            hint = f" Keys of {section[:-1]}: {shown}."
+        else:
+            hint = f" Sections: {', '.join(sorted({k.split('.')[0] for k in keys}))}."
+        raise ConfigError(
+            f"unknown config key {dotted!r}.{hint} Every key: docs/config.md, or "
+            "python -m dynjax.config_reference"
+        )
     *parents, leaf = dotted.split(".")
     node = cfg
     for p in parents:
@@ -224,6 +235,8 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, raw: str) -> None:
 def _parse_like(key: str, raw: str, old: object) -> object:
     if isinstance(old, str):
         return raw
+    if isinstance(old, float) and raw.strip().lower() in ("nan", "inf", "+inf", "-inf"):
+        raise ConfigError(f"config key {key!r} expects a finite number, got {raw!r}")
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):

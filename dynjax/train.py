@@ -374,7 +374,8 @@ def restore(run: _Run, checkpoints: Checkpoints) -> tuple[Plan, int, Runtime]:
     plan, start = exp.resumed_plan(saved, changes), meta["step"]
     runtime = exp.runtime(plan, state)
     run.events(resume_event(start, changes, saved, plan))
-    log.info("resumed from step %d of %s", start, run.workdir)
+    if jax.process_index() == 0:
+        print(f"resumed from step {start} of {run.root / 'checkpoints'}", flush=True)
     checkpoints.on_resume(meta, k_changed="checkpoint.experts_per_save" in changes)
     return plan, start, runtime
 
@@ -444,7 +445,7 @@ class _Loop:
             else None
         )
         self.monitor = Monitor(cfg.recompile.delta_launch)
-        self.writer = MetricsWriter(run.workdir)
+        self.writer = MetricsWriter(run.workdir, resumed_from=start or None)
         self.plugins = plugins = exp.plugins
         costs = (
             LayerCostsWriter(run.workdir, lambda p, m: layer_costs(plugins, p, m))

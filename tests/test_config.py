@@ -11,11 +11,18 @@ from dynjax.train import main, parse_args
 from .tiny import tiny_config
 
 
-def test_unknown_key_names_the_key_and_lists_valid_ones():
-    with pytest.raises(ConfigError) as err:
-        set_value(tiny_config(), "train.stpes", "5")
-    msg = str(err.value)
-    assert "'train.stpes'" in msg and "Did you mean train.steps" in msg and "model.d_model" in msg
+def test_unknown_key_names_the_key_the_closest_ones_and_the_reference():
+    """A short message (issue 32 §7: it listed all ~150 keys on one line): the closest keys,
+    else the section's, else the sections, and where every key is documented."""
+    messages, far, nowhere = {}, "train.qqqqqqqqqqqq", "qqqqqqqqqqqq.wwwwwwww"
+    for key in ("train.stpes", far, nowhere):
+        with pytest.raises(ConfigError) as err:
+            set_value(tiny_config(), key, "5")
+        messages[key] = msg = str(err.value)
+        assert f"'{key}'" in msg and "docs/config.md" in msg and len(msg) < 400, msg
+    assert "Did you mean train.steps" in messages["train.stpes"]
+    assert "Keys of train: " in messages[far] and "model." not in messages[far]
+    assert "Sections: " in messages[nowhere] and "train" in messages[nowhere]
 
 
 def test_wrong_type_is_rejected():
@@ -23,6 +30,9 @@ def test_wrong_type_is_rejected():
         set_value(tiny_config(), "train.steps", "1.5")
     with pytest.raises(ConfigError, match="'train.learning_rate' expects float"):
         set_value(tiny_config(), "train.learning_rate", "fast")
+    for raw in ("nan", "inf", "-inf"):
+        with pytest.raises(ConfigError, match="'train.learning_rate' expects a finite number"):
+            set_value(tiny_config(), "train.learning_rate", raw)
     c = tiny_config()
     set_value(c, "train.learning_rate", "1")  # an int where a float is expected is fine
     assert c.train.learning_rate == 1.0

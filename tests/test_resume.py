@@ -162,3 +162,19 @@ def test_logged_metrics_name_the_plan_their_step_ran_with(tmp_path):
     assert new > old
     # Line `step` holds training step step - 1; the swap's first step is `swap_step`.
     assert all(f == (old if s - 1 < swap["swap_step"] else new) for s, f in factors.items())
+
+
+def test_a_resume_says_its_step_and_marks_the_records_it_writes(tmp_path, capsys):
+    """Issue 32 §7: a line names the step resumed from, and the resumed run's metrics records
+    carry ``resumed_from``, so a step logged twice (trained again after a resume) is told
+    apart."""
+    run = {"train__checkpoint_every": 4, "train__eval_every": 1000}
+    train(tiny_config(train__steps=6, **run), tmp_path, progress=False)  # logs 5, 6; saves 4, 6
+    (tmp_path / "checkpoints" / "6").rename(tmp_path / "moved")  # as if killed before saving 6
+    capsys.readouterr()
+    train(tiny_config(train__steps=8, **run), tmp_path, progress=False)
+    assert f"resumed from step 4 of {tmp_path / 'checkpoints'}" in capsys.readouterr().out
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    first = [r["step"] for r in records if "resumed_from" not in r]
+    again = [r["step"] for r in records if r.get("resumed_from") == 4]
+    assert first == list(range(1, 7)) and again == [5, 6, 7, 8]
