@@ -55,6 +55,7 @@ from dynjax.launch.distributed import Peers, fail, initialize_from_env, joined
 from dynjax.launch.preemption import PREEMPTED_EXIT, StopRequest
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
+from dynjax.parallel.memory_needs import device_bytes_needed
 from dynjax.parallel.peers import Rounds
 from dynjax.parallel.profile import device_memory_limit
 from dynjax.parallel.runtime import Runtime
@@ -148,16 +149,47 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
     return out
 
 
-def memory_budget(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
-    """Bytes one device of a stage may use: ``balance.memory_bytes``, else the devices' own
-    limit (this process's: only those report it) less ``balance.memory_headroom``; None where
-    neither is known (CPU)."""
-    b = cfg.balance
-    if b.memory_bytes:
-        return float(b.memory_bytes)
+SHRINK = ("train.batch_size, train.microbatches (more, smaller), parallel.fsdp=True, mesh.* "
+          "(more devices per stage or more stages), model.scan_layers=True, "
+          "train.dtype=bfloat16")
+
+
+def fits(needed: dict[int, int], limit: float | None) -> None:
+    """Refuse, before training, a step whose programs need more of a device than it has
+    (`device_bytes_needed` against `device_limit`; nothing to check where either is unknown)."""
+    if limit is None:
+        return
+    for stage, need in sorted(needed.items()):
+        if need > limit:
+            where = f"pipeline stage {stage}" if len(needed) > 1 else "the train step"
+            raise ConfigError(
+                f"{where} needs {_size(need)} of each device's memory (XLA's memory "
+                f"analysis: arguments, outputs, temporaries) but a device has {_size(limit)} "
+                f"(balance.memory_bytes, else what its allocator reports); shrink it with "
+                f"{SHRINK}"
+            )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def device_limit(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
+    """Bytes one device has: ``balance.memory_bytes``, else the devices' own limit (this
+    process's: only those report it); None where neither is known (CPU)."""
+    if cfg.balance.memory_bytes:
+        return float(cfg.balance.memory_bytes)
     mine = [d for d in exp.mesh.devices.flat if d.process_index == jax.process_index()]
-    limit = device_memory_limit(mine)
-    return None if limit is None else limit * (1 - b.memory_headroom)
+    return device_memory_limit(mine)
+
+
+def memory_budget(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
+    """Bytes one device of a stage may use: `device_limit`, the devices' own less
+    ``balance.memory_headroom``."""
+    limit = device_limit(cfg, exp)
+    if limit is None or cfg.balance.memory_bytes:
+        return limit
+    return limit * (1 - cfg.balance.memory_headroom)
 
 
 def train(
@@ -211,7 +243,11 @@ def _train(
     steps = cfg.train.steps
     if start >= steps:
         return _already_trained(run, checkpoints, start, began)
-    loop = _Loop(run, checkpoints, plan, start, runtime, [*run.policies, *policies], progress)
+    try:
+        loop = _Loop(run, checkpoints, plan, start, runtime, [*run.policies, *policies], progress)
+    except BaseException:  # e.g. a step too big for the device (`fits`)
+        checkpoints.close()
+        raise
     try:
         step = start
         while step < steps:
@@ -484,6 +520,11 @@ class _Loop:
             lower, key_fn=exp.compile_key, max_entries=self.cfg.recompile.cache_size
         )
         first = compiler.get(plan)
+        try:
+            fits(device_bytes_needed(first.executable), device_limit(self.cfg, exp))
+        except ConfigError:
+            compiler.shutdown()
+            raise
         self.events(
             {
                 "event": "compile",
@@ -859,7 +900,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, NonFiniteError) as err:  # found once devices are known, or diverged
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except Exception:
+    except Exception as err:
+        if "RESOURCE_EXHAUSTED" in str(err):  # where the backend could not tell beforehand
+            print(f"error: out of device memory ({str(err).splitlines()[0][:300]}); shrink the "
+                  f"step with {SHRINK}", file=sys.stderr)
+            return 2
         if not joined():
             raise
         traceback.print_exc()  # a peer may wait for this process in a collective: do not wait

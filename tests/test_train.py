@@ -128,3 +128,20 @@ def test_the_cli_reports_a_divergence_as_an_error_with_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: step ") and "diverged" in err
     assert "Traceback" not in err
+
+
+def test_a_step_too_big_for_the_device_is_an_error_before_training(tmp_path, capsys):
+    """Issue 32 §4: XLA's memory analysis of the compiled step against the device's memory
+    (here ``balance.memory_bytes``, as on a backend that reports none), both numbers and the
+    keys that shrink it, exit 2, no step trained."""
+    for stage in (1, 2):
+        workdir = tmp_path / str(stage)
+        code = main(["--config=tests/tiny.py", f"--workdir={workdir}",
+                     "--config.balance.memory_bytes=100000", f"--config.mesh.stage={stage}"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and "but a device has 0.10 MiB" in err
+        assert ("pipeline stage 0" if stage == 2 else "the train step") in err
+        assert "train.microbatches" in err and "Traceback" not in err
+        assert not (workdir / "metrics.jsonl").exists() or not losses(workdir)
+    assert main(["--config=tests/tiny.py", f"--workdir={tmp_path / 'fits'}",
+                 "--config.balance.memory_bytes=1e9", "--config.train.steps=2"]) == 0
