@@ -7,10 +7,11 @@ predecessor's). Each pipeline stage must lie in one process: K must be a multipl
 mesh.data * mesh.expert (a run without stages spans every process's devices). Output is
 prefixed ``[i]``; when one process fails the launcher says which and how, stops the others (they
 would wait for it) and exits with that process's status (128 + the signal's number if a signal
-killed it, as a shell reports it). SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 sent to the launcher go
-to every process (each in its own session, so a terminal's Ctrl-C reaches them once, through
-here): they stop at the same step, save it and exit with `PREEMPTED_EXIT`, as the launcher
-then does; a second signal aborts them.
+killed it, as a shell reports it). Every line also goes to ``<workdir>/launch.log``; the
+collectives' connection lines (``[Gloo] ...``) only there. SIGTERM, SIGINT (Ctrl-C) and
+SIGUSR1 sent to the launcher go to every process (each in its own session, so a terminal's
+Ctrl-C reaches them once, through here): they stop at the same step, save it and exit with
+`PREEMPTED_EXIT`, as the launcher then does; a second signal aborts them.
 
     python -m dynjax.launch.local --processes 2 --devices-per-process 4 -- \\
         --config configs/quickstart.py --config.mesh.stage=4 --config.mesh.data=2
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import TextIO
 
 from dynjax.launch.preemption import PREEMPTED_EXIT, SIGNALS
 from dynjax.launch.watchdog import RESUME
@@ -53,10 +56,28 @@ def process_env(rank: int, processes: int, devices: int, port: int) -> dict[str,
     return env
 
 
-def _relay(rank: int, stream) -> None:
-    for line in iter(stream.readline, b""):
-        sys.stdout.write(f"[{rank}] {line.decode(errors='replace')}")
-        sys.stdout.flush()
+QUIET = ("[Gloo] ",)  # the collectives' connection lines: to the log file only
+
+
+def _relay(rank: int, stream, log: TextIO | None) -> None:
+    """Each line of process ``rank`` to ``log`` (every line) and the console (not `QUIET`)."""
+    for raw in iter(stream.readline, b""):
+        line = f"[{rank}] {raw.decode(errors='replace')}"
+        if log is not None:
+            log.write(line)
+            log.flush()
+        if not line[len(f"[{rank}] "):].startswith(QUIET):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def workdir_of(train_args: list[str]) -> Path:
+    """The run's workdir as ``dynjax.train`` will take it from its arguments."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", default="")
+    parser.add_argument("--workdir", default=None)
+    known, _ = parser.parse_known_args(train_args)
+    return Path(known.workdir or Path("workdirs") / Path(known.config).stem)
 
 
 def how_it_ended(returncode: int) -> str:
@@ -69,9 +90,10 @@ def how_it_ended(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
-def launch(processes: int, devices: int, command: list[str]) -> int:
+def launch(processes: int, devices: int, command: list[str], log: TextIO | None = None) -> int:
     """Run ``command`` as each process of the run, to completion; the status of the first that
-    failed, else `PREEMPTED_EXIT` if they stopped at a signal, else 0."""
+    failed, else `PREEMPTED_EXIT` if they stopped at a signal, else 0. Every line the processes
+    print goes to ``log`` too."""
     port = free_port()
     procs, relays = [], []
     if threading.current_thread() is threading.main_thread():  # where Python allows handlers
@@ -85,7 +107,7 @@ def launch(processes: int, devices: int, command: list[str]) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        relay = threading.Thread(target=_relay, args=(rank, proc.stdout), daemon=True)
+        relay = threading.Thread(target=_relay, args=(rank, proc.stdout, log), daemon=True)
         relay.start()
         procs.append(proc)
         relays.append(relay)
@@ -139,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes < 1 or args.devices_per_process < 1:
         parser.error("--processes and --devices-per-process must be >= 1")
     train = [sys.executable, "-m", "dynjax.train", *argv[split + 1 :]]
-    return launch(args.processes, args.devices_per_process, train)
+    workdir = workdir_of(argv[split + 1 :])
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "launch.log", "a") as log:
+        return launch(args.processes, args.devices_per_process, train, log)
 
 
 if __name__ == "__main__":
