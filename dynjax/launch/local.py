@@ -15,6 +15,9 @@ Ctrl-C reaches them once, through here): they stop at the same step, save it and
 
     python -m dynjax.launch.local --processes 2 --devices-per-process 4 -- \\
         --config configs/quickstart.py --config.mesh.stage=4 --config.mesh.data=2
+
+With ``--elastic``, a process killed by a signal does not end the run: it starts again on the
+processes left (`dynjax.launch.elastic`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from dynjax.errors import ConfigError
+from dynjax.launch import elastic
 from dynjax.launch.preemption import PREEMPTED_EXIT, SIGNALS
 from dynjax.launch.watchdog import RESUME
 
@@ -140,6 +145,31 @@ def launch(processes: int, devices: int, command: list[str], log: TextIO | None 
     return 128 - code if code < 0 else code
 
 
+def launch_elastic(
+    processes: int, devices: int, command: list[str], train_args: list[str], log: TextIO | None
+) -> int:
+    """`launch`, started again on one process fewer whenever one is killed (`elastic.died`),
+    its mesh shrunk to the devices left (`elastic.restart_overrides`), resuming from the newest
+    checkpoint; down to one process. Each restart is an ``elastic_restart`` event."""
+    extra: list[str] = []
+    workdir = workdir_of(train_args)
+    while True:
+        status = launch(processes, devices, [*command, *extra], log)
+        if not elastic.died(status) or processes == 1:
+            return status
+        ended = time.time()
+        try:
+            more = elastic.restart_overrides([*train_args, *extra], processes - 1, devices)
+        except ConfigError as err:
+            print(f"error: cannot go on with {processes - 1} processes: {err}", file=sys.stderr)
+            return status
+        processes, extra = processes - 1, [*extra, *more]
+        elastic.record_restart(workdir, {"processes": processes, "status": status,
+                                         "overrides": more, "stopped_at": ended})
+        print(f"elastic: a process was killed; going on with {processes} process(es) "
+              f"({' '.join(more)}) from the newest checkpoint", file=sys.stderr, flush=True)
+
+
 def _forward(procs: list[subprocess.Popen], signum: int) -> None:
     """Send the launcher's signal on to every process still running."""
     for proc in procs:
@@ -157,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--devices-per-process", type=int, default=1)
+    parser.add_argument(
+        "--elastic", action="store_true",
+        help="when a process is killed, go on with the others (mesh shrunk, from the newest "
+        "checkpoint)",
+    )
     args = parser.parse_args(argv[:split])
     if args.processes < 1 or args.devices_per_process < 1:
         parser.error("--processes and --devices-per-process must be >= 1")
@@ -164,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = workdir_of(argv[split + 1 :])
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / "launch.log", "a") as log:
+        if args.elastic:
+            return launch_elastic(
+                args.processes, args.devices_per_process, train, argv[split + 1 :], log
+            )
         return launch(args.processes, args.devices_per_process, train, log)
 
 
