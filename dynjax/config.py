@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -164,10 +165,25 @@ def load_run(
         raise ConfigError(f"--config: no such config file {str(path)!r}")
     spec = importlib.util.spec_from_file_location(f"dynjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"{path}: a config file must define get_config() -> ConfigDict")
-    cfg = module.get_config()
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError(f"{path}: a config file must define get_config() -> ConfigDict")
+        cfg = module.get_config()
+    except SyntaxError as err:
+        raise ConfigError(
+            f"{path}:{err.lineno}: {err.msg} (a Python syntax error in the config file): fix "
+            "that line"
+        ) from err
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's file: say where, not a traceback
+        lines = [f.lineno for f in traceback.extract_tb(err.__traceback__)
+                 if Path(f.filename).resolve() == path.resolve()]
+        where = f"{path}:{lines[-1]}" if lines else str(path)
+        raise ConfigError(
+            f"{where}: running the config file raised {type(err).__name__}: {err}; fix the file"
+        ) from err
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -195,8 +211,19 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, raw: str) -> None:
     keys = valid_keys(cfg)
     if dotted not in keys:
         close = difflib.get_close_matches(dotted, keys, n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown config key {dotted!r}.{hint} Valid keys: {', '.join(keys)}")
+        section = dotted.split(".")[0] + "."
+        siblings = [k for k in keys if k.startswith(section)]
+        if close:
+            hint = f" Did you mean {', '.join(close)}?"
+        elif siblings:
+            shown = ", ".join(siblings[:8]) + (", ..." if len(siblings) > 8 else "")
+            hint = f" Keys of {section[:-1]}: {shown}."
+        else:
+            hint = f" Sections: {', '.join(sorted({k.split('.')[0] for k in keys}))}."
+        raise ConfigError(
+            f"unknown config key {dotted!r}.{hint} Every key: docs/config.md, or "
+            "python -m dynjax.config_reference"
+        )
     *parents, leaf = dotted.split(".")
     node = cfg
     for p in parents:
@@ -208,6 +235,8 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, raw: str) -> None:
 def _parse_like(key: str, raw: str, old: object) -> object:
     if isinstance(old, str):
         return raw
+    if isinstance(old, float) and raw.strip().lower() in ("nan", "inf", "+inf", "-inf"):
+        raise ConfigError(f"config key {key!r} expects a finite number, got {raw!r}")
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):

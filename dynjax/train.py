@@ -52,8 +52,10 @@ from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token, mfu, peak_flops
 from dynjax.launch.cluster import ClusterError
 from dynjax.launch.distributed import Peers, fail, initialize_from_env, joined
+from dynjax.launch.preemption import PREEMPTED_EXIT, StopRequest
 from dynjax.launch.release import ReleaseHook, load_release_hook, release
 from dynjax.parallel.layout import layer_device_bytes, layer_sizes
+from dynjax.parallel.memory_needs import device_bytes_needed
 from dynjax.parallel.peers import Rounds
 from dynjax.parallel.profile import device_memory_limit
 from dynjax.parallel.runtime import Runtime
@@ -97,6 +99,9 @@ class RunSummary:
     # Of the `recompiles` Plan swaps, those that needed a new program: a swap that only moves
     # runtime values (ragged MoE capacities within their buckets) reuses the one it has.
     compiled: int = 0
+    # The signal the run stopped at, having saved ``final_step`` (`StopRequest`); None: it ran
+    # to ``train.steps``.
+    preempted_by: str | None = None
 
 
 def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
@@ -144,16 +149,47 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
     return out
 
 
-def memory_budget(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
-    """Bytes one device of a stage may use: ``balance.memory_bytes``, else the devices' own
-    limit (this process's: only those report it) less ``balance.memory_headroom``; None where
-    neither is known (CPU)."""
-    b = cfg.balance
-    if b.memory_bytes:
-        return float(b.memory_bytes)
+SHRINK = ("train.batch_size, train.microbatches (more, smaller), parallel.fsdp=True, mesh.* "
+          "(more devices per stage or more stages), model.scan_layers=True, "
+          "train.dtype=bfloat16")
+
+
+def fits(needed: dict[int, int], limit: float | None) -> None:
+    """Refuse, before training, a step whose programs need more of a device than it has
+    (`device_bytes_needed` against `device_limit`; nothing to check where either is unknown)."""
+    if limit is None:
+        return
+    for stage, need in sorted(needed.items()):
+        if need > limit:
+            where = f"pipeline stage {stage}" if len(needed) > 1 else "the train step"
+            raise ConfigError(
+                f"{where} needs {_size(need)} of each device's memory (XLA's memory "
+                f"analysis: arguments, outputs, temporaries) but a device has {_size(limit)} "
+                f"(balance.memory_bytes, else what its allocator reports); shrink it with "
+                f"{SHRINK}"
+            )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def device_limit(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
+    """Bytes one device has: ``balance.memory_bytes``, else the devices' own limit (this
+    process's: only those report it); None where neither is known (CPU)."""
+    if cfg.balance.memory_bytes:
+        return float(cfg.balance.memory_bytes)
     mine = [d for d in exp.mesh.devices.flat if d.process_index == jax.process_index()]
-    limit = device_memory_limit(mine)
-    return None if limit is None else limit * (1 - b.memory_headroom)
+    return device_memory_limit(mine)
+
+
+def memory_budget(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
+    """Bytes one device of a stage may use: `device_limit`, the devices' own less
+    ``balance.memory_headroom``."""
+    limit = device_limit(cfg, exp)
+    if limit is None or cfg.balance.memory_bytes:
+        return limit
+    return limit * (1 - cfg.balance.memory_headroom)
 
 
 def train(
@@ -185,6 +221,19 @@ def train(
     writes its own stages' part (`PartedCheckpointer`), and a run resumes from either kind on
     any process count.
     """
+    with StopRequest() as stop:  # SIGTERM, SIGINT, SIGUSR1: stop at a boundary, saved
+        return _train(cfg, workdir, policies, progress, release_hook, schemes, stop)
+
+
+def _train(
+    cfg: ml_collections.ConfigDict,
+    workdir: str | Path,
+    policies: Sequence[Policy],
+    progress: bool,
+    release_hook: ReleaseHook | None,
+    schemes: Schemes,
+    stop: StopRequest,
+) -> RunSummary:
     began = time.perf_counter()
     run = _open_run(cfg, workdir, release_hook, schemes)
     checkpoints = checkpoints_for(run)
@@ -194,11 +243,18 @@ def train(
     steps = cfg.train.steps
     if start >= steps:
         return _already_trained(run, checkpoints, start, began)
-    loop = _Loop(run, checkpoints, plan, start, runtime, [*run.policies, *policies], progress)
+    try:
+        loop = _Loop(run, checkpoints, plan, start, runtime, [*run.policies, *policies], progress)
+    except BaseException:  # e.g. a step too big for the device (`fits`)
+        checkpoints.close()
+        raise
     try:
         step = start
         while step < steps:
-            loop.swap(step)
+            loop.swap(step, stop)
+            if loop.controller.preempted_by is not None:
+                loop.preempt(step, stop)
+                break
             measured = loop.before_step(step)
             batch = loop.batches.get(step)
             try:
@@ -212,10 +268,15 @@ def train(
             loop.log(step, batch, measured, metrics)
             loop.after_step(step + 1)
             step += 1
-        loop.finish()
+        else:
+            loop.finish()
     finally:
         loop.close()
-    return loop.summary(began)
+    return loop.summary(began, step)
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is not finite: the model diverged (issue 32 §5)."""
 
 
 @dataclasses.dataclass
@@ -243,7 +304,8 @@ def _open_run(
     workdir = root = Path(workdir)
     if jax.process_index() > 0:
         workdir = workdir / f"process_{jax.process_index()}"
-    workdir.mkdir(parents=True, exist_ok=True)
+    for directory in (workdir, root / "checkpoints"):
+        writable_directory(directory)
     enable_persistent_cache(os.path.expanduser(cfg.recompile.cache_dir) or None)
     exp = Experiment.from_config(cfg, schemes)
     config_policies = policies_for(cfg, exp)  # their config errors come before any work
@@ -253,6 +315,22 @@ def _open_run(
         _check_multi_process(cfg, pipeline=bool(exp.ctx.pipeline_stages))
     peers = None if single else Peers()
     return _Run(cfg, exp, root, workdir, events, peers, config_policies, release_hook)
+
+
+def writable_directory(path: Path) -> None:
+    """Create ``path`` if missing and check that files can be written there, before any work:
+    a ``ConfigError`` naming it and the fix, not an ``OSError`` from deep inside a save."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--workdir: {path} is a file, not a directory; pass a directory "
+                          "(it is created if missing)")
+    probe = path / f".dynjax-write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--workdir: cannot write to {path} ({err.strerror}); pass a "
+                          "directory this user can write to, on a writable filesystem") from err
 
 
 def checkpoints_for(run: _Run) -> Checkpoints:
@@ -332,7 +410,8 @@ def restore(run: _Run, checkpoints: Checkpoints) -> tuple[Plan, int, Runtime]:
     plan, start = exp.resumed_plan(saved, changes), meta["step"]
     runtime = exp.runtime(plan, state)
     run.events(resume_event(start, changes, saved, plan))
-    log.info("resumed from step %d of %s", start, run.workdir)
+    if jax.process_index() == 0:
+        print(f"resumed from step {start} of {run.root / 'checkpoints'}", flush=True)
     checkpoints.on_resume(meta, k_changed="checkpoint.experts_per_save" in changes)
     return plan, start, runtime
 
@@ -402,7 +481,7 @@ class _Loop:
             else None
         )
         self.monitor = Monitor(cfg.recompile.delta_launch)
-        self.writer = MetricsWriter(run.workdir)
+        self.writer = MetricsWriter(run.workdir, resumed_from=start or None)
         self.plugins = plugins = exp.plugins
         costs = (
             LayerCostsWriter(run.workdir, lambda p, m: layer_costs(plugins, p, m))
@@ -419,6 +498,7 @@ class _Loop:
             dynamic_ncols=True,
         )
         self.recompiles, self.compiled, self.eval_loss = 0, 0, None
+        self.preempted_by: str | None = None  # the signal the loop stopped at (`preempt`)
         self.fault_at = cfg.checkpoint.inject_fault_at
         self.release_unused(start, "resumed re-packed")
         # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
@@ -440,6 +520,11 @@ class _Loop:
             lower, key_fn=exp.compile_key, max_entries=self.cfg.recompile.cache_size
         )
         first = compiler.get(plan)
+        try:
+            fits(device_bytes_needed(first.executable), device_limit(self.cfg, exp))
+        except ConfigError:
+            compiler.shutdown()
+            raise
         self.events(
             {
                 "event": "compile",
@@ -480,9 +565,10 @@ class _Loop:
             self.compiler.forget(lambda p: len(p.stage_layers) > runtime.available_stages)
             self.events(release(devices, stages, self.run.release_hook, step=step, reason=reason))
 
-    def swap(self, step: int) -> None:
-        """Swap in the Controller's new Plan if its executable is ready."""
-        swap = self.controller.poll(step)
+    def swap(self, step: int, stop: StopRequest) -> None:
+        """Swap in the Controller's new Plan if its executable is ready (and pass on a request
+        to stop: every process stops at the same boundary, `Controller.preempted_by`)."""
+        swap = self.controller.poll(step, stop.signal)
         if swap is None:
             return
         migration = self.runtime.swap(swap.plan, swap.executable)
@@ -555,8 +641,11 @@ class _Loop:
         self.observe(self.monitor.drain())
 
     def observe(self, ready: list[tuple[int, dict[str, Any]]]) -> None:
-        """Steps' host metrics (with their profiles') to the checkpoints, logger and Controller."""
+        """Steps' host metrics (with their profiles') to the checkpoints, logger and Controller.
+        A non-finite loss or gradient norm stops the run (`NonFiniteError`): a save logs every
+        step up to it first, so no state after a diverged step is saved."""
         for s, m in ready:
+            self.require_finite(s, m)
             pending = self.profiles.pop(s, None)
             if pending is not None:
                 profile = pending.result()
@@ -565,6 +654,23 @@ class _Loop:
             m = self.runtime.host_metrics(s, m)
             self.checkpoints.counted(s + 1, m)
             self.logger.observe(s, m, self.cache, self.controller, self.bar)
+
+    def require_finite(self, step: int, metrics: dict[str, Any]) -> None:
+        """Raise `NonFiniteError` naming the step, what diverged and the newest checkpoint."""
+        bad = {k: float(metrics[k]) for k in ("loss", "grad_norm")
+               if k in metrics and not np.isfinite(metrics[k])}
+        if not bad:
+            return
+        saved = [s for s in self.checkpoints.storage.all_steps() if s <= step]
+        names = {"loss": "loss", "grad_norm": "gradient norm"}
+        what = ", ".join(f"{names[k]} {v}" for k, v in bad.items())
+        where = (f"the newest checkpoint before it is step {saved[-1]} in "
+                 f"{self.run.root / 'checkpoints'}, where a rerun resumes" if saved
+                 else "no checkpoint was saved before it")
+        raise NonFiniteError(
+            f"step {step + 1}: {what}: the model diverged and training stopped; {where}. "
+            "Lower train.learning_rate or raise train.warmup_steps, then rerun"
+        )
 
     def after_step(self, done: int) -> None:
         """Snapshot, evaluate and save after step ``done`` where due."""
@@ -579,6 +685,18 @@ class _Loop:
         self.catch_up()
         self.checkpoints.finish()
 
+    def preempt(self, step: int, stop: StopRequest) -> None:
+        """Stop at boundary ``step`` on a signal: every dispatched step's metrics logged, then
+        its checkpoint saved whole and waited for, and a ``preempted`` event (issue 32 §1)."""
+        self.finish()
+        signal = self.controller.preempted_by
+        saved = self.checkpoints.save_now(step, self.runtime, self.plan, self.catch_up)
+        self.checkpoints.finish()
+        waited = None if stop.at is None else round(time.perf_counter() - stop.at, 3)
+        self.events({"event": "preempted", "step": step, "signal": signal, "saved": saved,
+                     "seconds_since_signal": waited})
+        self.preempted_by = signal
+
     def close(self) -> None:
         self.batches.close()
         self.bar.close()
@@ -587,12 +705,12 @@ class _Loop:
         self.checkpoints.close()
         self.writer.close()
 
-    def summary(self, began: float) -> RunSummary:
-        logger, batches, done = self.logger, self.batches, self.steps - self.start
+    def summary(self, began: float, final_step: int) -> RunSummary:
+        logger, batches, done = self.logger, self.batches, max(final_step - self.start, 1)
         return RunSummary(
             self.run.workdir,
             self.start,
-            self.steps,
+            final_step,
             logger.last_loss,
             self.eval_loss,
             logger.median_rate(),
@@ -605,6 +723,7 @@ class _Loop:
             batches.build_seconds / done,
             batches.wait_seconds / done,
             self.compiled,
+            self.preempted_by,
         )
 
 
@@ -778,15 +897,29 @@ def main(argv: list[str] | None = None) -> int:
     progress = sys.stderr.isatty() or "DYNJAX_PROGRESS" in os.environ
     try:
         summary = train(cfg, workdir, progress=progress, schemes=schemes)
-    except ConfigError as err:  # found once devices are known, before training
+    except (ConfigError, NonFiniteError) as err:  # found once devices are known, or diverged
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except Exception:
+    except Exception as err:
+        if "RESOURCE_EXHAUSTED" in str(err):  # where the backend could not tell beforehand
+            print(f"error: out of device memory ({str(err).splitlines()[0][:300]}); shrink the "
+                  f"step with {SHRINK}", file=sys.stderr)
+            return 2
         if not joined():
             raise
         traceback.print_exc()  # a peer may wait for this process in a collective: do not wait
         fail()  # for it in JAX's shutdown barrier
     print(format_summary(summary))
+    if summary.preempted_by is not None:
+        saved = summary.final_step in summary.checkpoints
+        print(
+            f"preempted by {summary.preempted_by}: "
+            + (f"saved step {summary.final_step} in {Path(workdir) / 'checkpoints'}; "
+               if saved else f"step {summary.final_step} could not be saved (events.jsonl); ")
+            + "run the same command again to resume"
+            + f" (exit status {PREEMPTED_EXIT})"
+        )
+        return PREEMPTED_EXIT
     return 0
 
 

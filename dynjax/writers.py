@@ -11,16 +11,24 @@ from dynjax.recompile import EventLog
 
 
 class MetricsWriter:
-    """Scalar metrics to ``metrics.jsonl`` and TensorBoard (tensorboardX: no TensorFlow needed)."""
+    """Scalar metrics to ``metrics.jsonl`` and TensorBoard (tensorboardX: no TensorFlow needed).
 
-    def __init__(self, workdir: Path):
+    ``resumed_from``: the checkpoint step a resumed run started from, written in each of its
+    records: a step logged by an earlier run and trained again after a resume is in the file
+    twice, and the record with the larger ``resumed_from`` (the later line) is the one that
+    counts."""
+
+    def __init__(self, workdir: Path, resumed_from: int | None = None):
         from tensorboardX import SummaryWriter
 
         self.lines = EventLog(workdir / "metrics.jsonl")
         self.tb = SummaryWriter(str(workdir / "tensorboard"))
+        self.resumed_from = resumed_from
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **metrics}
+        if self.resumed_from is not None:
+            record["resumed_from"] = self.resumed_from
         self.lines(record)
         for key, value in metrics.items():
             if isinstance(value, int | float) and not isinstance(value, bool):

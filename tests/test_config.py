@@ -11,11 +11,18 @@ from dynjax.train import main, parse_args
 from .tiny import tiny_config
 
 
-def test_unknown_key_names_the_key_and_lists_valid_ones():
-    with pytest.raises(ConfigError) as err:
-        set_value(tiny_config(), "train.stpes", "5")
-    msg = str(err.value)
-    assert "'train.stpes'" in msg and "Did you mean train.steps" in msg and "model.d_model" in msg
+def test_unknown_key_names_the_key_the_closest_ones_and_the_reference():
+    """A short message (issue 32 §7: it listed all ~150 keys on one line): the closest keys,
+    else the section's, else the sections, and where every key is documented."""
+    messages, far, nowhere = {}, "train.qqqqqqqqqqqq", "qqqqqqqqqqqq.wwwwwwww"
+    for key in ("train.stpes", far, nowhere):
+        with pytest.raises(ConfigError) as err:
+            set_value(tiny_config(), key, "5")
+        messages[key] = msg = str(err.value)
+        assert f"'{key}'" in msg and "docs/config.md" in msg and len(msg) < 400, msg
+    assert "Did you mean train.steps" in messages["train.stpes"]
+    assert "Keys of train: " in messages[far] and "model." not in messages[far]
+    assert "Sections: " in messages[nowhere] and "train" in messages[nowhere]
 
 
 def test_wrong_type_is_rejected():
@@ -23,6 +30,9 @@ def test_wrong_type_is_rejected():
         set_value(tiny_config(), "train.steps", "1.5")
     with pytest.raises(ConfigError, match="'train.learning_rate' expects float"):
         set_value(tiny_config(), "train.learning_rate", "fast")
+    for raw in ("nan", "inf", "-inf"):
+        with pytest.raises(ConfigError, match="'train.learning_rate' expects a finite number"):
+            set_value(tiny_config(), "train.learning_rate", raw)
     c = tiny_config()
     set_value(c, "train.learning_rate", "1")  # an int where a float is expected is fine
     assert c.train.learning_rate == 1.0
@@ -149,6 +159,35 @@ def test_config_file_adding_a_key_is_rejected(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"unknown config keys \['train.stepz'\]"):
         validate_config(load_config(path), num_devices=1)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def get_config(:\n    pass\n", r"bad\.py:1: .*syntax error in the config file"),
+        ("def get_config():\n    return undefined_name\n",
+         r"bad\.py:2: running the config file raised NameError: name 'undefined_name'"),
+    ],
+)
+def test_a_config_file_that_does_not_run_is_an_error_naming_its_line(tmp_path, capsys, body,
+                                                                    message):
+    path = tmp_path / "bad.py"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=message):
+        config_lib.load_run(path)
+    assert main(["--config", str(path), f"--workdir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_a_workdir_that_cannot_be_written_is_an_error_before_any_work(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for workdir, message in ((a_file, "is a file, not a directory"),
+                             (a_file / "run", "cannot write to")):
+        assert main(["--config=tests/tiny.py", f"--workdir={workdir}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --workdir: ") and message in err and str(a_file) in err
 
 
 def test_cli_reports_config_errors_and_exits_2(capsys):

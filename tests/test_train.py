@@ -2,15 +2,17 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from dynjax.train import format_summary, train
+from dynjax.train import NonFiniteError, format_summary, main, train
 from dynjax.writers import read_jsonl
 
 from .helpers import ROOT, losses
@@ -102,3 +104,44 @@ def test_logs_model_flops_and_mfu_against_the_set_peak(tmp_path):
         assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * per_token / 1e12)
     assert summary.flops_per_token == per_token and summary.mfu is not None
     assert "MFU (median)" in format_summary(summary)
+
+
+DIVERGING = {"train__steps": 12, "train__learning_rate": 1e5, "train__grad_clip": 0.0,
+             "train__warmup_steps": 0, "train__checkpoint_every": 2, "train__eval_every": 1000}
+
+
+def test_a_diverging_model_stops_at_its_step_with_no_later_state_saved(tmp_path):
+    """A non-finite loss or gradient norm stops the run, naming the step and the checkpoint
+    from before it (issue 32 §5): the saves after it, due every 2 steps, never happen."""
+    with pytest.raises(NonFiniteError, match=r"step (\d+): loss nan") as err:
+        train(tiny_config(**DIVERGING), tmp_path, progress=False)
+    bad = int(re.search(r"step (\d+)", str(err.value)).group(1))
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and max(saved) < bad
+    assert f"step {max(saved)} in {tmp_path / 'checkpoints'}" in str(err.value)
+    assert np.isfinite([v for s, v in losses(tmp_path).items() if s <= max(saved)]).all()
+
+
+def test_the_cli_reports_a_divergence_as_an_error_with_exit_2(tmp_path, capsys):
+    args = [f"--config.{k.replace('__', '.')}={v}" for k, v in DIVERGING.items()]
+    code = main(["--config=tests/tiny.py", f"--workdir={tmp_path}", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: step ") and "diverged" in err
+    assert "Traceback" not in err
+
+
+def test_a_step_too_big_for_the_device_is_an_error_before_training(tmp_path, capsys):
+    """Issue 32 §4: XLA's memory analysis of the compiled step against the device's memory
+    (here ``balance.memory_bytes``, as on a backend that reports none), both numbers and the
+    keys that shrink it, exit 2, no step trained."""
+    for stage in (1, 2):
+        workdir = tmp_path / str(stage)
+        code = main(["--config=tests/tiny.py", f"--workdir={workdir}",
+                     "--config.balance.memory_bytes=100000", f"--config.mesh.stage={stage}"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and "but a device has 0.10 MiB" in err
+        assert ("pipeline stage 0" if stage == 2 else "the train step") in err
+        assert "train.microbatches" in err and "Traceback" not in err
+        assert not (workdir / "metrics.jsonl").exists() or not losses(workdir)
+    assert main(["--config=tests/tiny.py", f"--workdir={tmp_path / 'fits'}",
+                 "--config.balance.memory_bytes=1e9", "--config.train.steps=2"]) == 0

@@ -128,6 +128,10 @@ class Checkpoints(Protocol):
         self, fault: Exception, step: int, plan: Plan, catch_up: Callable[[], None]
     ) -> tuple[int, Any] | None: ...
 
+    def save_now(
+        self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]
+    ) -> bool: ...
+
     def finish(self) -> None: ...
 
     def close(self) -> None: ...
@@ -193,11 +197,35 @@ class WholeCheckpoints:
         if done % self.every == 0 or done == self.steps:
             self._save(done, runtime, plan, catch_up)
 
-    def _save(self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]) -> None:
+    def save_now(
+        self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]
+    ) -> bool:
+        """Save after step ``done`` whatever the schedule, every expert whole (a stop at a
+        signal: nothing trained may be lost), and wait until it is written; True once storage
+        lists it (saved now or before)."""
+        self.storage.wait()
+        if done not in self.storage.all_steps():
+            self._save(done, runtime, plan, catch_up, whole=True)
+            self.storage.wait()
+        return done in self.storage.all_steps()
+
+    def _save(
+        self,
+        done: int,
+        runtime: Runtime,
+        plan: Plan,
+        catch_up: Callable[[], None],
+        *,
+        whole: bool = False,
+    ) -> None:
+        """Save after step ``done``: K experts per MoE layer where a ledger selects them, all
+        with ``whole``. Every step's metrics up to ``done`` are logged first, so a process
+        killed right after the save leaves no step unlogged that the resumed run skips (and a
+        ledger's metadata counts every step up to this one)."""
         meta, experts = self.meta(plan), None
-        if self.ledger is not None:  # its metadata counts every step up to this one
-            catch_up()
-            experts = self.ledger.select()
+        catch_up()
+        if self.ledger is not None:
+            experts = None if whole else self.ledger.select()
             meta["pec"] = self.ledger.meta_after(done, experts)
         started = self.storage.save(
             done, runtime.checkpoint_state(), meta, experts=experts, content=self.content

@@ -7,10 +7,17 @@ predecessor's). Each pipeline stage must lie in one process: K must be a multipl
 mesh.data * mesh.expert (a run without stages spans every process's devices). Output is
 prefixed ``[i]``; when one process fails the launcher says which and how, stops the others (they
 would wait for it) and exits with that process's status (128 + the signal's number if a signal
-killed it, as a shell reports it).
+killed it, as a shell reports it). Every line also goes to ``<workdir>/launch.log``; the
+collectives' connection lines (``[Gloo] ...``) only there. SIGTERM, SIGINT (Ctrl-C) and
+SIGUSR1 sent to the launcher go to every process (each in its own session, so a terminal's
+Ctrl-C reaches them once, through here): they stop at the same step, save it and exit with
+`PREEMPTED_EXIT`, as the launcher then does; a second signal aborts them.
 
     python -m dynjax.launch.local --processes 2 --devices-per-process 4 -- \\
         --config configs/quickstart.py --config.mesh.stage=4 --config.mesh.data=2
+
+With ``--elastic``, a process killed by a signal does not end the run: it starts again on the
+processes left (`dynjax.launch.elastic`).
 """
 
 from __future__ import annotations
@@ -23,7 +30,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import TextIO
 
+from dynjax.errors import ConfigError
+from dynjax.launch import elastic
+from dynjax.launch.preemption import PREEMPTED_EXIT, SIGNALS
 from dynjax.launch.watchdog import RESUME
 
 
@@ -49,10 +61,28 @@ def process_env(rank: int, processes: int, devices: int, port: int) -> dict[str,
     return env
 
 
-def _relay(rank: int, stream) -> None:
-    for line in iter(stream.readline, b""):
-        sys.stdout.write(f"[{rank}] {line.decode(errors='replace')}")
-        sys.stdout.flush()
+QUIET = ("[Gloo] ",)  # the collectives' connection lines: to the log file only
+
+
+def _relay(rank: int, stream, log: TextIO | None) -> None:
+    """Each line of process ``rank`` to ``log`` (every line) and the console (not `QUIET`)."""
+    for raw in iter(stream.readline, b""):
+        line = f"[{rank}] {raw.decode(errors='replace')}"
+        if log is not None:
+            log.write(line)
+            log.flush()
+        if not line[len(f"[{rank}] "):].startswith(QUIET):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def workdir_of(train_args: list[str]) -> Path:
+    """The run's workdir as ``dynjax.train`` will take it from its arguments."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", default="")
+    parser.add_argument("--workdir", default=None)
+    known, _ = parser.parse_known_args(train_args)
+    return Path(known.workdir or Path("workdirs") / Path(known.config).stem)
 
 
 def how_it_ended(returncode: int) -> str:
@@ -65,19 +95,24 @@ def how_it_ended(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
-def launch(processes: int, devices: int, command: list[str]) -> int:
+def launch(processes: int, devices: int, command: list[str], log: TextIO | None = None) -> int:
     """Run ``command`` as each process of the run, to completion; the status of the first that
-    failed, else 0."""
+    failed, else `PREEMPTED_EXIT` if they stopped at a signal, else 0. Every line the processes
+    print goes to ``log`` too."""
     port = free_port()
     procs, relays = [], []
+    if threading.current_thread() is threading.main_thread():  # where Python allows handlers
+        for sig in SIGNALS:  # a scheduler's notice, or Ctrl-C: every process stops and saves
+            signal.signal(sig, lambda signum, frame: _forward(procs, signum))
     for rank in range(processes):
         proc = subprocess.Popen(
             command,
             env=process_env(rank, processes, devices, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-        relay = threading.Thread(target=_relay, args=(rank, proc.stdout), daemon=True)
+        relay = threading.Thread(target=_relay, args=(rank, proc.stdout, log), daemon=True)
         relay.start()
         procs.append(proc)
         relays.append(relay)
@@ -85,7 +120,10 @@ def launch(processes: int, devices: int, command: list[str]) -> int:
     while True:
         running = any(proc.poll() is None for proc in procs)
         if failed is None:
-            failed = next((rank for rank, proc in enumerate(procs) if proc.poll()), None)
+            failed = next(
+                (r for r, proc in enumerate(procs) if proc.poll() not in (None, 0, PREEMPTED_EXIT)),
+                None,
+            )
             if failed is not None:  # the others would wait for it: stop them
                 print(
                     f"error: process {failed} (of {processes}) "
@@ -102,9 +140,41 @@ def launch(processes: int, devices: int, command: list[str]) -> int:
     for relay in relays:
         relay.join()
     if failed is None:
-        return 0
+        return PREEMPTED_EXIT if any(p.returncode == PREEMPTED_EXIT for p in procs) else 0
     code = procs[failed].returncode
     return 128 - code if code < 0 else code
+
+
+def launch_elastic(
+    processes: int, devices: int, command: list[str], train_args: list[str], log: TextIO | None
+) -> int:
+    """`launch`, started again on one process fewer whenever one is killed (`elastic.died`),
+    its mesh shrunk to the devices left (`elastic.restart_overrides`), resuming from the newest
+    checkpoint; down to one process. Each restart is an ``elastic_restart`` event."""
+    extra: list[str] = []
+    workdir = workdir_of(train_args)
+    while True:
+        status = launch(processes, devices, [*command, *extra], log)
+        if not elastic.died(status) or processes == 1:
+            return status
+        ended = time.time()
+        try:
+            more = elastic.restart_overrides([*train_args, *extra], processes - 1, devices)
+        except ConfigError as err:
+            print(f"error: cannot go on with {processes - 1} processes: {err}", file=sys.stderr)
+            return status
+        processes, extra = processes - 1, [*extra, *more]
+        elastic.record_restart(workdir, {"processes": processes, "status": status,
+                                         "overrides": more, "stopped_at": ended})
+        print(f"elastic: a process was killed; going on with {processes} process(es) "
+              f"({' '.join(more)}) from the newest checkpoint", file=sys.stderr, flush=True)
+
+
+def _forward(procs: list[subprocess.Popen], signum: int) -> None:
+    """Send the launcher's signal on to every process still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,11 +187,23 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--devices-per-process", type=int, default=1)
+    parser.add_argument(
+        "--elastic", action="store_true",
+        help="when a process is killed, go on with the others (mesh shrunk, from the newest "
+        "checkpoint)",
+    )
     args = parser.parse_args(argv[:split])
     if args.processes < 1 or args.devices_per_process < 1:
         parser.error("--processes and --devices-per-process must be >= 1")
     train = [sys.executable, "-m", "dynjax.train", *argv[split + 1 :]]
-    return launch(args.processes, args.devices_per_process, train)
+    workdir = workdir_of(argv[split + 1 :])
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "launch.log", "a") as log:
+        if args.elastic:
+            return launch_elastic(
+                args.processes, args.devices_per_process, train, argv[split + 1 :], log
+            )
+        return launch(args.processes, args.devices_per_process, train, log)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ class Status:
     announce: Announcement | None = None  # the leader's new Plan, once
     ready: int | None = None  # the number of the Plan whose executable this process holds
     failed: tuple[int, str] | None = None  # the number and error of a Plan it could not build
+    stop: str | None = None  # the signal that asked this process to stop (`StopRequest`)
 
 
 @dataclass(frozen=True)
@@ -53,19 +54,22 @@ class Verdict:
     announced: Announcement | None = None  # compile this Plan (the leader already does)
     swap: int | None = None  # swap to the Plan of this number now
     failed: tuple[int, int, str] | None = None  # drop the Plan: (number, process, its error)
+    stop: str | None = None  # stop now, saving: the signal a process got (the first's)
 
 
 def verdict(statuses: Sequence[Status]) -> Verdict:
     """The boundary's verdict from every process's status, in process order.
 
     A Plan swaps in only when every process reports it ready, and is dropped everywhere as soon
-    as one process reports that it could not build it; a failure wins over readiness.
+    as one process reports that it could not build it; a failure wins over readiness. A stop
+    that any process asked for holds for all: they stop at the same boundary.
     """
     announced = statuses[LEADER].announce
+    stop = next((status.stop for status in statuses if status.stop is not None), None)
     for process, status in enumerate(statuses):
         if status.failed is not None:
             number, error = status.failed
-            return Verdict(announced, failed=(number, process, error))
+            return Verdict(announced, failed=(number, process, error), stop=stop)
     ready = {status.ready for status in statuses}
     swap = ready.pop() if len(ready) == 1 else None
-    return Verdict(announced, swap=swap)
+    return Verdict(announced, swap=swap, stop=stop)

@@ -150,6 +150,8 @@ class Controller:
         # Boundaries polled so far: the agreement's keys (a step repeats after an in-memory
         # recovery rolls the run back; the boundaries every process polls do not).
         self._boundaries = 0
+        # The signal of a stop every process agreed on (`poll`): the loop stops and saves.
+        self.preempted_by: str | None = None
 
     @property
     def plan(self) -> Plan:
@@ -195,13 +197,18 @@ class Controller:
         self._raise_error()
         return done
 
-    def poll(self, step: int) -> Swap | None:
+    def poll(self, step: int, stop: str | None = None) -> Swap | None:
         """At the boundary before `step`: a `Swap` if a pending executable is ready, else None.
 
         Never blocks on a compile (in a multi-process run it waits only for the other
         processes to reach this boundary). After a Swap, the caller migrates state, switches to
         `swap.executable` and calls `swap_done(swap)`, which emits the `recompile` event with
         the stall measured from this call.
+
+        ``stop``: the signal that asked this process to stop (`StopRequest`). Once every
+        process is to stop at this boundary, `preempted_by` names it: at once in one process,
+        and in a multi-process run at the boundary whose verdict first carries it (``lag``
+        boundaries later), the same boundary on every process.
         """
         found_at = time.perf_counter()
         self._raise_error()
@@ -211,24 +218,28 @@ class Controller:
         with self._cond:
             pending = self._pending
         if self._peers is not None:
-            return self._agree(step, pending, found_at)
+            return self._agree(step, pending, found_at, stop)
+        self.preempted_by = self.preempted_by or stop
         if pending is None or not pending.future.done():
             return None
         return self._take(pending, step, found_at)
 
-    def _agree(self, step: int, pending: _Pending | None, found_at: float) -> Swap | None:
+    def _agree(
+        self, step: int, pending: _Pending | None, found_at: float, stop: str | None
+    ) -> Swap | None:
         """`poll` of a multi-process run: the boundary's `Verdict` from every process's status."""
         announce = None
         if self._leader and pending is not None and pending.number > self._announced:
             announce = pending.announcement()
             self._announced = pending.number
-        status = Status(announce)
+        status = Status(announce, stop=stop)
         if pending is not None and pending.future.done():
             error = pending.future.exception()
             status = Status(
                 announce,
                 ready=pending.number if error is None else None,
                 failed=None if error is None else (pending.number, _describe(error)),
+                stop=stop,
             )
         peers, lag = self._peers, self._lag
         assert peers is not None
@@ -240,6 +251,7 @@ class Controller:
         # Every process has published boundary - lag, so it has read every key up to
         # boundary - 2 * lag - 1 (at the boundaries before that one).
         peers.forget(f"control/{boundary - 2 * lag - 1}")
+        self.preempted_by = self.preempted_by or found.stop
         if found.failed is not None and found.failed[0] > self._settled:
             number, process, error = found.failed
             with self._cond:

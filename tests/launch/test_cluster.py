@@ -24,6 +24,7 @@ from dynjax.launch.cluster import (
     process_env,
     slurm_env,
 )
+from dynjax.launch.preemption import PREEMPTED_EXIT
 from dynjax.launch.release import patch_pod_resources
 
 from ..helpers import ROOT
@@ -101,12 +102,14 @@ def test_train_refuses_a_bad_cluster_environment_with_exit_2():
 
 
 def fake_tools(tmp_path, srun_seconds):
-    """srun and scontrol that log their arguments; srun runs for ``srun_seconds``."""
+    """srun and scontrol that log their arguments; srun runs for ``srun_seconds``, or until
+    SIGUSR1, which its tasks answer as dynjax does: saved, exit status 75."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
-    (bin_dir / "srun").write_text(
-        f'#!/usr/bin/env bash\necho "srun $*" >> {log}\nsleep {srun_seconds}\n'
+    (bin_dir / "srun").write_text(  # its trap is set before it logs that it runs
+        f"#!/usr/bin/env bash\ntrap 'kill $!; echo srun got USR1 >> {log}; exit 75' USR1\n"
+        f'echo "srun $*" >> {log}\nsleep {srun_seconds} & wait $!\n'
     )
     (bin_dir / "scontrol").write_text(f'#!/usr/bin/env bash\necho "scontrol $*" >> {log}\n')
     for tool in ("srun", "scontrol"):
@@ -137,8 +140,10 @@ def test_the_sbatch_script_runs_one_task_per_node_with_its_arguments(tmp_path):
     assert run.returncode != 0 and "DYNJAX_WORKDIR" in run.stderr
 
 
-def test_the_preemption_signal_requeues_the_job_and_waits_for_the_step(tmp_path):
-    env, log = fake_tools(tmp_path, 3)
+def test_the_preemption_signal_reaches_the_tasks_and_a_saved_job_is_requeued(tmp_path):
+    """SLURM's notice goes to the batch shell (``--signal=B:USR1``): it passes it to the tasks
+    (srun forwards it), which save and exit with `PREEMPTED_EXIT`; then it requeues the job."""
+    env, log = fake_tools(tmp_path, 30)
     script = subprocess.Popen(["bash", "launch/slurm.sbatch"], cwd=ROOT, env=env,
                               stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 30
@@ -146,9 +151,10 @@ def test_the_preemption_signal_requeues_the_job_and_waits_for_the_step(tmp_path)
         time.sleep(0.05)
     script.send_signal(signal.SIGUSR1)
     _, stderr = script.communicate(timeout=60)
-    assert script.returncode == 0  # the step ran to its end after the requeue
+    assert script.returncode == PREEMPTED_EXIT
     calls = log.read_text().splitlines()
-    assert calls[-1] == "scontrol requeue 77" and "requeueing" in stderr
+    assert calls[-2:] == ["srun got USR1", "scontrol requeue 77"], calls
+    assert "saving" in stderr and "requeueing" in stderr
 
 
 def test_the_manifests_carry_what_a_cluster_needs():
@@ -176,6 +182,11 @@ def test_the_manifests_carry_what_a_cluster_needs():
     claim = next(v for v in pod["volumes"] if v["name"] == "workdir")["persistentVolumeClaim"]
     assert pvc["metadata"]["name"] == claim["claimName"]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    # A stopped run's pods (exit `PREEMPTED_EXIT`, step saved) are replaced, not failed.
+    [rule] = job["podFailurePolicy"]["rules"]
+    assert rule["action"] == "Ignore" and rule["onExitCodes"]["values"] == [PREEMPTED_EXIT]
+    assert rule["onExitCodes"]["containerName"] == container["name"]
+    assert pod["terminationGracePeriodSeconds"] >= 60
 
 
 @pytest.mark.parametrize("resize_exists", [True, False])
