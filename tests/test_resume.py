@@ -3,10 +3,12 @@ config is applied where the saved state allows it and refused before any work wh
 every resume is recorded; logged metrics name the Plan their step ran with."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from dynjax.dynamism.moe import MoEPlugin
 from dynjax.dynamism.moe.part import capacities_of
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
@@ -70,6 +72,47 @@ def test_a_model_or_data_change_is_refused_before_any_work(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4"]  # nothing moved
     assert not events_of(tmp_path, "checkpoint_restore")  # no array was read
 
+
+# Each MoE key that decides what the saved state is (`MoEPlugin.fixed_on_resume`), changed from
+# the saved run's value: top_k keeps every parameter's shape, so without the refusal a resume
+# would restore and silently train another model.
+MOE_CHANGES = {
+    "moe.every": (2, 1),
+    "moe.num_experts": (4, 8),
+    "moe.top_k": (2, 1),
+    "moe.expert_mlp_dim": (0, 32),
+    "moe.bias_balancing.enabled": (False, True),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """A 4-step MoE run with its checkpoint of step 4."""
+    workdir = tmp_path_factory.mktemp("moe_run")
+    train(tiny_config(moe__every=2, train__steps=4, train__checkpoint_every=4), workdir,
+          progress=False)
+    return workdir
+
+
+def test_the_moe_keys_a_resume_cannot_follow_are_declared():
+    assert set(MOE_CHANGES) == set(MoEPlugin.fixed_on_resume)
+
+
+@pytest.mark.parametrize("key", sorted(MOE_CHANGES))
+def test_an_moe_shape_change_is_refused_before_any_work(moe_run, tmp_path, key):
+    workdir = tmp_path / "run"
+    shutil.copytree(moe_run, workdir)
+    saved_config = (workdir / "config.json").read_text()
+    before, after = MOE_CHANGES[key]
+    overrides = {"moe__every": 2, "train__steps": 8, "train__checkpoint_every": 4}
+    changed = tiny_config(**overrides | {key.replace(".", "__"): after})
+    with pytest.raises(ConfigError) as err:
+        train(changed, workdir, progress=False)
+    assert f"{key}: {before!r} -> {after!r}" in str(err.value) and "--workdir" in str(err.value)
+    assert "train.steps" not in str(err.value)  # a change a resume may make
+    assert (workdir / "config.json").read_text() == saved_config
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4"]  # nothing moved
+    assert not events_of(workdir, "checkpoint_restore")  # no array was read
 
 
 def test_the_cli_refuses_a_changed_model_with_exit_2(tmp_path, capsys):

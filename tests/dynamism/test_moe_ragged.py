@@ -15,7 +15,7 @@ from dynjax.experiment import Experiment
 from dynjax.model import MoE, RaggedCapacities
 from dynjax.model.moe import grouped_ffn
 from dynjax.parallel import expert_parallel, make_mesh
-from dynjax.recompile import Proposal
+from dynjax.recompile import Plan, Proposal
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
@@ -149,14 +149,16 @@ def test_ragged_train_step_equals_static(setup):
 
 class ShiftCapacity:
     """Starts from uneven capacities, then moves slots between experts every 3 steps, keeping
-    every layer's total."""
+    every layer's total. Keeps each step's metrics it was shown (`seen`), for the test to check
+    the capacities each step ran with."""
 
     name = "shift"
 
     def __init__(self, start):
-        self.start, self.last = start, None
+        self.start, self.last, self.seen = start, None, {}
 
     def propose(self, history, plan):
+        self.seen.update(history.entries)
         step = history.latest_step
         if self.last is None:
             self.last = step
@@ -171,7 +173,9 @@ class ShiftCapacity:
 @pytest.mark.slow
 def test_runtime_capacity_changes_swap_without_compiling(tmp_path):
     """Uneven capacities within the initial Plan's bucketed total: every swap reuses the first
-    executable, none counts against a budget of zero recompiles, and the drops follow."""
+    executable, none counts against a budget of zero recompiles, and the drops follow: each
+    step's dropped pairs are those its routed loads drop at the capacities of the Plan swapped
+    in for it."""
     cfg = tiny_config(
         moe__every=2,
         moe__dispatch="ragged",
@@ -183,13 +187,25 @@ def test_runtime_capacity_changes_swap_without_compiling(tmp_path):
     first = exp.initial_plan()  # 20 slots per expert: a total of min(80, 32 * 2) = 64 rows
     start = first.with_part("moe", capacities=((4, 12, 28, 32),))
     assert exp.compile_key(start) == exp.compile_key(first)
-    summary = train(cfg, tmp_path, policies=[ShiftCapacity(start)], progress=False)
+    policy = ShiftCapacity(start)
+    summary = train(cfg, tmp_path, policies=[policy], progress=False)
     swaps = events_of(tmp_path, "recompile")
     assert summary.final_step == 30 and len(swaps) >= 3
     assert all(e["cache_hit"] and e["compile_seconds"] == 0 for e in swaps)
     assert not events_of(tmp_path, "recompile_rejected")
-    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
-    assert len({r["dropped_fraction"] for r in records}) > 1  # the capacities took effect
+    # The capacities each step ran with: the newest swapped-in Plan's at or before it.
+    ran_with = [(0, capacities_of(first))] + [
+        (e["swap_step"], capacities_of(Plan.from_dict(e["plan"]))) for e in swaps
+    ]
+    assert len({caps for _, caps in ran_with}) >= 4  # the start and >= 2 distinct rotations
+    checked = set()
+    for step, metrics in sorted(policy.seen.items()):
+        caps = next(c for s, c in reversed(ran_with) if s <= step)
+        loads = np.asarray(metrics["moe/group_loads"])  # [L, G, E], before dropping
+        want = np.maximum(loads - np.asarray(caps)[:, None, :], 0).sum(axis=(1, 2))
+        np.testing.assert_array_equal(metrics["moe/dropped"], want, err_msg=f"step {step}")
+        checked.add(caps)
+    assert len(checked) >= 3 and len(policy.seen) >= 20  # steps under several capacities
 
 
 @pytest.mark.slow
