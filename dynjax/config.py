@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,14 +228,17 @@ def _parse_like(key: str, raw: str, old: object) -> object:
 
 def gpt_config(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> GPTConfig:
     """The model's sizes from a run config: the one place the config is unpacked for it."""
-    return model_facts(cfg, schemes).model
+    return model_facts(cfg, schemes.settings(cfg, _bare_facts(cfg)), schemes).model
 
 
-def model_facts(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> ModelFacts:
-    """What the run's plugins know of the model (with the enabled schemes' block parts) and of
-    its batch: read here, once, so no plugin reads the config."""
+def model_facts(
+    cfg: ml_collections.ConfigDict, settings: Mapping[str, Any], schemes: Schemes = BUILTIN
+) -> ModelFacts:
+    """What the run's plugins know of the model (with the block parts of the enabled schemes,
+    from their ``settings``: `validate_config`'s) and of its batch: read here, once, so no
+    plugin reads the config."""
     facts = _bare_facts(cfg)
-    parts = schemes.block_parts(cfg, facts)
+    parts = schemes.block_parts(settings, facts)
     model = dataclasses.replace(facts.model, block_parts=parts, hooks=schemes.hooks())
     return dataclasses.replace(facts, model=model)
 
@@ -335,9 +338,10 @@ def microbatches(cfg: ml_collections.ConfigDict) -> int:
 
 def validate_config(
     cfg: ml_collections.ConfigDict, num_devices: int, schemes: Schemes = BUILTIN
-) -> None:
+) -> dict[str, Any]:
     """Check values and their combinations, each scheme's section and the enabled schemes'
-    claims (`Schemes.validate`); raise ConfigError naming the keys and the fix."""
+    claims; raise ConfigError naming the keys and the fix. Returns each scheme's section as
+    its checked settings record by name (`Schemes.settings`): what the run's plugins get."""
     _check_types(cfg, default_config(schemes))
     m, t, d, mesh = cfg.model, cfg.train, cfg.data, cfg.mesh
     positive = {
@@ -410,9 +414,10 @@ def validate_config(
             f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.expert*"
             f"train.microbatches = {mesh.data}*{mesh.expert}*{micro} = {shards}"
         )
-    schemes.validate(cfg, _bare_facts(cfg))
+    settings = schemes.settings(cfg, _bare_facts(cfg))
     _check_recompile(cfg)
     _check_checkpoint(cfg)
+    return settings
 
 
 def _check_optimizer(cfg: ml_collections.ConfigDict) -> None:
