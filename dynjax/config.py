@@ -24,6 +24,7 @@ from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import GPTConfig
+from dynjax.optim import OptimizerSettings
 
 DTYPES = ("float32", "bfloat16")
 
@@ -273,6 +274,19 @@ def _bare_model(cfg: ml_collections.ConfigDict) -> GPTConfig:
         expert_mlp_dim=moe.expert_mlp_dim,
         routing=moe.routing,
         routed_bias=bool(moe.every and moe.bias_balancing.enabled),
+    )
+
+
+def optimizer_settings(cfg: ml_collections.ConfigDict) -> OptimizerSettings:
+    """The optimizer's keys of ``train.*`` (`dynjax.optim.make_optimizer`)."""
+    t = cfg.train
+    return OptimizerSettings(
+        learning_rate=t.learning_rate,
+        warmup_steps=t.warmup_steps,
+        steps=t.steps,
+        min_lr_ratio=t.min_lr_ratio,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
     )
 
 

@@ -64,7 +64,7 @@ def optimizer(
 ) -> optax.GradientTransformation:
     """`make_optimizer`, wrapped by every enabled plugin in `Schemes` order (e.g. pruning keeps
     its masks in the optimizer state, so they are train state like the moments)."""
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(config_lib.optimizer_settings(cfg))
     for plugin in plugins:
         opt = plugin.wrap_optimizer(opt)
     return opt
