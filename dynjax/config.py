@@ -228,7 +228,8 @@ def _parse_like(key: str, raw: str, old: object) -> object:
 
 
 def gpt_config(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> GPTConfig:
-    """The model's sizes from a run config: the one place the config is unpacked for it."""
+    """The model's sizes from a run config: the one place the config is unpacked for it (the
+    block parts from the schemes' settings, read and checked: `Schemes.settings`)."""
     return model_facts(cfg, schemes.settings(cfg, _bare_facts(cfg)), schemes).model
 
 
