@@ -205,7 +205,7 @@ def pruned_blocks(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Pl
         granularity="block",
         block_size=p.block_size,
         scales=pruning.ranking_scales(
-            p, exp.model_cfg, prunable_leaves(host["params"], p.include)
+            p.scale, exp.model_cfg, prunable_leaves(host["params"], p.include)
         ),
     )
     host = jax.device_get(state)

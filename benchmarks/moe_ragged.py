@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from dynjax.config import default_config
+from dynjax.dynamism.moe import MoEPlugin
 from dynjax.dynamism.moe.capacity import LOADS, DynamicCapacity, ragged_totals
 from dynjax.dynamism.moe.part import capacities_of, moe_context
 from dynjax.experiment import Experiment
@@ -84,9 +85,9 @@ def step_times(exps: dict[str, Experiment], plan, steps: int, rounds: int) -> di
 
 def simulated_recompiles(exp: Experiment, steps: int, cache_size: int) -> dict[str, int]:
     """Recompiles of DynamicCapacity over ``steps`` synthetic steps, static vs ragged keys."""
-    ctx, cfg = moe_context(exp.facts), exp.cfg
-    c = cfg.moe.capacity
-    policy = DynamicCapacity.from_section(ctx, c)
+    ctx = moe_context(exp.facts)
+    c = next(p for p in exp.plugins if isinstance(p, MoEPlugin)).settings.capacity
+    policy = DynamicCapacity.from_settings(ctx, c)
     rng = np.random.default_rng(0)
     groups, pairs = exp.ctx.batch_size, ctx.group_tokens * ctx.top_k
     logits = rng.normal(0, 0.5, size=(ctx.num_moe_layers, ctx.num_experts))

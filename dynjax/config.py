@@ -13,7 +13,7 @@ import difflib
 import importlib.util
 import math
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import GPTConfig
+from dynjax.optim import OptimizerSettings
 
 DTYPES = ("float32", "bfloat16")
 
@@ -256,15 +257,19 @@ def _parse_like(key: str, raw: str, old: object) -> object:
 
 
 def gpt_config(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> GPTConfig:
-    """The model's sizes from a run config: the one place the config is unpacked for it."""
-    return model_facts(cfg, schemes).model
+    """The model's sizes from a run config: the one place the config is unpacked for it (the
+    block parts from the schemes' settings, read and checked: `Schemes.settings`)."""
+    return model_facts(cfg, schemes.settings(cfg, _bare_facts(cfg)), schemes).model
 
 
-def model_facts(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> ModelFacts:
-    """What the run's plugins know of the model (with the enabled schemes' block parts) and of
-    its batch: read here, once, so no plugin reads the config."""
+def model_facts(
+    cfg: ml_collections.ConfigDict, settings: Mapping[str, Any], schemes: Schemes = BUILTIN
+) -> ModelFacts:
+    """What the run's plugins know of the model (with the block parts of the enabled schemes,
+    from their ``settings``: `validate_config`'s) and of its batch: read here, once, so no
+    plugin reads the config."""
     facts = _bare_facts(cfg)
-    parts = schemes.block_parts(cfg, facts)
+    parts = schemes.block_parts(settings, facts)
     model = dataclasses.replace(facts.model, block_parts=parts, hooks=schemes.hooks())
     return dataclasses.replace(facts, model=model)
 
@@ -299,6 +304,19 @@ def _bare_model(cfg: ml_collections.ConfigDict) -> GPTConfig:
         expert_mlp_dim=moe.expert_mlp_dim,
         routing=moe.routing,
         routed_bias=bool(moe.every and moe.bias_balancing.enabled),
+    )
+
+
+def optimizer_settings(cfg: ml_collections.ConfigDict) -> OptimizerSettings:
+    """The optimizer's keys of ``train.*`` (`dynjax.optim.make_optimizer`)."""
+    t = cfg.train
+    return OptimizerSettings(
+        learning_rate=t.learning_rate,
+        warmup_steps=t.warmup_steps,
+        steps=t.steps,
+        min_lr_ratio=t.min_lr_ratio,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
     )
 
 
@@ -364,9 +382,10 @@ def microbatches(cfg: ml_collections.ConfigDict) -> int:
 
 def validate_config(
     cfg: ml_collections.ConfigDict, num_devices: int, schemes: Schemes = BUILTIN
-) -> None:
+) -> dict[str, Any]:
     """Check values and their combinations, each scheme's section and the enabled schemes'
-    claims (`Schemes.validate`); raise ConfigError naming the keys and the fix."""
+    claims; raise ConfigError naming the keys and the fix. Returns each scheme's section as
+    its checked settings record by name (`Schemes.settings`): what the run's plugins get."""
     _check_types(cfg, default_config(schemes))
     m, t, d, mesh = cfg.model, cfg.train, cfg.data, cfg.mesh
     positive = {
@@ -439,9 +458,10 @@ def validate_config(
             f"train.batch_size={t.batch_size} must be divisible by mesh.data*mesh.expert*"
             f"train.microbatches = {mesh.data}*{mesh.expert}*{micro} = {shards}"
         )
-    schemes.validate(cfg, _bare_facts(cfg))
+    settings = schemes.settings(cfg, _bare_facts(cfg))
     _check_recompile(cfg)
     _check_checkpoint(cfg)
+    return settings
 
 
 def _check_optimizer(cfg: ml_collections.ConfigDict) -> None:

@@ -64,7 +64,7 @@ def optimizer(
 ) -> optax.GradientTransformation:
     """`make_optimizer`, wrapped by every enabled plugin in `Schemes` order (e.g. pruning keeps
     its masks in the optimizer state, so they are train state like the moments)."""
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(config_lib.optimizer_settings(cfg))
     for plugin in plugins:
         opt = plugin.wrap_optimizer(opt)
     return opt
@@ -108,8 +108,8 @@ class Experiment:
     def from_config(
         cls, cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN
     ) -> Experiment:
-        config_lib.validate_config(cfg, jax.device_count(), schemes)
-        facts = config_lib.model_facts(cfg, schemes)
+        settings = config_lib.validate_config(cfg, jax.device_count(), schemes)
+        facts = config_lib.model_facts(cfg, settings, schemes)
         model_cfg = facts.model
         windows = TokenWindows(
             load_tokens(cfg.data.path, cfg.data.max_tokens),
@@ -124,13 +124,13 @@ class Experiment:
         order = TrainOrder(windows, t.batch_size, cfg.seed)
         rounds: dict[str, Rounds] = {}
         split = jax.process_count() > 1 and bool(ctx.pipeline_stages)
-        probe = schemes.speed_probe(cfg, facts)  # timed here: no plugin hook times the device
+        probe = schemes.speed_probe(settings, facts)  # timed here: no plugin hook times the device
         link = RunLink(
             rounds=functools.partial(_named_rounds, rounds, split),
             first_inputs=lambda: order.batch(0).inputs,
             speeds=None if probe is None else measure_speeds(*probe),
         )
-        plugins = schemes.build(cfg, facts, link)
+        plugins = schemes.build(settings, facts, link)
         ctx = dataclasses.replace(ctx, checks=tuple(p.plan_problems for p in plugins))
         return cls(
             cfg=cfg,

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import optax
 
 ROUTER = "router"  # the MoE router's parameter name (`dynjax.model.moe.MoE.router`)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """The `train` keys the optimizer reads, unpacked at the edge
+    (`dynjax.config.optimizer_settings`; their defaults and meanings are the config's)."""
+
+    learning_rate: float
+    warmup_steps: int
+    steps: int
+    min_lr_ratio: float
+    weight_decay: float
+    grad_clip: float
 
 
 def learning_rate_schedule(
@@ -44,14 +59,10 @@ def clip_gradients(max_norm: float) -> optax.GradientTransformation:
     return optax.clip_by_global_norm(max_norm) if max_norm > 0 else optax.identity()
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(s: OptimizerSettings) -> optax.GradientTransformation:
     """AdamW (b2 0.95) after global-norm clipping, weight decay on `decay_mask`'s leaves."""
-    schedule = learning_rate_schedule(
-        train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio
-    )
+    schedule = learning_rate_schedule(s.learning_rate, s.warmup_steps, s.steps, s.min_lr_ratio)
     return optax.chain(
-        clip_gradients(train_cfg.grad_clip),
-        optax.adamw(
-            schedule, b1=0.9, b2=0.95, weight_decay=train_cfg.weight_decay, mask=decay_mask
-        ),
+        clip_gradients(s.grad_clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=s.weight_decay, mask=decay_mask),
     )

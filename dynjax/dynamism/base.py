@@ -3,18 +3,20 @@
 docs/plugins.md: a scheme (MoE capacities and caching, pruning, freezing, sparse
 attention, early exit, mixture of depths; seed 000 §2) is one `Plugin` class in one module of
 `dynjax.dynamism`. A run is given its schemes explicitly (`dynjax.dynamism.Schemes`) and builds
-one instance of each enabled scheme at the edge, from the scheme's config section, the run's
-`ModelFacts` and a `RunLink`; the generic machinery calls the instances and never names a
-scheme, so adding one edits no other file. Plugins import neither `dynjax.config` nor
-`dynjax.experiment`: what they need of the run comes in through the constructor.
+one instance of each enabled scheme at the edge, from the scheme's settings (its config section
+read once into the frozen record `Plugin.Settings` and checked there), the run's `ModelFacts`
+and a `RunLink`; the generic machinery calls the instances and never names a scheme, so adding
+one edits no other file. Plugins import neither `dynjax.config` nor `dynjax.experiment`: what
+they need of the run comes in through the constructor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import ml_collections
 import numpy as np
@@ -51,7 +53,7 @@ def plan_context(facts: ModelFacts) -> PlanContext:
 
 @dataclasses.dataclass(frozen=True)
 class RunLink:
-    """What a plugin reaches of its run besides its section and facts, given at the edge.
+    """What a plugin reaches of its run besides its settings and facts, given at the edge.
 
     ``rounds(name)``: the numbered exchange by which the processes of a pipeline over several
     combine what each computed from its own stages (`Rounds`; this process alone otherwise);
@@ -67,26 +69,63 @@ class RunLink:
 LOCAL = RunLink()  # this process alone, no data, no speeds: validation and tests
 
 
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """The settings of a scheme whose section holds only its switch (`Plugin.config`'s)."""
+
+    enabled: bool
+
+
+S = TypeVar("S")
+
+
+def read_settings(kind: type[S], section: ml_collections.ConfigDict) -> S:
+    """``section`` as the frozen record ``kind``: one field per key (no defaults: a section's
+    are its `Plugin.config`'s), a nested record for each nested section, an int widened where
+    the field is a float (the config accepts one there). Values are not checked here: that is
+    the scheme's `Plugin.validate`, on the record. Raises TypeError when the record's fields and
+    the section's keys differ (a scheme whose `Settings` and `config` disagree)."""
+    hints = typing.get_type_hints(kind)
+    names = [f.name for f in dataclasses.fields(kind)]
+    if set(names) != set(section.keys()):
+        raise TypeError(
+            f"{kind.__name__} has the fields {sorted(names)} but its config section the keys "
+            f"{sorted(section.keys())}: give the record one field per key"
+        )
+    values = {}
+    for name in names:
+        value, hint = section[name], hints[name]
+        if dataclasses.is_dataclass(hint):
+            value = read_settings(hint, value)
+        elif hint is float and type(value) is int:
+            value = float(value)
+        values[name] = value
+    return kind(**values)
+
+
 class Plugin:
     """One dynamism scheme. Subclasses set `name` and override what their scheme needs.
 
     Class-level (read before a run exists, for every scheme of `Schemes`, enabled or not):
     - `config`: the section `cfg.<name>` with its one default per key, `enabled` included;
+    - `Settings`: the frozen record of the section, one field per key (a nested record per
+      nested section), read from it once at the edge (`read`, `Schemes.settings`): everything
+      below reads the record's attributes, never the section;
     - `validate`: raise `dynjax.errors.ConfigError` naming the key and the fix, given the
-      section and the run's `ModelFacts` (a scheme's keys may contradict the model even off);
+      settings and the run's `ModelFacts` (a scheme's keys may contradict the model even off);
     - `hook_sets`: the model hooks its scheme uses (`dynjax.model.hooks.HookSet`), named like
       the records it gives; class level, since its block parts are parameters of the model;
     - `block_parts`: extra submodules it adds to chosen layers (`HookSet.part`);
     - `resumed_plan`: what a resumed run with a changed config keeps of the saved part.
 
-    Per run (an instance of an enabled scheme: its section, frozen, its facts and `RunLink`;
+    Per run (an instance of an enabled scheme: its checked `settings`, its facts and `RunLink`;
     state of the run lives on the instance):
     - `claims`: what it takes of which layers (`CLAIMS`), checked against the other schemes;
     - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
     - `plan_problems`: what is wrong with a Plan's part for this run (checked with the Plan);
     - `step_inputs`: per-layer arrays the steps of a Plan read as inputs (no recompile);
     - `layer_options`: the per-layer records its block hooks and state rules read;
-    - `policies`: the Controller policies the section asks for (pure `propose(history, plan)`);
+    - `policies`: the Controller policies its settings ask for (pure `propose(history, plan)`);
     - `layer_costs`: each layer's relative cost under a Plan (a dense layer = 1.0; seed 000 §2
       gives the load model of each case), multiplied over plugins for the balancer's traces;
     - `metric_costs`: cost factors read from a step's host metrics instead, for what changes
@@ -107,14 +146,11 @@ class Plugin:
     logged_metrics: ClassVar[tuple[str, ...]] = ()
     # The model hooks the scheme's records run (`Schemes.hooks` collects every scheme's).
     hook_sets: ClassVar[tuple[HookSet, ...]] = ()
+    # The frozen record of the section (`read_settings`): one field per key of `config`.
+    Settings: ClassVar[type] = Switch
 
-    def __init__(
-        self,
-        section: ml_collections.ConfigDict | ml_collections.FrozenConfigDict,
-        facts: ModelFacts,
-        link: RunLink = LOCAL,
-    ) -> None:
-        self.section, self.facts, self.link = section, facts, link
+    def __init__(self, settings: Any, facts: ModelFacts, link: RunLink = LOCAL) -> None:
+        self.settings, self.facts, self.link = settings, facts, link
 
     @functools.cached_property
     def ctx(self) -> PlanContext:
@@ -129,27 +165,29 @@ class Plugin:
         return section
 
     @classmethod
-    def enabled(cls, section: ml_collections.ConfigDict) -> bool:
-        return bool(section[cls.switch])
+    def read(cls, section: ml_collections.ConfigDict) -> Any:
+        """The section as this scheme's `Settings` record (unchecked: `validate` checks it)."""
+        return read_settings(cls.Settings, section)
 
     @classmethod
-    def validate(cls, section: ml_collections.ConfigDict, facts: ModelFacts) -> None:
-        """Check this scheme's keys; raise `dynjax.errors.ConfigError`. ``facts.model`` has no
-        block parts yet (they come from valid sections)."""
+    def enabled(cls, settings: Any) -> bool:
+        return bool(getattr(settings, cls.switch))
 
     @classmethod
-    def block_parts(
-        cls, section: ml_collections.ConfigDict, facts: ModelFacts
-    ) -> Sequence[BlockPart]:
+    def validate(cls, settings: Any, facts: ModelFacts) -> None:
+        """Check this scheme's settings; raise `dynjax.errors.ConfigError` naming the key
+        (``<name>.<key>``) and the fix. ``facts.model`` has no block parts yet (they come from
+        valid settings)."""
+
+    @classmethod
+    def block_parts(cls, settings: Any, facts: ModelFacts) -> Sequence[BlockPart]:
         """(layer, part name, hashable settings) of each submodule the enabled scheme adds to
         a layer (a part of its `hook_sets`, `HookSet.part`): parameters of the model, so keys
         that change them belong in `fixed_on_resume`."""
         return ()
 
     @classmethod
-    def speed_probe(
-        cls, section: ml_collections.ConfigDict, facts: ModelFacts
-    ) -> tuple[int, int, int] | None:
+    def speed_probe(cls, settings: Any, facts: ModelFacts) -> tuple[int, int, int] | None:
         """(rows, d_model, hidden) of the GEMM whose speeds (`dynjax.dynamism.moe.speeds`) the
         enabled scheme's `initial_plan` reads from `RunLink.speeds`; None: it reads none."""
         return None

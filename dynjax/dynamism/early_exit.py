@@ -16,6 +16,7 @@ the last get the readout, the targets and the remaining tokens from the runtime
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,18 +45,34 @@ if TYPE_CHECKING:
     from dynjax.recompile import Plan, Policy
 
 
-def exit_layers(section: ml_collections.ConfigDict, num_layers: int) -> tuple[int, ...]:
-    """Indices of the layers an exit point follows (``section``: `early_exit`)."""
-    return tuple(range(section.first - 1, num_layers - 1, section.every))
+@dataclasses.dataclass(frozen=True)
+class ExitSettings:
+    """The `early_exit` section (its keys' defaults and meanings: `EarlyExit.config`)."""
+
+    enabled: bool
+    first: int
+    every: int
+    confidence: str
+    threshold: float
+    start_step: int
+    loss_weights: tuple[float, ...]
+    max_forced: float
+    window: int
+    headroom: float
+    hysteresis: float
 
 
-def exit_weights(section: ml_collections.ConfigDict, num_layers: int) -> tuple[float, ...]:
+def exit_layers(settings: ExitSettings, num_layers: int) -> tuple[int, ...]:
+    """Indices of the layers an exit point follows."""
+    return tuple(range(settings.first - 1, num_layers - 1, settings.every))
+
+
+def exit_weights(settings: ExitSettings, num_layers: int) -> tuple[float, ...]:
     """Each exit point's loss weight: ``early_exit.loss_weights``, or by default CALM's weights
     growing with depth, (layer + 1) / num_layers (the final readout's weight is 1)."""
-    given = tuple(section.loss_weights)
-    if given:
-        return tuple(float(w) for w in given)
-    return tuple((i + 1) / num_layers for i in exit_layers(section, num_layers))
+    if settings.loss_weights:
+        return tuple(float(w) for w in settings.loss_weights)
+    return tuple((i + 1) / num_layers for i in exit_layers(settings, num_layers))
 
 
 def bucket_tokens(count: int, seq_len: int) -> int:
@@ -72,6 +89,8 @@ class EarlyExit(Plugin):
     # The exit points decide what the loss trains (and where buckets start).
     fixed_on_resume = ("early_exit.enabled", "early_exit.first", "early_exit.every")
     logged_metrics = (PROCESSED, FORCED, EXITED, EXIT_CE, CONFIDENCE)
+    Settings = ExitSettings
+    settings: ExitSettings
 
     @classmethod
     def config(cls) -> ml_collections.ConfigDict:
@@ -90,7 +109,7 @@ class EarlyExit(Plugin):
         return c
 
     @classmethod
-    def validate(cls, e: ml_collections.ConfigDict, facts: ModelFacts) -> None:
+    def validate(cls, e: ExitSettings, facts: ModelFacts) -> None:
         if not e.enabled:
             return
         layers = facts.num_layers
@@ -111,7 +130,7 @@ class EarlyExit(Plugin):
         if e.start_step < 0:
             raise ConfigError(f"early_exit.start_step={e.start_step} must be >= 0")
         n = len(exit_layers(e, layers))
-        weights = tuple(e.loss_weights)
+        weights = e.loss_weights
         if weights and (len(weights) != n or min(weights) < 0):
             raise ConfigError(
                 f"early_exit.loss_weights={weights} needs {n} weights >= 0, one per exit point "
@@ -133,11 +152,11 @@ class EarlyExit(Plugin):
         return plan.with_part(
             NAME,
             tokens=(self.facts.seq_len,) * self.facts.num_layers,
-            active=self.section.start_step == 0,
+            active=self.settings.start_step == 0,
         )
 
     def layer_options(self, plan: Plan) -> Sequence[Any] | None:
-        e, layers = self.section, self.facts.num_layers
+        e, layers = self.settings, self.facts.num_layers
         part = plan.part(NAME)
         weights = dict(zip(exit_layers(e, layers), exit_weights(e, layers), strict=True))
         first = exit_layers(e, layers)[0]
@@ -158,7 +177,7 @@ class EarlyExit(Plugin):
         return [t / seq for t in plan.part(NAME)["tokens"]]
 
     def policies(self) -> list[Policy]:
-        e, first = self.section, exit_layers(self.section, self.facts.num_layers)[0]
+        e, first = self.settings, exit_layers(self.settings, self.facts.num_layers)[0]
         return [ExitBuckets(seq_len=self.facts.seq_len, first=first,
                             start_step=e.start_step, max_forced=e.max_forced, window=e.window,
                             headroom=e.headroom, hysteresis=e.hysteresis)]

@@ -17,6 +17,7 @@ balancers then see the frozen layers' smaller cost.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -39,9 +40,27 @@ FROZEN_PREFIX_COST, FROZEN_COST = 1 / 3, 2 / 3
 HISTORY_STEPS = 1000  # the Controller's history: what a policy's intervals must fit in
 
 
+@dataclasses.dataclass(frozen=True)
+class FreezingSettings:
+    """The `freezing` section (its keys' defaults and meanings: `FreezingPlugin.config`)."""
+
+    enabled: bool
+    metric: str
+    every: int
+    percentile: float
+    reference_every: int
+    threshold: float
+    patience: int
+    probe_size: int
+    start_step: int
+    max_fraction: float
+
+
 class FreezingPlugin(Plugin):
     name = "freezing"
     logged_metrics = (PLASTICITY,)
+    Settings = FreezingSettings
+    settings: FreezingSettings
 
     _probe: PlasticityProbe | None = None  # this run's, made at its first measurement
 
@@ -63,7 +82,7 @@ class FreezingPlugin(Plugin):
         return c
 
     @classmethod
-    def validate(cls, f: ml_collections.ConfigDict, facts: ModelFacts) -> None:
+    def validate(cls, f: FreezingSettings, facts: ModelFacts) -> None:
         if not f.enabled:
             return
         try:
@@ -93,7 +112,7 @@ class FreezingPlugin(Plugin):
             )
 
     @staticmethod
-    def _check_plasticity(f: ml_collections.ConfigDict, batch_size: int) -> None:
+    def _check_plasticity(f: FreezingSettings, batch_size: int) -> None:
         if (f.patience + 1) * f.reference_every > HISTORY_STEPS:
             raise ConfigError(
                 f"freezing.patience={f.patience} + 1 periods of freezing.reference_every="
@@ -120,7 +139,7 @@ class FreezingPlugin(Plugin):
         return saved
 
     def policies(self) -> list[Policy]:
-        f = self.section
+        f = self.settings
         limits = dict(
             num_layers=self.facts.num_layers, start_step=f.start_step, max_fraction=f.max_fraction
         )
@@ -142,7 +161,7 @@ class FreezingPlugin(Plugin):
         ``freezing.reference_every``; every ``freezing.every`` steps in between, each layer's
         plasticity (NaN for the frozen prefix, whose outputs cannot move). A resumed run has no
         reference until its first refresh."""
-        f = self.section
+        f = self.settings
         if f.metric != "plasticity" or step % f.every and step % f.reference_every:
             return {}
         probe, rounds = self._run_probe(), self.link.rounds("plasticity")
@@ -159,7 +178,7 @@ class FreezingPlugin(Plugin):
         """This run's probe: the first ``freezing.probe_size`` sequences of its first training
         batch (fixed by the data order's seed)."""
         if self._probe is None:
-            tokens = self.link.first_inputs()[: self.section.probe_size]
+            tokens = self.link.first_inputs()[: self.settings.probe_size]
             self._probe = PlasticityProbe(self.facts.model, tokens)
         return self._probe
 

@@ -13,6 +13,7 @@ the sequence; ``"topk"`` evaluates with the training's routing instead, for comp
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,14 +37,26 @@ if TYPE_CHECKING:
     from dynjax.recompile import Plan
 
 
-def routed_layers(section: ml_collections.ConfigDict, num_layers: int) -> tuple[int, ...]:
+@dataclasses.dataclass(frozen=True)
+class MoDSettings:
+    """The `mod` section (its keys' defaults and meanings: `MixtureOfDepths.config`)."""
+
+    enabled: bool
+    every: int
+    capacity: float
+    predictor_hidden: int
+    predictor_weight: float
+    eval_routing: str
+
+
+def routed_layers(settings: MoDSettings, num_layers: int) -> tuple[int, ...]:
     """Indices of the routed layers: every ``mod.every``-th, as `moe.every` places MoE blocks."""
-    return moe_layer_indices(num_layers, section.every)
+    return moe_layer_indices(num_layers, settings.every)
 
 
-def routed_tokens(section: ml_collections.ConfigDict, seq_len: int) -> int:
+def routed_tokens(settings: MoDSettings, seq_len: int) -> int:
     """Tokens per sequence a routed block computes: ``mod.capacity`` of the sequence."""
-    return max(1, round(section.capacity * seq_len))
+    return max(1, round(settings.capacity * seq_len))
 
 
 class MixtureOfDepths(Plugin):
@@ -52,6 +65,8 @@ class MixtureOfDepths(Plugin):
     # The routers and predictors are parameters of the routed layers.
     fixed_on_resume = ("mod.enabled", "mod.every", "mod.predictor_hidden")
     logged_metrics = (ACCURACY, PREDICTOR_LOSS, ROUTER_WEIGHT)
+    Settings = MoDSettings
+    settings: MoDSettings
 
     @classmethod
     def config(cls) -> ml_collections.ConfigDict:
@@ -66,7 +81,7 @@ class MixtureOfDepths(Plugin):
         return c
 
     @classmethod
-    def validate(cls, m: ml_collections.ConfigDict, facts: ModelFacts) -> None:
+    def validate(cls, m: MoDSettings, facts: ModelFacts) -> None:
         if not m.enabled:
             return
         if m.every < 1:
@@ -89,12 +104,12 @@ class MixtureOfDepths(Plugin):
             )
 
     @classmethod
-    def block_parts(cls, m: ml_collections.ConfigDict, facts: ModelFacts) -> Sequence[BlockPart]:
+    def block_parts(cls, m: MoDSettings, facts: ModelFacts) -> Sequence[BlockPart]:
         return tuple((i, NAME, m.predictor_hidden) for i in routed_layers(m, facts.num_layers))
 
     @property
     def routed(self) -> tuple[int, ...]:
-        return routed_layers(self.section, self.facts.num_layers)
+        return routed_layers(self.settings, self.facts.num_layers)
 
     def claims(self) -> dict[str, tuple[int, ...]]:
         """A routed block's wrapper, token set (a dense block: every token of the layer) and
@@ -102,13 +117,13 @@ class MixtureOfDepths(Plugin):
         return {"block_wrapper": self.routed, "token_set": self.routed, "attention": self.routed}
 
     def layer_options(self, plan: Plan) -> Sequence[Any] | None:
-        m = self.section
+        m = self.settings
         tokens = routed_tokens(m, self.facts.seq_len)
         record = RoutedBlock(tokens, float(m.predictor_weight), m.eval_routing)
         routed = set(self.routed)
         return tuple(record if i in routed else None for i in range(self.facts.num_layers))
 
     def layer_costs(self, plan: Plan) -> Sequence[float] | None:
-        fraction = routed_tokens(self.section, self.facts.seq_len) / self.facts.seq_len
+        fraction = routed_tokens(self.settings, self.facts.seq_len) / self.facts.seq_len
         routed = set(self.routed)
         return [fraction if i in routed else 1.0 for i in range(self.facts.num_layers)]

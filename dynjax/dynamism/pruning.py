@@ -287,12 +287,31 @@ def layer_densities(
 # The plugin
 
 
+@dataclasses.dataclass(frozen=True)
+class PruningSettings:
+    """The `pruning` section (its keys' defaults and meanings: `PruningPlugin.config`)."""
+
+    enabled: bool
+    initial_sparsity: float
+    final_sparsity: float
+    start_step: int
+    every: int
+    steps: int
+    granularity: str
+    block_size: int
+    include: str
+    scale: str
+    sparse_below: float
+
+
 class PruningPlugin(Plugin):
     name = NAME
     hook_sets = (HOOKS,)
     # The masks are optimizer state: their presence and which leaves have one decide its layout.
     fixed_on_resume = ("pruning.enabled", "pruning.include")
     logged_metrics = (DENSITY,)
+    Settings = PruningSettings
+    settings: PruningSettings
 
     @classmethod
     def config(cls) -> ml_collections.ConfigDict:
@@ -316,7 +335,7 @@ class PruningPlugin(Plugin):
         return c
 
     @classmethod
-    def validate(cls, p: ml_collections.ConfigDict, facts: ModelFacts) -> None:
+    def validate(cls, p: PruningSettings, facts: ModelFacts) -> None:
         if not p.enabled:
             return
         at_least({"pruning.start_step": p.start_step}, 0)
@@ -361,7 +380,7 @@ class PruningPlugin(Plugin):
     def wrap_optimizer(
         self, optimizer: optax.GradientTransformation
     ) -> optax.GradientTransformation:
-        return masked(optimizer, self.section.include)
+        return masked(optimizer, self.settings.include)
 
     @functools.cached_property
     def abstract_params(self) -> dict[str, Any]:
@@ -372,7 +391,7 @@ class PruningPlugin(Plugin):
         return self.records(plan)
 
     def records(self, plan: Plan | None = None) -> tuple[PrunedLayer, ...]:
-        p = self.section
+        p = self.settings
         part = {} if plan is None else plan.part(NAME)
         return layer_records(
             self.abstract_params,
@@ -385,7 +404,7 @@ class PruningPlugin(Plugin):
         )
 
     def policies(self) -> list[Policy]:
-        p = self.section
+        p = self.settings
         if p.granularity != "block" or not p.sparse_below:
             return []
         rows = linear_block_rows(self.abstract_params, p.block_size)
@@ -399,7 +418,7 @@ class PruningPlugin(Plugin):
     def before_step(
         self, step: int, states: Sequence[dict[str, Any]], plan: Plan
     ) -> list[dict[str, Any]]:
-        p = self.section
+        p = self.settings
         schedule = dict(start=p.start_step, every=p.every, steps=p.steps)
         if not pm.is_pruning_step(step, **schedule):
             return []
@@ -415,7 +434,7 @@ class PruningPlugin(Plugin):
             include=p.include,
             granularity=p.granularity,
             block_size=p.block_size,
-            scales=ranking_scales(p, self.facts.model, shapes),
+            scales=ranking_scales(p.scale, self.facts.model, shapes),
             rounds=self.link.rounds(NAME),
         )
         return [
@@ -492,12 +511,12 @@ class SparsePath:
 
 
 def ranking_scales(
-    section: ml_collections.ConfigDict, model: GPTConfig, names: Collection[str]
+    scale: str, model: GPTConfig, names: Collection[str]
 ) -> dict[str, float] | None:
     """What `prune` divides the scores of each prunable matrix in ``names`` (paths) of ``model``
-    by under the `pruning` ``section``: its init std for ``pruning.scale="init"``, None (raw
-    magnitudes) for ``"none"``."""
-    if section.scale == "none":
+    by under ``scale`` (`pruning.scale`): its init std for ``"init"``, None (raw magnitudes)
+    for ``"none"``."""
+    if scale == "none":
         return None
     return {n: init_std(model, n) for n in names}
 

@@ -2,14 +2,16 @@
 
 Nothing registers itself on import: the edge (`dynjax.config`, `dynjax.experiment`,
 `dynjax.train`) is handed a `Schemes` (the built-in one, `dynjax.dynamism.BUILTIN`, or that
-plus a user's, `Schemes.with_`) and passes it down. It collects the config sections, validates
-them, checks that the enabled schemes' claims do not clash, and builds the per-run instances.
+plus a user's, `Schemes.with_`) and passes it down. It collects the config sections, reads each
+once into its scheme's settings record and checks it, checks that the enabled schemes' claims do
+not clash, and builds the per-run instances from the records.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import ml_collections
 
@@ -41,11 +43,15 @@ class Schemes:
         """Each scheme's config section with its defaults, by name."""
         return {p.name: p.config() for p in self.plugins}
 
-    def validate(self, cfg: ml_collections.ConfigDict, facts: ModelFacts) -> None:
-        """Every scheme's own checks (enabled or not), then the enabled ones' claims."""
+    def settings(self, cfg: ml_collections.ConfigDict, facts: ModelFacts) -> dict[str, Any]:
+        """Each scheme's section read into its `Plugin.Settings` record and checked (enabled or
+        not), then the enabled ones' claims: the records the run's plugins are built from, by
+        scheme name. The one place a section is read."""
+        settings = {p.name: p.read(cfg[p.name]) for p in self.plugins}
         for p in self.plugins:
-            p.validate(cfg[p.name], facts)
-        self.build(cfg, facts)
+            p.validate(settings[p.name], facts)
+        self.build(settings, facts)
+        return settings
 
     def hooks(self) -> Hooks:
         """The model hooks of every scheme (enabled or not: a hook runs only on layers whose
@@ -54,36 +60,37 @@ class Schemes:
         return Hooks(tuple(s for p in self.plugins for s in p.hook_sets))
 
     def block_parts(
-        self, cfg: ml_collections.ConfigDict, facts: ModelFacts
+        self, settings: Mapping[str, Any], facts: ModelFacts
     ) -> tuple[BlockPart, ...]:
-        """The submodules the enabled schemes add to the model (`GPTConfig.block_parts`)."""
+        """The submodules the enabled schemes add to the model (`GPTConfig.block_parts`), from
+        their settings (`settings`)."""
         return tuple(
             part
             for p in self.plugins
-            if p.enabled(cfg[p.name])
-            for part in p.block_parts(cfg[p.name], facts)
+            if p.enabled(settings[p.name])
+            for part in p.block_parts(settings[p.name], facts)
         )
 
     def build(
-        self, cfg: ml_collections.ConfigDict, facts: ModelFacts, link: RunLink = LOCAL
+        self, settings: Mapping[str, Any], facts: ModelFacts, link: RunLink = LOCAL
     ) -> tuple[Plugin, ...]:
-        """One instance per enabled scheme, for one run, with its section frozen (what it read
-        once stays what it runs with); refuses schemes whose claims clash."""
+        """One instance per enabled scheme, for one run, from its settings record (`settings`:
+        frozen, so what it was checked with stays what it runs with); refuses schemes whose
+        claims clash."""
         built = tuple(
-            p(ml_collections.FrozenConfigDict(cfg[p.name]), facts, link)
-            for p in self.plugins
-            if p.enabled(cfg[p.name])
+            p(settings[p.name], facts, link) for p in self.plugins if p.enabled(settings[p.name])
         )
         for a, b in itertools.combinations(built, 2):
             _check_claims(a, b)
         return built
 
     def speed_probe(
-        self, cfg: ml_collections.ConfigDict, facts: ModelFacts
+        self, settings: Mapping[str, Any], facts: ModelFacts
     ) -> tuple[int, int, int] | None:
         """What the first enabled scheme that needs this machine's speeds asks to time."""
         for p in self.plugins:
-            probe = p.speed_probe(cfg[p.name], facts) if p.enabled(cfg[p.name]) else None
+            s = settings[p.name]
+            probe = p.speed_probe(s, facts) if p.enabled(s) else None
             if probe is not None:
                 return probe
         return None
@@ -110,4 +117,4 @@ def _check_claims(a: Plugin, b: Plugin) -> None:
 
 
 def _switch(p: Plugin) -> str:
-    return f"{p.name}.{p.switch}={p.section[p.switch]!r}"
+    return f"{p.name}.{p.switch}={getattr(p.settings, p.switch)!r}"

@@ -18,6 +18,7 @@ cost is the fraction of pairs the step's blocks needed, read from its metrics.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,9 +45,25 @@ if TYPE_CHECKING:
     from dynjax.recompile import Plan, Policy
 
 
-def num_blocks(section: ml_collections.ConfigDict, seq_len: int) -> int:
-    """Key blocks of a sequence (``section``: `sparse_attention`)."""
-    return seq_len // section.block
+@dataclasses.dataclass(frozen=True)
+class AttentionSettings:
+    """The `sparse_attention` section (its keys' defaults and meanings:
+    `SparseAttention.config`)."""
+
+    enabled: bool
+    buckets: int
+    block: int
+    max_overflow: float
+    window: int
+    headroom: float
+    hysteresis: float
+    seed: int
+    kernel: str
+
+
+def num_blocks(settings: AttentionSettings, seq_len: int) -> int:
+    """Key blocks of a sequence."""
+    return seq_len // settings.block
 
 
 def bucket_budget(blocks: int, num: int) -> int:
@@ -58,6 +75,8 @@ class SparseAttention(Plugin):
     name = NAME
     hook_sets = (HOOKS,)  # its metrics' reductions: the attention reads its record itself
     logged_metrics = (OVERFLOW, PAIR_FRACTION)
+    Settings = AttentionSettings
+    settings: AttentionSettings
 
     @classmethod
     def config(cls) -> ml_collections.ConfigDict:
@@ -76,7 +95,7 @@ class SparseAttention(Plugin):
         return c
 
     @classmethod
-    def validate(cls, a: ml_collections.ConfigDict, facts: ModelFacts) -> None:
+    def validate(cls, a: AttentionSettings, facts: ModelFacts) -> None:
         if not a.enabled:
             return
         seq_len = facts.seq_len
@@ -124,13 +143,13 @@ class SparseAttention(Plugin):
 
     @property
     def num_blocks(self) -> int:
-        return num_blocks(self.section, self.facts.seq_len)
+        return num_blocks(self.settings, self.facts.seq_len)
 
     def initial_plan(self, plan: Plan) -> Plan:
         return plan.with_part(NAME, budgets=(self.num_blocks,) * self.facts.num_layers)
 
     def layer_options(self, plan: Plan) -> Sequence[Any] | None:
-        a = self.section
+        a = self.settings
         return tuple(
             HashedAttention(a.buckets, a.block, int(budget), a.seed, layer, a.kernel)
             for layer, budget in enumerate(plan.part(NAME)["budgets"])
@@ -141,7 +160,7 @@ class SparseAttention(Plugin):
         layer it is relative to computes every pair (XLA's causal attention masks the upper
         triangle but computes it), so a budget of b of the nb key blocks costs b / nb. The
         Pallas path has no budget: its cost comes from the metrics (`metric_costs`)."""
-        if self.section.kernel == "pallas":
+        if self.settings.kernel == "pallas":
             return None
         nb = self.num_blocks
         return [b / nb for b in plan.part(NAME)["budgets"]]
@@ -150,13 +169,13 @@ class SparseAttention(Plugin):
         """The Pallas path computes every needed block: a layer costs its needed pairs over all
         nb x nb pairs (the budget path's unit), i.e. ``pair_fraction`` x (nb + 1) / (2 nb)."""
         fraction = metrics.get(PAIR_FRACTION)
-        if self.section.kernel != "pallas" or fraction is None:
+        if self.settings.kernel != "pallas" or fraction is None:
             return None
         nb = self.num_blocks
         return [float(f) * (nb + 1) / (2 * nb) for f in np.asarray(fraction)]
 
     def policies(self) -> list[Policy]:
-        a = self.section
+        a = self.settings
         if a.kernel == "pallas":  # no budget to size
             return []
         return [AttentionBudget(num_blocks=self.num_blocks, max_overflow=a.max_overflow,

@@ -2,6 +2,8 @@
 Plan parts, resume rules, layer costs, per-layer options with a block hook and its metric, in
 both runtimes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -27,6 +29,16 @@ def scale_block_output(x, scale):
     return x * scale, {"toy/mean_abs": jnp.mean(jnp.abs(x), axis=(1, 2))}
 
 
+@dataclasses.dataclass(frozen=True)
+class ToySettings:
+    """The toy's section as a record: one field per key of `Toy.config`, no defaults."""
+
+    enabled: bool
+    width: int
+    seed: int
+    limit: float
+
+
 class Toy(Plugin):
     """A scheme defined outside the library: a width per layer, a cost, a resume-fixed key."""
 
@@ -35,6 +47,8 @@ class Toy(Plugin):
     hook_sets = (
         HookSet("toy", block=scale_block_output, reductions=(("toy/mean_abs", "rows"),)),
     )
+    Settings = ToySettings
+    settings: ToySettings
 
     @classmethod
     def config(cls):
@@ -46,12 +60,12 @@ class Toy(Plugin):
         return c
 
     @classmethod
-    def validate(cls, section, facts):
-        if section.enabled and section.width < 1:
-            raise ConfigError(f"toy.width={section.width} must be >= 1")
+    def validate(cls, settings, facts):
+        if settings.enabled and settings.width < 1:
+            raise ConfigError(f"toy.width={settings.width} must be >= 1")
 
     def initial_plan(self, plan):
-        return plan.with_part("toy", widths=(self.section.width,) * self.facts.num_layers)
+        return plan.with_part("toy", widths=(self.settings.width,) * self.facts.num_layers)
 
     def layer_costs(self, plan):
         return [w / 2 for w in plan.part("toy")["widths"]]
@@ -60,7 +74,7 @@ class Toy(Plugin):
         return [w / 2 for w in plan.part("toy")["widths"]]  # the hook's scale of each layer
 
     def policies(self):
-        return [Narrow(self.section.limit)] if self.section.limit > 0 else []
+        return [Narrow(self.settings.limit)] if self.settings.limit > 0 else []
 
 
 class Narrow:
@@ -246,7 +260,7 @@ class Tally(Plugin):
     )
 
     @classmethod
-    def block_parts(cls, section, facts):
+    def block_parts(cls, settings, facts):
         return [(1, "tally", None), (3, "tally", None)]
 
     def layer_options(self, plan):

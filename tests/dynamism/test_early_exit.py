@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from dynjax.config import gpt_config, validate_config
-from dynjax.dynamism.early_exit import ExitBuckets, exit_layers, exit_weights
+from dynjax.dynamism.early_exit import EarlyExit, ExitBuckets, exit_layers, exit_weights
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model import GPT
@@ -55,9 +55,9 @@ def model_and_batch(seed=0, batch=3, **overrides):
 
 def records(cfg, tokens, threshold, measure="softmax_max", active=True):
     """Each layer's record: exit points after the layers of `exit_layers`."""
-    e, layers = cfg.early_exit, cfg.model.num_layers
+    e, layers = EarlyExit.read(cfg.early_exit), cfg.model.num_layers
     weights = dict(zip(exit_layers(e, layers), exit_weights(e, layers), strict=True))
-    first = exit_layers(cfg.early_exit, cfg.model.num_layers)[0]
+    first = exit_layers(e, layers)[0]
     return tuple(
         () if i < first else ((NAME, ExitLayer(tokens[i], weights.get(i, 0.0), measure,
                                                threshold, active)),)
@@ -74,7 +74,7 @@ def token_by_token(model, cfg, inputs, targets, threshold, measure="softmax_max"
     counts per layer and [L, B, S] which tokens each layer computed."""
     x0 = np.asarray(model.embed(inputs))
     b, s, d = x0.shape
-    exits = set(exit_layers(cfg.early_exit, cfg.model.num_layers))
+    exits = set(exit_layers(EarlyExit.read(cfg.early_exit), cfg.model.num_layers))
     entering = np.zeros((L, b, s, d), np.float32)
     alive_at = np.zeros((L, b, s), bool)  # remaining (not exited, not forced) inside layer l
     final = np.zeros_like(x0)
@@ -107,7 +107,7 @@ def token_by_token(model, cfg, inputs, targets, threshold, measure="softmax_max"
 def exit_threshold(model, cfg, inputs, measure="softmax_max"):
     """The median confidence at the first exit point: about half the tokens exit there."""
     x = model.embed(inputs)
-    for layer in range(exit_layers(cfg.early_exit, cfg.model.num_layers)[0] + 1):
+    for layer in range(exit_layers(EarlyExit.read(cfg.early_exit), cfg.model.num_layers)[0] + 1):
         prev, (x, _, _) = x, model.layers[layer](x)
     return float(np.median(confidence(measure, prev, x, model.readout(x))))
 
@@ -138,11 +138,12 @@ def test_early_exit_equals_a_token_by_token_reference(measure, bucketed):
     logits, _, metrics = model.forward(
         inputs, options=records(cfg, tokens, threshold, measure), targets=targets)
     np.testing.assert_allclose(logits, model.readout(jnp.asarray(final)), rtol=1e-4, atol=1e-4)
-    for j, layer in enumerate(exit_layers(cfg.early_exit, cfg.model.num_layers)):
+    e = EarlyExit.read(cfg.early_exit)
+    for j, layer in enumerate(exit_layers(e, cfg.model.num_layers)):
         total, count = ce_sums[layer]
         np.testing.assert_allclose(metrics[layer][EXIT_CE], total / count, rtol=1e-5)
         assert float(metrics[layer][LOSS]) == pytest.approx(
-            exit_weights(cfg.early_exit, cfg.model.num_layers)[j] * total / count, rel=1e-5)
+            exit_weights(e, cfg.model.num_layers)[j] * total / count, rel=1e-5)
     assert 0 < float(metrics[0][EXITED]) < 1  # about half exit at the first point
     assert all(float(m[FORCED]) == 0 for m in metrics)
     for layer, m in enumerate(metrics):
@@ -162,7 +163,7 @@ def test_tokens_beyond_a_bucket_are_forced_out_and_counted_as_the_reference_does
                                        targets=targets)
     np.testing.assert_allclose(logits, model.readout(jnp.asarray(final)), rtol=1e-4, atol=1e-4)
     assert [float(m[FORCED]) for m in metrics] == forced.tolist()
-    for layer in exit_layers(cfg.early_exit, cfg.model.num_layers):
+    for layer in exit_layers(EarlyExit.read(cfg.early_exit), cfg.model.num_layers):
         total, count = ce_sums[layer]
         np.testing.assert_allclose(metrics[layer][EXIT_CE], total / count, rtol=1e-5)
     # The processed share: the tokens each layer computed for real, of all tokens.
@@ -177,7 +178,7 @@ def test_an_exited_token_gives_later_layers_no_gradient():
     opts = records(cfg, [S, 12, 12, 12], threshold)
     graphdef, state = nnx.split(model)
     _, _, metrics = model.forward(inputs, options=opts, targets=targets)
-    first = exit_layers(cfg.early_exit, cfg.model.num_layers)[0]
+    first = exit_layers(EarlyExit.read(cfg.early_exit), cfg.model.num_layers)[0]
     x = model.layers[first](model.embed(inputs))[0]
     conf = np.asarray(jnp.max(jax.nn.softmax(model.readout(x), -1), -1))[0]
     exited, stayed = int(np.argmax(conf >= threshold)), int(np.argmin(conf >= threshold))

@@ -241,11 +241,11 @@ def test_static_cost_is_the_busiest_ranks_slots():
     exp = Experiment.from_config(tiny_config(moe__every=2, mesh__expert=2))
     plan = exp.initial_plan().with_part("moe", capacities=((2, 5, 3, 4),))
     base = S_TINY * 2 / 4
-    assert MoEPlugin(exp.cfg.moe, exp.facts).layer_costs(plan) == pytest.approx(
+    assert MoEPlugin(MoEPlugin.read(exp.cfg.moe), exp.facts).layer_costs(plan) == pytest.approx(
         [1.0, 8 / (2 * base)]
     )
     one = Experiment.from_config(tiny_config(moe__every=2))
-    assert MoEPlugin(one.cfg.moe, one.facts).layer_costs(plan) == pytest.approx(
+    assert MoEPlugin(MoEPlugin.read(one.cfg.moe), one.facts).layer_costs(plan) == pytest.approx(
         [1.0, 14 / (4 * base)]
     )
 
@@ -254,7 +254,7 @@ def test_ragged_cost_is_the_busiest_ranks_tokens():
     exp = Experiment.from_config(tiny_config(moe__every=2, mesh__expert=2, moe__dispatch="ragged"))
     tokens = np.array([[100, 40, 90, 30]])  # rank 0: 140, rank 1: 120
     share = 8 * S_TINY * 2 / 2
-    plugin = MoEPlugin(exp.cfg.moe, exp.facts)
+    plugin = MoEPlugin(MoEPlugin.read(exp.cfg.moe), exp.facts)
     assert plugin.layer_costs(exp.initial_plan()) is None
     costs = plugin.metric_costs({"moe/expert_tokens": tokens})
     assert costs == pytest.approx([1.0, 140 / share])

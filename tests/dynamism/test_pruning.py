@@ -411,7 +411,7 @@ def test_scale_free_ranking_keeps_every_matrix_alive(scale):
     host = exp.init_host_state()
     runtime = exp.runtime(exp.initial_plan(), host)
     weights = pm.prunable_leaves(host["params"])
-    plugin = PruningPlugin(cfg.pruning, exp.facts)
+    plugin = PruningPlugin(PruningPlugin.read(cfg.pruning), exp.facts)
     [event] = plugin.before_step(0, runtime.stage_states(), exp.initial_plan())
     model = gpt_config(cfg)
     units = {n: init_std(model, n) if scale == "init" else 1.0 for n in weights}

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from dynjax.balance import schedule_tasks
+from dynjax.config import optimizer_settings
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.optim import make_optimizer
 from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
@@ -68,7 +69,8 @@ def adamw():
     """The optimizer training runs (`make_optimizer`): clipping, then AdamW with warmup and
     cosine decay. Adam's step count and the schedule's are scalars every stage holds a copy
     of; its moments are per parameter and must follow their layer between stages."""
-    return make_optimizer(tiny_config(train__steps=STEPS, train__grad_clip=CLIP).train)
+    cfg = tiny_config(train__steps=STEPS, train__grad_clip=CLIP)
+    return make_optimizer(optimizer_settings(cfg))
 
 
 def batches():

@@ -59,6 +59,7 @@ from dynjax.dynamism.moe.part import (
     plan_problems,
     static_capacities,
 )
+from dynjax.dynamism.moe.settings import CachingSettings, CapacitySettings, MoESettings
 from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts
 from dynjax.model.moe import (
@@ -90,6 +91,8 @@ class MoEPlugin(Plugin):
         "moe.bias_balancing.enabled",  # adds or removes each block's `RoutedBias`
     )
     logged_metrics = ("moe/unrouted",)  # [MoE layers] tokens no expert computed in the step
+    Settings = MoESettings
+    settings: MoESettings
 
     @classmethod
     def config(cls) -> ml_collections.ConfigDict:
@@ -149,11 +152,11 @@ class MoEPlugin(Plugin):
         return c
 
     @classmethod
-    def enabled(cls, section: ml_collections.ConfigDict) -> bool:
-        return section.every > 0
+    def enabled(cls, settings: MoESettings) -> bool:
+        return settings.every > 0
 
     @classmethod
-    def validate(cls, moe: ml_collections.ConfigDict, facts: ModelFacts) -> None:
+    def validate(cls, moe: MoESettings, facts: ModelFacts) -> None:
         expert = facts.expert_shards
         if moe.every < 0:
             raise ConfigError(f"moe.every={moe.every} must be >= 0 (0 = no MoE layers)")
@@ -213,9 +216,7 @@ class MoEPlugin(Plugin):
         return {"token_set": self.facts.model.moe_layers}
 
     @classmethod
-    def speed_probe(
-        cls, moe: ml_collections.ConfigDict, facts: ModelFacts
-    ) -> tuple[int, int, int] | None:
+    def speed_probe(cls, moe: MoESettings, facts: ModelFacts) -> tuple[int, int, int] | None:
         """With ``moe.memory_reuse="auto"``: eq. 10's (rows of one partition, d_model, hidden)
         at the static capacities, for the edge to time on this machine."""
         if moe.memory_reuse != "auto" or not cls.enabled(moe):
@@ -241,7 +242,7 @@ class MoEPlugin(Plugin):
         return {"capacities": {layer: np.asarray(caps, np.int32) for layer, caps in rows}}
 
     def initial_plan(self, plan: Plan) -> Plan:
-        moe = self.section
+        moe = self.settings
         caps = static_capacities(self.moe, _static_factor(moe, self.moe))
         reuse = moe.memory_reuse
         if reuse == "auto":  # eq. 10 on this machine's speeds, reported at the first step
@@ -301,7 +302,7 @@ class MoEPlugin(Plugin):
         for layer, n in zip(model.moe_layers, chunks, strict=True):
             records[layer] = {
                 "moe": Chunking(n, reuse) if chunking else None,
-                BIAS: BiasBalancing(self.section.bias_balancing.rate) if balancing else None,
+                BIAS: BiasBalancing(self.settings.bias_balancing.rate) if balancing else None,
             }
         return records
 
@@ -313,7 +314,7 @@ class MoEPlugin(Plugin):
         loop dispatches asynchronously but waits for step t - Δ's metrics, so in steady state
         an iteration lasts one device step. The seconds are NaN when the Plan changed after
         that step (the swap's stall is in them)."""
-        if not self.section.granularity.enabled:
+        if not self.settings.granularity.enabled:
             return {}
         now, last = time.perf_counter(), self._last_step
         self._last_step = (step, now, plan)
@@ -338,9 +339,9 @@ class MoEPlugin(Plugin):
     _reuse_event: dict[str, Any] | None = None  # `initial_plan`'s auto choice, not yet emitted
 
     def policies(self) -> list[Policy]:
-        moe, out = self.section, []
+        moe, out = self.settings, []
         if moe.capacity.policy == "dynamic":
-            out.append(DynamicCapacity.from_section(self.moe, moe.capacity))
+            out.append(DynamicCapacity.from_settings(self.moe, moe.capacity))
         if moe.granularity.enabled:
             g = moe.granularity
             out.append(
@@ -369,14 +370,14 @@ class MoEPlugin(Plugin):
     ) -> optax.GradientTransformation:
         """With bias balancing, the `RoutedBias` leaves bypass ``optimizer`` (no moments, no
         weight decay, a zero update): only the step's balancing rule moves them."""
-        if not self.section.bias_balancing.enabled:
+        if not self.settings.bias_balancing.enabled:
             return optimizer
         return optax.multi_transform({"trained": optimizer, BIAS: optax.set_to_zero()}, _labels)
 
     @property
     def ragged(self) -> bool:
         """Whether the MoE layers take the ragged path (capacities as a step input)."""
-        return self.section.dispatch == "ragged"
+        return self.settings.dispatch == "ragged"
 
     def layer_costs(self, plan: Plan) -> Sequence[float] | None:
         """Static path: an MoE layer costs what its busiest expert-parallel rank computes (seed
@@ -417,7 +418,7 @@ def local_groups(facts: ModelFacts) -> int:
     return facts.batch_size // (facts.batch_shards * facts.microbatches)
 
 
-def chunk_candidates(moe: ml_collections.ConfigDict, facts: ModelFacts) -> tuple[int, ...]:
+def chunk_candidates(moe: MoESettings, facts: ModelFacts) -> tuple[int, ...]:
     """Alg. 1's candidates: the powers of two up to ``moe.granularity.max_chunks`` that divide
     the groups per shard, and ``moe.chunks``."""
     groups = local_groups(facts)
@@ -426,13 +427,13 @@ def chunk_candidates(moe: ml_collections.ConfigDict, facts: ModelFacts) -> tuple
     return tuple(sorted({*ok, moe.chunks}))
 
 
-def _static_factor(moe: ml_collections.ConfigDict, ctx: MoEContext) -> float:
+def _static_factor(moe: MoESettings, ctx: MoEContext) -> float:
     """``moe.capacity.factor``; dropless (<= 0): an expert can take every token of a group."""
     factor = moe.capacity.factor
     return ctx.num_experts / ctx.top_k if factor <= 0 else factor
 
 
-def _static_rows(moe: ml_collections.ConfigDict, facts: ModelFacts) -> int:
+def _static_rows(moe: MoESettings, facts: ModelFacts) -> int:
     """`dispatch_rows` of a fresh run's Plan (the static capacities)."""
     ctx = moe_context(facts)
     caps = static_capacities(ctx, _static_factor(moe, ctx))
@@ -461,7 +462,7 @@ def _labels(params):
     return jax.tree_util.tree_map_with_path(label, params)
 
 
-def _check_routing(moe: ml_collections.ConfigDict) -> None:
+def _check_routing(moe: MoESettings) -> None:
     """``moe.routing`` and ``moe.bias_balancing``, and what expert choice cannot combine with."""
     if moe.routing not in ROUTINGS:
         raise ConfigError(f"moe.routing={moe.routing!r} is not one of {ROUTINGS}")
@@ -487,7 +488,7 @@ def _check_routing(moe: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_chunks(moe: ml_collections.ConfigDict, facts: ModelFacts) -> None:
+def _check_chunks(moe: MoESettings, facts: ModelFacts) -> None:
     """``moe.chunks``, ``moe.memory_reuse`` and ``moe.granularity`` (seed 002 §III)."""
     groups = local_groups(facts)
     if moe.chunks < 1 or groups % moe.chunks:
@@ -508,7 +509,7 @@ def _check_chunks(moe: ml_collections.ConfigDict, facts: ModelFacts) -> None:
         at_least({"moe.granularity.warmup": g.warmup}, 0)
 
 
-def _check_moe(moe: ml_collections.ConfigDict) -> None:
+def _check_moe(moe: MoESettings) -> None:
     """The capacity policy's name, the MoE block's loss weights and the keys of the policies that
     are on: everything `DynamicCapacity`, `CachingPolicy` and `AssignmentCache` would reject,
     named by key."""
@@ -530,7 +531,7 @@ def _check_moe(moe: ml_collections.ConfigDict) -> None:
         _check_caching(moe.caching, moe.num_experts)
 
 
-def _check_dynamic_capacity(c: ml_collections.ConfigDict) -> None:
+def _check_dynamic_capacity(c: CapacitySettings) -> None:
     if not 0 <= c.target_drop_rate < 1:
         raise ConfigError(
             f"moe.capacity.target_drop_rate={c.target_drop_rate} must be in [0, 1): the "
@@ -550,7 +551,7 @@ def _check_dynamic_capacity(c: ml_collections.ConfigDict) -> None:
     at_least({"moe.capacity.hysteresis": c.hysteresis}, 0, " (0 = none)")
 
 
-def _check_caching(c: ml_collections.ConfigDict, num_experts: int) -> None:
+def _check_caching(c: CachingSettings, num_experts: int) -> None:
     if not 0 <= c.off_threshold <= c.on_threshold <= 1:
         raise ConfigError(
             f"moe.caching needs 0 <= off_threshold <= on_threshold <= 1, got off_threshold="

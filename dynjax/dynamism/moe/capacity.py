@@ -7,8 +7,6 @@ runtime/accuracy trade-off, provided the policy does not recompile every iterati
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from dynjax.dynamism.moe.part import (
@@ -18,6 +16,7 @@ from dynjax.dynamism.moe.part import (
     capacity_for_factor,
     with_capacities,
 )
+from dynjax.dynamism.moe.settings import CapacitySettings
 from dynjax.recompile import History, Plan, Proposal
 
 LOADS = "moe/group_loads"  # int [num_moe_layers, G, E]: tokens routed per group, before dropping
@@ -148,13 +147,18 @@ class DynamicCapacity:
         self.buckets = np.unique([capacity_for_factor(ctx, f) for f in factors])
 
     @classmethod
-    def from_section(cls, ctx: MoEContext, c: Any) -> DynamicCapacity:
-        """The policy with the settings of a `moe.capacity` config section."""
-        keys = (
-            "target_drop_rate", "min_factor", "max_factor", "window", "headroom", "bucket",
-            "hysteresis",
-        )  # fmt: skip
-        return cls(ctx, **{k: c[k] for k in keys})
+    def from_settings(cls, ctx: MoEContext, c: CapacitySettings) -> DynamicCapacity:
+        """The policy with the ``moe.capacity`` settings ``c``."""
+        return cls(
+            ctx,
+            target_drop_rate=c.target_drop_rate,
+            min_factor=c.min_factor,
+            max_factor=c.max_factor,
+            window=c.window,
+            headroom=c.headroom,
+            bucket=c.bucket,
+            hysteresis=c.hysteresis,
+        )
 
     def propose(self, history: History, plan: Plan) -> Proposal | None:
         if not capacities_of(plan):
