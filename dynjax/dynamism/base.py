@@ -26,6 +26,7 @@ from dynjax.parallel.peers import ALONE, Rounds
 from dynjax.recompile import PlanContext
 
 if TYPE_CHECKING:
+    from dynjax.checkpoint.rows import PartialRows
     from dynjax.dynamism.moe.speeds import Speeds
     from dynjax.recompile import Plan, Policy
 
@@ -94,7 +95,8 @@ class Plugin:
     - `wrap_optimizer`: the run's optimizer with the scheme's per-parameter state around it;
     - `before_step`: change the training state between two steps and report it as events;
     - `measure`: measure the state between two steps as host metrics of the next step;
-    - `logged_metrics`: host metrics of its own that metrics.jsonl gets at logged steps.
+    - `logged_metrics`: host metrics of its own that metrics.jsonl gets at logged steps;
+    - `checkpoint_rows`: its row-stacked leaves and the policy of partial saves of them.
     """
 
     name: ClassVar[str] = ""
@@ -234,6 +236,16 @@ class Plugin:
         metrics.jsonl. For what the training step cannot compute, such as a forward on a fixed
         probe batch (Egeria, seed 000 §4.2.3)."""
         return {}
+
+    def checkpoint_rows(
+        self, checkpoint: ml_collections.FrozenConfigDict, history: int
+    ) -> PartialRows | None:
+        """Leaves of the training state whose leading axis holds independent rows, which a
+        checkpoint may save a subset of and restores row by row, with their optimizer moments
+        (seed 004 §3; `dynjax.checkpoint.rows`), and the policy choosing each save's rows;
+        None: the scheme has none. ``checkpoint``: the run's ``checkpoint`` section (K, the
+        selection, two-level settings), ``history``: the checkpoints kept."""
+        return None
 
 
 def layer_costs(

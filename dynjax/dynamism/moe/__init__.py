@@ -41,6 +41,7 @@ import optax
 from dynjax.dynamism.base import Plugin
 from dynjax.dynamism.moe.caching import CachingPolicy
 from dynjax.dynamism.moe.capacity import DynamicCapacity
+from dynjax.dynamism.moe.checkpoint import ExpertRows
 from dynjax.dynamism.moe.granularity import (
     STEP_CHUNKS,
     STEP_ROWS,
@@ -223,6 +224,17 @@ class MoEPlugin(Plugin):
         model = facts.model
         hidden = model.expert_mlp_dim or model.mlp_dim
         return _static_rows(moe, facts) // moe.chunks, model.d_model, hidden
+
+    def checkpoint_rows(
+        self, checkpoint: ml_collections.FrozenConfigDict, history: int
+    ) -> ExpertRows:
+        """Each MoE layer's stacked expert leaves, a row per expert, and the ledger choosing
+        which experts a save holds (partial expert checkpoints, seed 004 §3)."""
+        facts = self.facts
+        return ExpertRows.of(
+            facts.model.moe_layers, facts.model.num_experts, facts.expert_shards, checkpoint,
+            history,
+        )
 
     @functools.cached_property
     def moe(self) -> MoEContext:
