@@ -1,9 +1,9 @@
 """Row-stacked leaves: what a scheme declares for partial checkpoints, and the names they keep.
 
-A leaf is *row-stacked* when its leading axis holds independent rows (MoE's stacked expert
-weights, [E, ...]): a save may hold only some rows of it, and a restore assembles each row from
+A leaf is *row-stacked* when its leading axis holds independent rows (stacked expert weights,
+[E, ...]): a save may hold only some rows of it, and a restore assembles each row from
 the newest save holding a copy (partial expert checkpoints, MoC-System, seed 004 §3, here for
-any such leaves). The leaves of one *stack* (its number: MoE's is the model layer) share the
+any such leaves). The leaves of one *stack* (a number, e.g. the model layer) share the
 rows a save picks, weights and optimizer moments alike; per stack and `row_group` the restore
 records which step each row came from.
 
@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 # Saved checkpoints, events.jsonl and the tools reading them use these names, chosen when
-# partial saves were written for MoE experts alone (issue 13, layout 2 of issue 15); renaming
-# them would orphan saved checkpoints and the workdirs' readers, so they stay, here only.
+# partial saves were written for one scheme's experts alone (issue 13, layout 2 of issue 15):
+# renaming them would orphan saved checkpoints and the workdirs' readers, so they stay, here
+# only.
 ROWS_ITEM = "experts"  # the Orbax item of the row-stacked leaves (`layout`)
 ROWS_META = "expert_rows"  # meta: per leaf, the rows its array holds ({"of": n, "rows": [...]})
 V1_ROW_ITEM = r"^expert_l(\d+)_e(\d+)$"  # layout 1: one item per (stack, row)
@@ -55,7 +56,7 @@ def row_group(key: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class RowStacks:
     """Which leaves of the state are row-stacked: ``stack_of(key)`` (a leaf's ``"/"``-joined
-    path, ``params/layers/1/moe/w_in``) is the number of the stack it belongs to, None for
+    path, ``params/layers/1/attn/qkv/kernel``) is the number of the stack it belongs to, None for
     every other leaf."""
 
     stack_of: Callable[[str], int | None]
@@ -120,8 +121,8 @@ class PartialRows(Protocol):
     (`dynjax.dynamism.base.Plugin.checkpoint_rows`)."""
 
     stacks: RowStacks
-    ids: tuple[int, ...]  # the stacks (MoE: its layers)
-    rows: int  # rows per stack (MoE: E)
+    ids: tuple[int, ...]  # the stacks' numbers
+    rows: int  # rows per stack
     k: int  # rows per stack per save (two-level: per snapshot); 0: every save whole
     persist_k: int  # two-level: rows per stack per persist; 0: all its snapshot copied
 

@@ -96,7 +96,8 @@ class Plugin:
     - `before_step`: change the training state between two steps and report it as events;
     - `measure`: measure the state between two steps as host metrics of the next step;
     - `logged_metrics`: host metrics of its own that metrics.jsonl gets at logged steps;
-    - `checkpoint_rows`: its row-stacked leaves and the policy of partial saves of them.
+    - `checkpoint_rows`: its row-stacked leaves and the policy of partial saves of them;
+    - `report_plots` (class level): its plots in the run report (`dynjax.report`).
     """
 
     name: ClassVar[str] = ""
@@ -155,6 +156,14 @@ class Plugin:
         """(rows, d_model, hidden) of the GEMM whose speeds (`dynjax.dynamism.moe.speeds`) the
         enabled scheme's `initial_plan` reads from `RunLink.speeds`; None: it reads none."""
         return None
+
+    @classmethod
+    def report_plots(cls) -> Sequence[tuple[str, str, Callable, Callable, str]]:
+        """The scheme's own plots in the run report, as `dynjax.report.pngs.PLOTS` entries
+        (name, title, draw(run, figure), the reason to skip a run (None: draw), caption),
+        drawn from a workdir's files. Only the report (an edge) calls it: a scheme keeps its
+        report module out of its package's imports."""
+        return ()
 
     @classmethod
     def resumed_plan(cls, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:

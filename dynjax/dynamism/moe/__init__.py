@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -224,6 +224,13 @@ class MoEPlugin(Plugin):
         model = facts.model
         hidden = model.expert_mlp_dim or model.mlp_dim
         return _static_rows(moe, facts) // moe.chunks, model.d_model, hidden
+
+    @classmethod
+    def report_plots(cls) -> Sequence[tuple[str, str, Callable, Callable, str]]:
+        """Each expert's load against its capacity (`dynjax.dynamism.moe.report`)."""
+        from dynjax.dynamism.moe import report  # the report's, never a run's import
+
+        return report.PLOTS
 
     def checkpoint_rows(
         self, checkpoint: ml_collections.FrozenConfigDict, history: int
