@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from dynjax import report
+from dynjax.dynamism import BUILTIN, Plugin
 from dynjax.dynamism.moe.report import expert_load
+from dynjax.report.pngs import scheme_plots
 from dynjax.train import train
 
 from ..helpers import ROOT
@@ -387,3 +389,21 @@ def test_arrays_need_no_matplotlib(synthetic):
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def test_a_schemes_plots_come_from_its_plugin():
+    """`Plugin.report_plots`: the report draws each scheme's own plots after the run's loss and
+    throughput, in scheme order (MoE's expert load among the built-in ones)."""
+
+    class Toy(Plugin):
+        name = "toy"
+
+        @classmethod
+        def report_plots(cls):
+            return (("toy", "Toy", lambda run, fig: None, lambda run: "never drawn", "A toy."),)
+
+    assert [p[0] for p in scheme_plots(BUILTIN.with_(Toy))] == ["expert_load", "toy"]
+    assert [p[0] for p in report.PLOTS] == [
+        "loss", "throughput", "expert_load", "pipeline", "layer_costs", "freezing",
+        "freezing_metrics", "pruning",
+    ]  # fmt: skip
