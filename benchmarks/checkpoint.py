@@ -36,6 +36,7 @@ import psutil
 
 from dynjax.checkpoint import Checkpointer, layout
 from dynjax.config import default_config
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS, expert_layer
 from dynjax.experiment import Experiment
 
 
@@ -44,7 +45,7 @@ def save_layout1(directory: Path, step: int, state: Any) -> int:
     per (MoE layer, expert) with Adler-32 checksums; returns the item count."""
     items: dict[str, dict[str, np.ndarray]] = {layout.DENSE: {}}
     for key, arr in layout.flatten(jax.device_get(state)).items():
-        moe_layer = layout.expert_layer(key)
+        moe_layer = expert_layer(key)
         if moe_layer is None:
             items[layout.DENSE][key] = arr
             continue
@@ -132,14 +133,19 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {"layout 1": Path(tmp) / "old", "layout 2": Path(tmp) / "new"}
-        new = Checkpointer(dirs["layout 2"], keep=args.repeats + 1, async_save=False)
+        new = Checkpointer(
+            dirs["layout 2"], stacks=EXPERT_STACKS, keep=args.repeats + 1, async_save=False
+        )
         new.save(0, state, {})  # compiles the checksums
         save_layout1(dirs["layout 1"], 0, state)
         for step in range(1, args.repeats + 1):
             record("layout 1", "save", save_layout1, dirs["layout 1"], step, fresh())
             record("layout 2", "save", new.save, step, fresh(), {})
         new.close()
-        readers = {n: Checkpointer(d, keep=args.repeats + 1) for n, d in dirs.items()}
+        readers = {
+            n: Checkpointer(d, stacks=EXPERT_STACKS, keep=args.repeats + 1)
+            for n, d in dirs.items()
+        }
         for ckpt in readers.values():
             restore(ckpt, 0)  # compiles
         for step in range(1, args.repeats + 1):

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from dynjax.checkpoint import Checkpointer, layout
 from dynjax.config import default_config
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS
 from dynjax.experiment import Experiment
 from dynjax.model.facts import moe_layer_indices
 
@@ -74,8 +75,8 @@ def main() -> None:
         lambda a: jax.random.normal(next(keys), a.shape, a.dtype) if a.dtype.kind == "f" else a,
         exp.init_state(),
     )
-    params = layout.split(state["params"])
-    p_e = sum(a.size for a in params[layout.EXPERTS].values())
+    params = layout.split(state["params"], EXPERT_STACKS)
+    p_e = sum(a.size for a in params[layout.ROWS].values())
     p_ne = sum(a.size for a in params[layout.DENSE].values())
     layers, e = moe_layer_indices(cfg.model.num_layers, cfg.moe.every), args.experts
 
@@ -84,7 +85,7 @@ def main() -> None:
 
     def sequential(i: int, k: int) -> dict[int, list[int]]:
         """Seed 004 §3.2's sequential selection, interleaved across layers (a stand-in here:
-        the policy is `dynjax.checkpoint.pec`'s)."""
+        the policy is `dynjax.dynamism.moe.checkpoint`'s)."""
         return {layer: [(i * k + j + n) % e for j in range(k)] for n, layer in enumerate(layers)}
 
     rows = []
@@ -95,9 +96,11 @@ def main() -> None:
             for k in ks:
                 events: list[dict[str, Any]] = []
                 directory = Path(tmp) / f"size-{content}-{k}"
-                ckpt = Checkpointer(directory, keep=1, async_save=False, emit=events.append)
+                ckpt = Checkpointer(
+                    directory, stacks=EXPERT_STACKS, keep=1, async_save=False, emit=events.append
+                )
                 ckpt.save(1, state, {})  # every expert has a copy: the next save is partial
-                ckpt.save(2, state, {}, experts=sequential(1, k), content=content)
+                ckpt.save(2, state, {}, rows=sequential(1, k), content=content)
                 ckpt.close()
                 sizes[(k, content)] = (disk_bytes(directory / "2"), events[-1]["bytes"])
         full_disk, full_event = sizes[(e, "WO")]
@@ -116,12 +119,12 @@ def main() -> None:
             ckpt.save(0, fresh(), {})  # compiles the checksums; every expert has a copy
             ckpt.wait()
             if k is not None:
-                ckpt.save(1, fresh(), {}, experts=sequential(0, k))  # compiles the gathers
+                ckpt.save(1, fresh(), {}, rows=sequential(0, k))  # compiles the gathers
                 ckpt.wait()
             for i in range(2, args.repeats + 2):
                 arrays = fresh()
                 start = time.perf_counter()
-                ckpt.save(i, arrays, {}, experts=None if k is None else sequential(i, k))
+                ckpt.save(i, arrays, {}, rows=None if k is None else sequential(i, k))
                 blocking.setdefault(name, []).append(time.perf_counter() - start)
                 ckpt.wait()
             for _ in range(args.repeats + 1):  # the first compiles

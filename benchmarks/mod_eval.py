@@ -23,6 +23,7 @@ import numpy as np
 
 from dynjax.checkpoint import Checkpointer
 from dynjax.config import load_config
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS
 from dynjax.experiment import Experiment
 from dynjax.model.mod import ACCURACY, ROUTED
 from dynjax.parallel.step import forward_loss
@@ -60,8 +61,8 @@ def main() -> None:
         summary = train(exps["predictor"].cfg, workdir, progress=False)
         accuracy = {r["step"]: r[ACCURACY] for r in read_jsonl(workdir / "metrics.jsonl")
                     if ACCURACY in r}
-        checkpoints = Checkpointer(workdir / "checkpoints", keep=len(summary.checkpoints),
-                                   async_save=False)
+        checkpoints = Checkpointer(workdir / "checkpoints", stacks=EXPERT_STACKS,
+                                   keep=len(summary.checkpoints), async_save=False)
         for step in summary.checkpoints:
             host_state, _ = checkpoints.restore(step, exps["predictor"].abstract_state)
             losses = {}

@@ -20,8 +20,9 @@ from typing import Any
 import ml_collections
 
 from dynjax.balance import SCHEDULES, by_param, uniform
-from dynjax.checkpoint.pec import CONTENTS, SELECTIONS
+from dynjax.checkpoint.rows import CONTENTS
 from dynjax.dynamism import BUILTIN, Schemes
+from dynjax.dynamism.moe.checkpoint import SELECTIONS
 from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import GPTConfig
@@ -490,7 +491,7 @@ def _check_checkpoint(cfg: ml_collections.ConfigDict) -> None:
     """Partial expert checkpoint keys (seed 004 §3, §5.3)."""
     c, k = cfg.checkpoint, cfg.checkpoint.experts_per_save
     choices = {
-        "checkpoint.pec_content": (c.pec_content, CONTENTS),
+        "checkpoint.pec_content": (c.pec_content, tuple(CONTENTS)),
         "checkpoint.pec_selection": (c.pec_selection, SELECTIONS),
     }
     for key, (value, allowed) in choices.items():

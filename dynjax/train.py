@@ -32,20 +32,20 @@ import numpy as np
 from tqdm import tqdm
 
 from dynjax import config as config_lib
+from dynjax.checkpoint.rows import PartialRows
 from dynjax.checkpoint.snapshot import InjectedFault
 from dynjax.checkpoint.strategy import (
-    PLT,
     Checkpoints,
-    LedgerSettings,
-    PartialExpertCheckpoints,
+    PartialRowCheckpoints,
     TwoLevelCheckpoints,
     WholeCheckpoints,
     open_storage,
     restore_latest,
 )
 from dynjax.data import Batch, Prefetcher
-from dynjax.dynamism import BUILTIN, Schemes, layer_costs
+from dynjax.dynamism import BUILTIN, Plugin, Schemes, layer_costs
 from dynjax.dynamism.moe.caching import STABILITY, AssignmentCache
+from dynjax.dynamism.moe.checkpoint import PLT
 from dynjax.dynamism.moe.part import base_capacity, cached_routing_of, capacities_of, moe_context
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
@@ -334,26 +334,19 @@ def writable_directory(path: Path) -> None:
 
 
 def checkpoints_for(run: _Run) -> Checkpoints:
-    """The run's checkpoint strategy, chosen from its config: two-level with
-    ``checkpoint.snapshot_every``, else partial expert checkpoints with a ledger's K, else whole."""
+    """The run's checkpoint strategy, chosen from its config and the row-stacked leaves a
+    plugin declares (`partial_rows`): two-level with ``checkpoint.snapshot_every``, else
+    partial checkpoints when the declaring plugin's K is positive, else whole."""
     cfg, exp, c = run.cfg, run.exp, run.cfg.checkpoint
+    partial = partial_rows(exp.plugins, c, cfg.train.keep_checkpoints)
     storage = open_storage(
         run.root,
         run.peers,
         parted=run.peers is not None and bool(exp.ctx.pipeline_stages),
         keep=cfg.train.keep_checkpoints,
+        partial=partial,
         async_save=c.async_save,
         emit=run.events,
-    )
-    settings = LedgerSettings(
-        layers=tuple(exp.model_cfg.moe_layers),
-        num_experts=cfg.moe.num_experts,
-        ranks=cfg.mesh.expert,
-        k=ledger_k(cfg, exp.model_cfg.moe_layers),
-        selection=c.pec_selection,
-        plt_limit=c.plt_limit,
-        dynamic_k=c.dynamic_k,
-        history=cfg.train.keep_checkpoints,
     )
     common = dict(
         steps=cfg.train.steps,
@@ -365,24 +358,30 @@ def checkpoints_for(run: _Run) -> Checkpoints:
     if c.snapshot_every:
         return TwoLevelCheckpoints(
             storage,
-            settings,
+            partial,
             snapshot_every=c.snapshot_every,
             persist_every=c.persist_every,
-            persist_experts=c.persist_experts,
             rounds=Rounds(run.peers, "snapshot"),
             **common,
         )
-    kind = PartialExpertCheckpoints if settings.k else WholeCheckpoints
-    return kind(storage, settings, every=cfg.train.checkpoint_every, **common)
+    kind = PartialRowCheckpoints if partial is not None and partial.k else WholeCheckpoints
+    return kind(storage, partial, every=cfg.train.checkpoint_every, **common)
 
 
-def ledger_k(cfg: ml_collections.ConfigDict, moe_layers: Sequence[int]) -> int:
-    """K of the ledger: ``checkpoint.experts_per_save``, or with two-level checkpoints of an MoE
-    model K_snapshot (all: E); 0 = no ledger."""
-    c = cfg.checkpoint
-    if c.snapshot_every and moe_layers:
-        return c.snapshot_experts or cfg.moe.num_experts
-    return c.experts_per_save
+def partial_rows(
+    plugins: Sequence[Plugin], checkpoint: ml_collections.ConfigDict, history: int
+) -> PartialRows | None:
+    """The row-stacked leaves the run's plugins declare (`Plugin.checkpoint_rows`), from one
+    plugin at most: one checkpoint layout holds one scheme's rows."""
+    section = ml_collections.FrozenConfigDict(checkpoint)
+    declared = {p.name: p.checkpoint_rows(section, history) for p in plugins}
+    declared = {name: rows for name, rows in declared.items() if rows is not None}
+    if len(declared) > 1:
+        raise ConfigError(
+            f"the enabled schemes {sorted(declared)} each declare row-stacked leaves for "
+            "partial checkpoints; a run checkpoints the rows of one: turn the others off"
+        )
+    return next(iter(declared.values()), None)
 
 
 def restore(run: _Run, checkpoints: Checkpoints) -> tuple[Plan, int, Runtime]:

@@ -9,6 +9,6 @@ class CheckpointMismatch(CheckpointError):
     """An intact checkpoint that does not fit the model: an error of the run, not of the data."""
 
 
-class ExpertsMissing(CheckpointError):
-    """Some expert has no usable copy in any checkpoint up to the one restored: older steps
-    cannot serve it either, so no step is moved aside."""
+class RowsMissing(CheckpointError):
+    """Some row of a row-stacked leaf has no usable copy in any checkpoint up to the one
+    restored: older steps cannot serve it either, so no step is moved aside."""

@@ -53,10 +53,10 @@ class _ReplicaParallel(ocp.StandardCheckpointHandler):
 
 
 def whole_handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
-    """A manager's handlers for the dense and experts items of a checkpoint every process
+    """A manager's handlers for the dense and rows items of a checkpoint every process
     writes its shards into (the metadata item keeps Orbax's JSON handler)."""
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for item in (layout.DENSE, layout.EXPERTS):
+    for item in (layout.DENSE, layout.ROWS):
         handler = _ReplicaParallel()
         registry.add(item, ocp.args.StandardSave, handler)
         registry.add(item, ocp.args.StandardRestore, handler)
@@ -79,6 +79,6 @@ def part_handlers(alone: ocp.options.MultiprocessingOptions) -> dict[str, Any]:
     )
     return {
         layout.DENSE: tree(),
-        layout.EXPERTS: tree(),
+        layout.ROWS: tree(),
         META: ocp.JsonCheckpointHandler(multiprocessing_options=alone),
     }

@@ -1,47 +1,48 @@
-"""How training state is laid out in a checkpoint: three items, whatever the layers x experts.
+"""How training state is laid out in a checkpoint: three items, whatever the layers x rows.
 
 Layout 2 (written since issue 15 §2): a step directory holds
 
-- ``dense``: every leaf that is not an expert weight, under its ``"/"``-joined path
-  (``params/layers/1/attn/qkv/kernel``, ``opt_state/1/0/mu/...``);
-- ``experts``: every stacked expert leaf (``.../moe/w_in`` [E, ...], with its Adam moments and
-  pruning masks), one array per MoE layer and leaf as the state holds it. It is stored with one
-  storage chunk per expert (Orbax ``SaveArgs(shard_axes=(0,))`` splits the leading axis down to
-  1), so reading experts i, j of layer l reads those experts' chunks only (`read_rows`:
-  tensorstore reads chunk by chunk); any subset of experts of any layer can be restored;
+- ``dense``: every leaf that is not row-stacked (`rows.RowStacks`), under its ``"/"``-joined
+  path (``params/layers/1/attn/qkv/kernel``, ``opt_state/1/0/mu/...``);
+- `rows.ROWS_ITEM`: every row-stacked leaf (stacked expert weights [E, ...], with their Adam
+  moments and pruning masks), one array per leaf as the state holds it. It is stored with one
+  storage chunk per row (Orbax ``SaveArgs(shard_axes=(0,))`` splits the leading axis down to
+  1), so reading rows i, j of a leaf reads those rows' chunks only (`read_rows`: tensorstore
+  reads chunk by chunk); any subset of rows of any stack can be restored;
 - ``meta``: JSON: step, Plan, config, ``layout`` (2), ``qkv_columns`` and the checksums.
 
 ``qkv_columns`` ("per head", `QKV_COLUMNS`) says the fused attention projection's columns are
 stored per head (`dynjax.model.attention.qkv_per_head`); a checkpoint without it (written
 before) is reordered as it is restored (`read.qkv_columns_per_head`).
 
-The item count is fixed (3; 2 without MoE layers, which have no ``experts``) and the array count
-is the state's leaf count (it grows with layers, never with experts): 50 layers x 64 experts is
-3 items where layout 1 had 3,202. The arrays are
-the run's ``jax.Array``s as they are: Orbax writes each device's shards (one replica of each) and
-restores into ``jax.ShapeDtypeStruct`` targets carrying the current run's shardings, so a
-restore onto another ``mesh.data``/``mesh.expert``/``mesh.tensor`` or stage count reshards in
-Orbax and no host holds the whole state.
+The item count is fixed (3; 2 without row-stacked leaves) and the array count is the state's
+leaf count (it grows with layers, never with rows): 50 layers x 64 experts is 3 items where
+layout 1 had 3,202. The arrays are the run's ``jax.Array``s as they are: Orbax writes each
+device's shards (one replica of each) and restores into ``jax.ShapeDtypeStruct`` targets
+carrying the current run's shardings, so a restore onto another
+``mesh.data``/``mesh.expert``/``mesh.tensor`` or stage count reshards in Orbax and no host holds
+the whole state.
 
 Partial saves (MoC-System's partial expert checkpoints, seed 004 §3, issue 13) fit the same
-three items: a save of experts i, j of layer l writes in its ``experts`` item arrays of the
-chosen rows only ([K, ...], gathered on device by `take_rows`) and records in ``meta``
-``expert_rows`` which rows each array holds (`held_rows`); the restore assembles each expert's
-newest copy with `read_rows` from older steps. An expert leaf is part of its expert's weights
-(``params/...`` and the pruning keep masks, which say which of those weights exist) or of its
-optimizer state (the Adam moments): `expert_group`, what seed 004 §3's PEC_W / PEC_O select.
+three items: a save of rows i, j of a stack writes in its rows item arrays of the chosen rows
+only ([K, ...], gathered on device by `take_rows`) and records in ``meta`` (`rows.ROWS_META`)
+which rows each array holds (`held_rows`); the restore assembles each row's newest copy with
+`read_rows` from older steps. A row-stacked leaf is part of its row's weights (``params/...``
+and the pruning keep masks, which say which of those weights exist) or of its optimizer state
+(the Adam moments): `rows.row_group`, what seed 004 §3's PEC_W / PEC_O select.
 
 Integrity (`checksums`): per array, a pair of position-weighted sums of its 32-bit words modulo
 2^32 (``sum(w_i * (2i + 1))`` and ``sum(w_i * (i * 0x9E3779B9 | 1))``), computed by one jitted
 reduction on the devices that hold the shards: each device reduces its own shard and only the
-two words per array (per expert row, for expert arrays) leave the devices. Modular sums are
+two words per array (per row, for row-stacked arrays) leave the devices. Modular sums are
 exact in any order, so the value does not depend on the sharding: a restore onto another mesh
 verifies against what the save recorded. Every odd weight is invertible mod 2^32, so a change
 of one word always changes both sums; swapped words change them unless both weighted
-differences vanish. Expert arrays have one pair per row, so a subset restore is verified too.
+differences vanish. Row-stacked arrays have one pair per row, so a subset restore is verified
+too.
 
-Layout 1 (before issue 15): ``dense`` plus one item per (MoE layer, expert),
-``expert_l<layer>_e<expert>``, with host Adler-32 checksums; `read_layout1` still restores it.
+Layout 1 (before issue 15): ``dense`` plus one item per (stack, row), `rows.V1_ROW_NAME`, with
+host Adler-32 checksums; `read_layout1` still restores it.
 """
 
 from __future__ import annotations
@@ -62,18 +63,17 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
-from dynjax.parallel import is_expert_param
+from dynjax.checkpoint.rows import ROWS_ITEM, ROWS_META, V1_ROW_ITEM, V1_ROW_NAME, RowStacks
 
 LAYOUT = 2
 QKV_COLUMNS = "per head"  # meta["qkv_columns"]: the fused projection's columns, per head
 QKV_LEAVES = ("attn/qkv/kernel", "attn/qkv/bias")  # with their Adam moments and pruning masks
-DENSE, EXPERTS = "dense", "experts"
-WEIGHTS, OPTIMIZER = "weights", "optimizer"
-_V1_EXPERT_ITEM = re.compile(r"^expert_l(\d+)_e(\d+)$")
+DENSE, ROWS = "dense", ROWS_ITEM
+_V1_ROW_ITEM = re.compile(V1_ROW_ITEM)
 
 
 def key_of(path: tuple) -> str:
-    """A stable string for a pytree path: ``params/layers/1/moe/w_in``."""
+    """A stable string for a pytree path: ``params/layers/1/attn/qkv/kernel``."""
     parts = []
     for k in path:
         for attr in ("key", "name", "idx"):
@@ -92,27 +92,12 @@ def unflatten_like(template: Any, flat: Mapping[str, Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [flat[key_of(p)] for p, _ in paths])
 
 
-def expert_layer(key: str) -> int | None:
-    """Model layer of an expert leaf's key (the index after ``layers``), else None."""
-    names = key.split("/")
-    if not (len(names) >= 2 and is_expert_param(tuple(jax.tree_util.DictKey(n) for n in names))):
-        return None
-    return int(names[names.index("layers") + 1])
-
-
-def expert_group(key: str) -> str:
-    """`WEIGHTS` for an expert leaf of the parameters or of the pruning keep masks (a mask
-    says which weights exist, so it is saved with them), else `OPTIMIZER` (Adam moments)."""
-    names = key.split("/")
-    return WEIGHTS if names[0] == "params" or "masks" in names else OPTIMIZER
-
-
-def split(tree: Any) -> dict[str, dict[str, Any]]:
-    """The leaves of ``tree`` (arrays or ShapeDtypeStructs) as the ``dense`` and ``experts``
-    items, each ``{key: leaf}``."""
-    items: dict[str, dict[str, Any]] = {DENSE: {}, EXPERTS: {}}
+def split(tree: Any, rows: RowStacks) -> dict[str, dict[str, Any]]:
+    """The leaves of ``tree`` (arrays or ShapeDtypeStructs) as the `DENSE` and `ROWS` items,
+    each ``{key: leaf}``; ``rows`` says which leaves are row-stacked."""
+    items: dict[str, dict[str, Any]] = {DENSE: {}, ROWS: {}}
     for key, leaf in flatten(tree).items():
-        items[EXPERTS if expert_layer(key) is not None else DENSE][key] = leaf
+        items[ROWS if rows.stacked(key) else DENSE][key] = leaf
     return items
 
 
@@ -163,15 +148,18 @@ def _sums(x: jax.Array, rows: bool) -> jax.Array:
     return jnp.stack([s1, s2], axis=-1)
 
 
-def _group_sums(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return {k: _sums(a, expert_layer(k) is not None) for k, a in arrays.items()}
+def _group_sums(
+    arrays: dict[str, jax.Array], stacked: frozenset[str]
+) -> dict[str, jax.Array]:
+    return {k: _sums(a, k in stacked) for k, a in arrays.items()}
 
 
 @functools.cache
-def _sums_to(out: jax.sharding.Sharding) -> Any:
-    """`_group_sums` jitted with its sums replicated on ``out``'s devices: in a multi-process
-    run every process then reads the same sums of the global arrays from a device of its own."""
-    return jax.jit(_group_sums, out_shardings=out)
+def _sums_to(out: jax.sharding.Sharding, stacked: frozenset[str]) -> Any:
+    """`_group_sums` of the row-stacked keys ``stacked`` jitted with its sums replicated on
+    ``out``'s devices: in a multi-process run every process then reads the same sums of the
+    global arrays from a device of its own."""
+    return jax.jit(functools.partial(_group_sums, stacked=stacked), out_shardings=out)
 
 
 def _replicated_on(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -191,17 +179,17 @@ def _describe(dtype: Any, shape: tuple[int, ...], words: np.ndarray) -> str:
     return f"{describe_shape(dtype, shape)}:{int(words[0]):08x}{int(words[1]):08x}"
 
 
-def shapes(flat: Mapping[str, Any]) -> dict[str, str]:
-    """Per key ``"<dtype>[shape]"`` as its checksum begins (an expert leaf: of one row), to tell
-    from the metadata alone whether a checkpoint fits a model."""
+def shapes(flat: Mapping[str, Any], rows: RowStacks) -> dict[str, str]:
+    """Per key ``"<dtype>[shape]"`` as its checksum begins (a row-stacked leaf: of one row), to
+    tell from the metadata alone whether a checkpoint fits a model."""
     return {
-        k: describe_shape(a.dtype, a.shape if expert_layer(k) is None else a.shape[1:])
+        k: describe_shape(a.dtype, a.shape[1:] if rows.stacked(k) else a.shape)
         for k, a in flat.items()
     }
 
 
-def checksums(flat: Mapping[str, jax.Array]) -> dict[str, str | list[str]]:
-    """Per key: ``"<dtype>[shape]:<sums>"``; for expert leaves one such string per row.
+def checksums(flat: Mapping[str, jax.Array], rows: RowStacks) -> dict[str, str | list[str]]:
+    """Per key: ``"<dtype>[shape]:<sums>"``; for row-stacked leaves one such string per row.
 
     One jitted reduction per set of devices (a pipeline stage holds its leaves on its own
     sub-mesh), each device reducing the shards it holds; only the sums are copied to host. The
@@ -215,19 +203,20 @@ def checksums(flat: Mapping[str, jax.Array]) -> dict[str, str | list[str]]:
     out: dict[str, str | list[str]] = {}
     for arrays in groups.values():
         first = next(iter(arrays.values())).sharding
-        sums = jax.device_get(_sums_to(_replicated_on(first))(arrays))
+        stacked = frozenset(k for k in arrays if rows.stacked(k))
+        sums = jax.device_get(_sums_to(_replicated_on(first), stacked)(arrays))
         for key, a in arrays.items():
-            if expert_layer(key) is None:
-                out[key] = _describe(a.dtype, a.shape, sums[key])
-            else:
+            if key in stacked:
                 out[key] = [_describe(a.dtype, a.shape[1:], row) for row in sums[key]]
+            else:
+                out[key] = _describe(a.dtype, a.shape, sums[key])
     return out
 
 
 def _row_sharding(sharding: jax.sharding.Sharding, rows: int) -> jax.sharding.Sharding:
     """Where ``rows`` rows cut from an array in ``sharding`` go: the same spec when the
-    expert axis still divides them (each device keeps its own experts' rows), else that axis
-    replicated; the other axes (data, tensor) stay split."""
+    leading axis's mesh axes still divide them (each device keeps its own rows), else that
+    axis replicated; the other axes (data, tensor) stay split."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
     spec = list(sharding.spec) or [None]
@@ -244,7 +233,7 @@ def _take(a: jax.Array, idx: jax.Array, out: jax.sharding.Sharding) -> jax.Array
 
 
 def take_rows(a: jax.Array, rows: Sequence[int], *, everywhere: bool = False) -> jax.Array:
-    """Rows ``rows`` of a stacked expert array, [len(rows), ...], gathered on the devices that
+    """Rows ``rows`` of a row-stacked array, [len(rows), ...], gathered on the devices that
     hold them (no host copy of the whole array); ``everywhere``: replicated over them, so that
     every process of a program over several can read the rows whole."""
     out = _replicated_on(a.sharding) if everywhere else _row_sharding(a.sharding, len(rows))
@@ -252,21 +241,22 @@ def take_rows(a: jax.Array, rows: Sequence[int], *, everywhere: bool = False) ->
 
 
 def held_rows(meta: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Per expert leaf, the rows (experts, ascending) a layout-2 checkpoint holds, in the order
-    its stored array holds them; a checkpoint written before partial saves holds all rows.
-    Empty for other layouts."""
+    """Per row-stacked leaf, the rows (ascending) a layout-2 checkpoint holds, in the order its
+    stored array holds them; a checkpoint written before partial saves holds all rows. Empty
+    for other layouts."""
     if meta.get("layout") != LAYOUT:
         return {}
-    recorded = meta.get("expert_rows")
+    recorded = meta.get(ROWS_META)
     if recorded is not None:
         return {k: tuple(v["rows"]) for k, v in recorded.items()}
     sums = meta.get("checksums", {})
     return {k: tuple(range(len(v))) for k, v in sums.items() if isinstance(v, list)}
 
 
-def expert_count(meta: Mapping[str, Any], key: str) -> int:
-    """E of the expert leaf ``key`` in a layout-2 checkpoint (its stored array may hold fewer)."""
-    recorded = meta.get("expert_rows")
+def row_count(meta: Mapping[str, Any], key: str) -> int:
+    """Rows of the row-stacked leaf ``key`` in a layout-2 checkpoint (its stored array may hold
+    fewer)."""
+    recorded = meta.get(ROWS_META)
     if recorded is not None:
         return int(recorded[key]["of"])
     return len(meta["checksums"][key])
@@ -275,7 +265,7 @@ def expert_count(meta: Mapping[str, Any], key: str) -> int:
 def read_rows(item_dir: Path, key: str, rows: Sequence[int]) -> np.ndarray:
     """Rows ``rows`` of the array ``key`` of an Orbax item, [len(rows), ...], read through
     tensorstore from Orbax's own spec of that array: only the chunks holding those rows are
-    read (one chunk per expert in ``experts``)."""
+    read (one chunk per row in `ROWS`)."""
     return np.asarray(_open_array(item_dir, key)[list(rows)].read().result())
 
 
@@ -297,40 +287,41 @@ def _open_array(item_dir: Path, key: str) -> ts.TensorStore:
     return ts.open(spec, open=True, context=context).result()
 
 
-# -- layout 1: one item per (MoE layer, expert), host Adler-32 checksums ----------------------
+# -- layout 1: one item per (stack, row), host Adler-32 checksums -------------------------------
 
 
-def parse_v1_expert_item(name: str) -> tuple[int, int] | None:
-    match = _V1_EXPERT_ITEM.match(name)
+def parse_v1_row_item(name: str) -> tuple[int, int] | None:
+    """(stack, row) of a layout-1 row item's name, else None."""
+    match = _V1_ROW_ITEM.match(name)
     return (int(match[1]), int(match[2])) if match else None
 
 
-def v1_items(template: Any) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+def v1_items(template: Any, rows: RowStacks) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
     """The items a layout-1 checkpoint of ``template``'s model holds, with their shapes."""
     items: dict[str, dict[str, jax.ShapeDtypeStruct]] = {DENSE: {}}
     for key, leaf in flatten(template).items():
-        layer = expert_layer(key)
-        if layer is None:
+        stack = rows.stack_of(key)
+        if stack is None:
             items[DENSE][key] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
             continue
-        for e in range(leaf.shape[0]):
+        for r in range(leaf.shape[0]):
             row = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-            items.setdefault(f"expert_l{layer}_e{e}", {})[key] = row
+            items.setdefault(V1_ROW_NAME.format(stack=stack, row=r), {})[key] = row
     return items
 
 
 def v1_join(items: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Flat host arrays from layout-1 items: expert slices stacked back in expert order."""
+    """Flat host arrays from layout-1 items: row slices stacked back in row order."""
     flat: dict[str, np.ndarray] = dict(items[DENSE])
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name, item in items.items():
-        parsed = parse_v1_expert_item(name)
+        parsed = parse_v1_row_item(name)
         if parsed is None:
             continue
         for key, arr in item.items():
             stacks.setdefault(key, {})[parsed[1]] = arr
-    for key, by_expert in stacks.items():
-        flat[key] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    for key, by_row in stacks.items():
+        flat[key] = np.stack([by_row[r] for r in range(len(by_row))])
     return flat
 
 

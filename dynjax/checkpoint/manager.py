@@ -7,20 +7,22 @@ complete, so a killed process never leaves a checkpoint that looks finished. The
 computed on the devices that hold the shards (`layout.checksums`). A restore reads each shard
 straight onto its device in the shardings of the target it is given (the current run's), so a
 run may resume on another ``mesh.data``/``mesh.expert``/``mesh.tensor`` or stage count, and
-verifies the checksums there: no host holds the whole state on save or restore.
+verifies the checksums there: no host holds the whole state on save or restore. Which leaves
+are row-stacked (`rows.RowStacks`) the scheme that has them declares.
 
 A checkpoint that cannot be read or verified is moved aside to ``corrupt/<step>-<time>`` (kept
 for a person to inspect, never deleted) and the previous one is used; moving it also frees its
 step for the next save and keeps it out of ``keep``. A checkpoint that is intact but does not fit
 the model (other leaves, shapes or dtypes, told by its metadata before any array is read) is an
 error, never moved. A save that Orbax refuses or that fails is an event and a warning, never a
-success. Checkpoints of layout 1 (one item per expert) still restore, through host memory.
+success. Checkpoints of layout 1 (one item per row) still restore, through host memory.
 
-Partial expert checkpoints (PEC, seed 004 §3): a save may hold only K of the E experts of each
-MoE layer, for the weights, the optimizer state or both (``content`` W / O / WO). A restore then
-assembles each expert from the newest step that saved it (`restore_latest`), a step is kept on
-disk while it holds the newest copy of any expert (`_NewestCopies`), and a save never leaves an
-expert without any copy (`Checkpointer.save` adds it).
+Partial checkpoints (seed 004 §3's partial expert checkpoints, for any row-stacked leaves): a
+save may hold only K of the rows of each stack, for the weights, the optimizer state or both
+(``content`` W / O / WO). A restore then assembles each row from the newest step that saved it
+(`restore_latest`), a step is kept on disk while it holds the newest copy of any row
+(`_NewestCopies`), and a save never leaves a row without any copy (`Checkpointer.save` adds
+it).
 
 Multi-process runs (issue 15 §4, issue 13 §5): every process calls save and restore with the
 same global arrays; each writes the shards its devices hold into its own ``ocdbt.process_<i>``
@@ -51,25 +53,28 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from dynjax.checkpoint import layout
-from dynjax.checkpoint.errors import CheckpointError, CheckpointMismatch, ExpertsMissing
+from dynjax.checkpoint.errors import CheckpointError, CheckpointMismatch, RowsMissing
 from dynjax.checkpoint.handlers import part_handlers, whole_handlers
 from dynjax.checkpoint.read import META, Copies, StepReader, everywhere
+from dynjax.checkpoint.rows import (
+    CONTENTS,
+    ROW,
+    ROWS_META,
+    SAVED_EVENT,
+    STACK,
+    Rows,
+    RowStacks,
+    row_group,
+)
 
 log = logging.getLogger(__name__)
 QUARANTINE = "corrupt"  # beside the steps; Orbax lists only integer step directories
 
-# Seed 004 §3's PEC_W, PEC_O and PEC_WO: the expert groups a partial save cuts to K experts.
-CONTENTS = {
-    "W": {layout.WEIGHTS},
-    "O": {layout.OPTIMIZER},
-    "WO": {layout.WEIGHTS, layout.OPTIMIZER},
-}
-
 
 class _NewestCopies:
     """Orbax preservation policy: keep the ``keep`` newest steps and every step holding the
-    newest saved copy of some (expert leaf, row), so that `Checkpointer.restore_latest` finds
-    every expert's newest copy (seed 004 §3: a PEC step alone does not hold the model).
+    newest saved copy of some (row-stacked leaf, row), so that `Checkpointer.restore_latest`
+    finds every row's newest copy (seed 004 §3: a partial step alone does not hold the model).
 
     Orbax asks it inside ``CheckpointManager.save``, after listing the new step, and deletes
     what it refuses once the new step is committed (a failed save deletes nothing)."""
@@ -88,20 +93,22 @@ class _NewestCopies:
 
 
 class Checkpointer:
-    """Save and restore ``{"params": ..., "opt_state": ...}`` plus JSON metadata per step."""
+    """Save and restore ``{"params": ..., "opt_state": ...}`` plus JSON metadata per step;
+    ``stacks``: which leaves are row-stacked (`NO_ROWS`: none)."""
 
     def __init__(
         self,
         directory: Path,
         *,
         keep: int,
+        stacks: RowStacks,
         async_save: bool = True,
         emit: Callable[[dict[str, Any]], None] = lambda event: None,
         part: int | None = None,
     ):
         """``part``: this process's part of a pipeline over processes (`dynjax.checkpoint.parts`),
         written by this process alone (`_lift`); `parts.Sources` reads it back."""
-        self.emit, self.part = emit, part
+        self.emit, self.part, self.stacks = emit, part, stacks
         self._copies: dict[int, Copies] = {}
         extra, handlers, registry = {}, None, whole_handlers()
         if part is not None:
@@ -127,7 +134,7 @@ class Checkpointer:
             item_handlers=handlers,
             handler_registry=registry,
         )
-        self._reader = StepReader(self._manager, emit)
+        self._reader = StepReader(self._manager, stacks, emit)
         for step in self.all_steps():
             try:
                 self._copies[step] = layout.held_rows(self._reader.read_meta(step))
@@ -142,18 +149,18 @@ class Checkpointer:
         step: int,
         state: Any,
         meta: dict[str, Any],
-        experts: Mapping[int, Sequence[int]] | None = None,
+        rows: Rows | None = None,
         content: str = "WO",
     ) -> bool:
         """Start saving ``state`` (a pytree of jax.Arrays) at ``step``; returns once each
         device's shards are copied to host (the next step may donate the arrays).
 
-        ``experts`` (MoE layer -> expert rows; None: all) saves only those experts of each
-        MoE layer (PEC, seed 004 §3) for the leaves ``content`` names: ``"W"`` the experts'
-        weights, ``"O"`` their optimizer state, ``"WO"`` both; the other leaves and the dense
-        item are whole. The chosen rows are gathered on the devices that hold them, and a row
-        of which no step on disk holds a copy (a first save, or after a quarantine) is saved
-        too, so that every checkpoint restores; the ``checkpoint`` event lists the rows saved.
+        ``rows`` (stack -> rows; None: all) saves only those rows of each stack (seed 004 §3)
+        for the leaves ``content`` names: ``"W"`` the rows' weights, ``"O"`` their optimizer
+        state, ``"WO"`` both; the other leaves and the dense item are whole. The chosen rows
+        are gathered on the devices that hold them, and a row of which no step on disk holds a
+        copy (a first save, or after a quarantine) is saved too, so that every checkpoint
+        restores; the ``checkpoint`` event lists the rows saved (`rows.SAVED_EVENT`).
 
         Returns whether the save was started. A save Orbax refuses (the step exists, or is not
         newer than the latest) or that raises (including an earlier asynchronous save's error,
@@ -161,27 +168,26 @@ class Checkpointer:
         goes on and later saves are still tried.
         """
         start = time.perf_counter()
-        items = layout.split(state)
-        rows = self._rows_to_save(items[layout.EXPERTS], experts, content)
-        expert_rows = {
-            k: {"of": int(a.shape[0]), "rows": list(rows[k])}
-            for k, a in items[layout.EXPERTS].items()
+        items = layout.split(state, self.stacks)
+        held = self._rows_to_save(items[layout.ROWS], rows, content)
+        recorded = {
+            k: {"of": int(a.shape[0]), "rows": list(held[k])} for k, a in items[layout.ROWS].items()
         }
-        items[layout.EXPERTS] = {
-            k: a if rows[k] == tuple(range(a.shape[0])) else layout.take_rows(a, rows[k])
-            for k, a in items[layout.EXPERTS].items()
+        items[layout.ROWS] = {
+            k: a if held[k] == tuple(range(a.shape[0])) else layout.take_rows(a, held[k])
+            for k, a in items[layout.ROWS].items()
         }
-        flat = {**items[layout.DENSE], **items[layout.EXPERTS]}
+        flat = {**items[layout.DENSE], **items[layout.ROWS]}
         meta = {
             **meta,
             "step": step,
             "layout": layout.LAYOUT,
             "qkv_columns": layout.QKV_COLUMNS,
-            "checksums": layout.checksums(flat),
-            "expert_rows": expert_rows,
+            "checksums": layout.checksums(flat, self.stacks),
+            ROWS_META: recorded,
         }
         previous, args = self._copies.get(step), {}
-        self._copies[step] = rows  # what the preservation policy weighs during the save
+        self._copies[step] = held  # what the preservation policy weighs during the save
         try:
             args = self._save_args(items)
             started = self._manager.save(
@@ -202,16 +208,16 @@ class Checkpointer:
             self.emit({"event": "checkpoint_failed", "step": step, "error": error})
             return False
         saved: dict[str, list[int]] = {}
-        for key, held in rows.items():
-            if layout.expert_group(key) in CONTENTS[content]:
-                saved.setdefault(str(layout.expert_layer(key)), list(held))
+        for key, kept in held.items():
+            if row_group(key) in CONTENTS[content]:
+                saved.setdefault(str(self.stacks.stack_of(key)), list(kept))
         self.emit(
             {
                 "event": "checkpoint",
                 "step": step,
                 "items": len(args) + 1,
                 "bytes": int(sum(a.nbytes for a in flat.values())),
-                "experts_saved": saved,
+                SAVED_EVENT: saved,
                 "pec_content": content,
                 "blocking_seconds": round(time.perf_counter() - start, 4),
             }
@@ -219,11 +225,11 @@ class Checkpointer:
         return True
 
     def _save_args(self, items: dict[str, dict[str, jax.Array]]) -> dict[str, Any]:
-        """Orbax's arguments for each non-empty item (a model without MoE layers has no
-        ``experts`` item; a part of a process with no stage has neither)."""
-        # One storage chunk per expert: a later read of a few experts touches only theirs.
-        per_expert = ocp.SaveArgs(shard_axes=(0,))
-        chunks = {layout.EXPERTS: layout.nest({k: per_expert for k in items[layout.EXPERTS]})}
+        """Orbax's arguments for each non-empty item (a state without row-stacked leaves has no
+        `layout.ROWS` item; a part of a process with no stage has neither)."""
+        # One storage chunk per row: a later read of a few rows touches only theirs.
+        per_row = ocp.SaveArgs(shard_axes=(0,))
+        chunks = {layout.ROWS: layout.nest({k: per_row for k in items[layout.ROWS]})}
         save = ocp.args.StandardSave
         if self._lifted:
             others = [d for d in jax.devices() if d.process_index != jax.process_index()]
@@ -236,41 +242,38 @@ class Checkpointer:
         }
 
     def _rows_to_save(
-        self,
-        leaves: Mapping[str, Any],
-        experts: Mapping[int, Sequence[int]] | None,
-        content: str,
+        self, leaves: Mapping[str, Any], rows: Rows | None, content: str
     ) -> Copies:
-        """Per expert leaf, the rows this save writes (see `save`)."""
+        """Per row-stacked leaf, the rows this save writes (see `save`)."""
         if content not in CONTENTS:
             raise ValueError(f"content={content!r}: use one of {sorted(CONTENTS)} (seed 004 §3)")
-        counts = {layout.expert_layer(k): int(a.shape[0]) for k, a in leaves.items()}
-        if experts is not None:
-            if set(experts) != set(counts):
+        counts = {self.stacks.stack_of(k): int(a.shape[0]) for k, a in leaves.items()}
+        if rows is not None:
+            if set(rows) != set(counts):
                 raise ValueError(
-                    f"experts names MoE layers {sorted(experts)}, the state has {sorted(counts)}: "
-                    "give the rows to save for each MoE layer (or experts=None for all)"
+                    f"rows names {STACK}s {sorted(rows)}, the state has {sorted(counts)}: give "
+                    f"the rows to save for each {STACK} (or rows=None for all)"
                 )
-            for moe_layer, chosen in experts.items():
-                bad = [e for e in chosen if not 0 <= e < counts[moe_layer]]
+            for stack, chosen in rows.items():
+                bad = [r for r in chosen if not 0 <= r < counts[stack]]
                 if bad or not chosen or len(set(chosen)) != len(chosen):
                     raise ValueError(
-                        f"experts[{moe_layer}] = {list(chosen)}: give distinct experts in "
-                        f"[0, {counts[moe_layer]}), at least one"
+                        f"{ROW}s[{stack}] = {list(chosen)}: give distinct rows in "
+                        f"[0, {counts[stack]}), at least one"
                     )
         have = {(k, r) for copies in self._copies.values() for k, rs in copies.items() for r in rs}
         chosen_rows: dict[int, set[int]] = {}
         for key in leaves:
-            moe_layer = layout.expert_layer(key)
-            if experts is None:
-                chosen_rows[moe_layer] = set(range(counts[moe_layer]))
+            stack = self.stacks.stack_of(key)
+            if rows is None:
+                chosen_rows[stack] = set(range(counts[stack]))
                 continue
-            picked = chosen_rows.setdefault(moe_layer, set(experts[moe_layer]))
-            if layout.expert_group(key) in CONTENTS[content]:
-                picked |= {r for r in range(counts[moe_layer]) if (key, r) not in have}
+            picked = chosen_rows.setdefault(stack, set(rows[stack]))
+            if row_group(key) in CONTENTS[content]:
+                picked |= {r for r in range(counts[stack]) if (key, r) not in have}
         return {
-            k: tuple(sorted(chosen_rows[layout.expert_layer(k)]))
-            if layout.expert_group(k) in CONTENTS[content]
+            k: tuple(sorted(chosen_rows[self.stacks.stack_of(k)]))
+            if row_group(k) in CONTENTS[content]
             else tuple(range(int(a.shape[0])))
             for k, a in leaves.items()
         }
@@ -286,8 +289,8 @@ class Checkpointer:
         moves nothing. A checkpoint whose metadata or dense part fails to read or verify is
         quarantined and the previous one is tried.
 
-        Each expert comes from the newest step up to that one that saved it (`restore`);
-        ``meta["expert_sources"]`` says which.
+        Each row comes from the newest step up to that one that saved it (`restore`);
+        ``meta[rows.SOURCES]`` says which.
         """
         steps = self.all_steps()
         for step in reversed(steps):
@@ -301,9 +304,7 @@ class Checkpointer:
             template = target(meta)
             try:
                 state, error = self._reader.restore_items(step, template, meta), None
-            except CheckpointMismatch:
-                raise
-            except ExpertsMissing:
+            except (CheckpointMismatch, RowsMissing):
                 raise
             except Exception as err:  # noqa: BLE001 - any failure means: fall back to an older one
                 state, error = None, err
@@ -320,48 +321,45 @@ class Checkpointer:
 
     def restore(self, step: int, template: Any) -> tuple[Any, dict[str, Any]]:
         """The state as of ``step`` (nothing moved), as (state, meta), placed with
-        ``template``'s shardings: its dense part from ``step``, each expert (weights and
-        optimizer state separately) from the newest step up to ``step`` that holds a copy
-        that reads and verifies.
+        ``template``'s shardings: its dense part from ``step``, each row of a row-stacked leaf
+        (weights and optimizer state separately) from the newest step up to ``step`` that holds
+        a copy that reads and verifies.
 
-        ``meta["expert_sources"]`` is ``{layer: {"weights": [step per expert], "optimizer":
-        [...]}}``. A copy of an expert that fails to read or verify is a warning and a
-        ``checkpoint_expert_fallback`` event, and the copy before it is used. The step that
-        held it is not moved aside: its dense part and its other experts are the newest state
-        there is, and the one lost expert costs only its updates since its previous copy (the
-        loss PEC accepts by design, seed 004 §3.1.2), where moving the step aside would roll
-        every expert back. An expert with no usable copy is `ExpertsMissing`.
+        ``meta[rows.SOURCES]`` is ``{stack: {"weights": [step per row], "optimizer":
+        [...]}}``. A copy of a row that fails to read or verify is a warning and a
+        `rows.FALLBACK_EVENT` event, and the copy before it is used. The step that held it is
+        not moved aside: its dense part and its other rows are the newest state there is, and
+        the one lost row costs only its updates since its previous copy (the loss PEC accepts
+        by design, seed 004 §3.1.2), where moving the step aside would roll every row back. A
+        row with no usable copy is `RowsMissing`.
         """
         meta = self._reader.read_meta(step)
         return self._reader.restore_items(step, template, meta), meta
 
-    def restore_experts(
-        self, step: int, key: str, experts: Sequence[int]
-    ) -> np.ndarray:
-        """Rows ``experts`` of the expert leaf ``key`` (e.g. ``params/layers/1/moe/w_in``) of
-        the checkpoint at ``step``, [len(experts), ...], verified: only those experts' chunks
-        are read (the module docstring of `layout`). What a partial restore builds on."""
+    def restore_rows(self, step: int, key: str, rows: Sequence[int]) -> np.ndarray:
+        """Rows ``rows`` of the row-stacked leaf ``key`` of the checkpoint at ``step``,
+        [len(rows), ...], verified: only those rows' chunks are read (the module docstring of
+        `layout`). What a partial restore builds on."""
         meta = self._reader.read_meta(step)
         held = layout.held_rows(meta).get(key)
         if held is None:
             raise CheckpointMismatch(
-                f"step {step} holds no expert array {key!r} in layout {layout.LAYOUT}"
+                f"step {step} holds no row-stacked array {key!r} in layout {layout.LAYOUT}"
             )
-        missing = sorted(set(experts) - set(held))
+        missing = sorted(set(rows) - set(held))
         if missing:
-            raise CheckpointMismatch(f"step {step} {key} holds experts {list(held)}, not {missing}")
-        rows = layout.read_rows(
-            self._reader.step_dir(step) / layout.EXPERTS, key, [held.index(e) for e in experts]
+            raise CheckpointMismatch(f"step {step} {key} holds rows {list(held)}, not {missing}")
+        got = layout.read_rows(
+            self._reader.step_dir(step) / layout.ROWS, key, [held.index(r) for r in rows]
         )
-        got = layout.checksums({key: jnp.asarray(rows)})[key]
-        sums = meta["checksums"][key]
-        for e, row_sum in zip(experts, got, strict=True):
-            if row_sum != sums[held.index(e)]:
+        sums = layout.checksums({key: jnp.asarray(got)}, self.stacks)[key]
+        saved = meta["checksums"][key]
+        for r, row_sum in zip(rows, sums, strict=True):
+            if row_sum != saved[held.index(r)]:
                 raise CheckpointError(
-                    f"step {step} {key} expert {e}: checksum mismatch (corrupted data)"
+                    f"step {step} {key} {ROW} {r}: checksum mismatch (corrupted data)"
                 )
-        return rows
-
+        return got
 
     def _quarantine(self, step: int, err: Exception) -> None:
         """Move the unusable checkpoint at ``step`` aside (never delete what a run trained):

@@ -15,11 +15,11 @@ verified against the checksum its writer recorded. The processes agree on every 
 (`Peers`); an unusable step, and the parts of a step some process never finished, are moved
 aside to ``corrupt/`` (never deleted), which also frees their step numbers for later saves.
 
-Partial expert saves (PEC, seed 004 §3): every process's ledger chooses the same experts per
-MoE layer and each part saves those of its own stages' layers (a part that has never saved a
-layer, e.g. after a migration brought it there, saves all its experts once). A restore takes
-each expert from the newest complete step up to the restored one whose source holding the
-layer then has a copy that verifies, which may be another process's part than the newest
+Partial saves of row-stacked leaves (seed 004 §3): every process's row policy chooses the same
+rows per stack and each part saves those of its own stages' stacks (a part that has never saved
+a stack, e.g. after a migration brought its layer there, saves all its rows once). A restore
+takes each row from the newest complete step up to the restored one whose source holding the
+stack then has a copy that verifies, which may be another process's part than the newest
 step's when the layer has moved between processes since.
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dynjax.checkpoint import layout
-from dynjax.checkpoint.errors import CheckpointError, CheckpointMismatch, ExpertsMissing
+from dynjax.checkpoint.errors import CheckpointError, CheckpointMismatch, RowsMissing
 from dynjax.checkpoint.manager import Checkpointer, quarantine_target
 from dynjax.checkpoint.read import META, Slot, check_fits, qkv_columns_per_head, resolve_slot
+from dynjax.checkpoint.rows import SOURCES, Rows, RowStacks, row_group
 from dynjax.parallel.peers import Peers, Rounds
 
 log = logging.getLogger(__name__)
@@ -153,16 +154,17 @@ class Sources:
         step: int,
         sources: list[Path],
         template: dict[str, Any],
+        stacks: RowStacks,
         emit: Callable[[dict[str, Any]], None] = lambda event: None,
         complete: dict[int, list[Path]] | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The leaves ``template`` names (key -> ShapeDtypeStruct) as of ``step``, host arrays
         each verified against its writer's checksum, and the step's metadata (the first
         source's). A leaf no source holds, or holds in another shape, is `CheckpointMismatch`;
-        an unreadable or corrupted one raises (the step is unusable). An expert leaf the step
-        saved in part (PEC) is assembled (`_assemble`) from the steps of ``complete`` (the
-        listing every process agreed on; None: this process's); the metadata's
-        ``expert_sources`` says where each of this process's experts came from."""
+        an unreadable or corrupted one raises (the step is unusable). A row-stacked leaf
+        (``stacks``) the step saved in part is assembled (`_assemble`) from the steps of
+        ``complete`` (the listing every process agreed on; None: this process's); the
+        metadata's `rows.SOURCES` says where each of this process's rows came from."""
         metas = [self.meta(directory, step) for directory in sources]
         holder: dict[str, tuple[Path, dict[str, Any]]] = {}
         for directory, meta in zip(sources, metas, strict=True):
@@ -178,50 +180,50 @@ class Sources:
         check_fits(
             step,
             {k: holder[k][1]["checksums"][k] for k in template if k in holder},
-            layout.shapes(template),
+            layout.shapes(template, stacks),
         )
         out, partial, sources_of = {}, {}, {}
         for key, leaf in template.items():
             directory, meta = holder[key]
             saved = meta["checksums"][key]
-            expert = isinstance(saved, list)
-            if expert:
+            stacked = isinstance(saved, list)
+            if stacked:
                 held = layout.held_rows(meta).get(key, ())
                 if len(held) != leaf.shape[0]:
                     partial[key] = leaf
                     continue
-                slot = (layout.expert_layer(key), layout.expert_group(key))
+                slot = (stacks.stack_of(key), row_group(key))
                 sources_of.setdefault(slot[0], {})[slot[1]] = [step] * leaf.shape[0]
-            item = layout.EXPERTS if expert else layout.DENSE
+            item = layout.ROWS if stacked else layout.DENSE
             array = layout.read_array(directory / str(step) / item, key)
-            if layout.checksums({key: jnp.asarray(array)})[key] != saved:
+            if layout.checksums({key: jnp.asarray(array)}, stacks)[key] != saved:
                 raise CheckpointError(f"step {step} {key}: checksum mismatch (corrupted data)")
             out[key] = qkv_columns_per_head({key: array}, meta, step)[key]
         if partial:
             listing = self.complete() if complete is None else complete
-            assembled, chosen = self._assemble(step, partial, emit, listing)
+            assembled, chosen = self._assemble(step, partial, stacks, emit, listing)
             out.update(assembled)
-            for layer, groups in chosen.items():
-                sources_of.setdefault(layer, {}).update(groups)
-        return out, {**metas[0], "expert_sources": sources_of}
+            for stack, groups in chosen.items():
+                sources_of.setdefault(stack, {}).update(groups)
+        return out, {**metas[0], SOURCES: sources_of}
 
     def _assemble(
         self,
         step: int,
         want: dict[str, Any],
+        stacks: RowStacks,
         emit: Callable[[dict[str, Any]], None],
         complete: dict[int, list[Path]],
     ) -> tuple[dict[str, np.ndarray], dict[int, dict[str, list[int]]]]:
-        """The expert leaves ``want`` (key -> ShapeDtypeStruct) as of ``step``, of which it
-        saved only some experts (PEC, seed 004 §3): each expert's rows from the newest complete
-        step up to ``step`` whose source holding the layer (the part of the process that held
-        its stage then, or a whole checkpoint) has a copy that reads and verifies
-        (`read.resolve_slot`); and per MoE layer and expert group the step each expert
-        came from."""
+        """The row-stacked leaves ``want`` (key -> ShapeDtypeStruct) as of ``step``, of which
+        it saved only some rows (seed 004 §3): each row from the newest complete step up to
+        ``step`` whose source holding the stack (the part of the process that held its stage
+        then, or a whole checkpoint) has a copy that reads and verifies (`read.resolve_slot`);
+        and per stack and row group the step each row came from."""
         older = sorted((s for s in complete if s <= step), reverse=True)
         slots: dict[Slot, list[str]] = {}
         for key in want:
-            slots.setdefault((layout.expert_layer(key), layout.expert_group(key)), []).append(key)
+            slots.setdefault((stacks.stack_of(key), row_group(key)), []).append(key)
         out: dict[str, np.ndarray] = {}
         sources: dict[int, dict[str, list[int]]] = {}
         for slot, keys in sorted(slots.items()):
@@ -231,17 +233,18 @@ class Sources:
                     try:
                         meta = self.meta(directory, s)
                     except Exception as err:  # noqa: BLE001 - a source less; never moved here
-                        log.warning("%s: unreadable metadata (%s); its experts are not used",
+                        log.warning("%s: unreadable metadata (%s); its rows are not used",
                                     directory / str(s), err)
                         continue
                     if keys[0] in meta.get("checksums", {}):
-                        metas[s], items[s] = meta, directory / str(s) / layout.EXPERTS
+                        metas[s], items[s] = meta, directory / str(s) / layout.ROWS
                         break
             n = want[keys[0]].shape[0]
             rows: dict[str, list[Any]] = {k: [None] * n for k in keys}
             copies = {s: layout.held_rows(m) for s, m in metas.items()}
             sources.setdefault(slot[0], {})[slot[1]] = resolve_slot(
-                slot, keys, n, metas, copies, {}, rows, item_of=items.__getitem__, emit=emit
+                slot, keys, n, metas, copies, {}, rows, stacks,
+                item_of=items.__getitem__, emit=emit,
             )
             out.update({key: np.stack(rows[key]) for key in keys})
         return out, sources
@@ -265,11 +268,13 @@ def restore_parts(
     target: Callable[[dict[str, Any]], Any],
     peers: Peers | None,
     *,
+    stacks: RowStacks,
     emit: Callable[[dict[str, Any]], None] = lambda event: None,
     reload: Callable[[], None] = lambda: None,
 ) -> tuple[Any, dict[str, Any]] | None:
     """Newest step under ``root`` (whole, or complete in parts) that every process restores and
-    verifies, as (state, meta); None if there is none.
+    verifies, as (state, meta); None if there is none. ``stacks``: which leaves are
+    row-stacked.
 
     ``target(meta)`` gives the tree to restore: ShapeDtypeStructs where this process needs a
     leaf, None elsewhere (`Experiment.restore_target`); the state holds host arrays there. What
@@ -298,27 +303,27 @@ def restore_parts(
             try:
                 parts = [d for d in held if d != root] or whole
                 flat, meta = sources.read(
-                    step, parts, layout.flatten(template), emit, complete=complete
+                    step, parts, layout.flatten(template), stacks, emit, complete=complete
                 )
-            except (CheckpointMismatch, ExpertsMissing) as err:  # not this step's data alone:
+            except (CheckpointMismatch, RowsMissing) as err:  # not this step's data alone:
                 error, mismatch = err, (type(err).__name__, str(err))  # raised everywhere
             except Exception as err:  # noqa: BLE001 - any failure: try an older step
                 error = err
         mismatches = [m for m in agreed.all(mismatch) if m is not None]
         if mismatches:
             kind, message = mismatches[0]
-            raise (ExpertsMissing if kind == ExpertsMissing.__name__ else CheckpointMismatch)(
+            raise (RowsMissing if kind == RowsMissing.__name__ else CheckpointMismatch)(
                 message
             )
         failed = agreed.all(None if error is None else f"{type(error).__name__}: {error}")
         if all(f is None for f in failed):
-            # Each process assembled the experts of its own stages: every process's ledger
-            # accounts for all of them (`ExpertLedger.recover`).
+            # Each process assembled the rows of its own stages: every process's row policy
+            # accounts for all of them (`rows.RowPolicy.recover`).
             every: dict[int, dict[str, list[int]]] = {}
-            for part in agreed.all(meta["expert_sources"]):
-                for layer, groups in part.items():
-                    every.setdefault(layer, {}).update(groups)
-            meta = {**meta, "expert_sources": every}
+            for part in agreed.all(meta[SOURCES]):
+                for stack, groups in part.items():
+                    every.setdefault(stack, {}).update(groups)
+            meta = {**meta, SOURCES: every}
             restored = step, (layout.unflatten_like(template, flat), meta)
             break
         reason = next(
@@ -387,13 +392,16 @@ class PartedCheckpointer:
         peers: Peers,
         *,
         keep: int,
+        stacks: RowStacks,
         async_save: bool = True,
         emit: Callable[[dict[str, Any]], None] = lambda event: None,
     ):
         self.root, self.peers, self.emit = Path(root), peers, emit
+        self.stacks = stacks
         self.own = Checkpointer(
             part_dir(self.root, peers.index),
             keep=keep,
+            stacks=stacks,
             async_save=async_save,
             emit=emit,
             part=peers.index,
@@ -408,23 +416,25 @@ class PartedCheckpointer:
         step: int,
         state: Any,
         meta: dict[str, Any],
-        experts: Mapping[int, Sequence[int]] | None = None,
+        rows: Rows | None = None,
         content: str = "WO",
     ) -> bool:
         """Start saving this process's leaves of ``state`` (None elsewhere) at ``step``;
-        `Checkpointer.save`, with ``experts`` (every MoE layer's rows to save, the same in
-        every process) narrowed to the layers of this process's stages."""
-        if experts is not None:
-            mine = {layout.expert_layer(k) for k in layout.split(state)[layout.EXPERTS]}
-            experts = {layer: rows for layer, rows in experts.items() if layer in mine}
+        `Checkpointer.save`, with ``rows`` (every stack's rows to save, the same in every
+        process) narrowed to the stacks of this process's stages."""
+        if rows is not None:
+            split = layout.split(state, self.stacks)[layout.ROWS]
+            mine = {self.stacks.stack_of(k) for k in split}
+            rows = {stack: held for stack, held in rows.items() if stack in mine}
         parts = {"parts": self.peers.count, "part": self.peers.index}
-        return self.own.save(step, state, {**meta, **parts}, experts=experts, content=content)
+        return self.own.save(step, state, {**meta, **parts}, rows=rows, content=content)
 
     def restore_latest(
         self, target: Callable[[dict[str, Any]], Any]
     ) -> tuple[Any, dict[str, Any]] | None:
         return restore_parts(
-            self.root, target, self.peers, emit=self.emit, reload=self.own.reload
+            self.root, target, self.peers, stacks=self.stacks, emit=self.emit,
+            reload=self.own.reload,
         )
 
     def wait(self) -> None:

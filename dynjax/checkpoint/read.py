@@ -1,7 +1,8 @@
 """Reading one checkpoint step back onto the devices, verified (`manager` module docstring): its
-metadata, its dense item, each expert from the newest step that holds a usable copy of it (PEC,
-seed 004 §3), and checkpoints of layout 1 through host memory. `Checkpointer` restores through
-it; `parts.Sources` shares its expert resolution (`resolve_slot`) and checks."""
+metadata, its dense item, each row of a row-stacked leaf from the newest step that holds a
+usable copy of it (seed 004 §3), and checkpoints of layout 1 through host memory.
+`Checkpointer` restores through it; `parts.Sources` shares its row resolution (`resolve_slot`)
+and checks."""
 
 from __future__ import annotations
 
@@ -18,23 +19,27 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from dynjax.checkpoint import layout
-from dynjax.checkpoint.errors import CheckpointError, CheckpointMismatch, ExpertsMissing
+from dynjax.checkpoint.errors import CheckpointError, CheckpointMismatch, RowsMissing
+from dynjax.checkpoint.rows import FALLBACK_EVENT, ROW, SOURCES, STACK, RowStacks, row_group
 from dynjax.model.attention import qkv_per_head
 
 log = logging.getLogger(__name__)
 META = "meta"
-Slot = tuple[int, str]  # (MoE layer, expert group): leaves an expert's row is saved across
-Copies = dict[str, tuple[int, ...]]  # expert leaf -> rows a step holds (`layout.held_rows`)
+Slot = tuple[int, str]  # (stack, row group): the leaves a row is saved across
+Copies = dict[str, tuple[int, ...]]  # row-stacked leaf -> rows a step holds (`layout.held_rows`)
 
 
 class StepReader:
-    """Reads the steps of one Orbax ``manager``'s directory; ``emit`` writes the restore and
-    fallback events."""
+    """Reads the steps of one Orbax ``manager``'s directory; ``stacks``: which leaves are
+    row-stacked; ``emit`` writes the restore and fallback events."""
 
     def __init__(
-        self, manager: ocp.CheckpointManager, emit: Callable[[dict[str, Any]], None]
+        self,
+        manager: ocp.CheckpointManager,
+        stacks: RowStacks,
+        emit: Callable[[dict[str, Any]], None],
     ) -> None:
-        self._manager, self.emit = manager, emit
+        self._manager, self.stacks, self.emit = manager, stacks, emit
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -69,17 +74,17 @@ class StepReader:
 
     def _read_layout2(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
         """The dense item read straight onto its devices in ``template``'s sharding and
-        verified there (a failure raises: the step is unusable); then each expert assembled
-        from its newest usable copy (`_assemble_experts`). Adds ``meta["expert_sources"]``."""
-        expected = layout.split(template)
+        verified there (a failure raises: the step is unusable); then each row assembled from
+        its newest usable copy (`_assemble_rows`). Adds ``meta[rows.SOURCES]``."""
+        expected = layout.split(template, self.stacks)
         saved_sums = meta.get("checksums", {})
-        want = {**expected[layout.DENSE], **expected[layout.EXPERTS]}
-        check_fits(step, saved_sums, layout.shapes(want))
-        for key, leaf in expected[layout.EXPERTS].items():
-            if layout.expert_count(meta, key) != leaf.shape[0]:
+        want = {**expected[layout.DENSE], **expected[layout.ROWS]}
+        check_fits(step, saved_sums, layout.shapes(want, self.stacks))
+        for key, leaf in expected[layout.ROWS].items():
+            if layout.row_count(meta, key) != leaf.shape[0]:
                 raise CheckpointMismatch(
                     f"step {step} does not fit the model ({key}: saved "
-                    f"{layout.expert_count(meta, key)} experts, model {leaf.shape[0]}): the "
+                    f"{layout.row_count(meta, key)} {ROW}s, model {leaf.shape[0]}): the "
                     "checkpoint is from a different model configuration; train it with that "
                     "configuration or start from a new workdir"
                 )
@@ -92,23 +97,21 @@ class StepReader:
             raise error or CheckpointError(f"step {step}: another process cannot read it")
         flat = layout.denest(restored[layout.DENSE])
         _check_shapes(step, flat, expected[layout.DENSE])
-        for key, got in layout.checksums(flat).items():
+        for key, got in layout.checksums(flat, self.stacks).items():
             if got != saved_sums[key]:
                 raise CheckpointError(f"step {step} {key}: checksum mismatch (corrupted data)")
-        if expected[layout.EXPERTS]:
-            experts, meta["expert_sources"] = self._assemble_experts(
-                step, meta, expected[layout.EXPERTS]
-            )
-            flat.update(experts)
+        if expected[layout.ROWS]:
+            stacked, meta[SOURCES] = self._assemble_rows(step, meta, expected[layout.ROWS])
+            flat.update(stacked)
         return layout.unflatten_like(template, flat)
 
-    def _assemble_experts(
+    def _assemble_rows(
         self, step: int, meta: dict[str, Any], want: dict[str, Any]
     ) -> tuple[dict[str, jax.Array], dict[int, dict[str, list[int]]]]:
-        """Each expert leaf of ``want`` (ShapeDtypeStructs) as of ``step``, and per MoE layer
-        and expert group the step each expert's row comes from.
+        """Each row-stacked leaf of ``want`` (ShapeDtypeStructs) as of ``step``, and per stack
+        and row group the step each row comes from.
 
-        The experts item of ``step`` is read through Orbax straight into the target shardings
+        The rows item of ``step`` is read through Orbax straight into the target shardings
         (its partial arrays replicated) and verified per row on the devices; a leaf whose rows
         all come from there is used as read (a full save restores exactly as it was written).
         The other rows are read from older steps with `layout.read_rows` (only those rows'
@@ -120,26 +123,26 @@ class StepReader:
                 metas[s] = self.read_meta(s)
             except Exception as err:  # noqa: BLE001 - a source less; never moved from here
                 log.warning(
-                    "checkpoint at step %d: unreadable metadata (%s); its experts are not used",
+                    "checkpoint at step %d: unreadable metadata (%s); its rows are not used",
                     s,
                     err,
                 )
         copies = {s: layout.held_rows(m) for s, m in metas.items()}
-        here = self._read_experts_item(step, want, copies[step])
-        here_sums = layout.checksums(here) if here else {}
+        here = self._read_rows_item(step, want, copies[step])
+        here_sums = layout.checksums(here, self.stacks) if here else {}
         slots: dict[Slot, list[str]] = {}
         for key in want:
-            slots.setdefault((layout.expert_layer(key), layout.expert_group(key)), []).append(key)
+            slots.setdefault((self.stacks.stack_of(key), row_group(key)), []).append(key)
         out: dict[str, jax.Array] = {}
         sources: dict[int, dict[str, list[int]]] = {}
-        for (moe_layer, group), keys in sorted(slots.items()):
+        for (stack, group), keys in sorted(slots.items()):
             n = want[keys[0]].shape[0]
             rows: dict[str, list[Any]] = {k: [None] * n for k in keys}
             chosen = resolve_slot(
-                (moe_layer, group), keys, n, metas, copies, here_sums, rows,
-                item_of=lambda s: self.step_dir(s) / layout.EXPERTS, emit=self.emit,
+                (stack, group), keys, n, metas, copies, here_sums, rows, self.stacks,
+                item_of=lambda s: self.step_dir(s) / layout.ROWS, emit=self.emit,
             )
-            sources.setdefault(moe_layer, {})[group] = chosen
+            sources.setdefault(stack, {})[group] = chosen
             for key in keys:
                 if key in here and chosen == [step] * n and len(copies[step][key]) == n:
                     out[key] = here[key]
@@ -151,10 +154,10 @@ class StepReader:
                 )
         return out, sources
 
-    def _read_experts_item(
+    def _read_rows_item(
         self, step: int, want: dict[str, Any], held: Copies
     ) -> dict[str, jax.Array]:
-        """The experts item of ``step`` on the devices (full arrays in the target's shardings,
+        """The rows item of ``step`` on the devices (full arrays in the target's shardings,
         partial ones replicated over the target's mesh), or {} if it does not read: its rows
         are then tried one by one from storage."""
         target = {}
@@ -163,15 +166,15 @@ class StepReader:
             sharding = leaf.sharding if k == leaf.shape[0] else _replicated(leaf.sharding)
             target[key] = jax.ShapeDtypeStruct((k, *leaf.shape[1:]), leaf.dtype, sharding=sharding)
         try:
-            args = {layout.EXPERTS: ocp.args.StandardRestore(layout.nest(target))}
+            args = {layout.ROWS: ocp.args.StandardRestore(layout.nest(target))}
             restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-            arrays, error = layout.denest(restored[layout.EXPERTS]), None
+            arrays, error = layout.denest(restored[layout.ROWS]), None
             _check_shapes(step, arrays, target)
         except Exception as err:  # noqa: BLE001 - read its rows one by one instead
             error = err
         if not everywhere(error is None):  # every process takes the same path
             log.warning(
-                "checkpoint at step %d: experts item unreadable as a whole (%s)",
+                "checkpoint at step %d: rows item unreadable as a whole (%s)",
                 step,
                 error or "in another process",
             )
@@ -179,9 +182,9 @@ class StepReader:
         return arrays
 
     def _read_layout1(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
-        """A checkpoint written before layout 2 (one item per expert): read to host, verified
+        """A checkpoint written before layout 2 (one item per row): read to host, verified
         there, and placed with ``template``'s shardings."""
-        expected = layout.v1_items(template)
+        expected = layout.v1_items(template, self.stacks)
         saved_sums = meta.get("checksums", {})
         # Layout 1 recorded a scalar's shape as [1]: its shapes are checked once read.
         check_fits(
@@ -215,16 +218,17 @@ def resolve_slot(
     copies: dict[int, Copies],
     here_sums: dict[str, Any],
     rows: dict[str, list[Any]],
+    stacks: RowStacks,
     *,
     item_of: Callable[[int], Path],
     emit: Callable[[dict[str, Any]], None],
 ) -> list[int]:
-    """For each expert of ``slot``, the newest step of ``metas`` whose copy of its rows of
-    all ``keys`` reads and verifies; fills ``rows[key][expert]`` with the row (a host
-    array, or its position in the newest step's device array). A bad copy is a warning
-    and a ``checkpoint_expert_fallback`` event, and the copy before it is tried; none
-    left is `ExpertsMissing`. ``item_of(step)``: the experts item holding the step's copies
-    (`Checkpointer`'s own, or the part that saved the slot's layer: `parts.Sources`)."""
+    """For each row of ``slot``, the newest step of ``metas`` whose copy of it in all ``keys``
+    reads and verifies; fills ``rows[key][row]`` with it (a host array, or its position in
+    the newest step's device array). A bad copy is a warning and a `rows.FALLBACK_EVENT`
+    event, and the copy before it is tried; none left is `RowsMissing`. ``item_of(step)``:
+    the rows item holding the step's copies (`Checkpointer`'s own, or the part that saved the
+    slot's stack: `parts.Sources`)."""
     newest = max(metas)
     holders = [
         [s for s in sorted(metas, reverse=True) if all(e in copies[s].get(k, ()) for k in keys)]
@@ -236,30 +240,32 @@ def resolve_slot(
         by_step: dict[int, list[int]] = {}
         for e in sorted(pending):
             if tried[e] == len(holders[e]):
-                raise ExpertsMissing(
-                    f"expert {e} of layer {slot[0]} ({slot[1]}) has no usable copy in the "
+                raise RowsMissing(
+                    f"{ROW} {e} of {STACK} {slot[0]} ({slot[1]}) has no usable copy in the "
                     f"checkpoints up to step {newest} (held by steps {holders[e]}): restore "
                     "an older workdir, or train from scratch"
                 )
             by_step.setdefault(holders[e][tried[e]], []).append(e)
-        for s, experts in by_step.items():
+        for s, wanted in by_step.items():
             verified = here_sums if s == newest else {}
-            got, bad = _read_copies(item_of(s), keys, experts, metas[s], copies[s], verified)
-            for e in experts:
+            got, bad = _read_copies(
+                item_of(s), keys, wanted, metas[s], copies[s], verified, stacks
+            )
+            for e in wanted:
                 if e in bad:
                     tried[e] += 1
                     fallback = holders[e][tried[e]] if tried[e] < len(holders[e]) else None
                     log.warning(
-                        "checkpoint at step %d: %s of expert %d of layer %d unusable (%s); "
+                        "checkpoint at step %d: %s of %s %d of %s %d unusable (%s); "
                         "using the copy at step %s",
-                        s, slot[1], e, slot[0], bad[e], fallback,
+                        s, slot[1], ROW, e, STACK, slot[0], bad[e], fallback,
                     )
                     emit(
                         {
-                            "event": "checkpoint_expert_fallback",
+                            "event": FALLBACK_EVENT,
                             "step": s,
-                            "layer": slot[0],
-                            "expert": e,
+                            STACK: slot[0],
+                            ROW: e,
                             "group": slot[1],
                             "error": bad[e],
                             "fallback_step": fallback,
@@ -276,37 +282,38 @@ def resolve_slot(
 def _read_copies(
     item: Path,
     keys: list[str],
-    experts: list[int],
+    wanted: list[int],
     meta: dict[str, Any],
     held: Copies,
     here_sums: dict[str, Any],
+    stacks: RowStacks,
 ) -> tuple[dict[str, dict[int, Any]], dict[int, str]]:
-    """Rows ``experts`` of ``keys`` in the experts ``item`` of a step (``{key: {expert:
-    row}}``; a row already on the devices, verified by ``here_sums``, is its position there)
-    and the experts whose copy failed, with why. One read per key; a read that raises is
-    retried row by row."""
+    """Rows ``wanted`` of ``keys`` in the rows ``item`` of a step (``{key: {row: data}}``; a
+    row already on the devices, verified by ``here_sums``, is its position there) and the rows
+    whose copy failed, with why. One read per key; a read that raises is retried row by
+    row."""
     got: dict[str, dict[int, Any]] = {k: {} for k in keys}
     bad: dict[int, str] = {}
     for key in keys:
-        positions = [held[key].index(e) for e in experts]
+        positions = [held[key].index(e) for e in wanted]
         saved = meta["checksums"][key]
         if key in here_sums:
-            for e, pos in zip(experts, positions, strict=True):
+            for e, pos in zip(wanted, positions, strict=True):
                 got[key][e] = pos
                 if here_sums[key][pos] != saved[pos]:
                     bad.setdefault(e, f"{key}: checksum mismatch (corrupted data)")
             continue
         try:
-            parts = [(experts, positions, layout.read_rows(item, key, positions))]
+            parts = [(wanted, positions, layout.read_rows(item, key, positions))]
         except Exception:  # noqa: BLE001 - find which rows do not read
             parts = []
-            for e, pos in zip(experts, positions, strict=True):
+            for e, pos in zip(wanted, positions, strict=True):
                 try:
                     parts.append(([e], [pos], layout.read_rows(item, key, [pos])))
                 except Exception as err:  # noqa: BLE001 - this row falls back
                     bad.setdefault(e, f"{key}: {type(err).__name__}: {err}")
         for es, ps, data in parts:
-            sums = layout.checksums({key: jnp.asarray(data)})[key]
+            sums = layout.checksums({key: jnp.asarray(data)}, stacks)[key]
             for i, (e, pos) in enumerate(zip(es, ps, strict=True)):
                 got[key][e] = data[i]
                 if sums[i] != saved[pos]:

@@ -3,15 +3,16 @@ persisted to storage every few snapshots, with triple buffering.
 
 Snapshot level. Every ``checkpoint.snapshot_every`` steps the loop calls `TwoLevel.snapshot`
 right after dispatching the step: one jitted program copies the dense leaves and K_snapshot
-rows of each expert leaf (the `ExpertLedger`'s selection) *on the device*, and
+rows of each row-stacked leaf (the row policy's selection, `rows.RowPolicy`) *on the device*,
+and
 ``copy_to_host_async`` starts the device-to-host transfer of those copies. The copy is
 dispatched before the next step, so JAX orders it before that step's update, which donates the
 state (``donate_argnums`` of the train step): the copies are new buffers nobody donates, and the
 training loop never waits for the transfer (seed 004 §2.3.1 requires the snapshot to finish
 before the update; on-device copies make that hold by stream order, for the device memory of
-one copy of the dense state and K experts per layer while it is in flight). A background thread
-then materializes the transfer into a host buffer, taking the experts it did not copy from the
-newest complete snapshot, so every complete buffer holds the whole state and, per expert, the
+one copy of the dense state and K rows per stack while it is in flight). A background thread
+then materializes the transfer into a host buffer, taking the rows it did not copy from the
+newest complete snapshot, so every complete buffer holds the whole state and, per row, the
 step of its copy (`Snapshot.sources`).
 
 Triple buffering (§5.2, Fig. 13). Three host buffers; each is, at any time, *free*, *snapshot*
@@ -25,9 +26,9 @@ handed out (neither to recovery nor to persist), and the newest complete snapsho
 overwritten: `TripleBuffer`.
 
 Persist level. Every ``checkpoint.persist_every`` steps the recovery buffer is placed on the
-devices as the restore target says and saved with `Checkpointer.save` (PEC: its K_persist
-freshest-copied experts, those whose storage copy is the oldest), so a restarted process
-restores from storage with the usual PEC assembly.
+devices as the restore target says and saved with `Checkpointer.save` (partial: its K_persist
+freshest-copied rows, those whose storage copy is the oldest), so a restarted process
+restores from storage with the usual partial assembly.
 
 Recovery. A surviving process whose step raised (`InjectedFault`, ``checkpoint.inject_fault_at``:
 a stand-in for a transient device error) restores from the recovery buffer, which is newer than
@@ -45,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynjax.checkpoint import layout
+from dynjax.checkpoint.rows import COPIED_EVENT, POLICY_META, RowPolicy, Rows, RowStacks
 from dynjax.parallel.peers import ALONE, Rounds
 
 FREE, SNAPSHOT, PERSIST, RECOVERY = "free", "snapshot", "persist", "recovery"
@@ -123,7 +125,7 @@ class Snapshot:
 
     step: int = -1
     arrays: dict[str, np.ndarray | HostShards] = dataclasses.field(default_factory=dict)
-    sources: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> [E] steps
+    sources: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # stack -> [rows] steps
     fresh: dict[int, list[int]] | None = None  # rows copied at ``step`` (None: all)
 
     def placed(self, target: Any, copy: bool = True) -> dict[str, Any]:
@@ -212,12 +214,12 @@ class TripleBuffer:
 
 @jax.jit
 def _device_copy(
-    dense: dict[str, jax.Array], experts: dict[str, jax.Array], rows: dict[str, jax.Array]
+    dense: dict[str, jax.Array], stacked: dict[str, jax.Array], rows: dict[str, jax.Array]
 ) -> dict[str, jax.Array]:
-    """New buffers holding ``dense`` and rows ``rows[key]`` of each ``experts[key]``: one
+    """New buffers holding ``dense`` and rows ``rows[key]`` of each ``stacked[key]``: one
     program, so a snapshot dispatches once per device set."""
     out = {k: jnp.copy(a) for k, a in dense.items()}
-    out.update({k: a[rows[k]] for k, a in experts.items()})
+    out.update({k: a[rows[k]] for k, a in stacked.items()})
     return out
 
 
@@ -232,37 +234,40 @@ class _Pending:
 class TwoLevel:
     """The snapshot and persist levels of one training process (module docstring).
 
-    ``layers``/``num_experts``: the MoE layers (model indices) and E (none: a dense model, whose
-    snapshots hold the dense state only). ``emit`` writes events. ``rounds``: the run's other
-    processes, each snapshotting the arrays (or shards) it holds.
+    ``stacks``: which leaves are row-stacked; ``ids``/``rows``: the stacks a row policy
+    selects in and their rows per stack (none: snapshots copy every row, e.g. a dense model,
+    whose snapshots hold the dense state only); ``persist_k``: rows per stack per persist (0:
+    all its snapshot copied). ``emit`` writes events. ``rounds``: the run's other processes,
+    each snapshotting the arrays (or shards) it holds.
     """
 
     def __init__(
         self,
-        layers: Sequence[int],
-        num_experts: int,
+        stacks: RowStacks,
+        ids: Sequence[int],
+        rows: int,
         *,
-        persist_experts: int,
+        persist_k: int,
         emit: Callable[[dict[str, Any]], None],
         rounds: Rounds = ALONE,
     ):
-        self.layers, self.num_experts = tuple(layers), num_experts
+        self.stacks, self.ids, self.rows = stacks, tuple(ids), rows
         self.rounds = rounds  # the run's processes: they persist and recover the same step
-        self.persist_experts = persist_experts
+        self.persist_k = persist_k
         self.emit = emit
         self.buffers = TripleBuffer()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._pending: list[_Pending] = []  # fills started, their events not yet written
         self._uncounted: dict[int, dict[int, list[int]] | None] = {}  # step -> fresh rows
-        self._ledgers: dict[int, dict[str, Any]] = {}  # snapshot step -> ledger metadata
-        # Per MoE layer, the step of each expert's newest copy in storage (-1: none).
-        self.stored = {layer: [-1] * num_experts for layer in self.layers}
+        self._policies: dict[int, dict[str, Any]] = {}  # snapshot step -> policy metadata
+        # Per stack, the step of each row's newest copy in storage (-1: none).
+        self.stored = {stack: [-1] * rows for stack in self.ids}
         self.persisted_step = -1
         self.stalls: list[float] = []  # seconds the loop spent in each `snapshot`
 
     @property
     def partial_ok(self) -> bool:
-        """Whether the next snapshot may copy only some experts: once every expert has a copy
+        """Whether the next snapshot may copy only some rows: once every row has a copy
         in storage (so a persist writes only what its snapshot copied at its step) and one in
         memory (a full snapshot taken: the others come from it)."""
         in_memory = bool(self._pending) or self.buffers.recovery() is not None
@@ -270,38 +275,38 @@ class TwoLevel:
 
     # -- snapshot level -----------------------------------------------------------------------
 
-    def snapshot(self, step: int, state: Any, experts: Mapping[int, Sequence[int]] | None) -> None:
+    def snapshot(self, step: int, state: Any, chosen_rows: Rows | None) -> None:
         """Start the snapshot of ``state`` (the step's output, about to be donated by the next
         step) at ``step``: device copies, then their asynchronous transfer to host. Blocks only
         if the previous snapshot is still being filled (that wait is the stall counted)."""
         start = time.perf_counter()
         if self._pending:  # one fill at a time: wait for the previous transfer
             self._pending[-1].filled.result()
-        items = layout.split(state)
-        fresh = None if experts is None else {int(k): sorted(v) for k, v in experts.items()}
+        items = layout.split(state, self.stacks)
+        fresh = None if chosen_rows is None else {int(k): sorted(v) for k, v in chosen_rows.items()}
         groups: dict[frozenset, tuple[dict, dict, dict]] = {}  # one program per device set
         copies = {}
         for name, leaves in items.items():  # (a pipeline stage's sub-mesh)
             for key, a in leaves.items():
-                dense, experts, rows = groups.setdefault(
+                dense, stacked, rows = groups.setdefault(
                     frozenset(a.sharding.device_set), ({}, {}, {})
                 )
                 if name == layout.DENSE:
                     dense[key] = a
                     continue
-                chosen = range(a.shape[0]) if fresh is None else fresh[layout.expert_layer(key)]
+                chosen = range(a.shape[0]) if fresh is None else fresh[self.stacks.stack_of(key)]
                 if fresh is not None and not a.is_fully_addressable:
                     # Over processes: the rows replicated, so that every process has them whole.
                     copies[key] = layout.take_rows(a, chosen, everywhere=True)
                     continue
-                experts[key] = a
+                stacked[key] = a
                 rows[key] = np.asarray(list(chosen), np.int32)
         copies.update({k: c for g in groups.values() for k, c in _device_copy(*g).items()})
         for a in copies.values():
             a.copy_to_host_async()
         buffer = self.buffers.begin_fill()
         filled = self._worker.submit(self._fill, buffer, step, copies, fresh)
-        if self.layers:
+        if self.ids:
             self._uncounted[step] = fresh
         stall = time.perf_counter() - start
         self.stalls.append(stall)
@@ -310,15 +315,15 @@ class TwoLevel:
     def _fill(
         self, buffer: Snapshot, step: int, copies: dict[str, jax.Array], fresh: Any
     ) -> float:
-        """Writer thread: the host copies into ``buffer``, the experts not copied taken from
+        """Writer thread: the host copies into ``buffer``, the rows not copied taken from
         the newest complete snapshot (the recovery buffer: never overwritten meanwhile); then
         ``buffer`` becomes the recovery buffer."""
         start = time.perf_counter()
         try:
             base = self.buffers.recovery()
             for key, a in copies.items():
-                moe_layer = layout.expert_layer(key)
-                if moe_layer is None or fresh is None:
+                stack = self.stacks.stack_of(key)
+                if stack is None or fresh is None:
                     host = _on_host(a)
                     if isinstance(host, HostShards):
                         buffer.arrays[key] = host
@@ -333,54 +338,54 @@ class TwoLevel:
                     raise RuntimeError(f"partial snapshot of {key} without a full one before it")
                 host = np.asarray(a)  # the rows, whole in every process (`snapshot`)
                 if isinstance(base.arrays[key], HostShards):
-                    buffer.arrays[key] = base.arrays[key].with_rows(fresh[moe_layer], host)
+                    buffer.arrays[key] = base.arrays[key].with_rows(fresh[stack], host)
                     continue
                 out = buffer.arrays.get(key)
                 if out is None or out.shape != base.arrays[key].shape:
                     buffer.arrays[key] = out = np.empty_like(base.arrays[key])
                 np.copyto(out, base.arrays[key])
-                out[fresh[moe_layer]] = host
+                out[fresh[stack]] = host
             buffer.step, buffer.fresh = step, fresh
             buffer.sources = {}
-            for layer in self.layers:
-                old = base.sources[layer] if base is not None and fresh is not None else None
-                rows = set(range(self.num_experts)) if fresh is None else set(fresh[layer])
-                buffer.sources[layer] = [
-                    step if e in rows else old[e] for e in range(self.num_experts)
-                ]
+            for stack in self.ids:
+                old = base.sources[stack] if base is not None and fresh is not None else None
+                rows = set(range(self.rows)) if fresh is None else set(fresh[stack])
+                buffer.sources[stack] = [step if r in rows else old[r] for r in range(self.rows)]
         except BaseException:
             self.buffers.abandon(buffer)
             raise
         self.buffers.complete(buffer)
         return time.perf_counter() - start
 
-    def counted(self, step: int, ledger: Any) -> None:
-        """The ledger has counted ``step``: if a snapshot was taken there, record it in the
-        ledger (a copy of its experts in memory) and keep the ledger's metadata for it."""
+    def counted(self, step: int, policy: RowPolicy) -> None:
+        """The row policy has counted ``step``: if a snapshot was taken there, record it in the
+        policy (a copy of its rows in memory) and keep the policy's metadata for it."""
         if step in self._uncounted:
-            ledger.saved(step, self._uncounted.pop(step))
-            self._ledgers[step] = ledger.to_meta()
+            policy.saved(step, self._uncounted.pop(step))
+            self._policies[step] = policy.to_meta()
             held = {b.step for b in self.buffers.buffers} | {p.step for p in self._pending}
-            self._ledgers = {s: m for s, m in self._ledgers.items() if s in held}
+            self._policies = {s: m for s, m in self._policies.items() if s in held}
 
     def ahead(self) -> int:
-        """Partial snapshots whose step the ledger has not counted yet (`ExpertLedger.select`)."""
+        """Partial snapshots whose step the policy has not counted yet (`RowPolicy.select`)."""
         return sum(fresh is not None for fresh in self._uncounted.values())
 
-    def ledger_of(self, snap: Snapshot) -> dict[str, Any] | None:
-        """The ledger's metadata as of ``snap``'s step (None: not counted yet, or no MoE)."""
-        return self._ledgers.get(snap.step)
+    def policy_of(self, snap: Snapshot) -> dict[str, Any] | None:
+        """The row policy's metadata as of ``snap``'s step (None: not counted yet, or no
+        policy)."""
+        return self._policies.get(snap.step)
 
     def poll(self, wait: bool = False) -> None:
         """Write a ``snapshot`` event for each fill done (``wait``: wait for them all)."""
         while self._pending and (wait or self._pending[0].filled.done()):
             p = self._pending.pop(0)
             fill_seconds = p.filled.result()
+            copied = None if p.fresh is None else {str(k): v for k, v in p.fresh.items()}
             self.emit(
                 {
                     "event": "snapshot",
                     "step": p.step,
-                    "experts": None if p.fresh is None else {str(k): v for k, v in p.fresh.items()},
+                    COPIED_EVENT: copied,
                     "stall_seconds": round(p.stall, 6),
                     "fill_seconds": round(fill_seconds, 6),
                 }
@@ -413,15 +418,15 @@ class TwoLevel:
     # -- persist level ------------------------------------------------------------------------
 
     def persist_rows(self, snap: Snapshot) -> dict[int, list[int]] | None:
-        """The experts the persist of ``snap`` writes per layer: K_persist of those it copied
-        at its step, the ones whose storage copy is the oldest first (None: all)."""
-        if not self.layers or snap.fresh is None and not self.persist_experts:
+        """The rows the persist of ``snap`` writes per stack: K_persist of those it copied at
+        its step, the ones whose storage copy is the oldest first (None: all)."""
+        if not self.ids or snap.fresh is None and not self.persist_k:
             return None
         out = {}
-        for layer in self.layers:
-            rows = list(range(self.num_experts)) if snap.fresh is None else snap.fresh[layer]
-            k = self.persist_experts or len(rows)
-            out[layer] = sorted(sorted(rows, key=lambda e: (self.stored[layer][e], e))[:k])
+        for stack in self.ids:
+            rows = list(range(self.rows)) if snap.fresh is None else snap.fresh[stack]
+            k = self.persist_k or len(rows)
+            out[stack] = sorted(sorted(rows, key=lambda r: (self.stored[stack][r], r))[:k])
         return out
 
     def persist(
@@ -433,7 +438,7 @@ class TwoLevel:
     ) -> bool:
         """Write the recovery buffer to storage through ``checkpointer`` (if it is newer than
         the last persist and no persist is in progress), placed as ``target`` (the restore
-        target's ShapeDtypeStructs) says; ``catch_up()`` makes the ledger count the steps
+        target's ShapeDtypeStructs) says; ``catch_up()`` makes the row policy count the steps
         through the snapshot's if it has not yet. Returns whether a save was started.
 
         Over several processes every process must write the same step (one collective save,
@@ -450,18 +455,18 @@ class TwoLevel:
         if snap.step <= self.persisted_step or len(set(steps)) > 1:
             self.buffers.end_persist(snap)
             return False
-        if self.layers and snap.step not in self._ledgers:
+        if self.ids and snap.step not in self._policies:
             catch_up()
         placed = snap.placed(layout.flatten(target), copy=False)
-        experts = self.persist_rows(snap)
+        rows = self.persist_rows(snap)
         meta = dict(meta)
-        if self.layers:
-            meta["pec"] = self._ledgers[snap.step]
+        if self.ids:
+            meta[POLICY_META] = self._policies[snap.step]
         started = checkpointer.save(
             snap.step,
             layout.unflatten_like(target, placed),
             meta,
-            experts=experts,
+            rows=rows,
         )
         # What storage holds must be alike in every process: they choose the next partial
         # snapshots from it.
@@ -470,10 +475,9 @@ class TwoLevel:
             self.buffers.end_persist(snap)
             return False
         self.persisted_step = snap.step
-        for layer in self.layers:
-            rows = range(self.num_experts) if experts is None else experts[layer]
-            for e in rows:
-                self.stored[layer][e] = snap.sources[layer][e]
+        for stack in self.ids:
+            for r in range(self.rows) if rows is None else rows[stack]:
+                self.stored[stack][r] = snap.sources[stack][r]
         self._finish_persist(checkpointer)
         return True
 

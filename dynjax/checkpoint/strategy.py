@@ -1,27 +1,27 @@
 """How a run checkpoints, behind the calls the training loop makes: whole checkpoints, partial
-expert checkpoints (PEC, `pec`) or two-level snapshots and persists (`snapshot`).
+checkpoints of row-stacked leaves (seed 004 §3) or two-level snapshots and persists
+(`snapshot`, seed 004 §5).
 
-The edge (`dynjax.train`) picks one from the config; the loop then calls `on_resume` once,
-`counted` for each step whose metrics reach the host, `after_step` and `save` after each step
-(an evaluation between them), `recover` at a fault, `finish` after the last step and `close`.
-The storage below is a `Checkpointer` or, in a pipeline over processes, a `PartedCheckpointer`
+The edge (`dynjax.train`) picks one from the config and the `rows.PartialRows` a scheme
+declares (`dynjax.dynamism.base.Plugin.checkpoint_rows`: which leaves are row-stacked, and the
+`rows.RowPolicy` choosing each save's rows); the loop then calls `on_resume` once, `counted`
+for each step whose metrics reach the host, `after_step` and `save` after each step (an
+evaluation between them), `recover` at a fault, `finish` after the last step and `close`. The
+storage below is a `Checkpointer` or, in a pipeline over processes, a `PartedCheckpointer`
 (`restore_latest` reads either kind into either).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
 from dynjax.checkpoint import layout
 from dynjax.checkpoint.manager import Checkpointer
 from dynjax.checkpoint.parts import PartedCheckpointer, parts_are_newer, restore_parts
-from dynjax.checkpoint.pec import ExpertLedger
+from dynjax.checkpoint.rows import NO_ROWS, POLICY_META, PartialRows, RowPolicy, row_sources
 from dynjax.checkpoint.snapshot import TwoLevel
 from dynjax.parallel.peers import Peers, Rounds
 
@@ -30,22 +30,32 @@ if TYPE_CHECKING:  # the loop's objects, passed down: checkpoint sits below reco
     from dynjax.recompile import Plan
 
 log = logging.getLogger("dynjax")
-PLT = "checkpoint/plt"  # eq. 7 of seed 004 so far: lost over processed routed tokens
 Storage = Checkpointer | PartedCheckpointer
 Emit = Callable[[dict[str, Any]], None]
 
 
 def open_storage(
-    root: Path, peers: Peers | None, *, parted: bool, keep: int, async_save: bool, emit: Emit
+    root: Path,
+    peers: Peers | None,
+    *,
+    parted: bool,
+    keep: int,
+    partial: PartialRows | None,
+    async_save: bool,
+    emit: Emit,
 ) -> Storage:
     """``root/checkpoints``: a pipeline over processes (``parted``) saves each process's own
     stages' part (`checkpoint.parts`); otherwise one directory every process writes its
-    shards into."""
+    shards into. ``partial``: the row-stacked leaves a scheme declared (None: none)."""
+    stacks = NO_ROWS if partial is None else partial.stacks
     if parted:
         return PartedCheckpointer(
-            root / "checkpoints", peers, keep=keep, async_save=async_save, emit=emit
+            root / "checkpoints", peers, keep=keep, stacks=stacks, async_save=async_save,
+            emit=emit,
         )
-    return Checkpointer(root / "checkpoints", keep=keep, async_save=async_save, emit=emit)
+    return Checkpointer(
+        root / "checkpoints", keep=keep, stacks=stacks, async_save=async_save, emit=emit
+    )
 
 
 def restore_latest(
@@ -61,50 +71,10 @@ def restore_latest(
     if isinstance(storage, PartedCheckpointer):
         return storage.restore_latest(target)
     if parts_are_newer(directory, storage.all_steps(), peers):
-        return restore_parts(directory, target, peers, emit=emit, reload=storage.reload)
+        return restore_parts(
+            directory, target, peers, stacks=storage.stacks, emit=emit, reload=storage.reload
+        )
     return storage.restore_latest(target)
-
-
-@dataclasses.dataclass(frozen=True)
-class LedgerSettings:
-    """The expert ledger's numbers, unpacked from the config at the edge."""
-
-    layers: tuple[int, ...]  # the MoE layers (model indices)
-    num_experts: int
-    ranks: int  # mesh.expert
-    k: int  # experts per save (K_snapshot with two-level checkpoints); 0 = no ledger
-    selection: str
-    plt_limit: float
-    dynamic_k: bool
-    history: int  # train.keep_checkpoints
-
-    def _options(self) -> dict[str, Any]:
-        return {
-            "selection": self.selection,
-            "plt_limit": self.plt_limit,
-            "dynamic_k": self.dynamic_k,
-            "history": self.history,
-        }
-
-    def fresh(self, step: int) -> ExpertLedger:
-        ledger = ExpertLedger(self.layers, self.num_experts, self.ranks, self.k, **self._options())
-        ledger.step = step  # a full checkpoint's run: counts from it
-        return ledger
-
-    def from_meta(self, meta: dict[str, Any]) -> ExpertLedger:
-        """The ledger of `ExpertLedger.to_meta` ``meta``, with the current config's settings."""
-        return ExpertLedger.from_meta(meta, ranks=self.ranks, **self._options())
-
-
-def expert_sources(meta: dict[str, Any], ledger: ExpertLedger) -> dict[int, list[int]]:
-    """Per MoE layer, the step each expert's restored state comes from: the older of its
-    weights' and its optimizer state's (the storage's ``expert_sources``), so that with
-    ``checkpoint.pec_content="O"`` the tokens whose moment updates were lost count."""
-    sources = meta.get("expert_sources") or {}
-    out = {layer: [meta["step"]] * ledger.num_experts for layer in ledger.layers}
-    for layer, parts in sources.items():
-        out[int(layer)] = np.min([list(p) for p in parts.values()], axis=0).tolist()
-    return out
 
 
 class Checkpoints(Protocol):
@@ -143,7 +113,7 @@ class WholeCheckpoints:
     def __init__(
         self,
         storage: Storage,
-        settings: LedgerSettings,
+        partial: PartialRows | None,
         *,
         every: int,
         steps: int,
@@ -152,39 +122,36 @@ class WholeCheckpoints:
         target: Callable[[Plan], Any],
         emit: Emit,
     ) -> None:
-        """``config``: the run's config, saved with each step; ``target(plan)``: where a
+        """``partial``: the row-stacked leaves a scheme declared, with its row policy (None:
+        none); ``config``: the run's config, saved with each step; ``target(plan)``: where a
         checkpoint of ``plan``'s run restores to (`Experiment.restore_target`)."""
-        self.storage, self.settings, self.emit = storage, settings, emit
+        self.storage, self.partial, self.emit = storage, partial, emit
         self.every, self.steps, self.content = every, steps, content
         self.config, self.target = config, target
-        self.ledger: ExpertLedger | None = None
+        self.policy: RowPolicy | None = None
 
     def meta(self, plan: Plan) -> dict[str, Any]:
         return {"plan": plan.to_dict(), "config": self.config}
 
     def on_resume(self, meta: dict[str, Any] | None, k_changed: bool) -> None:
         """The run starts from ``meta``'s checkpoint (None: from scratch). One that carries a
-        ledger accounts the fault first: the ``checkpoint_recovery`` event with each expert's
-        lost steps and tokens and the PLT (even if this run saves full checkpoints: the
-        restored experts lost their updates all the same). ``k_changed``: a changed
-        ``checkpoint.experts_per_save`` replaces the K the ledger carried (dynamic K's)."""
-        if meta is None or "pec" not in meta:
+        row policy accounts the fault first: its ``checkpoint_recovery`` event (what each
+        restored row lost; even if this run saves whole checkpoints: the rows restored from
+        older saves lost their updates all the same). ``k_changed``: a changed K replaces the
+        one the policy carried (dynamic K's)."""
+        if meta is None or POLICY_META not in meta or self.partial is None:
             return
-        ledger = self.settings.from_meta(meta["pec"])
-        recovery = ledger.recover(expert_sources(meta, ledger))
+        policy = self.partial.from_meta(meta[POLICY_META])
+        recovery = policy.recover(row_sources(meta, self.partial))
         self.emit({**recovery.event(), "source": "storage"})
-        log.info(
-            "partial expert checkpoint: step %d lost %d of %d routed tokens (PLT %.4f, total "
-            "%.4f)", recovery.step, recovery.event()["lost_tokens"], recovery.tokens,
-            recovery.plt, recovery.total_plt,
-        )
-        if k_changed and self.settings.k:
-            ledger.set_k(self.settings.k)
-        self.ledger = ledger if self.settings.k else None
+        log.info("partial checkpoint: %s", recovery.describe())
+        if k_changed and self.partial.k:
+            policy.set_k(self.partial.k)
+        self.policy = policy if self.partial.k else None
 
     def counted(self, done: int, metrics: dict[str, Any]) -> None:
         """The metrics of the step that made ``done`` steps reached the host (in step order,
-        Δ steps late); a ledger counts its routed tokens and adds the PLT to ``metrics``."""
+        Δ steps late); a row policy counts them and adds its own metrics to ``metrics``."""
 
     def after_step(
         self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]
@@ -193,16 +160,16 @@ class WholeCheckpoints:
 
     def save(self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]) -> None:
         """Save after step ``done`` if it is due; ``catch_up()`` hands the host every step's
-        metrics (a ledger's metadata counts every step up to the one saved)."""
+        metrics (a row policy's metadata counts every step up to the one saved)."""
         if done % self.every == 0 or done == self.steps:
             self._save(done, runtime, plan, catch_up)
 
     def save_now(
         self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]
     ) -> bool:
-        """Save after step ``done`` whatever the schedule, every expert whole (a stop at a
-        signal: nothing trained may be lost), and wait until it is written; True once storage
-        lists it (saved now or before)."""
+        """Save after step ``done`` whatever the schedule, every row whole (a stop at a signal:
+        nothing trained may be lost), and wait until it is written; True once storage lists it
+        (saved now or before)."""
         self.storage.wait()
         if done not in self.storage.all_steps():
             self._save(done, runtime, plan, catch_up, whole=True)
@@ -218,20 +185,20 @@ class WholeCheckpoints:
         *,
         whole: bool = False,
     ) -> None:
-        """Save after step ``done``: K experts per MoE layer where a ledger selects them, all
-        with ``whole``. Every step's metrics up to ``done`` are logged first, so a process
-        killed right after the save leaves no step unlogged that the resumed run skips (and a
-        ledger's metadata counts every step up to this one)."""
-        meta, experts = self.meta(plan), None
+        """Save after step ``done``: the rows a policy selects, all with ``whole``. Every
+        step's metrics up to ``done`` are logged first, so a process killed right after the save
+        leaves no step unlogged that the resumed run skips (and a policy's metadata counts
+        every step up to this one)."""
+        meta, rows = self.meta(plan), None
         catch_up()
-        if self.ledger is not None:
-            experts = None if whole else self.ledger.select()
-            meta["pec"] = self.ledger.meta_after(done, experts)
+        if self.policy is not None:
+            rows = None if whole else self.policy.select()
+            meta[POLICY_META] = self.policy.meta_after(done, rows)
         started = self.storage.save(
-            done, runtime.checkpoint_state(), meta, experts=experts, content=self.content
+            done, runtime.checkpoint_state(), meta, rows=rows, content=self.content
         )
-        if started and self.ledger is not None:
-            self.ledger.saved(done, experts)
+        if started and self.policy is not None:
+            self.policy.saved(done, rows)
 
     def recover(
         self, fault: Exception, step: int, plan: Plan, catch_up: Callable[[], None]
@@ -247,76 +214,78 @@ class WholeCheckpoints:
         self.storage.close()
 
 
-class PartialExpertCheckpoints(WholeCheckpoints):
-    """`WholeCheckpoints` that save K of the E experts of each MoE layer (seed 004 §3): the
-    ledger counts every step's routed tokens, for the PLT and load-aware selection."""
+class PartialRowCheckpoints(WholeCheckpoints):
+    """`WholeCheckpoints` that save K of the rows of each stack (seed 004 §3), as the scheme's
+    row policy chooses; the policy counts every step (e.g. the tokens each row computed, for
+    the lost updates and a load-aware choice)."""
 
     def on_resume(self, meta: dict[str, Any] | None, k_changed: bool) -> None:
         super().on_resume(meta, k_changed)
-        if self.ledger is None and self.settings.k:
-            self.ledger = self.settings.fresh(0 if meta is None else meta["step"])
-        if self.ledger is not None:
-            self.ledger.pinned = set(self.storage.all_steps())
+        if self.policy is None and self.partial is not None and self.partial.k:
+            self.policy = self.partial.fresh(0 if meta is None else meta["step"])
+        if self.policy is not None:
+            self.policy.pinned = set(self.storage.all_steps())
 
     def counted(self, done: int, metrics: dict[str, Any]) -> None:
-        if self.ledger is not None:  # every step's routed tokens, for PLT and load-aware saves
-            self.ledger.count(done, metrics["moe/tokens_per_expert"])
-            metrics[PLT] = self.ledger.plt
+        if self.policy is not None:
+            metrics.update(self.policy.counted(done, metrics))
 
 
-class TwoLevelCheckpoints(PartialExpertCheckpoints):
+class TwoLevelCheckpoints(PartialRowCheckpoints):
     """Snapshots to host memory every ``snapshot_every`` steps, persisted to storage every
     ``persist_every``, and the last step saved (`snapshot.TwoLevel`); a fault restores the
-    newest snapshot from memory. With MoE layers a snapshot may copy K_snapshot experts."""
+    newest snapshot from memory. With a row policy a snapshot may copy K_snapshot rows per
+    stack, a persist K_persist of them."""
 
     def __init__(
         self,
         storage: Storage,
-        settings: LedgerSettings,
+        partial: PartialRows | None,
         *,
         snapshot_every: int,
         persist_every: int,
-        persist_experts: int,
         rounds: Rounds,
         **kwargs: Any,
     ) -> None:
-        super().__init__(storage, settings, every=0, **kwargs)
+        super().__init__(storage, partial, every=0, **kwargs)
         self.snapshot_every, self.persist_every = snapshot_every, persist_every
+        policed = partial is not None and bool(partial.k)
         self.twolevel = TwoLevel(
-            settings.layers if settings.k else (),
-            settings.num_experts,
-            persist_experts=persist_experts,
+            NO_ROWS if partial is None else partial.stacks,
+            partial.ids if policed else (),
+            partial.rows if policed else 0,
+            persist_k=partial.persist_k if policed else 0,
             emit=self.emit,
             rounds=rounds,
         )
 
     def on_resume(self, meta: dict[str, Any] | None, k_changed: bool) -> None:
-        if meta is not None:  # what storage holds of each expert: the restore's sources
+        if meta is not None:  # what storage holds of each row: the restore's sources
             self.twolevel.persisted_step = meta["step"]
         super().on_resume(meta, k_changed)
-        if meta is not None and self.ledger is not None:
-            self.twolevel.stored = expert_sources(meta, self.ledger)
+        if meta is not None and self.policy is not None:
+            self.twolevel.stored = row_sources(meta, self.partial)
 
     def counted(self, done: int, metrics: dict[str, Any]) -> None:
-        if self.ledger is not None:
-            self.ledger.count(done, metrics["moe/tokens_per_expert"])
-            self.twolevel.counted(done, self.ledger)
-            metrics[PLT] = self.ledger.plt
+        if self.policy is not None:
+            own = self.policy.counted(done, metrics)
+            self.twolevel.counted(done, self.policy)
+            metrics.update(own)
 
     def after_step(
         self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]
     ) -> None:
-        twolevel, ledger = self.twolevel, self.ledger
+        twolevel, policy = self.twolevel, self.policy
         twolevel.poll()
         if done % self.snapshot_every == 0:
-            experts = None
-            if ledger is not None and twolevel.partial_ok:
-                experts = ledger.select(ahead=twolevel.ahead())
-            twolevel.snapshot(done, runtime.checkpoint_state(), experts)
+            rows = None
+            if policy is not None and twolevel.partial_ok:
+                rows = policy.select(ahead=twolevel.ahead())
+            twolevel.snapshot(done, runtime.checkpoint_state(), rows)
         if done % self.persist_every == 0 and done != self.steps:
             twolevel.persist(self.storage, self.target(plan), self.meta(plan), catch_up=catch_up)
-            if self.ledger is not None:  # a restart reads these steps' rows
-                self.ledger.pinned = {*self.storage.all_steps(), twolevel.persisted_step}
+            if self.policy is not None:  # a restart reads these steps' records
+                self.policy.pinned = {*self.storage.all_steps(), twolevel.persisted_step}
 
     def save(self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]) -> None:
         if done == self.steps:
@@ -326,7 +295,7 @@ class TwoLevelCheckpoints(PartialExpertCheckpoints):
         self, fault: Exception, step: int, plan: Plan, catch_up: Callable[[], None]
     ) -> tuple[int, Any] | None:
         """The newest snapshot every process holds, placed as ``plan``'s run places its state;
-        the ledger goes back to its metadata at that step and accounts the lost steps."""
+        the row policy goes back to its metadata at that step and accounts the lost steps."""
         target = self.target(plan)
         flat_target = layout.flatten(target)
         snap = self.twolevel.recovery(flat_target)
@@ -334,13 +303,13 @@ class TwoLevelCheckpoints(PartialExpertCheckpoints):
             return None
         log.warning("%s: %s; restoring the snapshot of step %d from host memory",
                     type(fault).__name__, fault, snap.step)
-        catch_up()  # the steps that ran: the ledger reaches the snapshot
+        catch_up()  # the steps that ran: the row policy reaches the snapshot
         state = layout.unflatten_like(target, snap.placed(flat_target))
         recovery = {"event": "checkpoint_recovery", "step": snap.step, "plt": 0.0}
-        if self.ledger is not None:
-            self.ledger = self.settings.from_meta(self.twolevel.ledger_of(snap))
-            self.ledger.pinned = set(self.storage.all_steps())
-            recovery = self.ledger.recover(snap.sources).event()
+        if self.policy is not None:
+            self.policy = self.partial.from_meta(self.twolevel.policy_of(snap))
+            self.policy.pinned = set(self.storage.all_steps())
+            recovery = self.policy.recover(snap.sources).event()
         self.emit({**recovery, "source": "memory", "fault_step": step + 1})
         self.twolevel.rolled_back(snap.step)
         return snap.step, state

@@ -28,6 +28,7 @@ from dynjax.parallel.peers import ALONE, Rounds
 from dynjax.recompile import PlanContext
 
 if TYPE_CHECKING:
+    from dynjax.checkpoint.rows import PartialRows
     from dynjax.dynamism.moe.speeds import Speeds
     from dynjax.recompile import Plan, Policy
 
@@ -133,7 +134,9 @@ class Plugin:
     - `wrap_optimizer`: the run's optimizer with the scheme's per-parameter state around it;
     - `before_step`: change the training state between two steps and report it as events;
     - `measure`: measure the state between two steps as host metrics of the next step;
-    - `logged_metrics`: host metrics of its own that metrics.jsonl gets at logged steps.
+    - `logged_metrics`: host metrics of its own that metrics.jsonl gets at logged steps;
+    - `checkpoint_rows`: its row-stacked leaves and the policy of partial saves of them;
+    - `report_plots` (class level): its plots in the run report (`dynjax.report`).
     """
 
     name: ClassVar[str] = ""
@@ -191,6 +194,14 @@ class Plugin:
         """(rows, d_model, hidden) of the GEMM whose speeds (`dynjax.dynamism.moe.speeds`) the
         enabled scheme's `initial_plan` reads from `RunLink.speeds`; None: it reads none."""
         return None
+
+    @classmethod
+    def report_plots(cls) -> Sequence[tuple[str, str, Callable, Callable, str]]:
+        """The scheme's own plots in the run report, as `dynjax.report.pngs.PLOTS` entries
+        (name, title, draw(run, figure), the reason to skip a run (None: draw), caption),
+        drawn from a workdir's files. Only the report (an edge) calls it: a scheme keeps its
+        report module out of its package's imports."""
+        return ()
 
     @classmethod
     def resumed_plan(cls, saved: Plan, implied: Plan, changed: Collection[str]) -> Plan:
@@ -272,6 +283,16 @@ class Plugin:
         metrics.jsonl. For what the training step cannot compute, such as a forward on a fixed
         probe batch (Egeria, seed 000 §4.2.3)."""
         return {}
+
+    def checkpoint_rows(
+        self, checkpoint: ml_collections.FrozenConfigDict, history: int
+    ) -> PartialRows | None:
+        """Leaves of the training state whose leading axis holds independent rows, which a
+        checkpoint may save a subset of and restores row by row, with their optimizer moments
+        (seed 004 §3; `dynjax.checkpoint.rows`), and the policy choosing each save's rows;
+        None: the scheme has none. ``checkpoint``: the run's ``checkpoint`` section (K, the
+        selection, two-level settings), ``history``: the checkpoints kept."""
+        return None
 
 
 def layer_costs(

@@ -11,20 +11,22 @@ Data and drawing are kept apart, one module each:
 
 * ``workdir`` -- `load_run` reads a workdir into a `Run`.
 * ``arrays`` -- pure functions turn its records into NumPy arrays (`series`, `plan_changes`,
-  `expert_load`, `stage_load`, `layer_costs`, `frozen_layers`, `scheme_series`,
-  `event_marks`), testable without matplotlib; ``key_numbers``: `summary`.
+  `stage_load`, `layer_costs`, `frozen_layers`, `scheme_series`, `event_marks`), testable
+  without matplotlib; ``key_numbers``: `summary`.
 * ``plots`` -- small ``plot_*`` functions draw them (matplotlib, imported when drawing).
-* ``pngs`` -- which plots the report has (`PLOTS`) and `render`, which writes them as PNGs.
+* ``pngs`` -- which plots the report has (`PLOTS`: the run's own, then each dynamism scheme's,
+  `dynjax.dynamism.base.Plugin.report_plots`) and `render`, which writes them as PNGs.
 * ``report_md`` -- `markdown` (report.md's text) and `write_report` (PNGs + report.md).
 * ``cli`` -- `main`, the ``python -m dynjax.report`` command.
 
 In a notebook::
 
-    from dynjax.report import expert_load, load_run, plot_expert_load, plot_loss
-    run = load_run("workdirs/moe")
+    from dynjax.report import load_run, plot_layer_costs, plot_loss
+    run = load_run("workdirs/run")
     plot_loss(run)                      # a new figure, or plot_loss(run, ax=my_axes)
-    plot_expert_load(run)
-    load = expert_load(run)             # load.tokens [T, L, E], load.capacity [T, L, E]
+    plot_layer_costs(run)
+
+A scheme's own plots live beside its plugin (`Plugin.report_plots` names them).
 
 The x axis of every plot is the optimizer step as metrics.jsonl counts it (steps done): a Plan
 swapped in at loop step s (``swap_step``) first runs step s + 1, and is drawn at x = s.
@@ -32,16 +34,12 @@ swapped in at loop step s (``swap_step``) first runs step s + 1, and is drawn at
 
 from dynjax.report.arrays import (
     MARKS,
-    ExpertLoad,
     Frozen,
     LayerCosts,
     StageLoad,
     event_marks,
-    expert_load,
     frozen_layers,
-    groups_per_step,
     layer_costs,
-    moe_layer_indices,
     plan_changes,
     plans_at,
     scheme_series,
@@ -53,7 +51,6 @@ from dynjax.report.cli import main
 from dynjax.report.key_numbers import summary
 from dynjax.report.plots import (
     WIDTH,
-    plot_expert_load,
     plot_freezing,
     plot_layer_costs,
     plot_loss,
@@ -61,7 +58,7 @@ from dynjax.report.plots import (
     plot_scheme,
     plot_throughput,
 )
-from dynjax.report.pngs import DPI, PLOTS, Plot, render
+from dynjax.report.pngs import DPI, PLOTS, Plot, PlotEntry, render
 from dynjax.report.report_md import markdown, write_report
 from dynjax.report.workdir import ReportError, Run, load_run
 
@@ -70,25 +67,21 @@ __all__ = [
     "MARKS",
     "PLOTS",
     "WIDTH",
-    "ExpertLoad",
     "Frozen",
     "LayerCosts",
     "Plot",
+    "PlotEntry",
     "ReportError",
     "Run",
     "StageLoad",
     "event_marks",
-    "expert_load",
     "frozen_layers",
-    "groups_per_step",
     "layer_costs",
     "load_run",
     "main",
     "markdown",
-    "moe_layer_indices",
     "plan_changes",
     "plans_at",
-    "plot_expert_load",
     "plot_freezing",
     "plot_layer_costs",
     "plot_loss",

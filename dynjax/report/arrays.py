@@ -21,7 +21,7 @@ def is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _by_step(records: Sequence[dict[str, Any]], key: str) -> dict[int, Any]:
+def by_step(records: Sequence[dict[str, Any]], key: str) -> dict[int, Any]:
     """{step: value} of the records that hold ``key``, sorted by step; a step logged twice (a
     resumed run redoes the steps after its checkpoint) keeps its newest value."""
     out: dict[int, Any] = {}
@@ -33,7 +33,7 @@ def _by_step(records: Sequence[dict[str, Any]], key: str) -> dict[int, Any]:
 
 def series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of a scalar metric: the finite numbers logged under ``key``."""
-    pairs = [(s, float(v)) for s, v in _by_step(records, key).items() if is_number(v)]
+    pairs = [(s, float(v)) for s, v in by_step(records, key).items() if is_number(v)]
     steps = np.array([s for s, _ in pairs], dtype=np.int64)
     return steps, np.array([v for _, v in pairs], dtype=np.float64)
 
@@ -71,80 +71,6 @@ def plans_at(
         i = int(np.searchsorted(bounds, s, side="left")) - 1  # last boundary < s
         out.append(changes[i][1] if i >= 0 else None)
     return out
-
-
-def moe_layer_indices(run: Run) -> list[int] | None:
-    """The model layers holding an MoE block, None without a config that says."""
-    from dynjax.model import facts  # lazily: the report reads workdirs without JAX
-
-    every, layers = run.config_value("moe.every"), run.config_value("model.num_layers")
-    if not (is_number(every) and is_number(layers)):
-        return None
-    return list(facts.moe_layer_indices(layers, every))
-
-
-@dataclass
-class ExpertLoad:
-    """Per-expert routed tokens against capacity, per logged step.
-
-    steps: [T]; tokens: [T, L, E] tokens (token-choice pairs, before dropping) routed to each
-    expert of each MoE layer in the step; capacity: [T, L, E] slots of each expert in the step,
-    the Plan's capacity per dispatch group times the groups of a step (one sequence each, so
-    ``train.batch_size``), NaN where the Plan is unknown; layers: the model layer of each MoE
-    layer (or 0..L-1).
-    """
-
-    steps: np.ndarray
-    tokens: np.ndarray
-    capacity: np.ndarray
-    layers: list[int]
-
-    @property
-    def utilisation(self) -> np.ndarray:
-        """[T, L, E] tokens / capacity: above 1 an expert certainly dropped tokens in the step
-        (below 1 it may still have, in a group whose load exceeded its capacity)."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return self.tokens / self.capacity
-
-
-def groups_per_step(run: Run, tokens: np.ndarray | None = None) -> int | None:
-    """Dispatch groups (sequences) per step: ``train.batch_size``, else the routed
-    token-choices of a step over ``seq_len * top_k``."""
-    batch = run.config_value("train.batch_size")
-    if is_number(batch) and batch > 0:
-        return int(batch)
-    seq, k = run.config_value("data.seq_len"), run.config_value("moe.top_k")
-    if tokens is not None and tokens.size and is_number(seq) and is_number(k) and seq * k > 0:
-        return int(round(float(tokens[0, 0].sum()) / (seq * k)))
-    return None
-
-
-def expert_load(run: Run) -> ExpertLoad | None:
-    """`ExpertLoad` of an MoE run; None when metrics.jsonl has no ``tokens_per_expert``."""
-    logged = _by_step(run.metrics, "tokens_per_expert")
-    rows, steps, shape = [], [], None
-    for step, value in logged.items():
-        arr = np.asarray(value, dtype=np.float64) if isinstance(value, list) else None
-        if arr is None or arr.ndim != 2 or arr.size == 0:
-            continue
-        shape = shape or arr.shape
-        if arr.shape == shape:  # a record of another shape (another model) is skipped
-            rows.append(arr)
-            steps.append(step)
-    if not rows:
-        return None
-    tokens = np.stack(rows)
-    capacity = np.full_like(tokens, np.nan)
-    groups = groups_per_step(run, tokens)
-    plans = plans_at(plan_changes(run.events), steps)
-    for t, plan in enumerate(plans):
-        caps = np.asarray(_capacities(plan or {}), dtype=np.float64)
-        if groups is not None and caps.shape == shape:
-            capacity[t] = caps * groups
-    layers = moe_layer_indices(run)
-    if layers is None or len(layers) != shape[0]:
-        layers = list(range(shape[0]))
-    return ExpertLoad(np.array(steps, dtype=np.int64), tokens, capacity, layers)
 
 
 @dataclass
@@ -238,7 +164,7 @@ class LayerCosts:
 def layer_costs(run: Run) -> LayerCosts | None:
     """`LayerCosts` from ``layer_costs.jsonl``; profiled seconds from it, else from the
     ``profile`` events. None when there is neither."""
-    modelled = _by_step(run.layer_costs, "layer_cost")
+    modelled = by_step(run.layer_costs, "layer_cost")
     modelled = {s: v for s, v in modelled.items() if isinstance(v, list)}
     timed = {
         int(r["step"]): seconds
@@ -309,7 +235,7 @@ def scheme_series(run: Run, scheme: str) -> dict[str, tuple[np.ndarray, np.ndarr
     keys = sorted({k for r in run.metrics for k in r if k.startswith(f"{scheme}/")})
     out = {}
     for key in keys:
-        logged = _by_step(run.metrics, key)
+        logged = by_step(run.metrics, key)
         scalar = {s: float(v) for s, v in logged.items() if is_number(v)}
         vector = {
             s: [np.nan if x is None else x for x in v]
@@ -349,8 +275,3 @@ def event_marks(run: Run) -> dict[str, np.ndarray]:
         if kind in out:
             out[kind].append(int(at))
     return {k: np.array(sorted(v), dtype=np.int64) for k, v in out.items() if v}
-
-
-def _capacities(plan: dict) -> list:
-    """The capacities of a logged Plan: in MoE's part, or a top-level field of older runs'."""
-    return plan.get("parts", {}).get("moe", {}).get("capacities") or plan.get("capacities") or []

@@ -11,7 +11,6 @@ import numpy as np
 from dynjax.report.arrays import (
     MARKS,
     event_marks,
-    expert_load,
     frozen_layers,
     is_number,
     layer_costs,
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
 WIDTH = 10.0  # inches: every plot is WIDTH wide
 
 
-def _new_figure(fig: Figure | None, height: float) -> Figure:
+def new_figure(fig: Figure | None, height: float) -> Figure:
     """``fig`` resized to WIDTH x height inches, or a new pyplot figure of that size."""
     if fig is None:
         import matplotlib.pyplot as plt
@@ -40,10 +39,10 @@ def _new_figure(fig: Figure | None, height: float) -> Figure:
 
 
 def _new_axes(ax: Axes | None, height: float = 4.5) -> Axes:
-    return _new_figure(None, height).add_subplot() if ax is None else ax
+    return new_figure(None, height).add_subplot() if ax is None else ax
 
 
-def _mark_events(
+def mark_events(
     ax: Axes, marks: dict[str, np.ndarray], kinds: Sequence[str], label: bool = True
 ) -> None:
     """Vertical lines at the steps of these kinds of `event_marks`; the first of each kind is
@@ -71,7 +70,7 @@ def plot_loss(run: Run, ax: Axes | None = None) -> Axes:
     e_steps, e_loss = series(run.metrics, "eval_loss")
     if e_steps.size:
         ax.plot(e_steps, e_loss, "o-", ms=5, color="tab:orange", label="eval loss")
-    _mark_events(ax, event_marks(run), ["recompile"])
+    mark_events(ax, event_marks(run), ["recompile"])
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("Loss")
@@ -93,7 +92,7 @@ def plot_throughput(run: Run, fig: Figure | None = None) -> Figure:
     _, util = series(run.metrics, "mfu")
     _, tflops = series(run.metrics, "tflops_per_device")
     efficiency = bool(util.size or tflops.size)
-    fig = _new_figure(fig, 7.0 if efficiency else 4.5)
+    fig = new_figure(fig, 7.0 if efficiency else 4.5)
     axes = fig.subplots(2 if efficiency else 1, 1, sharex=True, squeeze=False)[:, 0]
     ax = axes[0]
     runs = [(0, run), *run.processes.items()]
@@ -117,7 +116,7 @@ def plot_throughput(run: Run, fig: Figure | None = None) -> Figure:
         who = "" if len(runs) == 1 else " (process 0)"
         ax.axhline(median, color="0.3", ls=":", lw=1, label=f"median{who} {median:,.0f}")
         _maybe_log(ax, np.concatenate(everything))
-    _mark_events(ax, event_marks(run), ["recompile"])
+    mark_events(ax, event_marks(run), ["recompile"])
     ax.set_ylabel("tokens / s (all devices)")
     ax.set_title("Throughput")
     ax.grid(alpha=0.3, which="both")
@@ -140,109 +139,14 @@ def plot_throughput(run: Run, fig: Figure | None = None) -> Figure:
                 ax2.legend(lines, [ln.get_label() for ln in lines], loc="lower right")
         if not (util.size and tflops.size):
             ax2.legend(loc="lower right")
-        _mark_events(ax2, event_marks(run), ["recompile"], label=False)
+        mark_events(ax2, event_marks(run), ["recompile"], label=False)
         ax2.set_title("Model FLOPs utilization")
         ax2.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
     return fig
 
 
-MAX_EXPERT_LINES = 10  # above this many experts, lines show the spread instead of each expert
-
-
-def plot_expert_load(run: Run, fig: Figure | None = None) -> Figure:
-    """One row per MoE layer: left, each expert's routed tokens per step (solid) and its
-    capacity in the step (dashed, same colour; capacity per group x groups per step); right,
-    tokens / capacity per expert over time (red above 1: the expert surely dropped tokens)."""
-    from matplotlib.colors import TwoSlopeNorm
-
-    load = expert_load(run)
-    if load is None:
-        raise ValueError("no tokens_per_expert in metrics.jsonl: not an MoE run")
-    num_layers, num_experts = load.tokens.shape[1:]
-    fig = _new_figure(fig, 0.6 + 2.8 * num_layers)
-    axes = fig.subplots(num_layers, 2, squeeze=False, width_ratios=(3, 2), sharex=True)
-    marks = event_marks(run)
-    edges = _edges(load.steps)
-    ratio = load.utilisation
-    top = max(2.0, float(np.nanmax(ratio))) if np.isfinite(ratio).any() else 2.0
-    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top)
-    for row in range(num_layers):
-        ax, heat = axes[row]
-        tokens, capacity = load.tokens[:, row], load.capacity[:, row]
-        if num_experts <= MAX_EXPERT_LINES:
-            for e in range(num_experts):
-                color = f"C{e}"
-                ax.plot(load.steps, tokens[:, e], lw=1.2, color=color, label=f"expert {e}")
-                ax.step(
-                    load.steps,
-                    capacity[:, e],
-                    where="pre",
-                    lw=2,
-                    color=color,
-                    ls=_shared_dashes(e, num_experts),
-                )
-        else:
-            for stat, style in ((np.max, "-"), (np.median, "-."), (np.min, ":")):
-                ax.plot(
-                    load.steps,
-                    stat(tokens, axis=1),
-                    ls=style,
-                    color="tab:blue",
-                    label=f"{stat.__name__} over experts",
-                )
-            ax.fill_between(
-                load.steps,
-                np.nanmin(capacity, axis=1),
-                np.nanmax(capacity, axis=1),
-                step="pre",
-                color="tab:red",
-                alpha=0.2,
-                label="capacity range",
-            )
-        _mark_events(ax, marks, ["recompile"], label=False)
-        ax.set_ylabel("tokens / step")
-        ax.set_ylim(bottom=0)
-        ax.set_title(
-            f"MoE layer {load.layers[row]}: routed tokens (solid), capacity (dashed)",
-            fontsize="medium",
-        )
-        ax.grid(alpha=0.3)
-        mesh = heat.pcolormesh(
-            edges,
-            np.arange(num_experts + 1) - 0.5,
-            ratio[:, row].T,
-            cmap="RdBu_r",
-            norm=norm,
-            shading="flat",
-        )
-        heat.set_yticks(range(num_experts) if num_experts <= 16 else heat.get_yticks())
-        heat.set_ylabel("expert")
-        heat.set_title(f"layer {load.layers[row]}: tokens / capacity", fontsize="medium")
-        fig.colorbar(mesh, ax=heat, label="tokens / capacity")
-    axes[-1, 0].set_xlabel("step")
-    axes[-1, 1].set_xlabel("step")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    if num_experts <= MAX_EXPERT_LINES:
-        handles.append(_line_proxy(None, color="0.2", style=(0, (3, 3)), width=2))
-        labels.append("capacity (dashed, expert's colour)")
-    if "recompile" in marks:
-        handles.append(_line_proxy("recompile"))
-        labels.append(MARKS["recompile"][0])
-    fig.legend(
-        handles, labels, loc="outside upper center", ncol=min(len(labels), 6), fontsize="small"
-    )
-    return fig
-
-
-def _shared_dashes(index: int, count: int) -> tuple[int, tuple[int, int]]:
-    """A dash pattern for line ``index`` of ``count`` whose dashes fall in the gaps of the
-    others': lines at the same height (experts with equal capacity) show every colour in turn."""
-    on = 3
-    return (on * index, (on, on * max(1, count - 1)))
-
-
-def _edges(steps: np.ndarray) -> np.ndarray:
+def step_edges(steps: np.ndarray) -> np.ndarray:
     """Cell edges around sorted steps: each step, a sample of the Plan that step ran with, owns
     the interval up to the next one (so a change shows where the swap put it)."""
     if steps.size == 1:
@@ -262,7 +166,7 @@ def plot_pipeline(run: Run, fig: Figure | None = None) -> Figure:
     if load is None:
         raise ValueError("no profile events: not a profiled pipeline run")
     layout = stage_layers(run)
-    fig = _new_figure(fig, 9.0)
+    fig = new_figure(fig, 9.0)
     axes = fig.subplots(3, 1, sharex=True, height_ratios=(3, 1.6, 2))
     marks = event_marks(run)
     kinds = [k for k in PIPELINE_MARKS if k in marks]
@@ -272,7 +176,7 @@ def plot_pipeline(run: Run, fig: Figure | None = None) -> Figure:
     for s in range(total.shape[1]):
         ax.plot(load.steps, total[:, s], "o-", ms=4, color=f"C{s}", label=f"stage {s}")
     _maybe_log(ax, total)
-    _mark_events(ax, marks, kinds, label=False)
+    mark_events(ax, marks, kinds, label=False)
     ax.set_ylabel("busy seconds / step (fwd + bwd)")
     ax.set_title("Measured stage load (profiled steps)")
     ax.grid(alpha=0.3, which="both")
@@ -295,7 +199,7 @@ def plot_pipeline(run: Run, fig: Figure | None = None) -> Figure:
         ax.set_ylim(0, counts.sum(axis=1).max())
         ax.yaxis.get_major_locator().set_params(integer=True)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    _mark_events(ax, marks, kinds, label=False)
+    mark_events(ax, marks, kinds, label=False)
     ax.set_ylabel("layers")
     ax.set_title("Layers per stage (Plan in force)")
     ax.grid(alpha=0.3)
@@ -315,14 +219,14 @@ def plot_pipeline(run: Run, fig: Figure | None = None) -> Figure:
     )
     _maybe_log(twin, load.iteration_seconds)
     twin.set_ylabel("iteration seconds", color="tab:brown")
-    _mark_events(ax, marks, kinds, label=False)
+    mark_events(ax, marks, kinds, label=False)
     ax.set_title(
         "Bubble ratio (blue dots, left) and iteration seconds (brown squares, right), profiled"
     )
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     if kinds:  # one legend for the vertical lines, under the figure
-        proxies = [_line_proxy(k) for k in kinds]
+        proxies = [line_proxy(k) for k in kinds]
         fig.legend(
             proxies,
             [MARKS[k][0] for k in kinds],
@@ -333,7 +237,7 @@ def plot_pipeline(run: Run, fig: Figure | None = None) -> Figure:
     return fig
 
 
-def _line_proxy(kind: str | None, color: str = "", style: Any = "-", width: float = 1.2) -> Any:
+def line_proxy(kind: str | None, color: str = "", style: Any = "-", width: float = 1.2) -> Any:
     """A legend handle: the line of a kind of `MARKS`, or of the given look."""
     from matplotlib.lines import Line2D
 
@@ -356,7 +260,7 @@ def plot_layer_costs(run: Run, fig: Figure | None = None) -> Figure:
     if costs is None:
         raise ValueError("no layer_costs.jsonl and no profiled layer times")
     panels = int(costs.steps.size > 0) + int(costs.profiled_steps.size > 0)
-    fig = _new_figure(fig, 0.6 + 3.4 * panels)
+    fig = new_figure(fig, 0.6 + 3.4 * panels)
     axes = list(fig.subplots(panels, 1, squeeze=False, sharex=True)[:, 0])
     last = axes[-1]
     marks = event_marks(run)
@@ -364,7 +268,7 @@ def plot_layer_costs(run: Run, fig: Figure | None = None) -> Figure:
         ax = axes.pop(0)
         num_layers = costs.modelled.shape[1]
         mesh = ax.pcolormesh(
-            _edges(costs.steps),
+            step_edges(costs.steps),
             np.arange(num_layers + 1) - 0.5,
             costs.modelled.T,
             cmap="viridis",
@@ -374,7 +278,7 @@ def plot_layer_costs(run: Run, fig: Figure | None = None) -> Figure:
         ax.set_yticks(range(num_layers) if num_layers <= 24 else ax.get_yticks())
         ax.set_ylabel("layer")
         ax.set_title("Modelled cost per layer (Plan in force)")
-        _mark_events(ax, marks, ["recompile"])
+        mark_events(ax, marks, ["recompile"])
     if costs.profiled_steps.size:
         ax = axes.pop(0)
         num_layers = costs.seconds.shape[1]
@@ -389,13 +293,13 @@ def plot_layer_costs(run: Run, fig: Figure | None = None) -> Figure:
                     label=f"layer {layer}",
                 )
             _maybe_log(ax, costs.seconds)
-            _mark_events(ax, marks, ["recompile"])
+            mark_events(ax, marks, ["recompile"])
             ax.set_ylabel("ms (forward + backward)")
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
             ax.grid(alpha=0.3, which="both")
         else:
             mesh = ax.pcolormesh(
-                _edges(costs.profiled_steps),
+                step_edges(costs.profiled_steps),
                 np.arange(num_layers + 1) - 0.5,
                 1e3 * costs.seconds.T,
                 cmap="magma",
@@ -403,7 +307,7 @@ def plot_layer_costs(run: Run, fig: Figure | None = None) -> Figure:
             )
             fig.colorbar(mesh, ax=ax, label="ms (forward + backward)")
             ax.set_ylabel("layer")
-            _mark_events(ax, marks, ["recompile"])
+            mark_events(ax, marks, ["recompile"])
         ax.set_title("Profiled time per layer")
     last.set_xlabel("step")
     return fig
@@ -440,7 +344,7 @@ def plot_freezing(run: Run, ax: Axes | None = None) -> Axes:
         ax.set_ylim(0, layers + 0.3)
         ax.axhline(layers, color="0.5", lw=1, ls=":", label=f"all {layers} layers")
     ax.yaxis.get_major_locator().set_params(integer=True)
-    _mark_events(ax, event_marks(run), ["recompile"])
+    mark_events(ax, event_marks(run), ["recompile"])
     ax.set_xlabel("step")
     ax.set_ylabel("layers")
     ax.set_title("Layer freezing")
@@ -458,7 +362,7 @@ def plot_scheme(run: Run, scheme: str, fig: Figure | None = None) -> Figure:
     metrics = scheme_series(run, scheme)
     if not metrics:
         raise ValueError(f"no {scheme}/ metrics")
-    fig = _new_figure(fig, 0.6 + 3.0 * len(metrics))
+    fig = new_figure(fig, 0.6 + 3.0 * len(metrics))
     axes = fig.subplots(len(metrics), 1, squeeze=False, sharex=True)[:, 0]
     for ax, (key, (steps, values)) in zip(axes, metrics.items(), strict=True):
         if values.ndim == 1:
@@ -478,7 +382,7 @@ def plot_scheme(run: Run, scheme: str, fig: Figure | None = None) -> Figure:
         finite = values[np.isfinite(values)]
         if finite.size and finite.min() > 0 and finite.max() > 20 * finite.min():
             ax.set_yscale("log")  # e.g. plasticity, from above 100 to below 1
-        _mark_events(ax, event_marks(run), ["recompile"])
+        mark_events(ax, event_marks(run), ["recompile"])
         ax.set_title(key)
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()

@@ -1,4 +1,7 @@
-"""The plots of the report (name, title, when to skip, caption) and writing them as PNG files."""
+"""The plots of the report (name, title, when to skip, caption) and writing them as PNG files.
+
+A dynamism scheme's own plots come from its plugin (`dynjax.dynamism.base.Plugin.report_plots`,
+walked over `dynjax.dynamism.BUILTIN`), after the run's loss and throughput."""
 
 from __future__ import annotations
 
@@ -7,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.report import plots as drawing
 from dynjax.report.arrays import (
-    expert_load,
     frozen_layers,
     layer_costs,
     scheme_series,
@@ -54,8 +57,15 @@ def _scheme_plot(scheme: str, name: str, title: str, caption: str) -> tuple:
 
 
 # name, title, drawing onto a given Figure, the reason to skip (None = draw), caption
-PLOTS: tuple[tuple[str, str, Callable[[Run, Figure], Any], Callable[[Run], str | None], str], ...]
-PLOTS = (
+PlotEntry = tuple[str, str, Callable[[Run, "Figure"], Any], Callable[[Run], str | None], str]
+
+
+def scheme_plots(schemes: Schemes) -> tuple[PlotEntry, ...]:
+    """Every scheme's own plots (`Plugin.report_plots`), in scheme order."""
+    return tuple(entry for plugin in schemes.plugins for entry in plugin.report_plots())
+
+
+_RUN_PLOTS: tuple[PlotEntry, ...] = (
     (
         "loss",
         "Loss",
@@ -75,20 +85,8 @@ PLOTS = (
         "Tokens per second over each logging interval (points; log scale when they spread over "
         "20x) and their rolling median; MFU and model TFLOP/s per device when logged.",
     ),
-    (
-        "expert_load",
-        "MoE: expert load against capacity",
-        drawing.plot_expert_load,
-        lambda r: (
-            None
-            if expert_load(r) is not None
-            else "no `tokens_per_expert` in metrics.jsonl: not an MoE run"
-        ),
-        "Per MoE layer: each expert's routed tokens per step (before dropping; solid) against "
-        "its slots in the step (dashed: the Plan's capacity per sequence x sequences per step, "
-        "from the compile/recompile events); right: tokens / capacity, red above 1 (the expert "
-        "surely dropped tokens; below 1 it may still drop in an unlucky sequence).",
-    ),
+)
+_LAYER_PLOTS: tuple[PlotEntry, ...] = (
     (
         "pipeline",
         "Pipeline: measured stage load and rebalancing",
@@ -140,6 +138,7 @@ PLOTS = (
         "Each `pruning/...` metric over time (per-layer lists: one line per layer).",
     ),
 )
+PLOTS: tuple[PlotEntry, ...] = _RUN_PLOTS + scheme_plots(BUILTIN) + _LAYER_PLOTS
 
 
 def render(run: Run, out: Path) -> list[Plot]:

@@ -15,6 +15,7 @@ import tensorstore as ts
 
 from dynjax.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, layout
 from dynjax.checkpoint.read import qkv_columns_per_head
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS
 from dynjax.experiment import Experiment
 from dynjax.model.attention import qkv_per_head
 
@@ -46,7 +47,7 @@ def fixed(exp):
 def test_round_trip_is_exact_and_sharded_as_the_target(trained, tmp_path):
     exp, state = trained
     events = []
-    ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=2, emit=events.append)
     ckpt.save(5, state, {"plan": exp.initial_plan().to_dict()})
     ckpt.wait()
     assert sorted(p.name for p in (tmp_path / "5").iterdir() if p.is_dir()) == [
@@ -70,7 +71,7 @@ def test_round_trip_is_exact_and_sharded_as_the_target(trained, tmp_path):
 def test_the_item_count_does_not_grow_with_layers_and_experts(tmp_path, layers, experts):
     cfg = tiny_config(moe__every=1, model__num_layers=layers, moe__num_experts=experts)
     exp = Experiment.from_config(cfg)
-    ckpt = Checkpointer(tmp_path, keep=1, async_save=False)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1, async_save=False)
     ckpt.save(1, exp.init_state(), {})
     ckpt.close()
     items = sorted(p.name for p in (tmp_path / "1").iterdir() if p.is_dir())
@@ -90,7 +91,7 @@ def test_fsdp_state_round_trips_on_eight_devices(tmp_path):
     state = one_step(exp)
     embed = state["params"]["embed"]["embedding"]
     assert len(embed.sharding.device_set) == 8 and embed.addressable_shards[0].data.shape[0] < 256
-    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1)
     ckpt.save(1, state, {})
     restored, _ = ckpt.restore_latest(fixed(exp))
     ckpt.close()
@@ -107,7 +108,7 @@ def test_a_pipeline_state_restores_onto_its_stages(tmp_path):
     exe = exp.lower_train_step(plan).compile()
     runtime.step(exe, exp.order.batch(0), None)
     saved = runtime.pipeline.host_state()
-    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1)
     ckpt.save(1, runtime.checkpoint_state(), {"plan": plan.to_dict()})
     target = exp.restore_target(plan)
     restored, _ = ckpt.restore_latest(lambda meta: target)
@@ -120,7 +121,7 @@ def test_a_pipeline_state_restores_onto_its_stages(tmp_path):
     assert_bitwise_equal(saved, again.pipeline.host_state())
     # The same checkpoint resumes without a pipeline (another stage count).
     single = Experiment.from_config(tiny_config(moe__every=1, mesh__data=2, mesh__expert=2))
-    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1)
     restored, _ = ckpt.restore_latest(fixed(single))
     ckpt.close()
     assert_bitwise_equal(saved, restored)
@@ -128,7 +129,7 @@ def test_a_pipeline_state_restores_onto_its_stages(tmp_path):
 
 def test_restore_reshards_onto_a_different_mesh(trained, tmp_path):
     exp, state = trained  # data 2 x expert 2
-    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1)
     ckpt.save(1, state, {})
     ckpt.wait()
     other = Experiment.from_config(tiny_config(moe__every=1, mesh__data=4, mesh__expert=1))
@@ -144,7 +145,7 @@ def test_restore_reshards_onto_a_different_mesh(trained, tmp_path):
 def test_corrupt_latest_is_set_aside_and_its_step_saved_again(trained, tmp_path):
     exp, state = trained
     events = []
-    ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=2, emit=events.append)
     ckpt.save(1, state, {})
     later = jax.tree.map(lambda a: a + 1 if a.dtype.kind == "f" else a, state)
     ckpt.save(2, later, {})
@@ -172,16 +173,16 @@ def test_corrupt_latest_is_set_aside_and_its_step_saved_again(trained, tmp_path)
 def test_wrong_data_in_an_expert_shard_falls_back_to_its_previous_copy(trained, tmp_path):
     exp, state = trained
     events = []
-    ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=2, emit=events.append)
     ckpt.save(1, state, {})
     ckpt.save(2, state, {})
     ckpt.wait()
     key = "opt_state/1/0/nu/layers/1/moe/w_out"
     overwrite_expert(tmp_path / "2", key, 3)
     with pytest.raises(CheckpointError, match=f"{key} expert 3: checksum mismatch"):
-        ckpt.restore_experts(2, key, [3])
+        ckpt.restore_rows(2, key, [3])
     np.testing.assert_array_equal(  # the other experts of that array are intact
-        ckpt.restore_experts(2, key, [0, 2]),
+        ckpt.restore_rows(2, key, [0, 2]),
         np.asarray(state["opt_state"][1][0].nu["layers"][1]["moe"]["w_out"])[[0, 2]],
     )
     # Only that expert's optimizer state falls back to step 1; step 2 stays (its dense part
@@ -209,7 +210,7 @@ def test_a_subset_of_experts_reads_only_those_experts(tmp_path):
         tiny_config(moe__every=1, moe__num_experts=8, model__d_model=64, model__mlp_dim=128)
     )
     state = one_step(exp)
-    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1)
     ckpt.save(1, state, {})
     ckpt.wait()
     key = "params/layers/1/moe/w_in"
@@ -217,7 +218,7 @@ def test_a_subset_of_experts_reads_only_those_experts(tmp_path):
     read = {}
     for experts in ([5], [6, 1], list(range(8))):
         before = _file_bytes_read()
-        rows = ckpt.restore_experts(1, key, experts)
+        rows = ckpt.restore_rows(1, key, experts)
         read[len(experts)] = _file_bytes_read() - before
         np.testing.assert_array_equal(rows, full[experts])
     # Each expert is its own chunk: bytes read grow with the experts asked for.
@@ -229,7 +230,7 @@ def test_a_subset_of_experts_reads_only_those_experts(tmp_path):
 def test_a_refused_save_is_an_error_event_not_a_checkpoint(trained, tmp_path, caplog):
     exp, state = trained
     events = []
-    ckpt = Checkpointer(tmp_path, keep=3, emit=events.append)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=3, emit=events.append)
     assert ckpt.save(2, state, {})
     assert not ckpt.save(2, state, {})  # the step exists: Orbax refuses
     assert not ckpt.save(1, state, {})  # older than the latest: Orbax refuses
@@ -248,7 +249,7 @@ def test_a_refused_save_is_an_error_event_not_a_checkpoint(trained, tmp_path, ca
 )
 def test_restore_into_a_different_model_fails_clearly_and_moves_nothing(trained, tmp_path, change):
     exp, state = trained
-    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1)
     ckpt.save(1, state, {})
     ckpt.wait()
     other = Experiment.from_config(tiny_config(**{"moe__every": 1, **change}))
@@ -261,7 +262,7 @@ def test_restore_into_a_different_model_fails_clearly_and_moves_nothing(trained,
 
 def test_the_target_sees_the_metadata_before_any_array_is_read(trained, tmp_path):
     exp, state = trained
-    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1)
     ckpt.save(1, state, {"config": {"seed": 0}})
     ckpt.wait()
 
@@ -276,7 +277,7 @@ def test_the_target_sees_the_metadata_before_any_array_is_read(trained, tmp_path
 
 def test_all_checkpoints_corrupt_is_an_error_that_says_where_they_are(trained, tmp_path):
     exp, state = trained
-    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1)
     ckpt.save(1, state, {})
     ckpt.wait()
     corrupt(tmp_path / "1")
@@ -295,7 +296,7 @@ def restore_old(archive, tmp_path, writer, exp):
     with tarfile.open(archive) as tar:
         tar.extractall(tmp_path / "old", filter="data")
     want = jax.device_get(one_step(writer))  # what that run had (same seed, same step)
-    ckpt = Checkpointer(tmp_path / "old", keep=2)
+    ckpt = Checkpointer(tmp_path / "old", stacks=EXPERT_STACKS, keep=2)
     restored, meta = ckpt.restore_latest(fixed(exp))
     assert meta["step"] == 1
     assert_placed_like(restored, exp.abstract_state)

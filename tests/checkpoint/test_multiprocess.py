@@ -14,6 +14,7 @@ import pytest
 import tensorstore as ts
 
 from dynjax.checkpoint import Checkpointer, layout
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS, expert_layer
 from dynjax.experiment import Experiment
 from dynjax.launch import local
 from dynjax.launch.cluster import HEARTBEAT_SECONDS
@@ -120,11 +121,13 @@ def test_two_processes_save_resume_and_restore_on_one(tmp_path, uninterrupted):
 
     # Bit for bit: the state one process restores has the checksums the 2 processes computed
     # on the global arrays they saved.
-    checkpointer = Checkpointer(one / "checkpoints", keep=10, async_save=False)
+    checkpointer = Checkpointer(
+        one / "checkpoints", stacks=EXPERT_STACKS, keep=10, async_save=False
+    )
     exp = Experiment.from_config(config(**{"train.steps": 6}))
     state, meta = checkpointer.restore(4, exp.restore_target(exp.initial_plan()))
     checkpointer.close()
-    assert layout.checksums(layout.flatten(state)) == meta["checksums"]
+    assert layout.checksums(layout.flatten(state), EXPERT_STACKS) == meta["checksums"]
     assert {d.id for leaf in layout.flatten(state).values() for d in leaf.devices()} == set(
         range(8)
     )
@@ -196,22 +199,24 @@ def test_partial_expert_checkpoints_of_two_processes_restore_on_one(tmp_path):
     # [3, ...] rows (gathered replicated over all 8 devices, as 4 does not divide 3). Orbax
     # splits a replicated shard along its first axis the replica count divides.
     exp = Experiment.from_config(config(**moe))
-    experts = layout.split(exp.abstract_state)[layout.EXPERTS].values()
+    experts = layout.split(exp.abstract_state, EXPERT_STACKS)[layout.ROWS].values()
     all_rows = sum(a.size * a.dtype.itemsize for a in experts)
     for step, rows in ((2, 4), (4, 3)):
-        shares, whole = written_bytes(tmp_path / "checkpoints" / str(step) / layout.EXPERTS, 2)
+        shares, whole = written_bytes(tmp_path / "checkpoints" / str(step) / layout.ROWS, 2)
         print(f"step {step}: expert bytes written per process", shares)
         assert shares[0] == shares[1] and whole == 0
         assert sum(shares) == all_rows * rows // 4
-    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=10, async_save=False)
+    checkpointer = Checkpointer(
+        tmp_path / "checkpoints", stacks=EXPERT_STACKS, keep=10, async_save=False
+    )
     state, meta = checkpointer.restore_latest(lambda meta: exp.restore_target(exp.initial_plan()))
     _, older = checkpointer.restore(2, exp.restore_target(exp.initial_plan()))
     checkpointer.close()
     assert meta["step"] == 4
     assert meta["expert_sources"] == {1: {"weights": [4, 4, 4, 2], "optimizer": [4, 4, 4, 2]}}
-    sums = layout.checksums(layout.flatten(state))
+    sums = layout.checksums(layout.flatten(state), EXPERT_STACKS)
     for key, got in sums.items():
-        if layout.expert_layer(key) is None:
+        if expert_layer(key) is None:
             assert got == meta["checksums"][key]
         else:  # rows 0 to 2 as the 2 processes saved them at step 4, row 3 at step 2
             assert got == [*meta["checksums"][key], *older["checksums"][key][3:]]

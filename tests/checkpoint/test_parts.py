@@ -13,6 +13,8 @@ import pytest
 
 from dynjax.checkpoint import CheckpointError, CheckpointMismatch, layout
 from dynjax.checkpoint.parts import PartedCheckpointer, Sources, part_dir, restore_parts
+from dynjax.checkpoint.rows import row_group
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS, expert_layer
 from dynjax.experiment import Experiment
 from dynjax.model.attention import qkv_per_head
 
@@ -61,9 +63,9 @@ def save(root, step, state, parts=(0, 1), experts=None, first_layers=(0,)):
     layer's experts to save, as the ledger gives them to every process)."""
     saved = []
     for p in parts:
-        ckpt = PartedCheckpointer(root, Writer(p), keep=3, emit=saved.append)
+        ckpt = PartedCheckpointer(root, Writer(p), keep=3, stacks=EXPERT_STACKS, emit=saved.append)
         assert ckpt.save(step, part_of(state, p, first_layers), {"plan": {}, "config": {}},
-                         experts=experts)
+                         rows=experts)
         ckpt.close()
     return [e["experts_saved"] for e in saved if e["event"] == "checkpoint"]
 
@@ -79,7 +81,9 @@ def target(exp):
 def restored_step_2(exp, state, root, event):
     """Restore ``root``: step 2, holding ``state``, comes back; the ``event`` events logged."""
     events = []
-    restored, meta = restore_parts(root, target(exp), None, emit=events.append)
+    restored, meta = restore_parts(
+        root, target(exp), None, stacks=EXPERT_STACKS, emit=events.append
+    )
     assert meta["step"] == 2
     assert_bitwise_equal(jax.device_get(state), restored)
     return [e for e in events if e["event"] == event]
@@ -91,8 +95,8 @@ def test_each_leaf_is_read_from_the_part_that_holds_it(trained, tmp_path):
     save(tmp_path, 4, later(state))
     held = [set(Sources(tmp_path).meta(part_dir(tmp_path, p), 4)["checksums"]) for p in (0, 1)]
     assert held[0] and held[1] and held[0] - held[1] and held[1] - held[0]  # neither holds all
-    assert any(layout.expert_layer(k) is not None for k in held[1])  # and experts are parts too
-    restored, meta = restore_parts(tmp_path, target(exp), None)
+    assert any(expert_layer(k) is not None for k in held[1])  # and experts are parts too
+    restored, meta = restore_parts(tmp_path, target(exp), None, stacks=EXPERT_STACKS)
     assert meta["step"] == 4 and meta["parts"] == 2
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(restored))
     assert_bitwise_equal(jax.device_get(later(state)), restored)
@@ -102,8 +106,8 @@ def expert_rows(tree, rows, group=None):
     """Each expert leaf of ``tree`` (host arrays; of expert ``group`` only, if given) with row e
     taken from ``rows[e]``'s tree."""
     flat = layout.flatten(tree)
-    for key in layout.split(tree)[layout.EXPERTS]:
-        if group in (None, layout.expert_group(key)):
+    for key in layout.split(tree, EXPERT_STACKS)[layout.ROWS]:
+        if group in (None, row_group(key)):
             rows_of = [np.asarray(layout.flatten(r)[key][e]) for e, r in enumerate(rows)]
             flat[key] = np.stack(rows_of)
     return layout.unflatten_like(tree, flat)
@@ -121,7 +125,7 @@ def test_partial_expert_saves_in_parts_restore_each_expert_from_its_newest_copy(
     assert save(tmp_path, 2, state) == [{}, {str(moe): [0, 1, 2, 3]}]
     assert save(tmp_path, 4, b, experts={moe: [1]}) == [{}, {str(moe): [1]}]
     assert save(tmp_path, 6, c, experts={moe: [2, 3]}) == [{}, {str(moe): [2, 3]}]
-    restored, meta = restore_parts(tmp_path, target(exp), None)
+    restored, meta = restore_parts(tmp_path, target(exp), None, stacks=EXPERT_STACKS)
     assert meta["step"] == 6
     assert meta["expert_sources"] == {moe: {"weights": [2, 4, 6, 6], "optimizer": [2, 4, 6, 6]}}
     host = [jax.device_get(t) for t in (state, b, c)]
@@ -130,7 +134,9 @@ def test_partial_expert_saves_in_parts_restore_each_expert_from_its_newest_copy(
     key = f"params/layers/{moe}/moe/w_in"
     overwrite_expert(part_dir(tmp_path, 1) / "4", key, 0)  # its only row: expert 1
     events = []
-    restored, meta = restore_parts(tmp_path, target(exp), None, emit=events.append)
+    restored, meta = restore_parts(
+        tmp_path, target(exp), None, stacks=EXPERT_STACKS, emit=events.append
+    )
     assert meta["expert_sources"][moe]["weights"] == [2, 2, 6, 6]
     [fallback] = [e for e in events if e["event"] == "checkpoint_expert_fallback"]
     assert (fallback["step"], fallback["expert"], fallback["fallback_step"]) == (4, 1, 2)
@@ -157,7 +163,7 @@ def test_an_expert_layer_that_moved_between_processes_is_assembled_across_parts(
     ]
     assert save(tmp_path, 4, b, experts={moe: [0]}) == [{}, {str(moe): [0, 1, 2, 3]}]
     assert save(tmp_path, 6, c, experts={moe: [0]}, first_layers=on_0) == [{str(moe): [0]}, {}]
-    restored, meta = restore_parts(tmp_path, target(exp), None)
+    restored, meta = restore_parts(tmp_path, target(exp), None, stacks=EXPERT_STACKS)
     assert meta["expert_sources"] == {moe: {"weights": [6, 4, 4, 4], "optimizer": [6, 4, 4, 4]}}
     host = [jax.device_get(t) for t in (state, b, c)]
     assert_bitwise_equal(expert_rows(host[2], [host[2], host[1], host[1], host[1]]), restored)
@@ -167,7 +173,7 @@ def test_a_process_reads_only_the_leaves_its_stages_need(trained, tmp_path):
     exp, state = trained
     save(tmp_path, 2, state)
     only_1 = lambda meta: part_of(exp.abstract_state, 1)
-    restored, _ = restore_parts(tmp_path, only_1, None)
+    restored, _ = restore_parts(tmp_path, only_1, None, stacks=EXPERT_STACKS)
     assert_bitwise_equal(jax.device_get(part_of(state, 1)), restored)
     assert len(jax.tree.leaves(restored)) < len(jax.tree.leaves(state))
 
@@ -183,7 +189,7 @@ def test_a_step_one_process_never_saved_is_set_aside_and_its_number_saved_again(
     kept = list((part_dir(tmp_path, 0) / "corrupt").iterdir())
     assert [k.name.split("-")[0] for k in kept] == ["4"] and (kept[0] / "dense").is_dir()
     save(tmp_path, 4, later(state, 2.0))  # the step number is free again, in both parts
-    restored, meta = restore_parts(tmp_path, target(exp), None)
+    restored, meta = restore_parts(tmp_path, target(exp), None, stacks=EXPERT_STACKS)
     assert meta["step"] == 4
     assert_bitwise_equal(jax.device_get(later(state, 2.0)), restored)
 
@@ -203,7 +209,7 @@ def test_wrong_data_in_a_part_is_caught_by_its_checksum(trained, tmp_path):
     save(tmp_path, 2, state)
     save(tmp_path, 4, later(state))
     held = Sources(tmp_path).meta(part_dir(tmp_path, 1), 4)["checksums"]
-    key = next(k for k in held if layout.expert_layer(k) is not None)
+    key = next(k for k in held if expert_layer(k) is not None)
     overwrite_expert(part_dir(tmp_path, 1) / "4", key, expert=1)  # reads back fine
     failed = restored_step_2(exp, state, tmp_path, "checkpoint_restore_failed")
     assert [e["step"] for e in failed] == [4] and "checksum mismatch" in failed[0]["error"]
@@ -214,7 +220,7 @@ def test_no_usable_step_is_an_error_that_says_where_they_are(trained, tmp_path):
     save(tmp_path, 2, state)
     corrupt(part_dir(tmp_path, 0) / "2")
     with pytest.raises(CheckpointError, match="unusable: \\[2\\]"):
-        restore_parts(tmp_path, target(exp), None)
+        restore_parts(tmp_path, target(exp), None, stacks=EXPERT_STACKS)
     assert (part_dir(tmp_path, 0) / "corrupt").is_dir()
 
 
@@ -224,7 +230,7 @@ def test_a_checkpoint_of_another_model_is_an_error_and_moves_nothing(trained, tm
     narrower = tiny_config(moe__every=2, model__num_layers=3, model__d_model=16)
     other = Experiment.from_config(narrower)
     with pytest.raises(CheckpointMismatch, match="different model configuration"):
-        restore_parts(tmp_path, target(other), None)
+        restore_parts(tmp_path, target(other), None, stacks=EXPERT_STACKS)
     assert Sources(tmp_path).part_steps() == {2: [part_dir(tmp_path, p) for p in (0, 1)]}
 
 
@@ -254,12 +260,12 @@ def test_a_step_only_one_process_cannot_read_is_set_aside_for_all(trained, tmp_p
     save(tmp_path, 2, state)
     save(tmp_path, 4, later(state))
     held = Sources(tmp_path).meta(part_dir(tmp_path, 1), 4)["checksums"]
-    key = next(k for k in held if layout.expert_layer(k) is not None)
+    key = next(k for k in held if expert_layer(k) is not None)
     overwrite_expert(part_dir(tmp_path, 1) / "4", key, expert=0)
     events = [[], []]
     got = both_processes(lambda peers: restore_parts(
         tmp_path, lambda meta: part_of(exp.abstract_state, peers.index), peers,
-        emit=events[peers.index].append,
+        stacks=EXPERT_STACKS, emit=events[peers.index].append,
     ))
     for p, (restored, meta) in enumerate(got):
         assert meta["step"] == 2
@@ -283,7 +289,9 @@ def test_another_model_seen_by_one_process_is_an_error_in_both(trained, tmp_path
         which = exp if index == 0 else narrower
         return lambda meta: part_of(which.abstract_state, index)
 
-    got = both_processes(lambda peers: restore_parts(tmp_path, target(peers.index), peers))
+    got = both_processes(
+        lambda peers: restore_parts(tmp_path, target(peers.index), peers, stacks=EXPERT_STACKS)
+    )
     assert all(isinstance(e, CheckpointMismatch) for e in got), got
     assert Sources(tmp_path).part_steps() == {2: [part_dir(tmp_path, p) for p in (0, 1)]}
 
@@ -300,7 +308,7 @@ def test_unreadable_metadata_of_part_0_is_a_broken_step_not_a_fresh_start(traine
     for p in (0, 1):
         shutil.rmtree(part_dir(tmp_path, p) / "2")
     with pytest.raises(CheckpointError, match="not saved by every process: \\[6\\]"):
-        restore_parts(tmp_path, target(exp), None)
+        restore_parts(tmp_path, target(exp), None, stacks=EXPERT_STACKS)
 
 
 def test_a_whole_checkpoint_from_before_the_per_head_columns_is_read_reordered(tmp_path):
@@ -312,7 +320,7 @@ def test_a_whole_checkpoint_from_before_the_per_head_columns_is_read_reordered(t
             "params/layers/0/attn/out/kernel"]
     saved = {k: layout.read_array(tmp_path / "1" / "dense", k) for k in keys}
     template = {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in saved.items()}
-    got, meta = Sources(tmp_path).read(1, [tmp_path], template)
+    got, meta = Sources(tmp_path).read(1, [tmp_path], template, EXPERT_STACKS)
     assert "qkv_columns" not in meta
     for key in keys[:2]:
         np.testing.assert_array_equal(got[key], qkv_per_head(saved[key], 2))

@@ -7,7 +7,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from dynjax.checkpoint import Checkpointer, ExpertsMissing, layout
+from dynjax.checkpoint import Checkpointer, RowsMissing, layout
+from dynjax.checkpoint.rows import row_group
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS, expert_layer
 from dynjax.experiment import Experiment
 
 from ..helpers import assert_bitwise_equal, assert_placed_like, one_step, overwrite_expert
@@ -32,7 +34,7 @@ def shifted(state, k):
 
 
 def experts_of(state):
-    return {k: np.asarray(a) for k, a in layout.split(state)[layout.EXPERTS].items()}
+    return {k: np.asarray(a) for k, a in layout.split(state, EXPERT_STACKS)[layout.ROWS].items()}
 
 
 def expected_state(states, sources, newest):
@@ -40,7 +42,7 @@ def expected_state(states, sources, newest):
     of each (layer, group) from ``states[sources[layer][group][e]]``."""
     flat = {k: np.asarray(a) for k, a in layout.flatten(states[newest]).items()}
     for key in experts_of(states[newest]):
-        chosen = sources[layout.expert_layer(key)][layout.expert_group(key)]
+        chosen = sources[expert_layer(key)][row_group(key)]
         flat[key] = np.stack([experts_of(states[s])[key][e] for e, s in enumerate(chosen)])
     return flat
 
@@ -64,8 +66,8 @@ def test_all_experts_is_exactly_the_full_save(trained, tmp_path):
     events = {"full": [], "pec": []}
     sizes, restored = {}, {}
     for name, experts in (("full", None), ("pec", {layer: range(E) for layer in LAYERS})):
-        ckpt = Checkpointer(tmp_path / name, keep=1, emit=events[name].append)
-        assert ckpt.save(1, state, {}, experts=experts)
+        ckpt = Checkpointer(tmp_path / name, stacks=EXPERT_STACKS, keep=1, emit=events[name].append)
+        assert ckpt.save(1, state, {}, rows=experts)
         ckpt.wait()
         restored[name], meta = ckpt.restore_latest(lambda meta: exp.abstract_state)
         ckpt.close()
@@ -85,20 +87,20 @@ def test_partial_rows_restore_bit_for_bit(trained, tmp_path):
     exp, state = trained
     later = shifted(state, 1.0)
     events = []
-    ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=2, emit=events.append)
     ckpt.save(1, state, {})
-    ckpt.save(2, later, {}, experts={0: [1], 1: [3, 2]})
+    ckpt.save(2, later, {}, rows={0: [1], 1: [3, 2]})
     ckpt.wait()
     assert events[1]["experts_saved"] == {"0": [1], "1": [2, 3]}
     full = sum(a.nbytes for a in jax.tree.leaves(state))
     expert_bytes = sum(a.nbytes for a in experts_of(state).values())
     assert events[1]["bytes"] == full - expert_bytes + expert_bytes * 3 // (2 * E)
     rows = stored_rows(tmp_path / "2")
-    assert all(n == (1 if layout.expert_layer(k) == 0 else 2) for k, n in rows.items())
+    assert all(n == (1 if expert_layer(k) == 0 else 2) for k, n in rows.items())
     want = experts_of(later)
     for key in want:
-        chosen = [1] if layout.expert_layer(key) == 0 else [2, 3]
-        np.testing.assert_array_equal(ckpt.restore_experts(2, key, chosen), want[key][chosen])
+        chosen = [1] if expert_layer(key) == 0 else [2, 3]
+        np.testing.assert_array_equal(ckpt.restore_rows(2, key, chosen), want[key][chosen])
     restored, meta = ckpt.restore_latest(lambda meta: exp.abstract_state)
     ckpt.close()
     sources = {
@@ -113,10 +115,10 @@ def test_partial_rows_restore_bit_for_bit(trained, tmp_path):
 def test_rotating_experts_assemble_from_their_newest_steps(trained, tmp_path):
     exp, state = trained
     states = {s: shifted(state, float(s)) for s in (1, 2, 3)}
-    ckpt = Checkpointer(tmp_path, keep=3)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=3)
     ckpt.save(1, states[1], {})
-    ckpt.save(2, states[2], {}, experts={0: [0, 1], 1: [2, 3]})
-    ckpt.save(3, states[3], {}, experts={0: [1, 2], 1: [3, 0]})
+    ckpt.save(2, states[2], {}, rows={0: [0, 1], 1: [2, 3]})
+    ckpt.save(3, states[3], {}, rows={0: [1, 2], 1: [3, 0]})
     ckpt.wait()
     restored, meta = ckpt.restore_latest(lambda meta: exp.abstract_state)
     sources = {
@@ -140,16 +142,16 @@ def test_rotating_experts_assemble_from_their_newest_steps(trained, tmp_path):
 def test_content_cuts_only_its_leaves(trained, tmp_path, content):
     exp, state = trained
     later = shifted(state, 1.0)
-    ckpt = Checkpointer(tmp_path, keep=2)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=2)
     ckpt.save(1, state, {})
-    ckpt.save(2, later, {}, experts={0: [3], 1: [0]}, content=content)
+    ckpt.save(2, later, {}, rows={0: [3], 1: [0]}, content=content)
     ckpt.wait()
     partial = {"W": {"weights"}, "O": {"optimizer"}, "WO": {"weights", "optimizer"}}[content]
     rows = stored_rows(tmp_path / "2")
     assert len(rows) == 12  # (params, mu, nu) x (w_in, w_out) x 2 layers
     for key, n in rows.items():
-        assert n == (1 if layout.expert_group(key) in partial else E), key
-    assert {layout.expert_group(k) for k in rows if k.startswith("params/")} == {"weights"}
+        assert n == (1 if row_group(key) in partial else E), key
+    assert {row_group(k) for k in rows if k.startswith("params/")} == {"weights"}
     restored, meta = ckpt.restore_latest(lambda meta: exp.abstract_state)
     ckpt.close()
     sources = {
@@ -166,15 +168,15 @@ def test_content_cuts_only_its_leaves(trained, tmp_path, content):
 def test_retention_keeps_the_steps_holding_newest_copies(trained, tmp_path):
     exp, state = trained
     states = {s: shifted(state, float(s)) for s in (1, 2, 3, 4)}
-    ckpt = Checkpointer(tmp_path, keep=1, async_save=True)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1, async_save=True)
     ckpt.save(1, states[1], {})
-    ckpt.save(2, states[2], {}, experts={0: [0, 1], 1: [0, 1]})
+    ckpt.save(2, states[2], {}, rows={0: [0, 1], 1: [0, 1]})
     ckpt.wait()
     assert ckpt.all_steps() == [1, 2]  # step 1 holds the only copy of experts 2, 3
-    ckpt.save(3, states[3], {}, experts={0: [1, 2], 1: [1, 2]})
+    ckpt.save(3, states[3], {}, rows={0: [1, 2], 1: [1, 2]})
     ckpt.wait()
     assert ckpt.all_steps() == [1, 2, 3]  # 1: expert 3, 2: expert 0, 3: the newest
-    ckpt.save(4, states[4], {}, experts={0: [0, 3], 1: [0, 3]})
+    ckpt.save(4, states[4], {}, rows={0: [0, 3], 1: [0, 3]})
     ckpt.wait()
     assert ckpt.all_steps() == [3, 4]  # 1's expert 3 and 2's expert 0 are newer at 4
     restored, meta = ckpt.restore_latest(lambda meta: exp.abstract_state)
@@ -183,7 +185,7 @@ def test_retention_keeps_the_steps_holding_newest_copies(trained, tmp_path):
     assert meta["expert_sources"] == sources
     assert_restored(restored, expected_state(states, sources, 4))
     # A new Checkpointer reads what each step holds from its metadata: a full save frees all.
-    ckpt = Checkpointer(tmp_path, keep=1, async_save=False)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=1, async_save=False)
     ckpt.save(5, states[4], {})
     assert ckpt.all_steps() == [5]
     ckpt.close()
@@ -193,9 +195,9 @@ def test_a_corrupt_expert_row_falls_back_to_its_previous_copy(trained, tmp_path,
     exp, state = trained
     later = shifted(state, 1.0)
     events = []
-    ckpt = Checkpointer(tmp_path, keep=2, emit=events.append)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=2, emit=events.append)
     ckpt.save(1, state, {})
-    ckpt.save(2, later, {}, experts={0: [0, 2], 1: [1, 3]})
+    ckpt.save(2, later, {}, rows={0: [0, 2], 1: [1, 3]})
     ckpt.wait()
     # Expert 2 of layer 0 is the second row stored at step 2: rewrite its w_out weights.
     overwrite_expert(tmp_path / "2", "params/layers/0/moe/w_out", 1)
@@ -220,7 +222,7 @@ def test_a_corrupt_expert_row_falls_back_to_its_previous_copy(trained, tmp_path,
     assert "checksum mismatch" in event["error"] and "expert 2 of layer 0" in caplog.text
     # No copy left: step 1 holds the only copy of expert 3 of layer 0.
     overwrite_expert(tmp_path / "1", "opt_state/1/0/mu/layers/0/moe/w_in", 3)
-    with pytest.raises(ExpertsMissing, match="expert 3 of layer 0 .optimizer. has no usable"):
+    with pytest.raises(RowsMissing, match="expert 3 of layer 0 .optimizer. has no usable"):
         ckpt.restore_latest(lambda meta: exp.abstract_state)
     assert ckpt.all_steps() == [1, 2] and not (tmp_path / "corrupt").exists()
     ckpt.close()
@@ -229,17 +231,19 @@ def test_a_corrupt_expert_row_falls_back_to_its_previous_copy(trained, tmp_path,
 def test_a_first_partial_save_saves_every_expert_without_a_copy(trained, tmp_path):
     exp, state = trained
     events = []
-    ckpt = Checkpointer(tmp_path, keep=1, async_save=False, emit=events.append)
-    ckpt.save(1, state, {}, experts={0: [1], 1: [2]}, content="W")
+    ckpt = Checkpointer(
+        tmp_path, stacks=EXPERT_STACKS, keep=1, async_save=False, emit=events.append
+    )
+    ckpt.save(1, state, {}, rows={0: [1], 1: [2]}, content="W")
     assert events[0]["experts_saved"] == {"0": list(range(E)), "1": list(range(E))}
-    ckpt.save(2, state, {}, experts={0: [1], 1: [2]}, content="W")
+    ckpt.save(2, state, {}, rows={0: [1], 1: [2]}, content="W")
     assert events[1]["experts_saved"] == {"0": [1], "1": [2]}
     with pytest.raises(ValueError, match="content='X'"):
         ckpt.save(3, state, {}, content="X")
-    with pytest.raises(ValueError, match="each MoE layer"):
-        ckpt.save(3, state, {}, experts={0: [1]})
+    with pytest.raises(ValueError, match="each layer"):
+        ckpt.save(3, state, {}, rows={0: [1]})
     with pytest.raises(ValueError, match=r"experts\[1\] = \[4\]"):
-        ckpt.save(3, state, {}, experts={0: [1], 1: [4]})
+        ckpt.save(3, state, {}, rows={0: [1], 1: [4]})
     ckpt.close()
 
 
@@ -250,9 +254,9 @@ def test_pruning_masks_are_saved_with_their_experts_weights(tmp_path):
     later = jax.tree.map(
         lambda a: a + 1 if a.dtype.kind == "f" else ~a if a.dtype == bool else a, state
     )
-    ckpt = Checkpointer(tmp_path, keep=2)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=2)
     ckpt.save(1, state, {})
-    ckpt.save(2, later, {}, experts={0: [2], 1: [0]}, content="W")
+    ckpt.save(2, later, {}, rows={0: [2], 1: [0]}, content="W")
     ckpt.wait()
     rows = stored_rows(tmp_path / "2")
     masks = [k for k in rows if "/masks/" in k]

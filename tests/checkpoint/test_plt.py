@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dynjax.checkpoint import layout
-from dynjax.checkpoint.pec import ExpertLedger
 from dynjax.config import validate_config
+from dynjax.dynamism.moe.checkpoint import ExpertLedger
 from dynjax.errors import ConfigError
 from dynjax.train import train
 from dynjax.writers import read_jsonl

@@ -14,6 +14,7 @@ import pytest
 from dynjax.checkpoint import layout
 from dynjax.checkpoint.snapshot import PERSIST, RECOVERY, SNAPSHOT, Snapshot, TripleBuffer, TwoLevel
 from dynjax.config import validate_config
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS, expert_layer
 from dynjax.errors import ConfigError
 from dynjax.train import train
 from dynjax.writers import read_jsonl
@@ -51,7 +52,7 @@ def test_a_snapshot_is_the_state_of_its_step_after_the_next_step_donates_it():
     plan = exp.initial_plan()
     runtime = exp.runtime(plan)
     executable = exp.lower_train_step(plan).compile()
-    two = TwoLevel([0, 1], 4, persist_experts=0, emit=lambda e: None)
+    two = TwoLevel(EXPERT_STACKS, [0, 1], 4, persist_k=0, emit=lambda e: None)
     states = {}
     for step in range(5):
         state = runtime.checkpoint_state()
@@ -68,7 +69,7 @@ def test_a_snapshot_is_the_state_of_its_step_after_the_next_step_donates_it():
     assert snap.step == 3 and snap.sources == {0: [2, 3, 2, 2], 1: [2, 3, 2, 2]}
     assert set(snap.arrays) == set(states[3])
     for key, got in snap.arrays.items():
-        if layout.expert_layer(key) is None:
+        if expert_layer(key) is None:
             assert _same_bits(got, states[3][key]), key
             continue
         assert _same_bits(got[1], states[3][key][1]), key

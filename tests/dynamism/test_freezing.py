@@ -9,6 +9,7 @@ from dynjax.checkpoint import Checkpointer
 from dynjax.config import validate_config
 from dynjax.dynamism import layer_costs
 from dynjax.dynamism.freezing import GradientFreezing
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.recompile import History, Plan
@@ -66,7 +67,7 @@ def test_frozen_layers_cost_their_forward_and_bad_settings_are_named():
 
 
 def params_at(workdir, step, exp):
-    ckpt = Checkpointer(workdir / "checkpoints", keep=10)
+    ckpt = Checkpointer(workdir / "checkpoints", stacks=EXPERT_STACKS, keep=10)
     state, _ = ckpt.restore(step, exp.abstract_state)
     ckpt.close()
     return state["params"]

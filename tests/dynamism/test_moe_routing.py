@@ -15,6 +15,7 @@ from dynjax.checkpoint import Checkpointer
 from dynjax.config import validate_config
 from dynjax.dynamism import BUILTIN
 from dynjax.dynamism.moe import MoEPlugin
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model import MoE, RaggedCapacities
@@ -195,7 +196,7 @@ def test_bias_rule_matches_numpy_and_stays_out_of_the_optimizer(setup):
 
 
 def _bias_at(workdir, step, exp) -> np.ndarray:
-    ckpt = Checkpointer(workdir / "checkpoints", keep=10, async_save=False)
+    ckpt = Checkpointer(workdir / "checkpoints", stacks=EXPERT_STACKS, keep=10, async_save=False)
     state, _ = ckpt.restore(step, exp.abstract_state)
     ckpt.close()
     return _biases(state["params"])

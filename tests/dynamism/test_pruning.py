@@ -14,6 +14,7 @@ from dynjax.checkpoint import Checkpointer
 from dynjax.checkpoint.layout import split
 from dynjax.config import validate_config
 from dynjax.dynamism import pruning_math as pm
+from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS
 from dynjax.dynamism.pruning import PruneState, PruningPlugin, named_masks, prune
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
@@ -76,7 +77,7 @@ def test_a_run_prunes_on_schedule_and_resumes_with_its_masks(tmp_path):
         assert e["total"] == total and e["kept"] == pm.keep_count(total, want)
     assert [round(e["sparsity"], 6) for e in events] == [0.2, 0.587037, 0.729630, 0.75]
 
-    ckpt = Checkpointer(tmp_path / "checkpoints", keep=5)
+    ckpt = Checkpointer(tmp_path / "checkpoints", stacks=EXPERT_STACKS, keep=5)
     (at7, _), (at12, _) = (ckpt.restore(s, exp.abstract_state) for s in (7, 12))
     ckpt.close()
     assert pruned_stay_zero(at7) == total - events[1]["kept"]
@@ -187,7 +188,7 @@ def test_expert_masks_shard_and_checkpoint_like_expert_weights():
     assert masks["layers"][1]["moe"]["w_in"].sharding.spec == P("expert")
     assert masks["layers"][1]["attn"]["qkv"]["kernel"].sharding.spec == P()
     assert masks["layers"][1]["moe"]["router"] is None  # not pruned: no mask
-    item = split(exp.abstract_state)["experts"]["opt_state/masks/layers/1/moe/w_out"]
+    item = split(exp.abstract_state, EXPERT_STACKS)["experts"]["opt_state/masks/layers/1/moe/w_out"]
     assert item.dtype == bool and item.shape == (4, 64, 32)  # [E, expert_mlp_dim, d]
 
 
@@ -228,7 +229,7 @@ def test_pruned_entries_stay_zero_through_steps_migration_and_a_checkpoint(tmp_p
     assert pruned_stay_zero(runtime.checkpoint_state()) == total - keep
 
     # A checkpoint, restored onto one device group: the single-program step continues it.
-    ckpt = Checkpointer(tmp_path, keep=2, async_save=False)
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=2, async_save=False)
     ckpt.save(5, runtime.checkpoint_state(), {})
     single = Experiment.from_config(tiny_config(**base))
     host, _ = ckpt.restore(5, single.abstract_state)

@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 from dynjax import report
+from dynjax.dynamism import BUILTIN, Plugin
+from dynjax.dynamism.moe.report import expert_load
+from dynjax.report.pngs import scheme_plots
 from dynjax.train import train
 
 from ..helpers import ROOT
@@ -90,7 +93,7 @@ def test_report_renders_each_kind_of_run(runs, kind, tmp_path):
 
 def test_moe_capacity_is_the_plans_slots_per_step(runs):
     run = report.load_run(runs / "moe")
-    load = report.expert_load(run)
+    load = expert_load(run)
     steps = load.steps
     assert load.tokens.shape == (steps.size, 2, 4)  # 2 MoE layers x 4 experts
     # Every step routes batch x seq_len x top_k token-choices.
@@ -237,7 +240,7 @@ def test_expert_capacity_follows_the_plan_times_the_groups(tmp_path):
             {"event": "recompile", "swap_step": 3, "plan": plan(capacities=[[4, 1], [3, 2]])},
         ],
     )
-    load = report.expert_load(run)
+    load = expert_load(run)
     assert load.steps.tolist() == [1, 2, 3, 4, 5, 6] and load.layers == [1, 3]
     np.testing.assert_array_equal(load.capacity[2], [[8, 8], [8, 8]])  # step 3: first Plan
     np.testing.assert_array_equal(load.capacity[3], [[16, 4], [12, 8]])  # x 4 sequences
@@ -375,13 +378,32 @@ def test_arrays_need_no_matplotlib(synthetic):
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
         "from dynjax import report\n"
+        "from dynjax.dynamism.moe.report import expert_load\n"
         f"run = report.load_run({str(synthetic)!r})\n"
         "assert report.frozen_layers(run).prefix.tolist() == [0, 1, 2, 2]\n"
         "assert report.summary(run)['last_step'] == 40\n"
-        "assert report.scheme_series(run, 'pruning') and report.expert_load(run) is None\n"
+        "assert report.scheme_series(run, 'pruning') and expert_load(run) is None\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def test_a_schemes_plots_come_from_its_plugin():
+    """`Plugin.report_plots`: the report draws each scheme's own plots after the run's loss and
+    throughput, in scheme order (MoE's expert load among the built-in ones)."""
+
+    class Toy(Plugin):
+        name = "toy"
+
+        @classmethod
+        def report_plots(cls):
+            return (("toy", "Toy", lambda run, fig: None, lambda run: "never drawn", "A toy."),)
+
+    assert [p[0] for p in scheme_plots(BUILTIN.with_(Toy))] == ["expert_load", "toy"]
+    assert [p[0] for p in report.PLOTS] == [
+        "loss", "throughput", "expert_load", "pipeline", "layer_costs", "freezing",
+        "freezing_metrics", "pruning",
+    ]  # fmt: skip

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +41,7 @@ import optax
 from dynjax.dynamism.base import Plugin
 from dynjax.dynamism.moe.caching import CachingPolicy
 from dynjax.dynamism.moe.capacity import DynamicCapacity
+from dynjax.dynamism.moe.checkpoint import ExpertRows
 from dynjax.dynamism.moe.granularity import (
     STEP_CHUNKS,
     STEP_ROWS,
@@ -224,6 +225,24 @@ class MoEPlugin(Plugin):
         model = facts.model
         hidden = model.expert_mlp_dim or model.mlp_dim
         return _static_rows(moe, facts) // moe.chunks, model.d_model, hidden
+
+    @classmethod
+    def report_plots(cls) -> Sequence[tuple[str, str, Callable, Callable, str]]:
+        """Each expert's load against its capacity (`dynjax.dynamism.moe.report`)."""
+        from dynjax.dynamism.moe import report  # the report's, never a run's import
+
+        return report.PLOTS
+
+    def checkpoint_rows(
+        self, checkpoint: ml_collections.FrozenConfigDict, history: int
+    ) -> ExpertRows:
+        """Each MoE layer's stacked expert leaves, a row per expert, and the ledger choosing
+        which experts a save holds (partial expert checkpoints, seed 004 §3)."""
+        facts = self.facts
+        return ExpertRows.of(
+            facts.model.moe_layers, facts.model.num_experts, facts.expert_shards, checkpoint,
+            history,
+        )
 
     @functools.cached_property
     def moe(self) -> MoEContext:

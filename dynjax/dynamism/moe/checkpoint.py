@@ -1,8 +1,13 @@
-"""Partial expert checkpoints, the policy (MoC-System, seed 004 §3, §5.3): which experts a save
-writes, the token ledger, the proportion of lost tokens (PLT, eq. 7) and dynamic K.
+"""MoE's checkpoint rows: partial expert checkpoints (MoC-System, seed 004 §3, §5.3).
+
+What MoE declares to the generic checkpoint machinery (`dynjax.checkpoint.rows`) through
+`MoEPlugin.checkpoint_rows`: its stacked expert weights are row-stacked leaves
+(`EXPERT_STACKS`: one stack per MoE layer, one row per expert, by `dynjax.parallel`'s rule
+`is_expert_param`), and `ExpertRows` gives the policy choosing each save's experts: the token
+ledger, the proportion of lost tokens (PLT, eq. 7) and dynamic K (`ExpertLedger`).
 
 A partial save writes every non-expert leaf and K of the E experts of each MoE layer (the
-storage is `Checkpointer.save(..., experts=...)`). An expert not in the newest save restores
+storage is `Checkpointer.save(..., rows=...)`). An expert not in the newest save restores
 from the newest save that has it, so the updates it received since are lost; MoC-System counts
 them in tokens: PLT = sum over faults and MoE layers of the tokens routed to an expert between
 the copy it restored from and the restored step, over the tokens processed by all experts of
@@ -46,12 +51,29 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import ml_collections
 import numpy as np
+
+from dynjax.checkpoint.rows import RowStacks
+from dynjax.parallel import is_expert_param
 
 log = logging.getLogger(__name__)
 SELECTIONS = ("sequential", "load_aware")
-CONTENTS = ("W", "O", "WO")
+TOKENS = "moe/tokens_per_expert"  # [MoE layers, E] routed pairs of a step, before drops
+PLT = "checkpoint/plt"  # eq. 7 so far: lost over processed routed tokens (metrics.jsonl)
 _NONE = -1  # no copy of this expert in a history row
+
+
+def expert_layer(key: str) -> int | None:
+    """Model layer of a stacked expert leaf's key (the index after ``layers``), else None."""
+    names = key.split("/")
+    if not (len(names) >= 2 and is_expert_param(tuple(jax.tree_util.DictKey(n) for n in names))):
+        return None
+    return int(names[names.index("layers") + 1])
+
+
+EXPERT_STACKS = RowStacks(expert_layer)  # MoE's row-stacked leaves: a stack per MoE layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +108,13 @@ class Recovery:
             "total_plt": self.total_plt,
             "experts_per_save": self.experts_per_save,
         }
+
+    def describe(self) -> str:
+        lost = int(sum(sum(v) for v in self.lost_tokens.values()))
+        return (
+            f"step {self.step} lost {lost} of {self.tokens} routed tokens (PLT {self.plt:.4f}, "
+            f"total {self.total_plt:.4f})"
+        )
 
 
 class ExpertLedger:
@@ -148,6 +177,12 @@ class ExpertLedger:
             raise ValueError(f"tokens_per_expert {loads.shape}, expected {self.tokens.shape}")
         self.tokens += loads
         self.step = step
+
+    def counted(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """`count` of step ``step``'s host metrics (its `TOKENS`); returns the running PLT
+        (`rows.RowPolicy`)."""
+        self.count(step, metrics[TOKENS])
+        return {PLT: self.plt}
 
     @property
     def plt(self) -> float:
@@ -333,3 +368,63 @@ class ExpertLedger:
         ledger.rows = {int(s): np.array(r, np.int64) for s, r in meta["rows"].items()}
         ledger.lost_tokens = int(meta["lost_tokens"])
         return ledger
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRows:
+    """MoE's `dynjax.checkpoint.rows.PartialRows`: its expert leaves and the ledger's
+    settings, unpacked from the config at the edge (`MoEPlugin.checkpoint_rows`)."""
+
+    ids: tuple[int, ...]  # the MoE layers (model indices)
+    rows: int  # E
+    ranks: int  # mesh.expert
+    k: int  # experts per save (K_snapshot with two-level checkpoints); 0 = no ledger
+    persist_k: int  # K_persist: experts per MoE layer per persist; 0 = all the snapshot copied
+    selection: str
+    plt_limit: float
+    dynamic_k: bool
+    history: int  # train.keep_checkpoints
+    stacks: RowStacks = EXPERT_STACKS
+
+    @classmethod
+    def of(
+        cls,
+        layers: Sequence[int],
+        num_experts: int,
+        ranks: int,
+        checkpoint: ml_collections.ConfigDict | ml_collections.FrozenConfigDict,
+        history: int,
+    ) -> ExpertRows:
+        """From the run's ``checkpoint`` section: K is ``experts_per_save``, or with two-level
+        checkpoints K_snapshot (``snapshot_experts``; 0: all E)."""
+        k = checkpoint.experts_per_save
+        if checkpoint.snapshot_every:
+            k = checkpoint.snapshot_experts or num_experts
+        return cls(
+            ids=tuple(layers),
+            rows=num_experts,
+            ranks=ranks,
+            k=k,
+            persist_k=checkpoint.persist_experts,
+            selection=checkpoint.pec_selection,
+            plt_limit=checkpoint.plt_limit,
+            dynamic_k=checkpoint.dynamic_k,
+            history=history,
+        )
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            "selection": self.selection,
+            "plt_limit": self.plt_limit,
+            "dynamic_k": self.dynamic_k,
+            "history": self.history,
+        }
+
+    def fresh(self, step: int) -> ExpertLedger:
+        ledger = ExpertLedger(self.ids, self.rows, self.ranks, self.k, **self._options())
+        ledger.step = step  # a full checkpoint's run: counts from it
+        return ledger
+
+    def from_meta(self, meta: Mapping[str, Any]) -> ExpertLedger:
+        """The ledger of `ExpertLedger.to_meta` ``meta``, with the current config's settings."""
+        return ExpertLedger.from_meta(meta, ranks=self.ranks, **self._options())
