@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dynjax import config as config_lib
+from dynjax.checkpoint.errors import NoSpaceError
 from dynjax.checkpoint.rows import PartialRows
 from dynjax.checkpoint.snapshot import InjectedFault
 from dynjax.checkpoint.strategy import (
@@ -896,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = sys.stderr.isatty() or "DYNJAX_PROGRESS" in os.environ
     try:
         summary = train(cfg, workdir, progress=progress, schemes=schemes)
-    except (ConfigError, NonFiniteError) as err:  # found once devices are known, or diverged
+    except (ConfigError, NonFiniteError, NoSpaceError) as err:  # bad input, diverged, disk full
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:

@@ -145,3 +145,24 @@ def test_a_step_too_big_for_the_device_is_an_error_before_training(tmp_path, cap
         assert not (workdir / "metrics.jsonl").exists() or not losses(workdir)
     assert main(["--config=tests/tiny.py", f"--workdir={tmp_path / 'fits'}",
                  "--config.balance.memory_bytes=1e9", "--config.train.steps=2"]) == 0
+
+
+def test_a_full_disk_ends_the_run_with_an_error_naming_the_last_good_checkpoint(tmp_path):
+    """Issue 32 §2: once no save can succeed, one ``error:`` line (what is full, what a
+    checkpoint needs, the last good step), exit 2, that checkpoint intact; a rerun resumes."""
+    run = ["--config=tests/tiny.py", f"--workdir={tmp_path}", "--config.train.steps=8",
+           "--config.train.checkpoint_every=2", "--config.train.eval_every=1000"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "tests/scripts/disk_full_from.py", "6", *run],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("error: ")]
+    assert f"the filesystem of {tmp_path / 'checkpoints'} is full" in line
+    assert "the newest good checkpoint is step 4" in line
+    events = [(e["event"], e["step"]) for e in read_jsonl(tmp_path / "events.jsonl")
+              if e["event"].startswith("checkpoint")]
+    assert events == [("checkpoint", 2), ("checkpoint", 4), ("checkpoint_failed", 6)]
+    summary = train(tiny_config(train__steps=8, train__checkpoint_every=2,
+                                train__eval_every=1000), tmp_path, progress=False)
+    assert summary.start_step == 4 and summary.checkpoints[-1] == 8

@@ -39,6 +39,7 @@ instead (``part``, `dynjax.checkpoint.parts`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import time
@@ -53,7 +54,12 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from dynjax.checkpoint import layout
-from dynjax.checkpoint.errors import CheckpointError, CheckpointMismatch, RowsMissing
+from dynjax.checkpoint.errors import (
+    CheckpointError,
+    CheckpointMismatch,
+    NoSpaceError,
+    RowsMissing,
+)
 from dynjax.checkpoint.handlers import part_handlers, whole_handlers
 from dynjax.checkpoint.read import META, Copies, StepReader, everywhere
 from dynjax.checkpoint.rows import (
@@ -109,7 +115,10 @@ class Checkpointer:
         """``part``: this process's part of a pipeline over processes (`dynjax.checkpoint.parts`),
         written by this process alone (`_lift`); `parts.Sources` reads it back."""
         self.emit, self.part, self.stacks = emit, part, stacks
+        self.directory, self._async = Path(directory).absolute(), async_save
         self._copies: dict[int, Copies] = {}
+        # The save being written: its checkpoint event, when it started, the copies it replaced.
+        self._pending: tuple[dict[str, Any], float, Copies | None] | None = None
         extra, handlers, registry = {}, None, whole_handlers()
         if part is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)  # Orbax creates none for a subset
@@ -162,11 +171,14 @@ class Checkpointer:
         copy (a first save, or after a quarantine) is saved too, so that every checkpoint
         restores; the ``checkpoint`` event lists the rows saved (`rows.SAVED_EVENT`).
 
-        Returns whether the save was started. A save Orbax refuses (the step exists, or is not
-        newer than the latest) or that raises (including an earlier asynchronous save's error,
-        which Orbax reports here) is a ``checkpoint_failed`` event and a warning: training
-        goes on and later saves are still tried.
+        Returns whether the save was started. Its ``checkpoint`` event is written once the
+        save is complete and listed on disk (`poll`, `wait`, the next save or `close`); a save
+        Orbax refuses (the step exists, or is not newer than the latest) or that fails, now or
+        while written in the background, is a ``checkpoint_failed`` event naming its own step
+        and cause, and a warning: training goes on and later saves are still tried, unless the
+        filesystem is full (`NoSpaceError`).
         """
+        self._settle()  # the previous save's outcome is its own, not this one's
         start = time.perf_counter()
         items = layout.split(state, self.stacks)
         held = self._rows_to_save(items[layout.ROWS], rows, content)
@@ -198,31 +210,82 @@ class Checkpointer:
                 "newer than the latest"
             )
         except Exception as err:  # noqa: BLE001 - a failed save must not end the run
-            started, error = False, f"{type(err).__name__}: {err}"
+            started, error = False, err
+        nbytes = int(sum(a.nbytes for a in flat.values()))
         if not started:
-            if previous is None:
-                del self._copies[step]
-            else:
-                self._copies[step] = previous
-            log.warning("checkpoint at step %d was not saved: %s", step, error)
-            self.emit({"event": "checkpoint_failed", "step": step, "error": error})
+            self._failed(step, error, nbytes, previous)
             return False
         saved: dict[str, list[int]] = {}
         for key, kept in held.items():
             if row_group(key) in CONTENTS[content]:
                 saved.setdefault(str(self.stacks.stack_of(key)), list(kept))
-        self.emit(
-            {
-                "event": "checkpoint",
-                "step": step,
-                "items": len(args) + 1,
-                "bytes": int(sum(a.nbytes for a in flat.values())),
-                SAVED_EVENT: saved,
-                "pec_content": content,
-                "blocking_seconds": round(time.perf_counter() - start, 4),
-            }
-        )
+        event = {
+            "event": "checkpoint",
+            "step": step,
+            "items": len(args) + 1,
+            "bytes": nbytes,
+            SAVED_EVENT: saved,
+            "pec_content": content,
+            "blocking_seconds": round(time.perf_counter() - start, 4),
+        }
+        self._pending = (event, start, previous)
+        if not self._async:
+            self._settle()
         return True
+
+    def poll(self) -> None:
+        """Write the ``checkpoint`` event (or ``checkpoint_failed``) of a save that has finished
+        in the background; never waits for one."""
+        if self._pending is not None and not self.saving():
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the pending save and record how it ended: ``checkpoint`` once the step is
+        listed on disk, else ``checkpoint_failed`` with its own error."""
+        if self._pending is None:
+            return
+        event, start, previous = self._pending
+        self._pending = None
+        step, error = event["step"], None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - the background write's own failure
+            error = err
+        if error is None and not (self.directory / str(step)).is_dir():
+            error = "the save did not complete: its step directory is not on disk"
+        if error is not None:
+            self._failed(step, error, event["bytes"], previous)
+            return
+        self.emit({**event, "write_seconds": round(time.perf_counter() - start, 4)})
+
+    def _failed(
+        self, step: int, error: BaseException | str, nbytes: int, previous: Copies | None
+    ) -> None:
+        """A save of ``step`` that did not happen: its rows are not held on disk, what it left
+        half-written is removed, and a full filesystem that could not take it now either ends
+        the run (`NoSpaceError`)."""
+        if previous is None:
+            self._copies.pop(step, None)
+        else:
+            self._copies[step] = previous
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        log.warning("checkpoint at step %d was not saved: %s", step, text)
+        self.emit({"event": "checkpoint_failed", "step": step, "error": text})
+        if isinstance(error, str) or not _no_space(error):
+            return
+        for unfinished in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            log.warning("removing the unfinished save %s", unfinished)
+            shutil.rmtree(unfinished, ignore_errors=True)
+        free = shutil.disk_usage(self.directory).free
+        if free < nbytes:
+            good = [s for s in self.all_steps() if s != step]
+            newest = (f"the newest good checkpoint is step {good[-1]} in {self.directory}"
+                      if good else "no checkpoint was saved")
+            raise NoSpaceError(
+                f"the filesystem of {self.directory} is full: a checkpoint needs about "
+                f"{nbytes / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {newest}. Free "
+                "space there (or lower train.keep_checkpoints) and rerun to resume"
+            )
 
     def _save_args(self, items: dict[str, dict[str, jax.Array]]) -> dict[str, Any]:
         """Orbax's arguments for each non-empty item (a state without row-stacked leaves has no
@@ -398,15 +461,31 @@ class Checkpointer:
         self._copies = {s: c for s, c in self._copies.items() if s in steps}
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Wait until the pending save is written (and its event recorded)."""
+        self._settle()
 
     def saving(self) -> bool:
         """Whether an asynchronous save is still being written."""
         return bool(self._manager.is_saving_in_progress())
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._settle()
+        finally:
+            self._manager.close()
+
+
+def _no_space(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is a full filesystem (ENOSPC)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _lift(array: jax.Array, others: Sequence[jax.Device]) -> jax.Array:

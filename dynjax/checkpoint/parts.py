@@ -440,6 +440,9 @@ class PartedCheckpointer:
     def wait(self) -> None:
         self.own.wait()
 
+    def poll(self) -> None:
+        self.own.poll()
+
     def saving(self) -> bool:
         return self.own.saving()
 

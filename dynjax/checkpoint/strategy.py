@@ -156,7 +156,9 @@ class WholeCheckpoints:
     def after_step(
         self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]
     ) -> None:
-        """What runs after every step, before its evaluation."""
+        """What runs after every step, before its evaluation: a save finished in the
+        background gets its event."""
+        self.storage.poll()
 
     def save(self, done: int, runtime: Runtime, plan: Plan, catch_up: Callable[[], None]) -> None:
         """Save after step ``done`` if it is due; ``catch_up()`` hands the host every step's
@@ -277,6 +279,7 @@ class TwoLevelCheckpoints(PartialRowCheckpoints):
     ) -> None:
         twolevel, policy = self.twolevel, self.policy
         twolevel.poll()
+        self.storage.poll()
         if done % self.snapshot_every == 0:
             rows = None
             if policy is not None and twolevel.partial_ok:

@@ -2,6 +2,7 @@
 a corrupt latest, refused saves, subset-of-experts reads, layout-1 checkpoints, and Orbax
 handlers scoped to dynjax."""
 
+import errno
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import pytest
 import tensorstore as ts
 
 from dynjax.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, layout
+from dynjax.checkpoint import manager as manager_module
+from dynjax.checkpoint.errors import NoSpaceError
 from dynjax.checkpoint.read import qkv_columns_per_head
 from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS
 from dynjax.experiment import Experiment
@@ -402,3 +405,65 @@ def test_importing_dynjax_leaves_orbax_global_handlers_alone():
         "assert ocp.type_handlers.get_type_handler(jax.Array) is before\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_save_that_fails_in_the_background_is_an_event_of_its_own_step(trained, tmp_path,
+                                                                          monkeypatch):
+    """Issue 32 §2: the ``checkpoint`` event is written once the save is complete, and an error
+    of the background write names that save's step, not the next one's."""
+    exp, state = trained
+    events = []
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=3, emit=events.append)
+    assert ckpt.save(2, state, {})
+    wait = ckpt._manager.wait_until_finished
+
+    def fails_once():
+        monkeypatch.setattr(ckpt._manager, "wait_until_finished", wait)
+        wait()
+        raise OSError("I/O error writing step 2")
+
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", fails_once)
+    assert ckpt.save(4, state, {})  # settles step 2 first: its own failure
+    ckpt.wait()
+    assert [(e["event"], e["step"]) for e in events] == [
+        ("checkpoint_failed", 2), ("checkpoint", 4)
+    ]
+    assert events[0]["error"] == "OSError: I/O error writing step 2"
+    assert events[1]["write_seconds"] >= events[1]["blocking_seconds"]
+    ckpt.close()
+
+
+@pytest.mark.parametrize("free", ["none", "plenty"])
+def test_a_full_disk_fails_one_save_or_stops_naming_the_last_good_step(trained, tmp_path,
+                                                                       monkeypatch, free):
+    """A save that runs out of space is removed half-written and named; while another
+    checkpoint fits, training goes on (a full disk for one save), and once none can, a
+    `NoSpaceError` says what is full, how much a checkpoint needs and which step is good."""
+    exp, state = trained
+    events = []
+    ckpt = Checkpointer(tmp_path, stacks=EXPERT_STACKS, keep=3, emit=events.append)
+    assert ckpt.save(2, state, {})
+    ckpt.wait()
+    save = ckpt._manager.save
+
+    def no_space(step, *args, **kwargs):
+        (tmp_path / f"{step}.orbax-checkpoint-tmp-1").mkdir()  # what a failed write leaves
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt._manager, "save", no_space)
+    if free == "none":
+        usage = shutil.disk_usage(tmp_path)._replace(free=1000)
+        monkeypatch.setattr(manager_module.shutil, "disk_usage", lambda path: usage)
+        with pytest.raises(NoSpaceError, match=r"is full: a checkpoint needs about .* MiB and "
+                           r"0\.0 MiB are free; the newest good checkpoint is step 2 in"):
+            ckpt.save(4, state, {})
+    else:
+        assert not ckpt.save(4, state, {})
+        monkeypatch.setattr(ckpt._manager, "save", save)
+        assert ckpt.save(6, state, {})  # later saves still happen
+        ckpt.wait()
+    assert not list(tmp_path.glob("*.orbax-checkpoint-tmp*"))
+    assert ("checkpoint_failed", 4) in [(e["event"], e["step"]) for e in events]
+    assert "No space left on device" in next(e["error"] for e in events if e["step"] == 4)
+    assert 2 in ckpt.all_steps()  # the last good checkpoint is intact
+    ckpt.close()
