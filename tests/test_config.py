@@ -190,6 +190,18 @@ def test_a_workdir_that_cannot_be_written_is_an_error_before_any_work(tmp_path, 
         assert err.startswith("error: --workdir: ") and message in err and str(a_file) in err
 
 
+@pytest.mark.parametrize("key, value", [
+    ("moe.capacity.policy", "dynamc"), ("moe.dispatch", "grouped"), ("pruning.scale", "nne"),
+    ("mod.eval_routing", "causal"), ("early_exit.confidence", "max"),
+    ("sparse_attention.kernel", "cuda"), ("freezing.metric", "grad"),
+])
+def test_an_invalid_choice_is_refused_even_in_a_section_that_is_off(capsys, key, value):
+    """Issue 32 §7: a misspelt choice in a scheme that is off (the tiny config has none on)
+    is an error now, not when the scheme is turned on."""
+    assert main(["--config=tests/tiny.py", f"--config.{key}={value}"]) == 2
+    assert f"error: {key}={value!r} is not one of (" in capsys.readouterr().err
+
+
 def test_cli_reports_config_errors_and_exits_2(capsys):
     assert main(["--config", "configs/quickstart.py", "--config.model.d_modle=64"]) == 2
     assert "unknown config key 'model.d_modle'" in capsys.readouterr().err

@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from dynjax.errors import ConfigError
 from dynjax.model.facts import ModelFacts
 from dynjax.model.hooks import BlockPart, HookSet, LayerOptions, layer_options
 from dynjax.parallel.peers import ALONE, Rounds
@@ -80,12 +81,15 @@ class Switch:
 S = TypeVar("S")
 
 
-def read_settings(kind: type[S], section: ml_collections.ConfigDict) -> S:
-    """``section`` as the frozen record ``kind``: one field per key (no defaults: a section's
-    are its `Plugin.config`'s), a nested record for each nested section, an int widened where
-    the field is a float (the config accepts one there). Values are not checked here: that is
-    the scheme's `Plugin.validate`, on the record. Raises TypeError when the record's fields and
-    the section's keys differ (a scheme whose `Settings` and `config` disagree)."""
+def read_settings(kind: type[S], section: ml_collections.ConfigDict, prefix: str) -> S:
+    """``section`` (the config's ``prefix``) as the frozen record ``kind``: one field per key
+    (no defaults: a section's are its `Plugin.config`'s), a nested record for each nested
+    section, an int widened where the field is a float (the config accepts one there). A field
+    typed ``Literal[...]`` is checked here, whether the scheme is on or off: a misspelt choice
+    in a section that is off would otherwise go unnoticed until it is turned on. Other values
+    are the scheme's `Plugin.validate`'s to check, on the record. Raises TypeError when the
+    record's fields and the section's keys differ (a scheme whose `Settings` and `config`
+    disagree)."""
     hints = typing.get_type_hints(kind)
     names = [f.name for f in dataclasses.fields(kind)]
     if set(names) != set(section.keys()):
@@ -97,7 +101,11 @@ def read_settings(kind: type[S], section: ml_collections.ConfigDict) -> S:
     for name in names:
         value, hint = section[name], hints[name]
         if dataclasses.is_dataclass(hint):
-            value = read_settings(hint, value)
+            value = read_settings(hint, value, f"{prefix}.{name}")
+        elif typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
+            raise ConfigError(
+                f"{prefix}.{name}={value!r} is not one of {typing.get_args(hint)}"
+            )
         elif hint is float and type(value) is int:
             value = float(value)
         values[name] = value
@@ -170,7 +178,7 @@ class Plugin:
     @classmethod
     def read(cls, section: ml_collections.ConfigDict) -> Any:
         """The section as this scheme's `Settings` record (unchecked: `validate` checks it)."""
-        return read_settings(cls.Settings, section)
+        return read_settings(cls.Settings, section, cls.name)
 
     @classmethod
     def enabled(cls, settings: Any) -> bool:

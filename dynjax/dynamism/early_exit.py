@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import ml_collections
 import numpy as np
@@ -52,7 +52,7 @@ class ExitSettings:
     enabled: bool
     first: int
     every: int
-    confidence: str
+    confidence: Literal[CONFIDENCES]
     threshold: float
     start_step: int
     loss_weights: tuple[float, ...]
@@ -120,10 +120,6 @@ class EarlyExit(Plugin):
             raise ConfigError(
                 f"early_exit.first={e.first} leaves no exit point before the last of "
                 f"model.num_layers={layers} layers: set early_exit.first < {layers}"
-            )
-        if e.confidence not in CONFIDENCES:
-            raise ConfigError(
-                f"early_exit.confidence={e.confidence!r}: use one of {list(CONFIDENCES)}"
             )
         if not 0 < e.threshold <= 1:
             raise ConfigError(f"early_exit.threshold={e.threshold} must be in (0, 1]")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import ml_collections
 import numpy as np
@@ -45,7 +45,7 @@ class FreezingSettings:
     """The `freezing` section (its keys' defaults and meanings: `FreezingPlugin.config`)."""
 
     enabled: bool
-    metric: str
+    metric: Literal[fm.METRICS]
     every: int
     percentile: float
     reference_every: int

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import ml_collections
 
@@ -46,7 +46,8 @@ class MoDSettings:
     capacity: float
     predictor_hidden: int
     predictor_weight: float
-    eval_routing: str
+    # "predictor" (causal, as sampling routes) or "topk" (the training's routing)
+    eval_routing: Literal[EVAL_ROUTINGS]
 
 
 def routed_layers(settings: MoDSettings, num_layers: int) -> tuple[int, ...]:
@@ -92,11 +93,6 @@ class MixtureOfDepths(Plugin):
             raise ConfigError(f"mod.predictor_hidden={m.predictor_hidden} must be >= 1")
         if m.predictor_weight < 0:
             raise ConfigError(f"mod.predictor_weight={m.predictor_weight} must be >= 0")
-        if m.eval_routing not in EVAL_ROUTINGS:
-            raise ConfigError(
-                f"mod.eval_routing={m.eval_routing!r} is not one of {EVAL_ROUTINGS}: set "
-                '"predictor" (causal, as sampling routes) or "topk" (the training\'s routing)'
-            )
         if not routed_layers(m, facts.num_layers):
             raise ConfigError(
                 f"mod.every={m.every} routes no layer of model.num_layers="

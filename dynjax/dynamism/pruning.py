@@ -53,7 +53,7 @@ import math
 import re
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -297,10 +297,10 @@ class PruningSettings:
     start_step: int
     every: int
     steps: int
-    granularity: str
+    granularity: Literal[GRANULARITIES]
     block_size: int
     include: str
-    scale: str
+    scale: Literal[SCALES]
     sparse_below: float
 
 
@@ -345,12 +345,6 @@ class PruningPlugin(Plugin):
                 f"pruning needs 0 <= pruning.initial_sparsity <= pruning.final_sparsity < 1, got "
                 f"initial_sparsity={p.initial_sparsity}, final_sparsity={p.final_sparsity}"
             )
-        if p.granularity not in GRANULARITIES:
-            raise ConfigError(
-                f"pruning.granularity={p.granularity!r} is not one of {GRANULARITIES}"
-            )
-        if p.scale not in SCALES:
-            raise ConfigError(f"pruning.scale={p.scale!r} is not one of {SCALES}")
         try:
             re.compile(p.include)
         except re.error as err:

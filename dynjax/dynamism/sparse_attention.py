@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import ml_collections
 import numpy as np
@@ -58,7 +58,7 @@ class AttentionSettings:
     headroom: float
     hysteresis: float
     seed: int
-    kernel: str
+    kernel: Literal["xla", "pallas"]
 
 
 def num_blocks(settings: AttentionSettings, seq_len: int) -> int:
@@ -112,8 +112,6 @@ class SparseAttention(Plugin):
                 f"sparse_attention.block={a.block} leaves one block of data.seq_len="
                 f"{seq_len}: nothing to skip; use a block of at most half the sequence"
             )
-        if a.kernel not in ("xla", "pallas"):
-            raise ConfigError(f"sparse_attention.kernel={a.kernel!r} must be 'xla' or 'pallas'")
         if a.kernel == "pallas":
             # The same config must lower on a GPU: Triton tiles are powers of two >= 16.
             head_dim = facts.model.d_model // facts.model.num_heads

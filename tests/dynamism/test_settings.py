@@ -29,6 +29,8 @@ def check_record(kind, section, where):
         hint, default = hints[f.name], section[f.name]
         if dataclasses.is_dataclass(hint):
             check_record(hint, default, f"{where}.{f.name}")
+        elif typing.get_origin(hint) is typing.Literal:  # a choice: its default is one
+            assert default in typing.get_args(hint), f"{where}.{f.name}"
         else:
             assert isinstance(default, typing.get_origin(hint) or hint), f"{where}.{f.name}"
 
@@ -60,11 +62,11 @@ class Short:
 
 def test_an_int_where_the_record_has_a_float_is_widened():
     """The config accepts an int for a float key (`_check_types`); the record holds a float."""
-    read = read_settings(Short, ml_collections.ConfigDict({"enabled": True, "limit": 2}))
+    read = read_settings(Short, ml_collections.ConfigDict({"enabled": True, "limit": 2}), "short")
     assert read == Short(True, 2.0) and isinstance(read.limit, float)
 
 
 def test_a_record_that_misses_a_key_of_its_section_is_refused():
     section = ml_collections.ConfigDict({"enabled": True, "limit": 0.5, "width": 2})
     with pytest.raises(TypeError, match=r"Short has the fields \['enabled', 'limit'\].*'width'"):
-        read_settings(Short, section)
+        read_settings(Short, section, "short")

@@ -6,6 +6,9 @@ checks them (`MoEPlugin.validate`), and the plugin and its policies read their a
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
+
+from dynjax.model.moe import REUSE, ROUTINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +24,7 @@ class CapacitySettings:
     """``moe.capacity``: the static factor, and the dynamic policy's (seed 001 §4.1)."""
 
     factor: float
-    policy: str
+    policy: Literal["static", "dynamic"]
     target_drop_rate: float
     min_factor: float
     max_factor: float
@@ -63,11 +66,11 @@ class MoESettings:
     expert_mlp_dim: int
     aux_loss_weight: float
     z_loss_weight: float
-    dispatch: str
-    routing: str
+    dispatch: Literal["static", "ragged"]
+    routing: Literal[ROUTINGS]
     bias_balancing: BiasBalancingSettings
     capacity: CapacitySettings
     caching: CachingSettings
     chunks: int
-    memory_reuse: str
+    memory_reuse: Literal[(*REUSE, "auto")]
     granularity: GranularitySettings
