@@ -879,8 +879,28 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], str | None]:
     return known.config, overrides, known.workdir
 
 
+def _without_closed_loop_noise(previous):
+    """``sys.unraisablehook`` less the callbacks Orbax's background writer leaves, after a
+    failed save, for an event loop it has closed: Python prints each as an ignored exception
+    with its traceback (hundreds when a disk fills), while the save's failure is reported once
+    already (``checkpoint_failed``)."""
+
+    if getattr(previous, "without_closed_loop_noise", False):  # main() ran before
+        return previous
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.without_closed_loop_noise = True
+    return hook
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sys.unraisablehook = _without_closed_loop_noise(sys.unraisablehook)
     try:  # a process of a multi-process launch (local, SLURM or Kubernetes)
         initialize_from_env()
     except ClusterError as err:
