@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dynjax import train as train_module
 from dynjax.train import NonFiniteError, format_summary, main, train
 from dynjax.writers import read_jsonl
 
@@ -166,3 +167,17 @@ def test_a_full_disk_ends_the_run_with_an_error_naming_the_last_good_checkpoint(
     summary = train(tiny_config(train__steps=8, train__checkpoint_every=2,
                                 train__eval_every=1000), tmp_path, progress=False)
     assert summary.start_step == 4 and summary.checkpoints[-1] == 8
+
+
+def test_out_of_memory_at_run_time_is_an_error_naming_what_shrinks_the_step(monkeypatch, capsys):
+    """Where the backend could not tell the step's memory beforehand, its out-of-memory error
+    says the same as the check before training (issue 32 §4)."""
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.1GiB.")
+
+    monkeypatch.setattr(train_module, "train", oom)
+    assert main(["--config=tests/tiny.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of device memory (RESOURCE_EXHAUSTED: Out of memory")
+    assert "train.microbatches" in err and "Traceback" not in err
