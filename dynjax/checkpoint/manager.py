@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -271,21 +270,9 @@ class Checkpointer:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         log.warning("checkpoint at step %d was not saved: %s", step, text)
         self.emit({"event": "checkpoint_failed", "step": step, "error": text})
-        if isinstance(error, str) or not _no_space(error):
-            return
-        for unfinished in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-            log.warning("removing the unfinished save %s", unfinished)
-            shutil.rmtree(unfinished, ignore_errors=True)
-        free = shutil.disk_usage(self.directory).free
-        if free < nbytes:
+        if not isinstance(error, str) and _no_space(error):
             good = [s for s in self.all_steps() if s != step]
-            newest = (f"the newest good checkpoint is step {good[-1]} in {self.directory}"
-                      if good else "no checkpoint was saved")
-            raise NoSpaceError(
-                f"the filesystem of {self.directory} is full: a checkpoint needs about "
-                f"{nbytes / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {newest}. Free "
-                "space there (or lower train.keep_checkpoints) and rerun to resume"
-            )
+            _after_no_space(self.directory, step, nbytes, good)
 
     def _save_args(self, items: dict[str, dict[str, jax.Array]]) -> dict[str, Any]:
         """Orbax's arguments for each non-empty item (a state without row-stacked leaves has no
@@ -400,29 +387,9 @@ class Checkpointer:
         return self._reader.restore_items(step, template, meta), meta
 
     def restore_rows(self, step: int, key: str, rows: Sequence[int]) -> np.ndarray:
-        """Rows ``rows`` of the row-stacked leaf ``key`` of the checkpoint at ``step``,
-        [len(rows), ...], verified: only those rows' chunks are read (the module docstring of
-        `layout`). What a partial restore builds on."""
-        meta = self._reader.read_meta(step)
-        held = layout.held_rows(meta).get(key)
-        if held is None:
-            raise CheckpointMismatch(
-                f"step {step} holds no row-stacked array {key!r} in layout {layout.LAYOUT}"
-            )
-        missing = sorted(set(rows) - set(held))
-        if missing:
-            raise CheckpointMismatch(f"step {step} {key} holds rows {list(held)}, not {missing}")
-        got = layout.read_rows(
-            self._reader.step_dir(step) / layout.ROWS, key, [held.index(r) for r in rows]
-        )
-        sums = layout.checksums({key: jnp.asarray(got)}, self.stacks)[key]
-        saved = meta["checksums"][key]
-        for r, row_sum in zip(rows, sums, strict=True):
-            if row_sum != saved[held.index(r)]:
-                raise CheckpointError(
-                    f"step {step} {key} {ROW} {r}: checksum mismatch (corrupted data)"
-                )
-        return got
+        """Rows ``rows`` of the row-stacked leaf ``key`` at ``step``, verified
+        (`StepReader.read_rows`)."""
+        return self._reader.read_rows(step, key, rows)
 
     def _quarantine(self, step: int, err: Exception) -> None:
         """Move the unusable checkpoint at ``step`` aside (never delete what a run trained):
@@ -473,6 +440,25 @@ class Checkpointer:
             self._settle()
         finally:
             self._manager.close()
+
+
+def _after_no_space(directory: Path, step: int, nbytes: int, good: list[int]) -> None:
+    """After a save of ``step`` ran out of space: remove what it left half-written, and raise
+    `NoSpaceError` if another checkpoint of ``nbytes`` cannot fit now (``good``: the steps on
+    disk, the newest of which the message names)."""
+    for unfinished in directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+        log.warning("removing the unfinished save %s", unfinished)
+        shutil.rmtree(unfinished, ignore_errors=True)
+    free = shutil.disk_usage(directory).free
+    if free >= nbytes:
+        return
+    newest = (f"the newest good checkpoint is step {good[-1]} in {directory}" if good
+              else "no checkpoint was saved")
+    raise NoSpaceError(
+        f"the filesystem of {directory} is full: a checkpoint needs about "
+        f"{nbytes / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {newest}. Free space "
+        "there (or lower train.keep_checkpoints) and rerun to resume"
+    )
 
 
 def _no_space(error: BaseException) -> bool:

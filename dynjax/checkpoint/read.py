@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,31 @@ class StepReader:
         if not isinstance(meta, dict):
             raise CheckpointError(f"step {step}: metadata is {type(meta).__name__}, not a dict")
         return meta
+
+    def read_rows(self, step: int, key: str, rows: Sequence[int]) -> np.ndarray:
+        """Rows ``rows`` of the row-stacked leaf ``key`` of the checkpoint at ``step``,
+        [len(rows), ...], verified: only those rows' chunks are read (the module docstring of
+        `layout`). What a partial restore builds on."""
+        meta = self.read_meta(step)
+        held = layout.held_rows(meta).get(key)
+        if held is None:
+            raise CheckpointMismatch(
+                f"step {step} holds no row-stacked array {key!r} in layout {layout.LAYOUT}"
+            )
+        missing = sorted(set(rows) - set(held))
+        if missing:
+            raise CheckpointMismatch(f"step {step} {key} holds rows {list(held)}, not {missing}")
+        got = layout.read_rows(
+            self.step_dir(step) / layout.ROWS, key, [held.index(r) for r in rows]
+        )
+        sums = layout.checksums({key: jnp.asarray(got)}, self.stacks)[key]
+        saved = meta["checksums"][key]
+        for r, row_sum in zip(rows, sums, strict=True):
+            if row_sum != saved[held.index(r)]:
+                raise CheckpointError(
+                    f"step {step} {key} {ROW} {r}: checksum mismatch (corrupted data)"
+                )
+        return got
 
     def restore_items(self, step: int, template: Any, meta: dict[str, Any]) -> Any:
         start = time.perf_counter()
