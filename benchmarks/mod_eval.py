@@ -26,7 +26,7 @@ from dynjax.config import load_config
 from dynjax.dynamism.moe.checkpoint import EXPERT_STACKS
 from dynjax.experiment import Experiment
 from dynjax.model.mod import ACCURACY, ROUTED
-from dynjax.parallel.step import forward_loss
+from dynjax.parallel.stage import forward_loss
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
@@ -37,9 +37,11 @@ def routed_fraction(exp: Experiment, params) -> np.ndarray:
     """[routed layers] mean fraction of tokens each computed over the validation batches, the
     forward run as at evaluation."""
     plan = exp.initial_plan()
-    opts = dataclasses.replace(exp.step_options(plan), inference=True)
+    spec = dataclasses.replace(exp.step_spec(plan), inference=True)
     fractions = [
-        forward_loss(exp.graphdef, params, b.inputs, b.targets, None, opts, None)[1][4][ROUTED]
+        forward_loss(
+            exp.stage_setup, spec, None, params, b.inputs, {"targets": b.targets}, None
+        )[3][ROUTED]
         for b in exp.val_batches
     ]
     return np.mean(jax.device_get(fractions), axis=0)

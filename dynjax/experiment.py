@@ -35,12 +35,12 @@ from dynjax.model.facts import ModelFacts
 from dynjax.model.hooks import LayerOptions
 from dynjax.optim import learning_rate_schedule, make_optimizer
 from dynjax.parallel import (
-    StepOptions,
     expert_parallel,
     make_eval_step,
     make_mesh,
     make_train_step,
     param_shardings,
+    whole_model,
 )
 from dynjax.parallel.executable import PipelinePrograms
 from dynjax.parallel.layout import layer_sizes
@@ -53,8 +53,8 @@ from dynjax.parallel.runtime import (
     pipeline_target,
 )
 from dynjax.parallel.single import EvalSteps, abstract_batch, lower_step, place_batch
-from dynjax.parallel.stage_programs import StageSetup
-from dynjax.parallel.stages import PipelineSpec, stage_specs
+from dynjax.parallel.stage import StageSetup
+from dynjax.parallel.stages import PipelineSpec, StageSpec, stage_specs
 from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError
 
@@ -100,7 +100,7 @@ class Experiment:
 
     def __post_init__(self) -> None:
         self._eval_steps = EvalSteps(
-            lambda opts: make_eval_step(self.graphdef, opts, expert_parallel(self.mesh)),
+            lambda spec: make_eval_step(self.stage_setup, spec, expert_parallel(self.mesh)),
             self.cfg.recompile.cache_size,
         )
 
@@ -273,19 +273,34 @@ class Experiment:
             return plan
         return plan.with_part(MOE, capacities=()), self.ragged_totals(plan)
 
-    def step_options(self, plan: Plan) -> StepOptions:
-        return StepOptions(
-            capacities=() if self.ragged else capacities_of(plan),
-            ragged_totals=self.ragged_totals(plan),
-            cached_routing=cached_routing_of(plan),
-            microbatches=plan.microbatches,
-            dtype=plan.dtype,
-            aux_loss_weight=self.cfg.moe.aux_loss_weight,
-            z_loss_weight=self.cfg.moe.z_loss_weight,
-            return_assignments=bool(self.model_cfg.moe_layers) and self.cfg.moe.caching.enabled,
+    def step_spec(self, plan: Plan) -> StageSpec:
+        """The single-program step of ``plan``: one stage holding the whole model."""
+        return whole_model(
+            self.model_cfg.num_layers,
+            batch_size=self.cfg.train.batch_size,
+            moe_layers=self.model_cfg.moe_layers,
+            capacities=capacities_of(plan),
             frozen_layers=plan.frozen_layers,
-            layer_options=self.layer_options(plan),
+            microbatches=plan.microbatches,
+            cached_routing=cached_routing_of(plan),
+            dtype=plan.dtype,
+            options=self.layer_options(plan),
+            ragged_totals=self.ragged_totals(plan),
             hooks=self.model_cfg.hooks,
+        )
+
+    @functools.cached_property
+    def stage_setup(self) -> StageSetup:
+        """What every stage's programs share, the single program's one stage included."""
+        t, moe = self.cfg.train, self.cfg.moe
+        return StageSetup(
+            parts=ModelParts.of(self.model_cfg),
+            optimizer=self.optimizer,
+            grad_clip=t.grad_clip,
+            aux_loss_weight=moe.aux_loss_weight,
+            z_loss_weight=moe.z_loss_weight,
+            return_assignments=bool(self.model_cfg.moe_layers) and moe.caching.enabled,
+            fsdp=self.cfg.parallel.fsdp,
         )
 
     def layer_options(self, plan: Plan) -> tuple[LayerOptions, ...]:
@@ -305,7 +320,7 @@ class Experiment:
             spec = self.pipeline_spec(plan)
             return self.pipeline_programs.lower(spec, profiling=profiling)
         step = make_train_step(
-            self.graphdef, self.optimizer, self.step_options(plan), expert_parallel(self.mesh)
+            self.stage_setup, self.step_spec(plan), expert_parallel(self.mesh)
         )
         return lower_step(step, self.abstract_state, self.abstract_batch(plan))
 
@@ -355,22 +370,12 @@ class Experiment:
 
     @functools.cached_property
     def pipeline_programs(self) -> PipelinePrograms:
-        t, moe = self.cfg.train, self.cfg.moe
-        setup = StageSetup(
-            parts=ModelParts.of(self.model_cfg),
-            optimizer=self.optimizer,
-            grad_clip=t.grad_clip,
-            aux_loss_weight=moe.aux_loss_weight,
-            z_loss_weight=moe.z_loss_weight,
-            return_assignments=bool(self.model_cfg.moe_layers) and moe.caching.enabled,
-            fsdp=self.cfg.parallel.fsdp,
-        )
         # Up to `cache_size` Plans' worth of stage programs: about four kinds per stage, and
         # a forward and a backward per layer for profiling.
         per_plan = 4 * self.ctx.pipeline_stages + 2 * self.ctx.num_layers
         entries = self.cfg.recompile.cache_size * per_plan
         return PipelinePrograms(
-            setup,
+            self.stage_setup,
             Transport(self.mesh),
             self.abstract_params,
             self.cfg.data.seq_len,
@@ -426,5 +431,5 @@ class Experiment:
     def eval_step(self, plan: Plan):
         """Jitted mean validation loss of one batch under ``plan``'s capacities (the last
         ``recompile.cache_size`` kept: `EvalSteps`)."""
-        opts = dataclasses.replace(self.step_options(plan), frozen_layers=())  # no backward
-        return self._eval_steps.get(opts)
+        spec = dataclasses.replace(self.step_spec(plan), frozen=(), embed_frozen=False)
+        return self._eval_steps.get(spec)  # no backward: nothing frozen

@@ -477,7 +477,7 @@ class _Loop:
                 exp.model_cfg.num_experts,
                 max_entries=cfg.moe.caching.max_entries,
             )
-            if exp.step_options(plan).return_assignments
+            if exp.stage_setup.return_assignments
             else None
         )
         self.monitor = Monitor(cfg.recompile.delta_launch)

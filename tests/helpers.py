@@ -19,7 +19,9 @@ import tensorstore as ts
 
 from dynjax.checkpoint import layout
 from dynjax.experiment import Experiment
+from dynjax.model import ModelParts
 from dynjax.model.hashed_attention import lsh_buckets, rotations
+from dynjax.parallel.stage import StageSetup, forward_loss
 from dynjax.recompile import History, Plan, Proposal
 from dynjax.recompile.rebalance import (
     ITERATION,
@@ -147,6 +149,26 @@ def one_and_two(tmp_path: Path, run: dict, devices: int = 4) -> tuple[Path, Path
     train(dotted_config(run), single, progress=False)
     two_processes(multi, run, devices)
     return single, multi
+
+
+def stage_setup(cfg, optimizer=None, *, aux_loss_weight=0.01, z_loss_weight=0.0, grad_clip=0.0):
+    """The `StageSetup` of a model config, as a test's single-program step takes it."""
+    return StageSetup(
+        parts=ModelParts.of(cfg),
+        optimizer=optimizer,
+        grad_clip=grad_clip,
+        aux_loss_weight=aux_loss_weight,
+        z_loss_weight=z_loss_weight,
+        return_assignments=False,
+    )
+
+
+def loss_terms(setup, spec, parallel, params, inputs, targets, cached=None):
+    """(the loss to minimise, the metrics) of the one-stage ``spec`` on one batch."""
+    _, _, total, metrics = forward_loss(
+        setup, spec, parallel, params, inputs, {"targets": targets}, cached
+    )
+    return total, metrics
 
 
 def mod_config(**overrides):

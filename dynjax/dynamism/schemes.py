@@ -55,8 +55,7 @@ class Schemes:
 
     def hooks(self) -> Hooks:
         """The model hooks of every scheme (enabled or not: a hook runs only on layers whose
-        records name it), in scheme order: the run's, carried down as data (`GPTConfig.hooks`,
-        `StepOptions.hooks`)."""
+        records name it), in scheme order: the run's, carried down as data (`GPTConfig.hooks`)."""
         return Hooks(tuple(s for p in self.plugins for s in p.hook_sets))
 
     def block_parts(

@@ -26,8 +26,8 @@ some layers, gets exactly that: the readout's parameters sent from the last stag
 microbatch's targets, and the carry from the stage before it.
 
 A forward that evaluates or samples rather than trains sets ``LayerContext.inference``
-(`StepOptions.inference` on the single-program path, `StageSpec.inference` on a pipeline's
-evaluation programs; both are static, so the inference forward is its own compiled program). A
+(`StageSpec.inference`: the single program's evaluation step, a one-stage spec, and a pipeline's
+evaluation programs; it is static, so the inference forward is its own compiled program). A
 wrapper whose training forward may look ahead in the sequence reads it to run as a causal sampler
 would: mixture of depths then routes by its causal predictor instead of the sequence's top-k
 (Raposo et al. §3.5; seed 000 §2.6), so the evaluation loss is the one sampling would see.
@@ -160,8 +160,8 @@ class HookSet:
 @dataclasses.dataclass(frozen=True)
 class Hooks:
     """A run's hook sets, assembled at the edge (`dynjax.dynamism.Schemes.hooks`) and carried
-    down as data (`GPTConfig.hooks`, `StepOptions.hooks`): every lookup below reads them, no
-    module table. Equal sets give equal, equally hashed `Hooks`, so equal Plans keep equal
+    down as data (`GPTConfig.hooks`, which the stage functions read): every lookup below reads
+    them, no module table. Equal sets give equal, equally hashed `Hooks`, so equal Plans keep equal
     compile-cache keys."""
 
     sets: tuple[HookSet, ...] = ()

@@ -1,6 +1,6 @@
 """Mesh, shardings, the single-program step, and the MPMD pipeline (`pipeline` and its parts,
-`stages`, `stage_programs`, `dispatch`, `transport`, `layout`, `profile`: import those modules
-directly)."""
+`stages`, `stage`, `stage_programs`, `dispatch`, `transport`, `layout`, `profile`: import
+those modules directly)."""
 
 from dynjax.parallel.mesh import (
     AXES,
@@ -13,7 +13,7 @@ from dynjax.parallel.mesh import (
     param_shardings,
     stage_mesh,
 )
-from dynjax.parallel.step import StepOptions, make_eval_step, make_train_step
+from dynjax.parallel.step import make_eval_step, make_train_step, whole_model
 
 __all__ = [
     "AXES",
@@ -25,7 +25,7 @@ __all__ = [
     "make_mesh",
     "param_shardings",
     "stage_mesh",
-    "StepOptions",
     "make_eval_step",
     "make_train_step",
+    "whole_model",
 ]

@@ -18,7 +18,8 @@ import jax
 
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.profile import unit_programs
-from dynjax.parallel.stage_programs import StageSetup, StageShapes, lower_stage, stage_shapes
+from dynjax.parallel.stage import StageSetup
+from dynjax.parallel.stage_programs import StageShapes, lower_stage, stage_shapes
 from dynjax.parallel.stages import PipelineSpec, StageSpec
 from dynjax.parallel.transport import Transport
 

@@ -83,7 +83,7 @@ def _cached(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 
 class EvalSteps:
-    """The last ``max_entries`` jitted evaluation steps, by their step options, like the
+    """The last ``max_entries`` jitted evaluation steps, by their one-stage spec, like the
     Compiler's train steps: a dynamic-capacity run makes a new one at every capacity change."""
 
     def __init__(self, make: Callable[[Hashable], Callable], max_entries: int) -> None:

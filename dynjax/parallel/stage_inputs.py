@@ -1,7 +1,7 @@
 """What a stage's programs read besides its parameters and activations: batch rows, context,
 the step inputs of its layers (`dynjax.parallel.step_inputs`) and the early-exit readout.
 
-The training step and evaluation place these the same way (`stage_programs` module docstring:
+The training step and evaluation place these the same way (`stage` module docstring:
 ``ctx``), so they come from one place.
 """
 
@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.parallel.feed import Placement
 from dynjax.parallel.mesh import TOKEN_AXES
-from dynjax.parallel.stage_programs import READOUT_UNITS
+from dynjax.parallel.stage import READOUT_UNITS
 from dynjax.parallel.stage_state import StageState
 from dynjax.parallel.stages import PipelineSpec, StageSpec
 from dynjax.parallel.step_inputs import StepInputs, rows_of
@@ -79,7 +79,7 @@ class StageInputs:
 
     def send_readout(self, spec: PipelineSpec) -> dict[int, Any]:
         """The last stage's current norm and head parameters on every local stage that reads
-        the readout: sent once per step (`stage_programs` module docstring)."""
+        the readout: sent once per step (`stage` module docstring)."""
         last, out = spec.stages[-1].index, {}
         held = None
         if self.transport.is_local(last):

@@ -26,10 +26,10 @@ from dynjax.model.early_exit import (
     ExitLayer,
 )
 from dynjax.model.hooks import Hooks
-from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
+from dynjax.parallel import expert_parallel, make_mesh, make_train_step, whole_model
 from dynjax.parallel.executable import PipelinePrograms
 from dynjax.parallel.pipeline import Pipeline, host_metrics
-from dynjax.parallel.stage_programs import StageSetup
+from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.step import make_eval_step
 from dynjax.parallel.step_run import StepRunner
@@ -37,7 +37,7 @@ from dynjax.parallel.timeline import _READY, _timeline
 from dynjax.parallel.transport import Transport
 from dynjax.train import train
 
-from ..helpers import assert_close, logged
+from ..helpers import assert_close, logged, stage_setup
 from ..tiny import tiny_config
 
 S, L, M, B, STEPS, LR, CLIP = 8, 4, 2, 8, 3, 0.3, 0.5
@@ -84,17 +84,17 @@ def options():
 
 @functools.cache
 def reference():
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))))
-    opts = StepOptions(microbatches=M, layer_options=options(), hooks=CFG.hooks)
+    opts = whole_model(L, batch_size=B, microbatches=M, options=options(), hooks=CFG.hooks)
+    setup = stage_setup(CFG, optimizer())
     parallel = expert_parallel(make_mesh(1, 1, 1))
-    step = jax.jit(make_train_step(graphdef, optimizer(), opts, parallel))
+    step = jax.jit(make_train_step(setup, opts, parallel))
     state = initial_state()
     p, s = state["params"], state["opt_state"]
     metrics = []
     for batch in batches():
         p, s, m = step(p, s, batch)
         metrics.append(jax.device_get(m))
-    evaluate = jax.jit(make_eval_step(graphdef, opts, parallel))
+    evaluate = jax.jit(make_eval_step(setup, opts, parallel))
     return metrics, jax.device_get({"params": p, "opt_state": s}), float(evaluate(p, batches()[0]))
 
 

@@ -8,7 +8,7 @@ import pytest
 from dynjax.dynamism.moe.part import capacities_of
 from dynjax.experiment import Experiment
 from dynjax.model import lm_loss
-from dynjax.parallel.step import cast_floats
+from dynjax.parallel.stage import cast_floats
 
 from ..tiny import tiny_config
 

@@ -15,10 +15,9 @@ from dynjax.experiment import Experiment
 from dynjax.model import Block, fresh_params
 from dynjax.model.attention import rotary
 from dynjax.model.mod import ACCURACY, LOSS, PREDICTOR_LOSS, RoutedBlock
-from dynjax.parallel.step import forward_loss
 from dynjax.train import train
 
-from ..helpers import logged, mod_config
+from ..helpers import logged, loss_terms, mod_config
 from ..tiny import tiny_config
 
 S, D = 16, 32
@@ -91,9 +90,10 @@ def test_the_predictor_loss_is_a_term_of_the_training_loss():
         plan = exp.initial_plan()
         batch = exp.order.batch(0)
         params = fresh_params(exp.model_cfg, exp.cfg.seed)
-        total, (ce, _, _, _, layers) = forward_loss(
-            exp.graphdef, params, batch.inputs, batch.targets, None, exp.step_options(plan), None
+        total, layers = loss_terms(
+            exp.stage_setup, exp.step_spec(plan), None, params, batch.inputs, batch.targets
         )
+        ce = layers["loss"]
         return float(total), float(ce), np.asarray(layers[PREDICTOR_LOSS])
 
     total, ce, predictor = loss_at(0.25)

@@ -16,10 +16,10 @@ from dynjax.experiment import Experiment
 from dynjax.model import Block, fresh_params
 from dynjax.model.hooks import LayerContext
 from dynjax.model.mod import ROUTED, RoutedBlock
-from dynjax.parallel.step import forward_loss
+from dynjax.parallel.metrics import hook_metrics
 from dynjax.train import train
 
-from ..helpers import mod_config
+from ..helpers import loss_terms, mod_config
 
 S, D = 16, 32
 INFERENCE = LayerContext(inference=True)
@@ -133,12 +133,13 @@ def test_the_training_path_does_not_see_the_evaluation_routing():
     def loss(routing, inference):
         exp = Experiment.from_config(mod_config(mod__eval_routing=routing))
         batch = exp.order.batch(0)
-        opts = dataclasses.replace(exp.step_options(exp.initial_plan()), inference=inference)
-        total, (ce, _, _, _, layers) = forward_loss(
-            exp.graphdef, fresh_params(exp.model_cfg, 0), batch.inputs, batch.targets, None,
-            opts, None,
+        opts = dataclasses.replace(exp.step_spec(exp.initial_plan()), inference=inference)
+        total, metrics = loss_terms(
+            exp.stage_setup, opts, None, fresh_params(exp.model_cfg, 0), batch.inputs,
+            batch.targets,
         )
-        return float(total), float(ce), {k: np.asarray(v) for k, v in layers.items()}
+        layers = hook_metrics(metrics)
+        return float(total), float(metrics["loss"]), {k: np.asarray(v) for k, v in layers.items()}
 
     total, ce, layers = loss("predictor", False)
     total_topk, ce_topk, layers_topk = loss("topk", False)

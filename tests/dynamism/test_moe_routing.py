@@ -301,7 +301,7 @@ def test_bad_routing_config_names_the_key(overrides, match):
 
 def test_the_bias_stays_float32_in_a_bfloat16_step():
     """Steps of 1e-3 on a bias near 0.1 are below bfloat16's resolution there."""
-    from dynjax.parallel.step import cast_floats
+    from dynjax.parallel.stage import cast_floats
 
     params = {"layers": {1: {"moe": {BIAS: jnp.full((E,), 0.1001), "router": jnp.ones((D, E))}}}}
     cast = cast_floats(params, jnp.bfloat16, BUILTIN.hooks())["layers"][1]["moe"]

@@ -340,13 +340,13 @@ def test_block_sparse_linears_equal_dense_ones_at_fewer_flops():
     sparse = dense.with_part("pruning", sparse=widths)
 
     def step_flops(plan):  # the sparse loop as one step: cost_analysis counts a loop body once
-        opts = exp.step_options(plan)
+        opts = exp.step_spec(plan)
         unrolled = tuple(
             tuple((n, dataclasses.replace(r, loop=False)) for n, r in layer)
-            for layer in opts.layer_options
+            for layer in opts.options
         )
-        opts = dataclasses.replace(opts, layer_options=unrolled)
-        step = make_train_step(exp.graphdef, exp.optimizer, opts, expert_parallel(exp.mesh))
+        opts = dataclasses.replace(opts, options=unrolled)
+        step = make_train_step(exp.stage_setup, opts, expert_parallel(exp.mesh))
         state = exp.abstract_state
         lowered = jax.jit(step).lower(state["params"], state["opt_state"], exp.abstract_batch(plan))
         return lowered.compile().cost_analysis()["flops"]

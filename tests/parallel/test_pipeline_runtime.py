@@ -18,7 +18,7 @@ from dynjax.balance import schedule_tasks
 from dynjax.config import optimizer_settings
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.optim import make_optimizer
-from dynjax.parallel import StepOptions, expert_parallel, make_mesh, make_train_step
+from dynjax.parallel import expert_parallel, make_mesh, make_train_step, whole_model
 from dynjax.parallel import timeline as timeline_module
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.executable import PipelinePrograms
@@ -31,12 +31,11 @@ from dynjax.parallel.profile import (
     stage_memory,
     units_busy_seconds,
 )
-from dynjax.parallel.stage_programs import StageSetup
+from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
-from dynjax.parallel.step import forward_loss
 from dynjax.parallel.transport import Transport
 
-from ..helpers import assert_close
+from ..helpers import assert_close, loss_terms, stage_setup
 from ..tiny import tiny_config
 
 CFG = GPTConfig(
@@ -91,10 +90,12 @@ def initial_state(opt=optimizer):
 @pytest.fixture(scope="module")
 def reference():
     """Per-step metrics and final state of the single-program step on one device."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))))
-    opts = StepOptions(capacities=CAPS, microbatches=M, z_loss_weight=1e-3)
+    opts = whole_model(
+        CFG.num_layers, batch_size=B, moe_layers=CFG.moe_layers, capacities=CAPS, microbatches=M
+    )
     parallel = expert_parallel(make_mesh(1, 1, 1))
-    step = jax.jit(make_train_step(graphdef, optimizer(), opts, parallel))
+    setup = stage_setup(CFG, optimizer(), z_loss_weight=1e-3)
+    step = jax.jit(make_train_step(setup, opts, parallel))
     state = initial_state()
     p, s = state["params"], state["opt_state"]
     metrics = []
@@ -278,8 +279,8 @@ FROZEN = (0, 1, 3)  # a frozen prefix (embedding, layers 0-1) and a frozen layer
 
 def frozen_reference():
     """The single-program loss with stop_gradient on the frozen units, on one device."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))))
-    opts = StepOptions(capacities=CAPS, z_loss_weight=1e-3)
+    opts = whole_model(CFG.num_layers, batch_size=B, moe_layers=CFG.moe_layers, capacities=CAPS)
+    setup = stage_setup(CFG, z_loss_weight=1e-3)
     parallel = expert_parallel(make_mesh(1, 1, 1))
     opt = optimizer()
 
@@ -291,7 +292,7 @@ def frozen_reference():
         return {**params, **embed, "layers": layers}
 
     def loss(params, inputs, targets):
-        return forward_loss(graphdef, stopped(params), inputs, targets, None, opts, parallel)[0]
+        return loss_terms(setup, opts, parallel, stopped(params), inputs, targets)[0]
 
     @jax.jit
     def step(params, opt_state, batch):

@@ -21,14 +21,14 @@ from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.model.gpt import layer_runs, scan_runs
-from dynjax.parallel import StepOptions, make_mesh, make_train_step
+from dynjax.parallel import make_mesh, make_train_step, whole_model
 from dynjax.parallel.executable import PipelinePrograms
 from dynjax.parallel.pipeline import Pipeline, host_metrics
-from dynjax.parallel.stage_programs import StageSetup
+from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
-from dynjax.parallel.step import forward_loss
 from dynjax.parallel.transport import Transport
 
+from ..helpers import loss_terms, stage_setup
 from ..tiny import tiny_config
 
 DENSE = GPTConfig(vocab_size=64, num_layers=6, d_model=16, num_heads=2, mlp_dim=32, max_len=8)
@@ -38,9 +38,16 @@ CAPS = ((3, 5, 3, 5), (3, 5, 3, 5), (4, 4, 2, 6))
 B = 8
 
 
-def graphdef(cfg: GPTConfig, scan: bool):
+def setup_of(cfg: GPTConfig, scan: bool, opt=None, z_loss_weight=0.0):
     cfg = dataclasses.replace(cfg, scan_layers=scan)
-    return nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    return stage_setup(cfg, opt, z_loss_weight=z_loss_weight)
+
+
+def spec_of(cfg: GPTConfig, caps, **kw):
+    """The single program's one stage of ``cfg``."""
+    return whole_model(
+        cfg.num_layers, batch_size=B, moe_layers=cfg.moe_layers, capacities=caps, **kw
+    )
 
 
 def params_of(cfg: GPTConfig):
@@ -63,10 +70,9 @@ def assert_trees_close(ref, got, rtol, what=""):
         assert err < rtol, f"{what}{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
-def loss_and_grads(gdef, params, data, opts):
-    """(loss, (ce, aux, z, MoE stats, layer metrics)), gradients; and how many scans the
-    traced forward holds."""
-    f = lambda p: forward_loss(gdef, p, data["inputs"], data["targets"], None, opts, None)
+def loss_and_grads(setup, params, data, spec):
+    """(loss, metrics), gradients; and how many scans the traced forward holds."""
+    f = lambda p: loss_terms(setup, spec, None, p, data["inputs"], data["targets"])
     scans = str(jax.make_jaxpr(f)(params)).count("scan[")
     return jax.jit(jax.value_and_grad(f, has_aux=True))(params), scans
 
@@ -93,14 +99,18 @@ def test_scan_runs_split_on_kind_capacities_options_and_freezing():
 @pytest.mark.parametrize("cfg, caps", [(DENSE, ()), (MOE, CAPS)], ids=["dense", "moe"])
 def test_scanned_forward_and_gradients_equal_unrolled(cfg, caps):
     params, data = params_of(cfg), batch()
-    opts = StepOptions(capacities=caps, z_loss_weight=1e-3)
-    (ref, ref_grads), unrolled_scans = loss_and_grads(graphdef(cfg, False), params, data, opts)
-    (got, got_grads), scans = loss_and_grads(graphdef(cfg, True), params, data, opts)
+    opts = spec_of(cfg, caps)
+    (ref, ref_grads), unrolled_scans = loss_and_grads(
+        setup_of(cfg, False, z_loss_weight=1e-3), params, data, opts
+    )
+    (got, got_grads), scans = loss_and_grads(
+        setup_of(cfg, True, z_loss_weight=1e-3), params, data, opts
+    )
     assert unrolled_scans == 0 and scans > 0  # the layers really ran under a scan
     assert_trees_close(ref, got, 1e-5, "forward ")
     assert_trees_close(ref_grads, got_grads, 1e-5, "gradient ")
     if caps:  # capacities drop tokens: per-layer stats came out of the scan in layer order
-        assert len(got[1][3]) == 3 and float(np.sum(ref[1][3][0].dropped)) > 0
+        assert got[1]["moe/dropped"].shape == (3,) and float(ref[1]["moe/dropped"][0]) > 0
 
 
 PRUNED = (0.2, 0.4, 0.6, 0.8)  # the fraction of each layer's prunable weights set to zero
@@ -122,8 +132,8 @@ def test_a_weight_hook_inside_the_scan_equals_unrolled():
     for scan in (False, True):
         exp = pruned_experiment(scan)
         plan = exp.initial_plan()
-        opts = exp.step_options(plan)
-        assert all(opts.layer_options)
+        opts = exp.step_spec(plan)
+        assert all(opts.options)
         params = exp.init_host_state()["params"]
         names = set(pm.prunable_leaves(params))
 
@@ -135,12 +145,12 @@ def test_a_weight_hook_inside_the_scan_equals_unrolled():
             return np.where(keep < PRUNED[path[1].key], 0, w).astype(w.dtype)
 
         params = jax.tree_util.tree_map_with_path(prune, params)
-        results[scan] = loss_and_grads(exp.graphdef, params, data, opts)[0], params
+        results[scan] = loss_and_grads(exp.stage_setup, params, data, opts)[0], params
     (ref, ref_grads), params = results[False]
     (got, got_grads), _ = results[True]
     assert_trees_close(ref, got, 1e-5, "forward ")
     assert_trees_close(ref_grads, got_grads, 1e-5, "gradient ")
-    density = np.asarray(got[1][4]["pruning/density"])
+    density = np.asarray(got[1]["pruning/density"])
     assert density.shape == (4,) and np.all(np.diff(density) < 0)  # one density per layer
     pruned = {n: np.asarray(w) == 0 for n, w in pm.prunable_leaves(params).items()}
     for name, grad in pm.prunable_leaves(got_grads).items():
@@ -153,10 +163,10 @@ def test_frozen_layers_train_as_unrolled():
     them unchanged and moves the others as the unrolled step does."""
     params, data = params_of(MOE), batch()
     opt = optax.sgd(0.3)
-    opts = StepOptions(capacities=CAPS, microbatches=2, frozen_layers=(0, 1, 4))
+    opts = spec_of(MOE, CAPS, microbatches=2, frozen_layers=(0, 1, 4))
     out = {}
     for scan in (False, True):
-        step = jax.jit(make_train_step(graphdef(MOE, scan), opt, opts, None))
+        step = jax.jit(make_train_step(setup_of(MOE, scan, opt), opts, None))
         out[scan] = step(params, opt.init(params), data)
     ref, got = out[False], out[True]
     assert_trees_close(ref[0], got[0], 1e-5, "params ")

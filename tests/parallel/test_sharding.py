@@ -8,16 +8,15 @@ from flax import nnx
 
 from dynjax.model import GPT, GPTConfig
 from dynjax.parallel import (
-    StepOptions,
     batch_sharding,
     expert_parallel,
     make_mesh,
     make_train_step,
     param_shardings,
+    whole_model,
 )
-from dynjax.parallel.step import forward_loss
 
-from ..helpers import assert_close
+from ..helpers import assert_close, loss_terms, stage_setup
 
 CFG = GPTConfig(
     vocab_size=64,
@@ -42,15 +41,20 @@ def setup():
     return graphdef, nnx.to_pure_dict(state), batch
 
 
+def spec(**kw):
+    """The single program's one stage of CFG on a batch of 8."""
+    return whole_model(CFG.num_layers, batch_size=8, moe_layers=CFG.moe_layers, **kw)
+
+
 def loss_and_grads(setup, mesh_shape, opts, tensor=1, fsdp=False):
-    graphdef, params, batch = setup
+    _, params, batch = setup
     mesh = make_mesh(*mesh_shape, tensor=tensor)
     par = expert_parallel(mesh)
     params = jax.device_put(params, param_shardings(params, mesh, fsdp=fsdp))
     batch = jax.device_put(batch, batch_sharding(mesh))
     fn = jax.jit(
         jax.value_and_grad(
-            lambda p, b: forward_loss(graphdef, p, b["inputs"], b["targets"], None, opts, par)[0]
+            lambda p, b: loss_terms(stage_setup(CFG), opts, par, p, b["inputs"], b["targets"])[0]
         )
     )
     return jax.device_get(fn(params, batch))
@@ -58,7 +62,7 @@ def loss_and_grads(setup, mesh_shape, opts, tensor=1, fsdp=False):
 
 @pytest.mark.slow
 def test_expert_and_data_parallel_match_one_device(setup):
-    opts = StepOptions(capacities=CAPS)
+    opts = spec(capacities=CAPS)
     loss1, grads1 = loss_and_grads(setup, (1, 1, 1), opts)
     loss8, grads8 = loss_and_grads(setup, (1, 2, 4), opts)
     assert abs(loss8 - loss1) <= 1e-5 * abs(loss1)
@@ -69,7 +73,7 @@ def test_expert_and_data_parallel_match_one_device(setup):
 @pytest.mark.parametrize("mesh_shape, tensor", [((1, 4, 1), 2), ((1, 2, 2), 2), ((1, 1, 2), 4)])
 def test_fsdp_and_tensor_parallel_gradients_match_one_device(setup, mesh_shape, tensor):
     """Parameters split over 'data' (FSDP) and Megatron-style over 'tensor', MoE layers too."""
-    opts = StepOptions(capacities=CAPS)
+    opts = spec(capacities=CAPS)
     loss1, grads1 = loss_and_grads(setup, (1, 1, 1), opts)
     loss8, grads8 = loss_and_grads(setup, mesh_shape, opts, tensor=tensor, fsdp=True)
     assert abs(loss8 - loss1) <= 1e-5 * abs(loss1)
@@ -79,13 +83,13 @@ def test_fsdp_and_tensor_parallel_gradients_match_one_device(setup, mesh_shape, 
 @pytest.mark.slow
 def test_train_step_microbatches_and_sharding_match_one_device(setup):
     """A full optimizer step (SGD: parameters move by the gradient), sharded and microbatched."""
-    graphdef, params, batch = setup
+    _, params, batch = setup
     results = []
     for mesh_shape, micro in (((1, 1, 1), 1), ((1, 2, 2), 2), ((1, 2, 4), 1)):
         mesh = make_mesh(*mesh_shape)
-        opts = StepOptions(capacities=CAPS, microbatches=micro)
+        opts = spec(capacities=CAPS, microbatches=micro)
         opt = optax.sgd(0.5)
-        step = jax.jit(make_train_step(graphdef, opt, opts, expert_parallel(mesh)))
+        step = jax.jit(make_train_step(stage_setup(CFG, opt), opts, expert_parallel(mesh)))
         p = jax.device_put(params, param_shardings(params, mesh))
         new, _, metrics = step(p, opt.init(p), jax.device_put(batch, batch_sharding(mesh)))
         results.append(jax.device_get((new, metrics)))
@@ -100,9 +104,9 @@ def test_train_step_microbatches_and_sharding_match_one_device(setup):
 
 @pytest.mark.slow
 def test_bfloat16_compute_tracks_float32(setup):
-    loss32, _ = loss_and_grads(setup, (1, 1, 1), StepOptions(capacities=((16,) * 8,) * 2))
+    loss32, _ = loss_and_grads(setup, (1, 1, 1), spec(capacities=((16,) * 8,) * 2))
     loss16, grads16 = loss_and_grads(
-        setup, (1, 1, 1), StepOptions(capacities=((16,) * 8,) * 2, dtype="bfloat16")
+        setup, (1, 1, 1), spec(capacities=((16,) * 8,) * 2, dtype="bfloat16")
     )
     assert abs(loss16 - loss32) < 2e-2 * loss32
     assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads16))  # master weights stay fp32

@@ -1,0 +1,339 @@
+"""One stage of the model: its forward and loss terms, its gradients, its update, its evaluation.
+
+Both runtimes train with these functions. A pipeline stage (`StageSpec`) holds consecutive
+layers, the embedding if it is the first and the final norm, head and loss if it is the last;
+the single-program step is the one-stage case, a spec with ``first`` and ``last`` over every
+layer (`dynjax.parallel.step`), run as one jitted program with its microbatch loop inside. The
+pipeline compiles each function below as a program of its own per stage
+(`dynjax.parallel.stage_programs`), with the microbatch loop in its schedule:
+
+* `forward_loss`: the stage's layers on one microbatch, and its terms of the loss to minimise
+  (the cross entropy on the last stage, every stage's MoE auxiliary and z losses and its block
+  hooks' loss terms) with the metrics of that microbatch;
+* `backward_fn`: the gradients of those terms, added to the float32 accumulator of the
+  trainable units, seeded with the loss on the last stage and with the next stage's input
+  gradient on the others;
+* `sqnorm_fn` and `update_fn`: the squared norm of the stage's gradient, then the update:
+  global-norm clipping (the sum of every stage's squared norms), the optimizer on the
+  trainable units only, and the state rules of the stage's layers (`HookSet.state_rule`) on
+  its metrics, folded over the microbatches by their declared reductions
+  (`dynjax.parallel.metrics`);
+* `evaluate_fn`: the last stage's loss as at inference.
+
+``ctx`` holds what the stage's block wrappers read of the `LayerContext` beyond activations
+(`HookSet` ``needs`` and ``carry``), only what they need, and on the ragged MoE path
+``capacities``, the stage's MoE layers' per-expert capacities [len(spec.moe), E] int32 (a
+runtime input, issue 12 §1): ``carry``, the per-token arrays the previous stage's layers left (a
+stage input and output beside the activations, never differentiated); ``targets`` [b, S] (the
+last stage's loss takes them from here too); and ``readout``, the last stage's norm and head
+parameters, for a stage before the last whose wrappers read the model's readout: its loss terms
+differentiate through those parameters too, and that gradient goes to ``racc``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dynjax.model import ExpertParallel, ModelParts, RaggedCapacities, lm_loss
+from dynjax.model.gpt import run_layers
+from dynjax.model.hooks import MOE_LOADS, Hooks, LayerContext, LayerOptions
+from dynjax.parallel.layout import by_path, fill, select
+from dynjax.parallel.metrics import hook_metrics, moe_metrics, stack_layers
+from dynjax.parallel.stages import StageSpec
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+READOUT_UNITS = (("norm",), ("head",))  # the parameter units of `GPT.readout`
+
+Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSetup:
+    """What every stage of a run shares: the model's units, optimizer and loss weights."""
+
+    parts: ModelParts
+    optimizer: optax.GradientTransformation
+    grad_clip: float  # the optimizer's global-norm bound, applied globally here; 0 = no clipping
+    aux_loss_weight: float
+    z_loss_weight: float
+    return_assignments: bool  # add the router's top-k per token to the metrics (caching)
+    fsdp: bool = False  # parameters and optimizer state split over the stage's data devices
+
+
+def cast_floats(tree, dtype, hooks: Hooks):
+    """Floating leaves in the compute ``dtype``, but a state rule's variables of ``hooks``
+    (`Hooks.full_precision`): a rule's steps (the routed bias's 1e-3) are below bfloat16's
+    resolution at their magnitude."""
+
+    def cast(path, a):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            return a
+        return a if hooks.full_precision(getattr(path[-1], "key", None)) else a.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
+
+
+def overlay(params: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with the units of ``part`` replaced (both keyed by name)."""
+    out = dict(params)
+    for key, value in part.items():
+        out[key] = {**params[key], **value} if key == "layers" else value
+    return out
+
+
+def apply_stage(
+    setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None, params, x, ctx, cached
+):
+    """The stage's slice of ``GPT.forward``: (output, the carry after its layers (empty on the
+    last stage), MoE stats of its layers in order, each layer's hook metrics), through the
+    model's own layer loop with the `LayerContext` built from ``ctx`` (module docstring).
+
+    The first stage takes tokens [b, S] and embeds them; the last returns float32 logits.
+    """
+    parts, dtype = setup.parts, DTYPES[spec.dtype]
+    hooks = parts.cfg.hooks
+    p = cast_floats(params, dtype, hooks)
+    if spec.first:
+        x = nnx.merge(parts.embed, p["embed"])(x)
+        if parts.learned_positions:
+            x = x + p["pos"][: x.shape[1]].astype(x.dtype)
+    held = p if spec.last else None
+    if not spec.last and "readout" in ctx:
+        held = cast_floats(ctx["readout"], dtype, hooks)
+    readout = None
+    if held is not None:
+        norm, head = nnx.merge(parts.norm, held["norm"]), nnx.merge(parts.head, held["head"])
+        readout = lambda h: head(norm(h)).astype(jnp.float32)
+    carry = dict(ctx.get("carry", {}))
+    if spec.first:
+        carry = hooks.initial_carry(spec.carry, x.shape[:2])
+    context = LayerContext(
+        readout=readout, targets=ctx.get("targets"), carry=carry, inference=spec.inference
+    )
+    capacities: tuple = spec.capacities
+    if spec.ragged_totals:
+        caps = ctx["capacities"]
+        capacities = tuple(RaggedCapacities(caps[j], t) for j, t in enumerate(spec.ragged_totals))
+    x, stats, layer_metrics = run_layers(
+        [nnx.merge(parts.layers[i], p["layers"][i]) for i in spec.layers],
+        x,
+        capacities=capacities,
+        options=spec.layer_options(),
+        parallel=parallel,
+        cached=cached,
+        context=context,
+        scan=parts.cfg.scan_layers,
+        frozen=[i in spec.frozen for i in spec.layers],
+    )
+    if spec.last:
+        return readout(x), {}, stats, layer_metrics
+    # The activation a stage sends is in the compute dtype, as the next stage was lowered for
+    # (`stage_shapes`): layers may hand back a wider residual (float32 norms in a bfloat16 step).
+    carry = {k: context.carry[k] for k in hooks.carry_dtypes(spec.carry)}
+    return x.astype(dtype), carry, stats, layer_metrics
+
+
+def forward_loss(
+    setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None, params, x, ctx, cached
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array, Metrics]:
+    """The stage's forward on one microbatch and its terms of the loss to minimise: (output,
+    carry, loss terms, metrics). On the last stage the output are the logits and the loss terms
+    start with the cross entropy against ``ctx["targets"]`` (the metric ``loss``); every stage
+    adds its MoE auxiliary and z losses (weighted by `StageSetup`) and its hooks' loss terms.
+    The metrics: ``aux_loss``, ``z_loss``, the hook metrics stacked over the layers reporting
+    each, the MoE metrics of its MoE layers (`metrics.moe_metrics`)."""
+    out, carry, stats, layer_metrics = apply_stage(setup, spec, parallel, params, x, ctx, cached)
+    aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
+    z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
+    hook_loss = setup.parts.cfg.hooks.loss(layer_metrics)
+    local = setup.aux_loss_weight * aux + setup.z_loss_weight * z + hook_loss
+    metrics: Metrics = {"aux_loss": aux, "z_loss": z, **stack_layers(layer_metrics)}
+    metrics.update(moe_metrics(stats, setup.return_assignments))
+    if spec.last:
+        metrics["loss"] = ce = lm_loss(out, ctx["targets"])
+        local = ce + local
+    return out, carry, local, metrics
+
+
+def backward_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None):
+    """``bwd(params, acc, racc, x, ctx, seed, cached) -> (acc, g_x, racc, [metrics])``.
+
+    Runs the stage forward on one microbatch (the pipeline recomputes it from the stored stage
+    input: activation checkpointing at stage boundaries), then adds the weight gradients of the
+    trainable units to the accumulator ``acc`` (float32) and those of a read readout to
+    ``racc``, and returns the input gradient if an earlier stage needs it (else a scalar that is
+    ready with the backward). The last stage's ``seed`` is the targets, its gradient seeded
+    with the loss, and it returns the microbatch's metrics; the others are seeded with the next
+    stage's input gradient. Frozen units are constants: XLA keeps no backward for a frozen
+    prefix at all."""
+    trainable_units = spec.trainable(setup.parts.learned_positions)
+
+    def bwd(params, acc, racc, x, ctx, seed, cached):
+        if spec.last:
+            ctx = {**ctx, "targets": seed}
+
+        def f(trainable, readout, x):
+            out, _, local, metrics = forward_loss(
+                setup, spec, parallel, overlay(params, trainable), x, {**ctx, **readout}, cached
+            )
+            return (local if spec.last else (out, local)), metrics
+
+        readout = {"readout": ctx["readout"]} if spec.needs_readout else {}
+        args = (select(params, trainable_units), readout, x)
+        argnums = (0, 1, 2) if spec.input_grads else (0, 1)
+        fixed = lambda *a: f(*a, *args[len(argnums) :])
+        _, vjp, metrics = jax.vjp(fixed, *args[: len(argnums)], has_aux=True)
+        one = jnp.ones((), jnp.float32)
+        grads = vjp(one if spec.last else (seed, one))
+        add = lambda a, g: a + g.astype(jnp.float32)
+        acc = jax.tree.map(add, acc, grads[0])
+        racc = jax.tree.map(add, racc, grads[1].get("readout", {}))
+        # Without an input gradient, a scalar that is ready with the backward: something to
+        # wait on that the stage's next backward does not donate (`Pipeline.timed_step`).
+        g_x = grads[2] if spec.input_grads else _done(acc)
+        return (acc, g_x, racc) + ((metrics,) if spec.last else ())
+
+    return bwd
+
+
+def _done(acc: Any) -> jax.Array:
+    """A float32 zero computed from the accumulator, so it is ready only when it is."""
+    leaves = jax.tree.leaves(acc)
+    return leaves[0].reshape(-1)[0] * 0 if leaves else jnp.zeros((), jnp.float32)
+
+
+def sqnorm_fn(spec: StageSpec):
+    """``sqnorm(acc) -> [1]``: the squared norm of the stage's mean gradient."""
+
+    def sqnorm(acc):
+        total = sum(
+            (jnp.sum(jnp.square(a / spec.microbatches)) for a in jax.tree.leaves(acc)),
+            jnp.float32(0),
+        )
+        return jnp.reshape(total, (1,))
+
+    return sqnorm
+
+
+def layer_grad_norms(grads: Mapping[str, Any], layers: Sequence[int]) -> jax.Array:
+    """[len(layers)] global norm of each layer's gradient; NaN for a layer without one (frozen):
+    what gradient-based freezing measures (seed 000 §4.2.3)."""
+    got = grads.get("layers", {})
+    return jnp.stack(
+        [optax.tree.norm(got[i]) if i in got else jnp.float32(jnp.nan) for i in layers]
+    ) if layers else jnp.zeros((0,), jnp.float32)
+
+
+def update_trainable(optimizer, grads, opt_state, trainable):
+    """Apply ``optimizer`` to the ``trainable`` units only: the others keep their parameters
+    and optimizer state (their moments are not decayed, their slots not touched).
+
+    Returns (new trainable units, full new optimizer state)."""
+    template = jax.eval_shape(optimizer.init, trainable)
+    sub_state = fill(template, by_path(opt_state))
+    updates, sub_state = optimizer.update(grads, sub_state, trainable)
+    trainable = optax.apply_updates(trainable, updates)
+    return trainable, fill(opt_state, {**by_path(opt_state), **by_path(sub_state)})
+
+
+def update_layer_state(
+    units: Mapping[str, Any],
+    params: Mapping[str, Any],
+    layers: Sequence[int],
+    options: Sequence[LayerOptions],
+    layer_metrics: Mapping[str, jax.Array],
+    moe_loads: jax.Array | None,
+    hooks: Hooks,
+) -> dict[str, Any]:
+    """``units`` (the trainable units after the optimizer update) with the state rules of
+    ``hooks`` of each of their layers applied (`HookSet.state_rule`; frozen layers keep their
+    state).
+
+    ``layers``: the stage's layers in order, ``options`` their `LayerOptions` (empty: none);
+    ``layer_metrics`` the step's hook metrics stacked over the layers that report each
+    (``[Lr, ...]``): a metric ``"<rule>/..."`` has a row for every layer holding the rule's
+    record; ``moe_loads`` [Lm, E] the step's routed pairs of each MoE layer of ``params`` among
+    ``layers`` (`hooks.MOE_LOADS`)."""
+    options = options or ((),) * len(layers)
+    ruled = [(i, o) for i, o in zip(layers, options, strict=True) if hooks.state_rules(o)]
+    if not ruled:
+        return dict(units)
+    moe = [i for i in layers if "moe" in params["layers"][i]]
+    holders = {
+        name: [i for i, o in zip(layers, options, strict=True) if name in dict(o)]
+        for _, o in ruled
+        for name, _, _ in hooks.state_rules(o)
+    }
+    got = dict(units.get("layers", {}))
+    for i, opts in ruled:
+        if i not in got:
+            continue
+        metrics = {MOE_LOADS: moe_loads[moe.index(i)]} if i in moe else {}
+        for name, rows in holders.items():
+            for metric, stacked in layer_metrics.items():
+                if metric.startswith(f"{name}/") and i in rows:
+                    if len(stacked) != len(rows):
+                        raise ValueError(
+                            f"state rule {name!r} reads {metric!r}, reported by {len(stacked)} "
+                            f"layers, but {len(rows)} layers hold its record"
+                        )
+                    metrics[metric] = stacked[rows.index(i)]
+        got[i] = hooks.apply_state_rules(got[i], metrics, opts)
+    return {**units, "layers": got}
+
+
+def update_fn(setup: StageSetup, spec: StageSpec):
+    """``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, metrics)``.
+
+    ``acc``: the stage's gradient summed over the step's microbatches; ``sq_norms``: every
+    stage's squared norm [1] (`sqnorm_fn`) in stage order, so every stage computes the same
+    global norm; ``metrics``: the stage's metrics of the step, folded over its microbatches by
+    their declared reductions (`metrics.fold_stacked`). Clips with the global norm
+    (clip_by_global_norm's formula; the optimizer's own clip then sees a norm within its bound,
+    and with one stage it is the global clip already, so the single program leaves clipping to
+    it), applies the optimizer to the trainable units and runs the state rules of the stage's
+    layers on the metrics. Returns the metrics with ``grad_norm`` (before clipping) and
+    ``layer_grad_norm`` of the gradient the optimizer gets: on a pipeline clipped here, in the
+    single program before its optimizer clips (as the two runtimes have always reported it)."""
+    trainable_units = spec.trainable(setup.parts.learned_positions)
+    hooks = setup.parts.cfg.hooks
+    m = spec.microbatches
+
+    def update(params, opt_state, acc, sq_norms, metrics: Metrics):
+        grads = jax.tree.map(lambda a: a / m, acc)
+        norm = jnp.sqrt(sum(sq_norms)[0])
+        if setup.grad_clip > 0 and spec.num_stages > 1:
+            clip = setup.grad_clip
+            grads = jax.tree.map(lambda g: jnp.where(norm < clip, g, (g / norm) * clip), grads)
+        trainable = select(params, trainable_units)
+        trainable, opt_state = update_trainable(setup.optimizer, grads, opt_state, trainable)
+        folded = {**metrics, "grad_norm": norm}
+        loads = None
+        if "moe/group_loads" in folded:
+            loads = jnp.sum(folded["moe/group_loads"], axis=1)  # [Ls, E]
+        trainable = update_layer_state(
+            trainable, params, spec.layers, spec.options, hook_metrics(folded), loads, hooks
+        )
+        folded["layer_grad_norm"] = layer_grad_norms(grads, spec.layers)
+        return overlay(params, trainable), opt_state, folded
+
+    return update
+
+
+def evaluate_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None):
+    """``evaluate(params, x, ctx, targets) -> loss`` of the last stage: the mean next-token
+    loss, the forward run as ``spec`` says (at inference: `StageSpec.inference`)."""
+
+    def evaluate(params, x, ctx, targets):
+        ctx = {**ctx, "targets": targets}
+        logits, _, _, _ = apply_stage(setup, spec, parallel, params, x, ctx, None)
+        return lm_loss(logits, targets)
+
+    return evaluate
