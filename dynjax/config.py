@@ -29,6 +29,7 @@ from dynjax.model.gpt import GPTConfig
 from dynjax.optim import OptimizerSettings
 
 DTYPES = ("float32", "bfloat16")
+NONFINITE = ("stop", "skip")  # train.nonfinite
 
 
 def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
@@ -45,6 +46,10 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     c.train.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
     c.train.weight_decay = 0.1
     c.train.grad_clip = 1.0  # global gradient-norm bound; 0 = no clipping (nanoGPT)
+    # A step whose loss or gradient norm is not finite: "stop" the run (no state after it is
+    # saved), or "skip" its update (parameters and optimizer state kept) and go on.
+    c.train.nonfinite = "stop"
+    c.train.max_skipped = 10  # with nonfinite="skip": stop after this many skipped in a row
     c.train.log_every = 10
     c.train.eval_every = 100
     c.train.eval_batches = 4
@@ -422,6 +427,7 @@ def validate_config(
         )
     choices = {
         "train.dtype": (t.dtype, DTYPES),
+        "train.nonfinite": (t.nonfinite, NONFINITE),
         "model.positions": (m.positions, ("rope", "learned")),
     }
     for key, (value, allowed) in choices.items():
@@ -436,6 +442,7 @@ def validate_config(
         )
     if t.microbatches < 0:
         raise ConfigError(f"train.microbatches={t.microbatches} must be >= 0 (0 = auto)")
+    at_least({"train.max_skipped": t.max_skipped}, 1)
     _check_optimizer(cfg)
     _check_pipeline(cfg)
     needed = mesh.stage * mesh.data * mesh.expert * mesh.tensor

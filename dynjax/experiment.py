@@ -301,6 +301,7 @@ class Experiment:
             z_loss_weight=moe.z_loss_weight,
             return_assignments=bool(self.model_cfg.moe_layers) and moe.caching.enabled,
             fsdp=self.cfg.parallel.fsdp,
+            skip_nonfinite=t.nonfinite == "skip",
         )
 
     def layer_options(self, plan: Plan) -> tuple[LayerOptions, ...]:

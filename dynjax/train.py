@@ -76,7 +76,7 @@ from dynjax.resume import check_resumable, config_changes, resume_event
 from dynjax.writers import LayerCostsWriter, MetricsWriter
 
 log = logging.getLogger("dynjax")
-SCALARS = ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction", PLT)
+SCALARS = ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction", PLT, "skipped")
 
 
 @dataclasses.dataclass
@@ -103,6 +103,7 @@ class RunSummary:
     # The signal the run stopped at, having saved ``final_step`` (`StopRequest`); None: it ran
     # to ``train.steps``.
     preempted_by: str | None = None
+    skipped_steps: int = 0  # updates skipped for a non-finite gradient (train.nonfinite="skip")
 
 
 def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
@@ -499,6 +500,8 @@ class _Loop:
         )
         self.recompiles, self.compiled, self.eval_loss = 0, 0, None
         self.preempted_by: str | None = None  # the signal the loop stopped at (`preempt`)
+        # train.nonfinite="skip": updates skipped in all, and in a row up to the newest step.
+        self.skipped, self.in_a_row = 0, 0
         self.fault_at = cfg.checkpoint.inject_fault_at
         self.release_unused(start, "resumed re-packed")
         # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
@@ -656,14 +659,24 @@ class _Loop:
             self.logger.observe(s, m, self.cache, self.controller, self.bar)
 
     def require_finite(self, step: int, metrics: dict[str, Any]) -> None:
-        """Raise `NonFiniteError` naming the step, what diverged and the newest checkpoint."""
+        """Raise `NonFiniteError` naming the step, what diverged and the newest checkpoint: at
+        a non-finite loss or gradient norm, or with ``train.nonfinite="skip"`` once more than
+        ``train.max_skipped`` updates in a row were skipped."""
         bad = {k: float(metrics[k]) for k in ("loss", "grad_norm")
                if k in metrics and not np.isfinite(metrics[k])}
+        if metrics.get("skipped"):
+            self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
+            if self.in_a_row <= self.cfg.train.max_skipped:
+                return
+            bad = {"skipped": self.in_a_row}
+        else:
+            self.in_a_row = 0
         if not bad:
             return
         saved = [s for s in self.checkpoints.storage.all_steps() if s <= step]
-        names = {"loss": "loss", "grad_norm": "gradient norm"}
-        what = ", ".join(f"{names[k]} {v}" for k, v in bad.items())
+        names = {"loss": "loss {}", "grad_norm": "gradient norm {}",
+                 "skipped": "{} updates skipped in a row (more than train.max_skipped)"}
+        what = ", ".join(names[k].format(v) for k, v in bad.items())
         where = (f"the newest checkpoint before it is step {saved[-1]} in "
                  f"{self.run.root / 'checkpoints'}, where a rerun resumes" if saved
                  else "no checkpoint was saved before it")
@@ -724,6 +737,7 @@ class _Loop:
             batches.wait_seconds / done,
             self.compiled,
             self.preempted_by,
+            self.skipped,
         )
 
 
@@ -839,6 +853,8 @@ def format_summary(s: RunSummary) -> str:
         ("MFU (median)", "n/a (no known peak: set train.peak_flops)" if s.mfu is None
          else f"{100 * s.mfu:.1f} %"),
         ("recompiles", f"{s.recompiles} Plan swaps, {s.compiled} of them compiled"),
+        *([("skipped updates", f"{s.skipped_steps} (non-finite gradients)")]
+          if s.skipped_steps else []),
         ("checkpoints", ", ".join(map(str, s.checkpoints)) or "none"),
         ("batches (host)", "n/a" if s.batch_build_seconds is None else
          f"{s.batch_rows} rows of each read here, {1e3 * s.batch_build_seconds:.2f} ms/step "

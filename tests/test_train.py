@@ -9,10 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from dynjax import train as train_module
+from dynjax.checkpoint import Checkpointer
+from dynjax.checkpoint.rows import NO_ROWS
+from dynjax.experiment import Experiment
 from dynjax.train import NonFiniteError, format_summary, main, train
 from dynjax.writers import read_jsonl
 
@@ -181,3 +185,22 @@ def test_out_of_memory_at_run_time_is_an_error_naming_what_shrinks_the_step(monk
     err = capsys.readouterr().err
     assert err.startswith("error: out of device memory (RESOURCE_EXHAUSTED: Out of memory")
     assert "train.microbatches" in err and "Traceback" not in err
+
+
+def test_skipping_non_finite_updates_saves_only_finite_states_and_stops_after_too_many(tmp_path):
+    """``train.nonfinite="skip"`` (issue 32 §5): a diverged step's update is skipped (logged
+    ``skipped``), saves go on with the state from before it, all finite, and more than
+    ``train.max_skipped`` in a row stop the run."""
+    run = {**DIVERGING, "train__nonfinite": "skip", "train__max_skipped": 3}
+    with pytest.raises(NonFiniteError, match=r"4 updates skipped in a row"):
+        train(tiny_config(**run), tmp_path, progress=False)
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    skipped = [r["step"] for r in records if r.get("skipped") == 1.0]
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(skipped) == 3 and max(saved) >= skipped[0]  # saves went on while skipping
+    exp = Experiment.from_config(tiny_config(**run))
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=10, stacks=NO_ROWS)
+    state, meta = ckpt.restore_latest(lambda meta: exp.abstract_state)
+    ckpt.close()
+    assert meta["step"] == max(saved)
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(state))

@@ -34,6 +34,7 @@ STEP_REDUCTIONS: dict[str, tuple[str, str]] = {
     "moe/assignments": ("rows", "layers"),  # [L, B, S, k] the router's top-k (caching)
     "grad_norm": ("mean", "first"),  # the global norm: every stage computes it
     "layer_grad_norm": ("mean", "layers"),  # [L]
+    "skipped": ("mean", "first"),  # 1: the update was skipped (non-finite norm, every stage)
 }
 
 

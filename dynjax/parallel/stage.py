@@ -65,6 +65,9 @@ class StageSetup:
     z_loss_weight: float
     return_assignments: bool  # add the router's top-k per token to the metrics (caching)
     fsdp: bool = False  # parameters and optimizer state split over the stage's data devices
+    # ``train.nonfinite="skip"``: a step whose global gradient norm is not finite keeps the
+    # parameters and optimizer state it had (`update_fn`), and says so in ``skipped``.
+    skip_nonfinite: bool = False
 
 
 def cast_floats(tree, dtype, hooks: Hooks):
@@ -312,7 +315,7 @@ def update_fn(setup: StageSetup, spec: StageSpec):
         if setup.grad_clip > 0 and spec.num_stages > 1:
             clip = setup.grad_clip
             grads = jax.tree.map(lambda g: jnp.where(norm < clip, g, (g / norm) * clip), grads)
-        trainable = select(params, trainable_units)
+        trainable, before = select(params, trainable_units), opt_state
         trainable, opt_state = update_trainable(setup.optimizer, grads, opt_state, trainable)
         folded = {**metrics, "grad_norm": norm}
         loads = None
@@ -322,6 +325,12 @@ def update_fn(setup: StageSetup, spec: StageSpec):
             trainable, params, spec.layers, spec.options, hook_metrics(folded), loads, hooks
         )
         folded["layer_grad_norm"] = layer_grad_norms(grads, spec.layers)
+        if setup.skip_nonfinite:  # the global norm: every stage decides alike
+            finite = jnp.isfinite(norm)
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            trainable = keep(trainable, select(params, trainable_units))
+            opt_state = keep(opt_state, before)
+            folded["skipped"] = jnp.logical_not(finite).astype(jnp.float32)
         return overlay(params, trainable), opt_state, folded
 
     return update
