@@ -161,7 +161,8 @@ class Experiment:
 
     def init_state(self) -> dict[str, Any]:
         """Fresh parameters (from ``seed``) and optimizer state, placed on the mesh."""
-        params = jax.device_put(fresh_params(self.model_cfg, self.cfg.seed), self.param_shardings)
+        shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state["params"])
+        params = jax.device_put(fresh_params(self.model_cfg, self.cfg.seed), shardings)
         return {"params": params, "opt_state": jax.jit(self.optimizer.init)(params)}
 
     def init_host_state(self) -> dict[str, Any]:
@@ -177,24 +178,15 @@ class Experiment:
     @functools.cached_property
     def abstract_state(self) -> dict[str, Any]:
         """Shapes, dtypes and shardings of the training state (what lowering and restore need)."""
-        params = jax.tree.map(
+        placed = lambda tree: jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            self.abstract_params,
-            param_shardings(self.abstract_params, self.mesh, fsdp=self.cfg.parallel.fsdp),
+            tree,
+            param_shardings(tree, self.mesh, fsdp=self.cfg.parallel.fsdp),
         )
+        params = placed(self.abstract_params)
         # Moments mirror the parameters' shardings (their paths end like the parameters');
         # scalars such as Adam's count are replicated over the whole mesh.
-        opt_state = jax.eval_shape(self.optimizer.init, params)
-        opt_state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            opt_state,
-            param_shardings(opt_state, self.mesh, fsdp=self.cfg.parallel.fsdp),
-        )
-        return {"params": params, "opt_state": opt_state}
-
-    @property
-    def param_shardings(self):
-        return jax.tree.map(lambda a: a.sharding, self.abstract_state["params"])
+        return {"params": params, "opt_state": placed(jax.eval_shape(self.optimizer.init, params))}
 
     def place_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Host arrays, or arrays placed otherwise, onto this run's mesh."""
