@@ -115,7 +115,8 @@ def main() -> None:
             ("full, async", True, None),
             ("PEC K=1, async", True, 1),
         ):
-            ckpt = Checkpointer(Path(tmp) / name.replace(" ", ""), keep=1, async_save=async_save)
+            directory = Path(tmp) / name.replace(" ", "")
+            ckpt = Checkpointer(directory, stacks=EXPERT_STACKS, keep=1, async_save=async_save)
             ckpt.save(0, fresh(), {})  # compiles the checksums; every expert has a copy
             ckpt.wait()
             if k is not None:
