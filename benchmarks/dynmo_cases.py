@@ -959,11 +959,15 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
                   **{k: p[k] for k in ("layer_forward_seconds", "layer_backward_seconds")}}
                  for p in profiles]
     for line in lines:
-        match = [p for p in profiles if p["layer_forward_seconds"] == line["layer_forward_seconds"]
+        # The profile of loop step s is layer_costs' step s + 1; its unit times must be the
+        # line's (a profile whose timeline measured nothing keeps the times before it, so two
+        # profiles may hold equal times: the step tells them apart).
+        match = [p for p in profiles if p["step"] + 1 == line["step"]
+                 and p["layer_forward_seconds"] == line["layer_forward_seconds"]
                  and p["layer_backward_seconds"] == line["layer_backward_seconds"]]
-        if len(match) != 1:
-            raise ValueError(f"step {line['step']}: {len(match)} profile events match")
-        profile = match[0]
+        if not match:
+            raise ValueError(f"step {line['step']}: no profile event matches")
+        profile = match[-1]  # a step trained again after a resume: the later one
         index = plan_at(profile["step"])
         plan = plans[index][1]
         frozen = set(plan.get("frozen_layers", ()))
