@@ -50,7 +50,7 @@ def restart_overrides(
 ) -> list[str]:
     """``--config.<key>=<value>`` arguments that, appended to ``train_args`` (later overrides
     win), run it on ``processes`` processes: checked as the run will check them."""
-    config, overrides = _split(train_args)
+    config, overrides, _ = train_arguments(train_args)
     cfg, schemes = config_lib.load_run(config, overrides)
     devices = processes * devices_per_process
     changes = shrunk(cfg, devices)
@@ -67,22 +67,23 @@ def record_restart(workdir: Path, event: dict) -> None:
         f.write(json.dumps({"event": "elastic_restart", "time": time.time(), **event}) + "\n")
 
 
-def _split(train_args: list[str]) -> tuple[str, list[str]]:
-    """The config file and its ``a.b=v`` overrides in ``dynjax.train``'s arguments (its forms:
-    ``--config F`` or ``--config=F``, ``--config.a.b=v`` or ``--config.a.b v``)."""
-    config, overrides, i = "", [], 0
+def train_arguments(train_args: list[str]) -> tuple[str, list[str], Path]:
+    """The config file, its ``a.b=v`` overrides and the workdir in ``dynjax.train``'s arguments
+    (its forms: ``--config F`` or ``--config=F``, ``--config.a.b=v`` or ``--config.a.b v``,
+    ``--workdir D`` or ``--workdir=D``; the workdir defaults as the CLI's does)."""
+    config, overrides, workdir, i = "", [], None, 0
     while i < len(train_args):
-        arg = train_args[i]
-        if arg == "--config" and i + 1 < len(train_args):
-            config, i = train_args[i + 1], i + 1
-        elif arg.startswith("--config="):
-            config = arg[len("--config="):]
+        arg, following = train_args[i], train_args[i + 1] if i + 1 < len(train_args) else None
+        if arg in ("--config", "--workdir") and following is not None:
+            config, workdir = (following, workdir) if arg == "--config" else (config, following)
+            i += 1
+        elif arg.startswith(("--config=", "--workdir=")):
+            key, value = arg[2:].split("=", 1)
+            config, workdir = (value, workdir) if key == "config" else (config, value)
         elif arg.startswith("--config."):
             body = arg[len("--config."):]
-            if "=" not in body and i + 1 < len(train_args):
-                body, i = f"{body}={train_args[i + 1]}", i + 1
+            if "=" not in body and following is not None:
+                body, i = f"{body}={following}", i + 1
             overrides.append(body)
-        elif arg == "--workdir":
-            i += 1
         i += 1
-    return config, overrides
+    return config, overrides, Path(workdir or Path("workdirs") / Path(config).stem)

@@ -78,11 +78,7 @@ def _relay(rank: int, stream, log: TextIO | None) -> None:
 
 def workdir_of(train_args: list[str]) -> Path:
     """The run's workdir as ``dynjax.train`` will take it from its arguments."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config", default="")
-    parser.add_argument("--workdir", default=None)
-    known, _ = parser.parse_known_args(train_args)
-    return Path(known.workdir or Path("workdirs") / Path(known.config).stem)
+    return elastic.train_arguments(train_args)[2]
 
 
 def how_it_ended(returncode: int) -> str:
