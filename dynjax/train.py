@@ -701,7 +701,7 @@ class _Loop:
     def preempt(self, step: int, stop: StopRequest) -> None:
         """Stop at boundary ``step`` on a signal: every dispatched step's metrics logged, then
         its checkpoint saved whole and waited for, and a ``preempted`` event (issue 32 §1)."""
-        self.finish()
+        self.catch_up()
         signal = self.controller.preempted_by
         saved = self.checkpoints.save_now(step, self.runtime, self.plan, self.catch_up)
         self.checkpoints.finish()
