@@ -32,7 +32,11 @@ The x axis of every plot is the optimizer step as metrics.jsonl counts it (steps
 swapped in at loop step s (``swap_step``) first runs step s + 1, and is drawn at x = s.
 """
 
-from dynjax.report.arrays import (
+from dynjax.report.cli import main
+from dynjax.report.key_numbers import summary
+from dynjax.report.pngs import DPI, PLOTS, Plot, PlotEntry, render
+from dynjax.report.report_md import markdown, write_report
+from dynjax.runlog.arrays import (
     MARKS,
     Frozen,
     LayerCosts,
@@ -47,9 +51,7 @@ from dynjax.report.arrays import (
     stage_layers,
     stage_load,
 )
-from dynjax.report.cli import main
-from dynjax.report.key_numbers import summary
-from dynjax.report.plots import (
+from dynjax.runlog.plots import (
     WIDTH,
     plot_freezing,
     plot_layer_costs,
@@ -58,9 +60,7 @@ from dynjax.report.plots import (
     plot_scheme,
     plot_throughput,
 )
-from dynjax.report.pngs import DPI, PLOTS, Plot, PlotEntry, render
-from dynjax.report.report_md import markdown, write_report
-from dynjax.report.workdir import ReportError, Run, load_run
+from dynjax.runlog.workdir import ReportError, Run, load_run
 
 __all__ = [
     "DPI",

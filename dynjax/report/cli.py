@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dynjax.report.report_md import write_report
-from dynjax.report.workdir import ReportError, load_run
+from dynjax.runlog.workdir import ReportError, load_run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from dynjax.report.arrays import is_number, series
-from dynjax.report.workdir import Run
+from dynjax.runlog.arrays import is_number, series
+from dynjax.runlog.workdir import Run
 
 
 def _median(values: np.ndarray) -> float | None:

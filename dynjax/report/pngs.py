@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynjax.dynamism import BUILTIN, Schemes
-from dynjax.report import plots as drawing
-from dynjax.report.arrays import (
+from dynjax.runlog import plots as drawing
+from dynjax.runlog.arrays import (
     frozen_layers,
     layer_costs,
     scheme_series,
     series,
     stage_load,
 )
-from dynjax.report.workdir import Run
+from dynjax.runlog.workdir import Run
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

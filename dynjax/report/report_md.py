@@ -9,7 +9,7 @@ from typing import Any
 
 from dynjax.report.key_numbers import summary
 from dynjax.report.pngs import PLOTS, Plot, render
-from dynjax.report.workdir import Run, load_run
+from dynjax.runlog.workdir import Run, load_run
 
 
 def _fmt(value: Any, spec: str = ".4f") -> str:

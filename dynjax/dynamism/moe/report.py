@@ -23,9 +23,9 @@ import numpy as np
 
 from dynjax.dynamism.moe.part import NAME
 from dynjax.model import facts
-from dynjax.report.arrays import MARKS, by_step, event_marks, is_number, plan_changes, plans_at
-from dynjax.report.plots import line_proxy, mark_events, new_figure, step_edges
-from dynjax.report.workdir import Run
+from dynjax.runlog.arrays import MARKS, by_step, event_marks, is_number, plan_changes, plans_at
+from dynjax.runlog.plots import line_proxy, mark_events, new_figure, step_edges
+from dynjax.runlog.workdir import Run
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dynjax.report.workdir import Run
+from dynjax.runlog.workdir import Run
 
 
 def is_number(v: Any) -> bool:

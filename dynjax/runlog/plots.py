@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dynjax.report.arrays import (
+from dynjax.runlog.arrays import (
     MARKS,
     event_marks,
     frozen_layers,
@@ -19,7 +19,7 @@ from dynjax.report.arrays import (
     stage_layers,
     stage_load,
 )
-from dynjax.report.workdir import Run
+from dynjax.runlog.workdir import Run
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
