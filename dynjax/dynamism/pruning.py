@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 
 NAME = "pruning"
 DENSITY = "pruning/density"  # [L] per step: each layer's (FLOP-weighted) fraction of kept weights
-COLUMN_BLOCKS = "pruning/column_blocks"  # [L, 4]: busiest block-column's blocks, per `LINEARS`
+COLUMN_BLOCKS = "pruning/column_blocks"  # [L, 5]: busiest block-column's blocks, per `LINEARS`
 GRANULARITIES = ("element", "block")
 SCALES = ("init", "none")
 
