@@ -24,8 +24,8 @@ from dynjax.checkpoint.rows import CONTENTS
 from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.dynamism.moe.checkpoint import SELECTIONS
 from dynjax.errors import ConfigError, at_least
-from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.attention import ROPE_SCALINGS, Rope
+from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import FAMILIES, GPTConfig
 from dynjax.optim import OptimizerSettings
 
@@ -92,9 +92,9 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # (Llama 3.1: low frequencies / rope_factor, high ones kept, blended in between)
     c.model.rope_scaling = "none"
     c.model.rope_factor = 8.0  # with rope_scaling "linear" or "llama3"
-    # "llama3" scaling: wavelengths above rope_original_max_len / rope_low_freq_factor are
-    # scaled, those below rope_original_max_len / rope_high_freq_factor kept
+    # "llama3": wavelengths above rope_original_max_len / this are scaled by rope_factor
     c.model.rope_low_freq_factor = 1.0
+    # "llama3": wavelengths below rope_original_max_len / this are kept (between: blended)
     c.model.rope_high_freq_factor = 4.0
     c.model.rope_original_max_len = 8192  # the context the model was pre-trained at
     # Consecutive layers with identical static options run as one `jax.lax.scan`: compile

@@ -17,7 +17,6 @@ from dynjax.model.hashed_attention import HashedAttention, hashed_attention
 from dynjax.model.moe import ExpertParallel
 from dynjax.model.pruned import SparseLinears, linear
 
-
 ROPE_SCALINGS = ("none", "linear", "llama3")
 
 

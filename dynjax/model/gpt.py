@@ -28,7 +28,6 @@ from dynjax.model.mlp import MLP, SwiGLU
 from dynjax.model.moe import MoE, MoEStats, RaggedCapacities
 from dynjax.model.pruned import sparse_linears
 
-
 # The block families (`GPTConfig.family`): "gpt", the pre-norm GPT-2 block (LayerNorm, GELU MLP,
 # biases); "llama", Llama's (RMSNorm, SwiGLU MLP and SwiGLU experts, no biases). Both lay their
 # parameters out under the same names (attn/qkv, attn/out, mlp/up, mlp/down; Llama adds

@@ -566,7 +566,8 @@ class MoE(nnx.Module):
         if routed_bias:
             setattr(self, BIAS, RoutedBias(jnp.zeros((num_experts,), jnp.float32)))
         if shared_dim:
-            self.shared = (SwiGLU if gated else MLP)(d_model, shared_dim, out_std=out_std, rngs=rngs)
+            mlp = SwiGLU if gated else MLP
+            self.shared = mlp(d_model, shared_dim, out_std=out_std, rngs=rngs)
 
     def __call__(
         self,

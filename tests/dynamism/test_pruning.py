@@ -284,8 +284,9 @@ def test_the_sparse_path_policy_picks_linears_below_the_crossover():
     from dynjax.dynamism.pruning import SparsePath
     from dynjax.recompile import History, Plan
 
-    policy = SparsePath(block_rows=((8, 8, 8, 32), (8, 8, 0, 0)), sparse_below=0.5)
-    counts = np.array([[8, 3, 5, 9], [4, 5, -1, -1]])  # layer 1 is MoE: no mlp/*
+    # columns: `LINEARS` (attn/qkv, attn/out, mlp/up, mlp/down, mlp/gate: GPT has no gate)
+    policy = SparsePath(block_rows=((8, 8, 8, 32, 0), (8, 8, 0, 0, 0)), sparse_below=0.5)
+    counts = np.array([[8, 3, 5, 9, -1], [4, 5, -1, -1, -1]])  # layer 1 is MoE: no mlp/*
     assert policy.widths(counts) == ((0, "attn/out", 3), (0, "mlp/down", 12), (1, "attn/qkv", 4))
     history = History.of([(7, {"pruning/column_blocks": counts})])
     proposal = policy.propose(history, Plan())
