@@ -298,10 +298,10 @@ def test_migration_is_exact_and_recompiles_only_changed_stages(programs, referen
 FROZEN = (0, 1, 3)  # a frozen prefix (embedding, layers 0-1) and a frozen layer inside
 
 
-def frozen_reference():
+def frozen_reference(cfg=CFG):
     """The single-program loss with stop_gradient on the frozen units, on one device."""
-    opts = whole_model(CFG.num_layers, batch_size=B, moe_layers=CFG.moe_layers, capacities=CAPS)
-    setup = stage_setup(CFG, z_loss_weight=1e-3)
+    opts = whole_model(cfg.num_layers, batch_size=B, moe_layers=cfg.moe_layers, capacities=CAPS)
+    setup = stage_setup(cfg, z_loss_weight=1e-3)
     parallel = expert_parallel(make_mesh(1, 1, 1))
     opt = optimizer()
 
@@ -309,7 +309,7 @@ def frozen_reference():
         layers = {
             i: jax.lax.stop_gradient(p) if i in FROZEN else p for i, p in params["layers"].items()
         }
-        embed = {k: jax.lax.stop_gradient(params[k]) for k in ("embed", "pos")}
+        embed = {k: jax.lax.stop_gradient(params[k]) for k in ("embed", "pos") if k in params}
         return {**params, **embed, "layers": layers}
 
     def loss(params, inputs, targets):
@@ -324,7 +324,7 @@ def frozen_reference():
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    state = initial_state()
+    state = initial_state(cfg=cfg)
     p, s = state["params"], state["opt_state"]
     for batch in batches():
         p, s = step(p, s, batch)
@@ -332,8 +332,10 @@ def frozen_reference():
 
 
 @pytest.mark.slow
-def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs):
-    programs, template = programs
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs, family):
+    cfg = FAMILIES[family]
+    programs, template = programs if family == "gpt" else llama_programs()
     exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN)).compile()
     assert ("bwd", 0) not in exe.programs  # stage 0 (embedding, layer 0) runs no backward
     assert ("fwd", 0) in exe.programs
@@ -345,13 +347,14 @@ def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs)
     acc_2, g_in_2 = exe.programs["bwd", 2].out_info[:2]
     assert acc_2 == {} and g_in_2.shape == (B // M, 8, CFG.d_model)
     pipeline = Pipeline(programs, template)
-    start = initial_state()
+    start = initial_state(cfg=cfg)
     pipeline.place(start, exe.spec)
     assert sorted(pipeline.acc[1]["layers"]) == [2]  # the accumulator holds trainable layers only
     for batch in batches():
         pipeline.step(exe, **batch)
     got = pipeline.host_state()
-    unchanged = [("embed",), ("pos",)] + [("layers", i) for i in FROZEN]
+    positions = [("pos",)] if cfg.positions == "learned" else []
+    unchanged = [("embed",), *positions] + [("layers", i) for i in FROZEN]
     for unit in unchanged:
         node_start, node_got = start["params"], got["params"]
         for key in unit:
@@ -360,7 +363,7 @@ def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs)
             np.testing.assert_array_equal(x, y)
     momentum = got["opt_state"][1][0].trace["layers"]
     assert all(not np.any(x) for i in FROZEN for x in jax.tree.leaves(momentum[i]))
-    assert_close(frozen_reference(), got, 1e-5)
+    assert_close(frozen_reference(cfg), got, 1e-5)
 
 
 @pytest.mark.slow
