@@ -15,6 +15,8 @@ from flax import nnx
 from dynjax.flops import model_flops_per_token
 from dynjax.model import GPT, Block, GPTConfig, MoE, route
 from dynjax.model.attention import CausalSelfAttention, Rope, qkv_per_head, rotary
+from dynjax.model.mlp import SwiGLU
+from dynjax.model.pruned import SparseLinears, column_blocks
 
 D, HEADS, KV, MLP, S, B = 32, 4, 2, 48, 8, 2
 LLAMA = GPTConfig(
@@ -240,3 +242,20 @@ def test_model_flops_count_swiglu_and_grouped_heads_as_the_compiler_does(family,
             gated=True, training=False,
         ) - 2 * 2 * 256 * 256 * 3 / 4
         assert forward_flops(cfg) < forward_flops(mha)
+
+
+def test_a_block_pruned_swiglu_multiplies_block_sparsely_as_it_does_densely():
+    """The block-sparse path (pruning's `SparseLinears`) covers SwiGLU's gate like up and down."""
+    mlp = SwiGLU(D, MLP, out_std=0.1, rngs=nnx.Rngs(6))
+    rng = np.random.default_rng(6)
+    widths = []
+    for name in ("gate", "up", "down"):
+        kernel = getattr(mlp, name).kernel
+        mask = rng.random((kernel.shape[0] // 8, kernel.shape[1] // 8)) < 0.5
+        kernel[...] = kernel[...] * jnp.asarray(np.kron(mask, np.ones((8, 8))), jnp.float32)
+        widths.append((f"mlp/{name}", int(column_blocks(kernel[...], 8))))
+    x = jax.random.normal(jax.random.key(3), (B, S, D))
+    sparse = SparseLinears(block_size=8, widths=tuple(widths))
+    np.testing.assert_allclose(
+        np.asarray(mlp(x, sparse)), np.asarray(mlp(x)), rtol=1e-5, atol=1e-6
+    )
