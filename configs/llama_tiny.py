@@ -1,7 +1,7 @@
 """Small Llama-family model on the embedded corpus (docs/models.md): RMSNorm, SwiGLU, grouped-query
 attention (4 query heads sharing 2 key/value heads), RoPE at Llama 3's base, no biases; an MoE
 block in every other layer with Mixtral-style SwiGLU experts, renormalised top-2 gates and a
-shared expert. Loss visibly falls in a few hundred steps on two CPU cores.
+shared expert. Five steps (``--config.train.steps=5``) took 45 s on two shared CPU cores.
 
 ``--config.moe.every=0`` makes it dense; ``--config.moe.normalize_topk=False`` gives OLMoE's and
 Qwen1.5-MoE's gates.
