@@ -334,6 +334,7 @@ def _bare_model(cfg: ml_collections.ConfigDict) -> GPTConfig:
         norm_eps=m.norm_eps,
         normalize_topk=moe.normalize_topk,
         shared_expert_dim=moe.shared_expert_dim,
+        shared_expert_gate=moe.shared_expert_gate,
         scan_layers=m.scan_layers,
         moe_layers=moe_layer_indices(m.num_layers, moe.every),
         num_experts=moe.num_experts,

@@ -47,6 +47,7 @@ def model_flops_per_token(
     num_kv_heads: int = 0,
     gated: bool = False,
     shared_expert_dim: int = 0,
+    shared_expert_gate: bool = False,
     training: bool = True,
     half_causal_attention: bool = False,
 ) -> float:
@@ -63,9 +64,9 @@ def model_flops_per_token(
         (the Llama family's SwiGLU) 3 * 2 * d * mlp_dim (gate, up and down);
       - per MoE layer (index in ``moe_layers``): ``top_k`` experts of 2 * 2 * d * expert_mlp_dim
         each (3 * 2 * ... gated; ``expert_mlp_dim`` 0 = ``mlp_dim``, as in the config), the
-        shared expert's 2 * 2 * d * ``shared_expert_dim`` (3 * 2 * ... gated) and the router
-        2 * d * E; capacity slots that stay empty or drop do not count (dropless model FLOPs,
-        MaxText);
+        shared expert's 2 * 2 * d * ``shared_expert_dim`` (3 * 2 * ... gated; its gate 2 * d
+        with ``shared_expert_gate``) and the router 2 * d * E; capacity slots that stay
+        empty or drop do not count (dropless model FLOPs, MaxText);
       - head (logits): 2 * d * vocab_size.
     Norms, softmax, activations, the loss, biases and RoPE are left out (a few per cent at
     most), as in PaLM and MaxText. ``num_heads`` does not change the count: the heads split d.
@@ -98,7 +99,8 @@ def model_flops_per_token(
     matrices = 3 if gated else 2  # an MLP's matrices: SwiGLU's gate, up and down
     dense_mlp = matrices * 2 * d * mlp_dim
     expert = top_k * matrices * 2 * d * (expert_mlp_dim or mlp_dim)
-    moe_mlp = expert + matrices * 2 * d * shared_expert_dim + 2 * d * num_experts
+    shared = matrices * 2 * d * shared_expert_dim + (2 * d if shared_expert_gate else 0)
+    moe_mlp = expert + shared + 2 * d * num_experts
     layers = sum(attention + (moe_mlp if i in moe else dense_mlp) for i in range(num_layers))
     forward = layers + 2 * d * vocab_size
     return float(forward * (TRAINING_MULTIPLIER if training else 1))
@@ -123,6 +125,7 @@ def config_flops_per_token(cfg: Any, **kwargs: Any) -> float:
         num_kv_heads=m.num_kv_heads,
         gated=m.family == "llama",
         shared_expert_dim=m.shared_expert_dim,
+        shared_expert_gate=m.shared_expert_gate,
         **kwargs,
     )
 

@@ -276,6 +276,8 @@ LLAMA = {"model__family": "llama"}
         ({"moe__shared_expert_dim": 16}, r"moe.shared_expert_dim=16 needs MoE layers"),
         ({"moe__normalize_topk": False}, r"moe.normalize_topk=False needs MoE layers"),
         ({**MOE, "moe__shared_expert_dim": -8}, r"moe.shared_expert_dim=-8 must be >= 0"),
+        ({**MOE, "moe__shared_expert_gate": True},
+         r"moe.shared_expert_gate=True gates the shared expert, but moe.shared_expert_dim=0"),
         ({**MOE, "moe__routing": "expert_choice", "moe__normalize_topk": False},
          r"moe.normalize_topk=False shapes token choice's top-k gates"),
     ],

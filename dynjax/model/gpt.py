@@ -50,6 +50,7 @@ class GPTConfig:
     norm_eps: float = 1e-6  # the norms' epsilon (LayerNorm or RMSNorm)
     normalize_topk: bool = True  # renormalise a token's top-k gates (`moe.route`)
     shared_expert_dim: int = 0  # width of each MoE block's shared dense expert; 0: none
+    shared_expert_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 8
     top_k: int = 2
@@ -121,6 +122,7 @@ class Block(nnx.Module):
                 gated=llama,
                 normalize_topk=cfg.normalize_topk,
                 shared_dim=cfg.shared_expert_dim,
+                shared_gate=cfg.shared_expert_gate,
             )
         else:
             mlp = SwiGLU if llama else MLP

@@ -531,7 +531,8 @@ class MoE(nnx.Module):
     ``normalize_topk``: `route`'s ``normalize``. ``shared``: a dense expert (``shared_dim``
     wide; an `MLP`, or a `SwiGLU` when ``gated``) that every token passes through besides its
     routed ones, its output added (DeepSeekMoE's shared experts, as one MLP of their summed
-    width)."""
+    width); with ``shared_gate`` scaled per token by ``sigmoid(x @ shared_gate)`` first
+    (Qwen-MoE's ``shared_expert_gate``, [d, 1])."""
 
     def __init__(
         self,
@@ -547,6 +548,7 @@ class MoE(nnx.Module):
         gated: bool = False,
         normalize_topk: bool = True,
         shared_dim: int = 0,
+        shared_gate: bool = False,
     ):
         if routing not in ROUTINGS:
             raise ValueError(f"routing={routing!r} is not one of {ROUTINGS}")
@@ -568,6 +570,9 @@ class MoE(nnx.Module):
         if shared_dim:
             mlp = SwiGLU if gated else MLP
             self.shared = mlp(d_model, shared_dim, out_std=out_std, rngs=rngs)
+            if shared_gate:
+                init = nnx.initializers.normal(0.02)
+                self.shared_gate = nnx.Param(init(rngs.params(), (d_model, 1)))
 
     def __call__(
         self,
@@ -634,7 +639,10 @@ class MoE(nnx.Module):
             )
         y = fn(*args)
         if hasattr(self, "shared"):
-            y = y + self.shared(x)
+            shared = self.shared(x)
+            if hasattr(self, "shared_gate"):
+                shared = shared * jax.nn.sigmoid(x @ self.shared_gate[...].astype(x.dtype))
+            y = y + shared
         z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
         unrouted = jnp.sum(~jnp.any(kept, axis=-1), axis=1).astype(jnp.int32)
         if self.routing == "expert_choice":  # balanced by construction: no balance loss

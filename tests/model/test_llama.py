@@ -201,20 +201,27 @@ def experts_ref(moe, x):
     return y
 
 
-def test_swiglu_experts_and_the_shared_expert_match_a_reference():
+@pytest.mark.parametrize("gated_shared", [False, True], ids=["deepseek", "qwen"])
+def test_swiglu_experts_and_the_shared_expert_match_a_reference(gated_shared):
+    """The shared expert's output is added to the routed experts' (DeepSeekMoE), scaled per
+    token by a sigmoid gate first with ``shared_gate`` (Qwen-MoE's ``shared_expert_gate``)."""
     d, h, e, shared = 16, 8, 4, 12
-    moe = MoE(d, h, e, e, out_std=0.2, rngs=nnx.Rngs(4), gated=True, shared_dim=shared)
+    moe = MoE(d, h, e, e, out_std=0.2, rngs=nnx.Rngs(4), gated=True, shared_dim=shared,
+              shared_gate=gated_shared)
     assert moe.w_in.shape == (e, d, 2 * h) and moe.w_out.shape == (e, h, d)
     rng = np.random.default_rng(5)
     m = moe.shared
-    for var in (moe.router, moe.w_in, moe.w_out, m.gate.kernel, m.up.kernel, m.down.kernel):
+    variables = [moe.router, moe.w_in, moe.w_out, m.gate.kernel, m.up.kernel, m.down.kernel]
+    for var in variables + ([moe.shared_gate] if gated_shared else []):
         var[...] = jnp.asarray(rng.normal(0, 0.3, var.shape), jnp.float32)
     x = rng.normal(size=(2, S, d))
     y, _ = moe(jnp.asarray(x, jnp.float32), capacities=(S,) * e)
     gate, up, down = (np.asarray(v.kernel[...], np.float64) for v in (m.gate, m.up, m.down))
     dense = (silu(x @ gate) * (x @ up)) @ down
+    if gated_shared:
+        dense = dense / (1 + np.exp(-(x @ np.asarray(moe.shared_gate[...], np.float64))))
     np.testing.assert_allclose(np.asarray(y), experts_ref(moe, x) + dense, rtol=1e-4, atol=1e-5)
-    assert np.abs(dense).max() > 0.5  # the shared expert adds something
+    assert np.abs(dense).max() > 0.3  # the shared expert adds something
 
 
 def forward_flops(cfg: GPTConfig) -> float:

@@ -34,11 +34,17 @@ CFG = GPTConfig(
 )
 CAPS = ((3, 5, 4, 6, 2, 4, 7, 3), (4,) * 8)  # uneven, and small enough to drop tokens
 # Both block families (docs/models.md); the Llama one with grouped-query attention (one key/value
-# head for two query heads), SwiGLU experts, OLMoE's unnormalised gates and a shared expert.
+# head for two query heads), SwiGLU experts, unnormalised gates and a gated shared expert
+# (Qwen-MoE's conventions).
 FAMILIES = {
     "gpt": CFG,
     "llama": dataclasses.replace(
-        CFG, family="llama", num_kv_heads=1, normalize_topk=False, shared_expert_dim=16
+        CFG,
+        family="llama",
+        num_kv_heads=1,
+        normalize_topk=False,
+        shared_expert_dim=16,
+        shared_expert_gate=True,
     ),
 }
 

@@ -89,6 +89,7 @@ class MoEPlugin(Plugin):
         "moe.expert_mlp_dim",
         "moe.bias_balancing.enabled",  # adds or removes each block's `RoutedBias`
         "moe.shared_expert_dim",  # adds or removes each block's shared expert
+        "moe.shared_expert_gate",  # and its gate
     )
     logged_metrics = ("moe/unrouted",)  # [MoE layers] tokens no expert computed in the step
     Settings = MoESettings
@@ -119,6 +120,9 @@ class MoEPlugin(Plugin):
         # (DeepSeekMoE, Qwen-MoE's shared experts as one MLP of their summed width); its width,
         # 0 = none. A SwiGLU in the llama family, a GELU MLP in the gpt family
         c.shared_expert_dim = 0
+        # Scale the shared expert's output per token by sigmoid(x @ w), w [d_model, 1] trained
+        # (Qwen1.5/2-MoE's shared_expert_gate); needs moe.shared_expert_dim > 0
+        c.shared_expert_gate = False
         # Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias on the router's
         # probabilities for the top-k selection only, moved after each step by
         # rate * sign(mean load - load); not trained, checkpointed with the model
@@ -209,6 +213,7 @@ class MoEPlugin(Plugin):
                 f"moe.chunks={moe.chunks}": moe.chunks != 1,
                 f"moe.memory_reuse={moe.memory_reuse!r}": moe.memory_reuse != "none",
                 f"moe.shared_expert_dim={moe.shared_expert_dim}": moe.shared_expert_dim != 0,
+                "moe.shared_expert_gate=True": moe.shared_expert_gate,
                 "moe.normalize_topk=False": not moe.normalize_topk,
             }
             asked = [key for key, on in moe_policies.items() if on]
@@ -494,6 +499,11 @@ def _check_routing(moe: MoESettings) -> None:
             "1e-3), or set moe.bias_balancing.enabled=False"
         )
     at_least({"moe.shared_expert_dim": moe.shared_expert_dim}, 0, " (0 = no shared expert)")
+    if moe.shared_expert_gate and not moe.shared_expert_dim:
+        raise ConfigError(
+            "moe.shared_expert_gate=True gates the shared expert, but moe.shared_expert_dim=0 "
+            "adds none: set moe.shared_expert_dim > 0 or moe.shared_expert_gate=False"
+        )
     if moe.routing != "expert_choice":
         return
     if not moe.normalize_topk:

@@ -70,6 +70,7 @@ class MoESettings:
     routing: Literal[ROUTINGS]
     normalize_topk: bool
     shared_expert_dim: int
+    shared_expert_gate: bool
     bias_balancing: BiasBalancingSettings
     capacity: CapacitySettings
     caching: CachingSettings
