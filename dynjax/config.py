@@ -24,7 +24,7 @@ from dynjax.checkpoint.rows import CONTENTS
 from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.dynamism.moe.checkpoint import SELECTIONS
 from dynjax.errors import ConfigError, at_least
-from dynjax.model.attention import ROPE_SCALINGS, Rope
+from dynjax.model.attention import QK_NORMS, ROPE_SCALINGS, Rope
 from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import FAMILIES, GPTConfig
 from dynjax.optim import OptimizerSettings
@@ -97,6 +97,11 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # "llama3": wavelengths below rope_original_max_len / this are kept (between: blended)
     c.model.rope_high_freq_factor = 4.0
     c.model.rope_original_max_len = 8192  # the context the model was pre-trained at
+    # The fused query/key/value projection has a bias while the others have none (Qwen2)
+    c.model.qkv_bias = False
+    # Queries and keys RMS-normalised before RoPE: "none"; "head" (per head, Qwen3);
+    # "full" (over all heads' features, OLMoE)
+    c.model.qk_norm = "none"
     # Consecutive layers with identical static options run as one `jax.lax.scan`: compile
     # seconds about flat in depth (`dynjax.model.gpt.run_layers`, benchmarks/scan_compile.py);
     # off by default: at a few layers the scan compiles slower than the unrolled loop.
@@ -335,6 +340,8 @@ def _bare_model(cfg: ml_collections.ConfigDict) -> GPTConfig:
         normalize_topk=moe.normalize_topk,
         shared_expert_dim=moe.shared_expert_dim,
         shared_expert_gate=moe.shared_expert_gate,
+        qkv_bias=m.qkv_bias,
+        qk_norm=m.qk_norm,
         scan_layers=m.scan_layers,
         moe_layers=moe_layer_indices(m.num_layers, moe.every),
         num_experts=moe.num_experts,
@@ -523,6 +530,14 @@ def _check_family(cfg: ml_collections.ConfigDict) -> None:
         )
     if m.norm_eps <= 0:
         raise ConfigError(f"model.norm_eps={m.norm_eps} must be > 0")
+    if m.qk_norm not in QK_NORMS:
+        raise ConfigError(f"model.qk_norm={m.qk_norm!r} is not one of {QK_NORMS}")
+    if m.family != "llama" and (m.qkv_bias or m.qk_norm != "none"):
+        raise ConfigError(
+            "model.qkv_bias and model.qk_norm are options of the llama family (Qwen2, Qwen3, "
+            f"OLMoE); model.family={m.family!r} has biases and no query/key norm: set "
+            "model.family='llama'"
+        )
     if m.rope_base <= 1:
         raise ConfigError(f"model.rope_base={m.rope_base} must be > 1 (Llama 2: 1e4, 3: 5e5)")
     if m.rope_scaling == "none":

@@ -98,9 +98,15 @@ def _per_head_init(init: Initializer, num_heads: int, num_kv_heads: int) -> Init
     return draw
 
 
+QK_NORMS = ("none", "head", "full")
+
+
 class CausalSelfAttention(nnx.Module):
     """``num_kv_heads`` (0: ``num_heads``) key/value heads; ``positional``: RoPE's frequencies
-    when ``rope``; ``bias``: whether the projections have biases (GPT's do, Llama's do not)."""
+    when ``rope``; ``bias``: whether the projections have biases (GPT's do, Llama's do not);
+    ``qkv_bias``: the fused query/key/value projection has one all the same (Qwen2's);
+    ``qk_norm`` (`QK_NORMS`): queries and keys RMS-normalised before RoPE, per head (Qwen3) or
+    over all heads' features together (OLMoE), with epsilon ``norm_eps``."""
 
     def __init__(
         self,
@@ -113,6 +119,9 @@ class CausalSelfAttention(nnx.Module):
         num_kv_heads: int = 0,
         positional: Rope = Rope(),
         bias: bool = True,
+        qkv_bias: bool = False,
+        qk_norm: str = "none",
+        norm_eps: float = 1e-6,
     ):
         init = nnx.initializers.normal(0.02)
         self.num_heads, self.rope, self.positional = num_heads, rope, positional
@@ -125,9 +134,18 @@ class CausalSelfAttention(nnx.Module):
             d_model,
             (num_heads + 2 * self.num_kv_heads) * head_dim,
             kernel_init=_per_head_init(init, num_heads, self.num_kv_heads),
-            use_bias=bias,
+            use_bias=bias or qkv_bias,
             rngs=rngs,
         )
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={qk_norm!r} is not one of {QK_NORMS}")
+        self.qk_norm = qk_norm
+        if qk_norm != "none":
+            q_width, k_width = (head_dim, head_dim) if qk_norm == "head" else (
+                num_heads * head_dim, self.num_kv_heads * head_dim
+            )
+            self.q_norm = nnx.RMSNorm(q_width, epsilon=norm_eps, rngs=rngs)
+            self.k_norm = nnx.RMSNorm(k_width, epsilon=norm_eps, rngs=rngs)
         self.out = nnx.Linear(
             d_model,
             d_model,
@@ -173,6 +191,8 @@ class CausalSelfAttention(nnx.Module):
         else:
             q, k, v = self._split_projection(x, context, sparse)
             key_positions = jnp.arange(context.shape[1])[None, :]
+        if self.qk_norm != "none":
+            q, k = self._normed(self.q_norm, q), self._normed(self.k_norm, k)
         if self.rope:
             q = rotary(q, positions, self.positional)
             k = rotary(k, key_positions, self.positional)
@@ -196,6 +216,12 @@ class CausalSelfAttention(nnx.Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
         return linear(self.out, y, "attn/out", sparse), metrics
+
+    def _normed(self, norm: nnx.RMSNorm, x: jax.Array) -> jax.Array:
+        """``x`` [B, S, heads, Dh] normalised per head, or over all its heads' features."""
+        if self.qk_norm == "head":
+            return norm(x)
+        return norm(x.reshape(*x.shape[:2], -1)).reshape(x.shape)
 
     def _split_projection(
         self, x: jax.Array, context: jax.Array, sparse: SparseLinears | None

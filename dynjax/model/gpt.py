@@ -51,6 +51,8 @@ class GPTConfig:
     normalize_topk: bool = True  # renormalise a token's top-k gates (`moe.route`)
     shared_expert_dim: int = 0  # width of each MoE block's shared dense expert; 0: none
     shared_expert_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
+    qkv_bias: bool = False  # the query/key/value projection has a bias even without others (Qwen2)
+    qk_norm: str = "none"  # queries and keys RMS-normalised: "none" | "head" | "full" (QK_NORMS)
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 8
     top_k: int = 2
@@ -104,6 +106,9 @@ class Block(nnx.Module):
             rngs=rngs,
             num_kv_heads=cfg.num_kv_heads,
             positional=cfg.rope,
+            qkv_bias=cfg.qkv_bias,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
             bias=not llama,
         )
         self.norm2 = make_norm(cfg, rngs)
