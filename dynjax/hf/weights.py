@@ -252,9 +252,16 @@ def to_hf(params: Mapping[Path_, np.ndarray], layout: Layout) -> dict[str, np.nd
 
 
 def _split(parts: tuple[Part, ...], rows: np.ndarray, pieces: dict) -> None:
+    """``rows`` cut into ``parts``; parts to their tensor's end share what the others leave
+    equally (a gated expert's gate and up)."""
+    fixed = sum(p.stop - p.start for p in parts if p.stop is not None)
+    open_ended = sum(p.stop is None for p in parts)
     offset = 0
     for part in parts:
-        size = (part.stop - part.start) if part.stop is not None else rows.shape[0] - offset
+        if part.stop is not None:
+            size = part.stop - part.start
+        else:
+            size = (rows.shape[0] - fixed) // open_ended
         pieces.setdefault(part.name, []).append((part.start, rows[offset : offset + size]))
         offset += size
 

@@ -3,8 +3,8 @@
 dynjax never imports PyTorch: this script runs in a separate environment with `transformers` and
 `torch`, writes each architecture's `config.json`, `model.safetensors`, a fixed batch of token ids
 and the float32 logits `transformers` computes for it, plus the versions that made them
-(`versions.json`). tests/hf/test_logits.py loads each directory with `python -m dynjax.hf import`
-and compares dynjax's logits with these.
+(`versions.json`). tests/hf/test_logits.py reads each directory's weights into dynjax and compares
+its logits with these. Mistral's weights equal Llama's (same seed and shapes); its config differs.
 
     python tests/data/hf/make_fixtures.py tests/data/hf
 """
