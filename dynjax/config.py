@@ -65,6 +65,9 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # pipeline of 2+ stages, else the largest count <= 2 * mesh.stage that splits the batch
     # evenly (more microbatches, smaller bubbles: (S-1)/(M+S-1)).
     c.train.microbatches = 0
+    # A Hugging Face model directory a fresh run's weights are read from (docs/models.md;
+    # `python -m dynjax.hf import` sets it); empty: initialised from seed.
+    c.train.init_from = ""
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # empty: the embedded corpus (this Python's standard library sources)

@@ -29,6 +29,7 @@ from dynjax.dynamism.moe.part import NAME as MOE
 from dynjax.dynamism.moe.part import cached_routing_of, capacities_of, moe_context
 from dynjax.dynamism.moe.speeds import measure_speeds
 from dynjax.errors import ConfigError
+from dynjax.hf.weights import initial_params
 from dynjax.launch.distributed import Peers as ProcessPeers
 from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
 from dynjax.model.facts import ModelFacts
@@ -160,13 +161,21 @@ class Experiment:
     # -- state -------------------------------------------------------------------------------
 
     def init_state(self) -> dict[str, Any]:
-        """Fresh parameters (from ``seed``) and optimizer state, placed on the mesh."""
+        """Fresh parameters (from ``seed``, or ``train.init_from``'s weights, each device
+        reading its own slice) and optimizer state, placed on the mesh."""
         shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state["params"])
-        params = jax.device_put(fresh_params(self.model_cfg, self.cfg.seed), shardings)
+        if self.cfg.train.init_from:
+            params = initial_params(
+                self.model_cfg, self.cfg.train.init_from, self.abstract_state["params"]
+            )
+        else:
+            params = jax.device_put(fresh_params(self.model_cfg, self.cfg.seed), shardings)
         return {"params": params, "opt_state": jax.jit(self.optimizer.init)(params)}
 
     def init_host_state(self) -> dict[str, Any]:
         """Fresh parameters and optimizer state as host arrays (what a pipeline splits)."""
+        if self.cfg.train.init_from:
+            return jax.device_get(self.init_state())
         params = fresh_params(self.model_cfg, self.cfg.seed)
         return jax.device_get({"params": params, "opt_state": jax.jit(self.optimizer.init)(params)})
 

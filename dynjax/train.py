@@ -417,6 +417,39 @@ def restore(run: _Run, checkpoints: Checkpoints) -> tuple[Plan, int, Runtime]:
     return plan, start, runtime
 
 
+def write_initial_checkpoint(
+    cfg: ml_collections.ConfigDict, workdir: str | Path, schemes: Schemes = BUILTIN
+) -> None:
+    """Save a fresh start of ``cfg`` (``train.init_from``'s weights where set) as step 0 of
+    ``workdir``, so a training run resumes from it (`dynjax.hf.convert.import_model`)."""
+    run = _open_run(cfg, workdir, None, schemes)
+    checkpoints = checkpoints_for(run)
+    try:
+        plan, start, runtime = restore(run, checkpoints)
+        if start:
+            raise ConfigError(f"{workdir} already holds step {start}: use a new --workdir")
+        (run.workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        checkpoints.save_now(0, runtime, plan, lambda: None)
+        checkpoints.finish()
+    finally:
+        checkpoints.close()
+
+
+def newest_params(
+    cfg: ml_collections.ConfigDict, workdir: str | Path, schemes: Schemes = BUILTIN
+) -> dict[str, Any]:
+    """The parameters of ``workdir``'s newest checkpoint as host arrays (an export's)."""
+    run = _open_run(cfg, workdir, None, schemes)
+    checkpoints = checkpoints_for(run)
+    try:
+        if not checkpoints.storage.all_steps():
+            raise ConfigError(f"{workdir} holds no checkpoint to export: train it first")
+        _, _, runtime = restore(run, checkpoints)
+        return jax.device_get(runtime.checkpoint_state()["params"])
+    finally:
+        checkpoints.close()
+
+
 def _already_trained(
     run: _Run, checkpoints: Checkpoints, start: int, began: float
 ) -> RunSummary:
@@ -873,7 +906,11 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], str | None]:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", required=True, help="config file, e.g. configs/quickstart.py")
+    parser.add_argument(
+        "--config",
+        help="config file, e.g. configs/quickstart.py (default: the --workdir's config.py, as "
+        "python -m dynjax.hf import writes)",
+    )
     parser.add_argument(
         "--workdir",
         default=None,
@@ -892,7 +929,14 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], str | None]:
             body, i = f"{body}={rest[i + 1]}", i + 1
         overrides.append(body)
         i += 1
-    return known.config, overrides, known.workdir
+    config = known.config
+    if config is None:
+        kept = Path(known.workdir or "") / "config.py"
+        if known.workdir is None or not kept.is_file():
+            parser.error("--config is required (or a --workdir holding the config.py that "
+                         "python -m dynjax.hf import writes)")
+        config = str(kept)
+    return config, overrides, known.workdir
 
 
 def _without_closed_loop_noise(previous):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from dynjax import config as config_lib
 from dynjax.dynamism import Schemes
 from dynjax.errors import ConfigError
 from dynjax.hf.architectures import dynjax_overrides
-from dynjax.hf.weights import Layout, SafeTensors, load_params, to_hf
+from dynjax.hf.weights import layout_of, read_hf_config, to_hf
 from dynjax.model.gpt import GPTConfig
 
 KEPT = (  # the files of a model directory an export writes back beside the weights
@@ -39,38 +39,6 @@ KEPT = (  # the files of a model directory an export writes back beside the weig
     "special_tokens_map.json",
 )
 SHARD_BYTES = 2 << 30  # one safetensors file's most bytes when exporting
-
-
-def layout_of(model: GPTConfig, hf: Mapping[str, Any]) -> Layout:
-    """Where ``model``'s parameters are in a checkpoint of the HF config ``hf``."""
-    return Layout(
-        num_layers=model.num_layers,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads or model.num_heads,
-        head_dim=model.d_model // model.num_heads,
-        moe_layers=tuple(model.moe_layers),
-        num_experts=model.num_experts,
-        expert_style="mixtral" if hf.get("model_type") == "mixtral" else "qwen",
-        qkv_bias=model.qkv_bias,
-        qk_norm=model.qk_norm,
-        shared_expert=bool(model.shared_expert_dim),
-        shared_expert_gate=model.shared_expert_gate,
-        tied=bool(hf.get("tie_word_embeddings", False)),
-    )
-
-
-def read_hf_config(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory).expanduser() / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{directory} has no config.json: give a Hugging Face model directory")
-    return json.loads(path.read_text())
-
-
-def initial_params(model: GPTConfig, source: str, abstract: Any) -> Any:
-    """``train.init_from``'s weights as ``abstract``'s arrays (shapes and shardings), each
-    device reading its own slice; the config must be the directory's (`dynjax_overrides`)."""
-    hf = read_hf_config(source)
-    return load_params(abstract, layout_of(model, hf), SafeTensors(Path(source).expanduser()))
 
 
 def imported_run(
