@@ -8,6 +8,7 @@ import pytest
 
 from dynjax.errors import ConfigError
 from dynjax.launch import elastic, local
+from dynjax.settings import read_run
 from dynjax.writers import read_jsonl
 
 from ..helpers import ROOT, TWO_PROCESS_BASE, TWO_PROCESS_LAYOUTS, events_of, two_processes
@@ -16,9 +17,11 @@ from ..tiny import dotted_config
 
 
 def test_the_mesh_shrinks_to_the_devices_left():
-    one_program = dotted_config({"mesh.data": 8})
+    one_program = read_run(dotted_config({"mesh.data": 8}))
     assert elastic.shrunk(one_program, 4) == {"mesh.data": 4}
-    pipeline = dotted_config({"mesh.stage": 2, "mesh.data": 4, "pipeline.stage_layers": "(1,1)"})
+    pipeline = read_run(
+        dotted_config({"mesh.stage": 2, "mesh.data": 4, "pipeline.stage_layers": "(1,1)"})
+    )
     assert elastic.shrunk(pipeline, 4) == {"mesh.stage": 1, "pipeline.stage_layers": ""}
     with pytest.raises(ConfigError, match="a pipeline stage needs 4 devices"):
         elastic.shrunk(pipeline, 2)
