@@ -272,7 +272,7 @@ def _parse_like(key: str, raw: str, old: object) -> object:
 def gpt_config(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> GPTConfig:
     """The model's sizes from a run config: the one place the config is unpacked for it (the
     block parts from the schemes' settings, read and checked: `Schemes.settings`)."""
-    run = read_run(cfg)
+    run = read_config(cfg, schemes)
     run = dataclasses.replace(
         run, schemes=tuple(schemes.settings(cfg, _bare_facts(cfg, run)).items())
     )
@@ -324,6 +324,15 @@ def _bare_model(cfg: ml_collections.ConfigDict, run: RunSettings) -> GPTConfig:
     )
 
 
+def read_config(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> RunSettings:
+    """``cfg``'s core sections as their records (`read_run`), its keys and types checked
+    against the defaults of ``schemes`` first; its values and their combinations are
+    `check_run`'s to check. For what must read a config before it can be checked whole (e.g.
+    the elastic launcher shrinking its mesh to the devices left)."""
+    _check_types(cfg, default_config(schemes))
+    return read_run(cfg)
+
+
 def validate_config(
     cfg: ml_collections.ConfigDict, num_devices: int, schemes: Schemes = BUILTIN
 ) -> dict[str, Any]:
@@ -339,8 +348,7 @@ def check_run(
     `Plugin.Settings`) and check values and their combinations, each scheme's settings and
     the enabled schemes' claims; raise ConfigError naming the keys and the fix. What the edge
     reads from here on, instead of the config."""
-    _check_types(cfg, default_config(schemes))
-    run = read_run(cfg)
+    run = read_config(cfg, schemes)
     m, t, d, mesh = run.model, run.train, run.data, run.mesh
     positive = {
         "train.steps": t.steps,

@@ -189,8 +189,8 @@ def read_run(
 ) -> RunSettings:
     """``cfg``'s core sections as records (each through `read_settings`: a choice outside its
     ``Literal`` is refused naming the key), with the schemes' records ``schemes`` (by name)
-    if given. Types and ranges are `dynjax.config.check_run`'s to check; read an unchecked
-    config only for what cannot fail on a bad value."""
+    if given. Keys and types are `dynjax.config.read_config`'s to check (a section with a key
+    its record lacks is a TypeError here), values `dynjax.config.check_run`'s."""
     sections = {
         name: read_settings(kind, cfg[name], name) for name, kind in core_sections().items()
     }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dynjax import config as config_lib
 from dynjax.errors import ConfigError
-from dynjax.settings import RunSettings, num_stages, read_run
+from dynjax.settings import RunSettings, num_stages
 
 
 def died(status: int) -> bool:
@@ -52,7 +52,7 @@ def restart_overrides(
     config, overrides, _ = train_arguments(train_args)
     cfg, schemes = config_lib.load_run(config, overrides)
     devices = processes * devices_per_process
-    changes = shrunk(read_run(cfg), devices)
+    changes = shrunk(config_lib.read_config(cfg, schemes), devices)
     extra = [f"--config.{k}={v}" for k, v in changes.items()]
     cfg, _ = config_lib.load_run(config, [*overrides, *(a[len("--config."):] for a in extra)])
     config_lib.validate_config(cfg, devices, schemes)

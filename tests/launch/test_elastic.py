@@ -35,6 +35,23 @@ def test_restart_overrides_are_checked_as_the_run_checks_them():
         elastic.restart_overrides(args, 1, 3)
 
 
+def test_restart_overrides_refuse_a_config_with_an_unknown_key_naming_it(tmp_path):
+    """The mesh is shrunk from the config's records, read after its keys are checked: a key
+    the records lack is the run's own error, not a TypeError."""
+    path = tmp_path / "extra.py"
+    path.write_text(
+        "from tests.tiny import tiny_config\n"
+        "def get_config():\n"
+        "    c = tiny_config()\n"
+        "    c.unlock()\n"
+        "    c.mesh.pods = 2\n"
+        "    return c\n"
+    )
+    args = ["--config", str(path), "--config.mesh.data=8", "--workdir", "/tmp/x"]
+    with pytest.raises(ConfigError, match=r"unknown config keys \['mesh.pods'\]"):
+        elastic.restart_overrides(args, 1, 4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(TWO_PROCESS_LAYOUTS))
 def test_a_killed_process_leaves_a_run_that_goes_on_with_the_other(tmp_path, monkeypatch, layout):
