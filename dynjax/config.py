@@ -272,7 +272,7 @@ def _parse_like(key: str, raw: str, old: object) -> object:
 def gpt_config(cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN) -> GPTConfig:
     """The model's sizes from a run config: the one place the config is unpacked for it (the
     block parts from the schemes' settings, read and checked: `Schemes.settings`)."""
-    run = read_config(cfg, schemes)
+    run = read_run(cfg)
     run = dataclasses.replace(
         run, schemes=tuple(schemes.settings(cfg, _bare_facts(cfg, run)).items())
     )
