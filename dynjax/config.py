@@ -27,6 +27,7 @@ from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import GPTConfig
 from dynjax.optim import OptimizerSettings
+from dynjax.parallel.dispatch import RUNTIME_SCHEDULES
 
 DTYPES = ("float32", "bfloat16")
 NONFINITE = ("stop", "skip")  # train.nonfinite
@@ -101,7 +102,7 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # (Megatron-LM); "by_param" = balanced parameter counts (DeepSpeed). No pipeline when
     # mesh.stage = 1 with a named layout ("(4,)" runs the pipeline runtime on one stage).
     c.pipeline.stage_layers = ""
-    c.pipeline.schedule = "1f1b"  # "1f1b" | "gpipe"
+    c.pipeline.schedule = "1f1b"  # "1f1b" | "gpipe" (the runtime's; the simulator has more)
     c.pipeline.profile_every = 0  # profile per-layer times and stage memory every n steps; 0 = off
     c.pipeline.profile_on_change = True  # profile the first step of every Plan (seed 000 §3.1)
 
@@ -600,7 +601,13 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
             f"model.num_layers={layers}: the counts must add up to the number of layers"
         )
     if p.schedule not in SCHEDULES:
-        raise ConfigError(f"pipeline.schedule={p.schedule!r} is not one of {SCHEDULES}")
+        raise ConfigError(f"pipeline.schedule={p.schedule!r} is not one of {RUNTIME_SCHEDULES}")
+    if p.schedule not in RUNTIME_SCHEDULES:
+        raise ConfigError(
+            f"pipeline.schedule={p.schedule!r} is simulated by the balancer "
+            "(dynjax.balance.simulate) but the pipeline runtime does not run it yet: use one of "
+            f"{RUNTIME_SCHEDULES}"
+        )
     if p.profile_every < 0:
         raise ConfigError(f"pipeline.profile_every={p.profile_every} must be >= 0 (0 = off)")
     b = cfg.balance
