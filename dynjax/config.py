@@ -25,6 +25,7 @@ from dynjax.dynamism.moe.checkpoint import SELECTIONS
 from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import GPTConfig
+from dynjax.parallel.dispatch import RUNTIME_SCHEDULES
 from dynjax.settings import (
     STATIC_LAYOUTS,
     BalanceSettings,
@@ -108,7 +109,7 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # (Megatron-LM); "by_param" = balanced parameter counts (DeepSpeed). No pipeline when
     # mesh.stage = 1 with a named layout ("(4,)" runs the pipeline runtime on one stage).
     c.pipeline.stage_layers = ""
-    c.pipeline.schedule = "1f1b"  # "1f1b" | "gpipe"
+    c.pipeline.schedule = "1f1b"  # "1f1b" | "gpipe" (the runtime's; the simulator has more)
     c.pipeline.profile_every = 0  # profile per-layer times and stage memory every n steps; 0 = off
     c.pipeline.profile_on_change = True  # profile the first step of every Plan (seed 000 §3.1)
 
@@ -544,6 +545,12 @@ def _check_pipeline(run: RunSettings) -> None:
         raise ConfigError(
             f"pipeline.stage_layers={p.stage_layers!r} sums to {sum(counts)} layers but "
             f"model.num_layers={layers}: the counts must add up to the number of layers"
+        )
+    if p.schedule not in RUNTIME_SCHEDULES:
+        raise ConfigError(
+            f"pipeline.schedule={p.schedule!r} is simulated by the balancer "
+            "(dynjax.balance.simulate) but the pipeline runtime does not run it yet: use one of "
+            f"{RUNTIME_SCHEDULES}"
         )
     if p.profile_every < 0:
         raise ConfigError(f"pipeline.profile_every={p.profile_every} must be >= 0 (0 = off)")

@@ -37,6 +37,10 @@ CTX = PlanContext(batch_size=8, num_layers=4, pipeline_stages=3, batch_shards=2)
         ),
         ({"mesh__stage": 2, "pipeline__stage_layers": "(1,x)"}, r"tuple of layer counts"),
         ({"mesh__stage": 2, "pipeline__schedule": "zb"}, r"pipeline.schedule='zb'"),
+        (
+            {"mesh__stage": 2, "pipeline__schedule": "zb_h1"},
+            r"pipeline.schedule='zb_h1' is simulated .* does not run it yet: use one of",
+        ),
         ({"train__microbatches": -1}, r"train.microbatches=-1 must be >= 0"),
         ({"balance__enabled": True}, r"balance.enabled needs a pipeline"),
         (
