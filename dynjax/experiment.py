@@ -22,7 +22,14 @@ from flax import nnx
 from dynjax import config as config_lib
 from dynjax import resume
 from dynjax.balance import schedule_tasks
-from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
+from dynjax.data import (
+    Batch,
+    TokenizerSpec,
+    TokenWindows,
+    TrainOrder,
+    load_tokens,
+    validation_batches,
+)
 from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context, plan_layer_options
 from dynjax.dynamism.moe.capacity import ragged_totals
 from dynjax.dynamism.moe.part import NAME as MOE
@@ -112,7 +119,11 @@ class Experiment:
         facts = config_lib.model_facts(cfg, settings, schemes)
         model_cfg = facts.model
         windows = TokenWindows(
-            load_tokens(cfg.data.path, cfg.data.max_tokens),
+            load_tokens(
+                cfg.data.path,
+                cfg.data.max_tokens,
+                TokenizerSpec(cfg.data.tokenizer, cfg.data.eos_token, cfg.data.token_cache),
+            ),
             cfg.data.seq_len,
             cfg.data.val_fraction,
             cfg.model.vocab_size,
