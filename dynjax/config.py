@@ -20,6 +20,7 @@ from typing import Any
 import ml_collections
 
 from dynjax.checkpoint.settings import CheckpointSettings
+from dynjax.corpus import eos_id, load_tokenizer
 from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.dynamism.moe.checkpoint import SELECTIONS
 from dynjax.errors import ConfigError, at_least
@@ -29,6 +30,7 @@ from dynjax.parallel.dispatch import RUNTIME_SCHEDULES
 from dynjax.settings import (
     STATIC_LAYOUTS,
     BalanceSettings,
+    DataSettings,
     PipelineSettings,
     RecompileSettings,
     RunSettings,
@@ -77,7 +79,12 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     c.data.path = ""  # empty: the embedded corpus (this Python's standard library sources)
     c.data.seq_len = 128
     c.data.val_fraction = 0.05
-    c.data.max_tokens = 4_000_000  # cap on tokens read from a text corpus
+    c.data.max_tokens = 4_000_000  # cap on tokens read from a text corpus (byte-level)
+    # A Hugging Face tokenizer.json (or its model directory) tokenizing data.path once into a
+    # cached token file (docs/running.md#tokenizers); empty: byte-level tokens.
+    c.data.tokenizer = ""
+    c.data.eos_token = ""  # the token ending each document; empty: the tokenizer's own
+    c.data.token_cache = ""  # where tokenized corpora are kept; empty: ~/.cache/dynjax/tokens
     c.data.prefetch = 2  # batches read ahead on a background thread; 0: read on the loop's
 
     c.model = ml_collections.ConfigDict()
@@ -384,6 +391,8 @@ def check_run(
         )
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if d.tokenizer:
+        _check_tokenizer(d, m.vocab_size)
     if d.prefetch < 0:
         raise ConfigError(
             f"data.prefetch={d.prefetch} must be >= 0 (batches read ahead on a background "
@@ -620,6 +629,25 @@ def _check_repack(run: RunSettings) -> None:
     if hook and (hook.count(":") != 1 or not all(hook.split(":"))):
         raise ConfigError(
             f"balance.release_hook={hook!r} must look like 'package.module:function'"
+        )
+
+
+def _check_tokenizer(d: DataSettings, vocab_size: int) -> None:
+    """A tokenizer that exists, has an end-of-text token and fits the embedding, before any
+    corpus is read."""
+    if not d.path:
+        raise ConfigError(
+            f"data.tokenizer={d.tokenizer!r} tokenizes the corpus at data.path, which is empty "
+            "(the embedded corpus is byte-level): set data.path to a text, .jsonl or .parquet "
+            "corpus"
+        )
+    tokenizer = load_tokenizer(d.tokenizer)
+    eos_id(tokenizer, d.tokenizer, d.eos_token)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ConfigError(
+            f"data.tokenizer={d.tokenizer!r} has {tokenizer.get_vocab_size()} tokens but "
+            f"model.vocab_size={vocab_size}: raise model.vocab_size to at least "
+            f"{tokenizer.get_vocab_size()}"
         )
 
 

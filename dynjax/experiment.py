@@ -24,7 +24,14 @@ from flax import nnx
 from dynjax import config as config_lib
 from dynjax import resume
 from dynjax.balance import schedule_tasks
-from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
+from dynjax.data import (
+    Batch,
+    TokenizerSpec,
+    TokenWindows,
+    TrainOrder,
+    load_tokens,
+    validation_batches,
+)
 from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context, plan_layer_options
 from dynjax.dynamism.moe.capacity import ragged_totals
 from dynjax.dynamism.moe.part import NAME as MOE
@@ -132,7 +139,11 @@ class Experiment:
         facts = config_lib.model_facts(cfg, run, schemes)
         model_cfg = facts.model
         windows = TokenWindows(
-            load_tokens(run.data.path, run.data.max_tokens),
+            load_tokens(
+                run.data.path,
+                run.data.max_tokens,
+                TokenizerSpec(run.data.tokenizer, run.data.eos_token, run.data.token_cache),
+            ),
             run.data.seq_len,
             run.data.val_fraction,
             run.model.vocab_size,

@@ -67,6 +67,9 @@ class DataSettings:
     seq_len: int
     val_fraction: float
     max_tokens: int
+    tokenizer: str
+    eos_token: str
+    token_cache: str
     prefetch: int
 
 
