@@ -698,6 +698,10 @@ class _Loop:
         """Snapshot, evaluate and save after step ``done`` where due."""
         self.checkpoints.after_step(done, self.runtime, self.plan, self.catch_up)
         if done % self.settings.train.eval_every == 0 or done == self.steps:
+            # Every dispatched step observed first, each as it completes: after the evaluation,
+            # which waits for the device, they would all look done at once (a resumed run's
+            # first interval measured a rate 1e5 times too high).
+            self.catch_up()
             self.eval_loss = self.runtime.evaluate(self.plan)
             if self.eval_loss is not None:
                 self.writer.write(done, {"eval_loss": self.eval_loss})
