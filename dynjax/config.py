@@ -24,6 +24,7 @@ from dynjax.corpus import eos_id, load_tokenizer
 from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.dynamism.moe.checkpoint import SELECTIONS
 from dynjax.errors import ConfigError, at_least
+from dynjax.model.attention import Rope
 from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import GPTConfig
 from dynjax.parallel.dispatch import RUNTIME_SCHEDULES
@@ -31,6 +32,7 @@ from dynjax.settings import (
     STATIC_LAYOUTS,
     BalanceSettings,
     DataSettings,
+    ModelSettings,
     PipelineSettings,
     RecompileSettings,
     RunSettings,
@@ -94,6 +96,23 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     c.model.num_heads = 4
     c.model.mlp_dim = 512
     c.model.positions = "rope"  # "rope" | "learned"
+    # The block family (docs/models.md): "gpt", GPT-2's pre-norm block (LayerNorm, GELU MLP,
+    # biases); "llama", Llama's (RMSNorm, SwiGLU MLP and experts, no biases)
+    c.model.family = "gpt"
+    # Grouped-query attention's key/value heads, each shared by num_heads / num_kv_heads query
+    # heads (Llama 2/3, Mistral, Qwen); 0 = num_heads (multi-head attention)
+    c.model.num_kv_heads = 0
+    c.model.norm_eps = 1e-6  # epsilon of every norm (Llama 2/3 use 1e-5)
+    c.model.rope_base = 10_000.0  # RoPE's base (Llama 3: 500000)
+    # RoPE's long-context scaling: "none"; "linear" (every frequency / rope_factor); "llama3"
+    # (Llama 3.1: low frequencies / rope_factor, high ones kept, blended in between)
+    c.model.rope_scaling = "none"
+    c.model.rope_factor = 8.0  # with rope_scaling "linear" or "llama3"
+    # "llama3": wavelengths above rope_original_max_len / this are scaled by rope_factor
+    c.model.rope_low_freq_factor = 1.0
+    # "llama3": wavelengths below rope_original_max_len / this are kept (between: blended)
+    c.model.rope_high_freq_factor = 4.0
+    c.model.rope_original_max_len = 8192  # the context the model was pre-trained at
     # Consecutive layers with identical static options run as one `jax.lax.scan`: compile
     # seconds about flat in depth (`dynjax.model.gpt.run_layers`, benchmarks/scan_compile.py);
     # off by default: at a few layers the scan compiles slower than the unrolled loop.
@@ -322,6 +341,20 @@ def _bare_model(cfg: ml_collections.ConfigDict, run: RunSettings) -> GPTConfig:
         mlp_dim=m.mlp_dim,
         max_len=run.data.seq_len,
         positions=m.positions,
+        family=m.family,
+        num_kv_heads=m.num_kv_heads,
+        rope=Rope(
+            base=m.rope_base,
+            scaling=m.rope_scaling,
+            factor=m.rope_factor,
+            low_freq_factor=m.rope_low_freq_factor,
+            high_freq_factor=m.rope_high_freq_factor,
+            original_max_len=m.rope_original_max_len,
+        ),
+        norm_eps=m.norm_eps,
+        normalize_topk=moe.normalize_topk,
+        shared_expert_dim=moe.shared_expert_dim,
+        shared_expert_gate=moe.shared_expert_gate,
         scan_layers=m.scan_layers,
         moe_layers=moe_layer_indices(m.num_layers, moe.every),
         num_experts=moe.num_experts,
@@ -389,6 +422,7 @@ def check_run(
             f"model.positions='rope' needs an even head dim; d_model/num_heads = "
             f"{m.d_model // m.num_heads}: change model.d_model or model.num_heads"
         )
+    _check_family(m)
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if d.tokenizer:
@@ -429,6 +463,45 @@ def check_run(
     _check_recompile(run.recompile)
     _check_checkpoint(run.checkpoint, facts)
     return dataclasses.replace(run, schemes=tuple(settings.items()))
+
+
+def _check_family(m: ModelSettings) -> None:
+    """The family's keys: grouped-query heads, the norms' epsilon and RoPE's frequencies."""
+    kv = m.num_kv_heads or m.num_heads
+    if m.num_kv_heads < 0 or m.num_heads % kv:
+        raise ConfigError(
+            f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "
+            "(each key/value head serves a group of query heads; 0 = num_heads)"
+        )
+    if m.family == "llama" and m.positions != "rope":
+        raise ConfigError(
+            f"model.family='llama' uses rotary positions, not model.positions={m.positions!r}: "
+            "set model.positions='rope' (or model.family='gpt')"
+        )
+    if m.norm_eps <= 0:
+        raise ConfigError(f"model.norm_eps={m.norm_eps} must be > 0")
+    if m.rope_base <= 1:
+        raise ConfigError(f"model.rope_base={m.rope_base} must be > 1 (Llama 2: 1e4, 3: 5e5)")
+    if m.rope_scaling == "none":
+        return
+    if m.positions != "rope":
+        raise ConfigError(
+            f"model.rope_scaling={m.rope_scaling!r} scales rotary positions: with "
+            f"model.positions={m.positions!r} set it to 'none'"
+        )
+    if m.rope_factor < 1:
+        raise ConfigError(
+            f"model.rope_factor={m.rope_factor} must be >= 1 (how many times longer a context "
+            "the scaled frequencies cover)"
+        )
+    if m.rope_scaling == "llama3":
+        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+            raise ConfigError(
+                f"model.rope_low_freq_factor={m.rope_low_freq_factor} and "
+                f"model.rope_high_freq_factor={m.rope_high_freq_factor} must satisfy 0 < low "
+                "< high (Llama 3.1: 1 and 4)"
+            )
+        at_least({"model.rope_original_max_len": m.rope_original_max_len}, 1)
 
 
 def _check_optimizer(t: TrainSettings) -> None:

@@ -26,6 +26,7 @@ from dynjax.dynamism import BUILTIN
 # The page that explains each section's keys, relative to docs/.
 PAGES = {
     "train": "architecture.md#one-training-step",
+    "model": "models.md",
     "data": "running.md#data",
     "mesh": "parallelism.md#the-mesh",
     "parallel": "parallelism.md#fsdp-and-tensor-parallelism",

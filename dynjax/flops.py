@@ -47,19 +47,29 @@ def model_flops_per_token(
     top_k: int = 0,
     num_experts: int = 0,
     expert_mlp_dim: int = 0,
+    num_kv_heads: int = 0,
+    gated: bool = False,
+    shared_expert_dim: int = 0,
+    shared_expert_gate: bool = False,
     training: bool = True,
     half_causal_attention: bool = False,
 ) -> float:
-    """Model FLOPs per token of dynjax's GPT (a multiply-add = 2 FLOPs), training by default.
+    """Model FLOPs per token of dynjax's GPT or Llama (a multiply-add = 2 FLOPs), training by
+    default.
 
     Forward, per token:
       - token (and learned position) embedding: a lookup, 0;
-      - per layer, attention: Q, K, V projections 2 * 3 * d * d, output projection 2 * d * d;
-        scores Q K^T and weighted values A V 2 * 2 * seq_len * d;
-      - per dense layer, MLP: 2 * 2 * d * mlp_dim (up and down projections);
+      - per layer, attention: Q projection 2 * d * d, K and V projections 2 * 2 * d * d_kv
+        (d_kv = d * num_kv_heads / num_heads: grouped-query attention's smaller keys and
+        values; ``num_kv_heads`` 0 = ``num_heads``), output projection 2 * d * d; scores Q K^T
+        and weighted values A V 2 * 2 * seq_len * d (every query head attends);
+      - per dense layer, MLP: 2 * 2 * d * mlp_dim (up and down projections), or with ``gated``
+        (the Llama family's SwiGLU) 3 * 2 * d * mlp_dim (gate, up and down);
       - per MoE layer (index in ``moe_layers``): ``top_k`` experts of 2 * 2 * d * expert_mlp_dim
-        each (``expert_mlp_dim`` 0 = ``mlp_dim``, as in the config) plus the router 2 * d * E;
-        capacity slots that stay empty or drop do not count (dropless model FLOPs, MaxText);
+        each (3 * 2 * ... gated; ``expert_mlp_dim`` 0 = ``mlp_dim``, as in the config), the
+        shared expert's 2 * 2 * d * ``shared_expert_dim`` (3 * 2 * ... gated; its gate 2 * d
+        with ``shared_expert_gate``) and the router 2 * d * E; capacity slots that stay
+        empty or drop do not count (dropless model FLOPs, MaxText);
       - head (logits): 2 * d * vocab_size.
     Norms, softmax, activations, the loss, biases and RoPE are left out (a few per cent at
     most), as in PaLM and MaxText. ``num_heads`` does not change the count: the heads split d.
@@ -80,11 +90,20 @@ def model_flops_per_token(
             f"moe_layers {sorted(moe)} must index the {num_layers} layers, with "
             f"1 <= top_k ({top_k}) <= num_experts ({num_experts})"
         )
-    d = d_model
+    kv = num_kv_heads or num_heads
+    if num_heads % kv or d_model % num_heads:
+        raise ValueError(
+            f"num_kv_heads ({kv}) must divide num_heads ({num_heads}), which must divide "
+            f"d_model ({d_model})"
+        )
+    d, d_kv = d_model, d_model // num_heads * kv
     scores = 2 * 2 * seq_len * d * (0.5 if half_causal_attention else 1.0)
-    attention = 2 * 3 * d * d + 2 * d * d + scores
-    dense_mlp = 2 * 2 * d * mlp_dim
-    moe_mlp = top_k * 2 * 2 * d * (expert_mlp_dim or mlp_dim) + 2 * d * num_experts
+    attention = 2 * d * (d + 2 * d_kv) + 2 * d * d + scores
+    matrices = 3 if gated else 2  # an MLP's matrices: SwiGLU's gate, up and down
+    dense_mlp = matrices * 2 * d * mlp_dim
+    expert = top_k * matrices * 2 * d * (expert_mlp_dim or mlp_dim)
+    shared = matrices * 2 * d * shared_expert_dim + (2 * d if shared_expert_gate else 0)
+    moe_mlp = expert + shared + 2 * d * num_experts
     layers = sum(attention + (moe_mlp if i in moe else dense_mlp) for i in range(num_layers))
     forward = layers + 2 * d * vocab_size
     return float(forward * (TRAINING_MULTIPLIER if training else 1))
@@ -111,6 +130,10 @@ def gpt_flops_per_token(m: GPTConfig, **kwargs: Any) -> float:
         top_k=m.top_k,
         num_experts=m.num_experts,
         expert_mlp_dim=m.expert_mlp_dim,
+        num_kv_heads=m.num_kv_heads,
+        gated=m.family == "llama",
+        shared_expert_dim=m.shared_expert_dim,
+        shared_expert_gate=m.shared_expert_gate,
         **kwargs,
     )
 

@@ -29,6 +29,8 @@ from dynjax.balance import SCHEDULES, by_param, uniform
 from dynjax.checkpoint.settings import CheckpointSettings
 from dynjax.dynamism.base import read_settings
 from dynjax.errors import ConfigError
+from dynjax.model.attention import ROPE_SCALINGS
+from dynjax.model.gpt import FAMILIES
 from dynjax.optim import OptimizerSettings
 
 DTYPES = ("float32", "bfloat16")  # train.dtype
@@ -83,6 +85,15 @@ class ModelSettings:
     num_heads: int
     mlp_dim: int
     positions: Literal["rope", "learned"]
+    family: Literal[FAMILIES]
+    num_kv_heads: int
+    norm_eps: float
+    rope_base: float
+    rope_scaling: Literal[ROPE_SCALINGS]
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_len: int
     scan_layers: bool
 
 

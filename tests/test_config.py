@@ -252,3 +252,48 @@ def test_cli_override_forms():
         ["--config", "c.py", "--config.train.steps=5", "--config.seed", "3", "--workdir", "w"]
     )
     assert (config, overrides, workdir) == ("c.py", ["train.steps=5", "seed=3"], "w")
+
+
+LLAMA = {"model__family": "llama"}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model__family": "mistral"}, r"model.family='mistral' is not one of \('gpt', 'llama'\)"),
+        ({"model__num_kv_heads": 3, "model__num_heads": 4, "model__d_model": 32},
+         r"model.num_kv_heads=3 must divide model.num_heads=4"),
+        ({"model__num_kv_heads": -1}, r"model.num_kv_heads=-1 must divide"),
+        ({**LLAMA, "model__positions": "learned"},
+         r"model.family='llama' uses rotary positions.*model.positions='rope'"),
+        ({"model__positions": "learned", "model__rope_scaling": "linear"},
+         r"model.rope_scaling='linear' scales rotary positions.*set it to 'none'"),
+        ({"model__rope_scaling": "yarn"}, r"model.rope_scaling='yarn' is not one of"),
+        ({"model__rope_scaling": "linear", "model__rope_factor": 0.5},
+         r"model.rope_factor=0.5 must be >= 1"),
+        ({"model__rope_scaling": "llama3", "model__rope_low_freq_factor": 4.0},
+         r"model.rope_low_freq_factor=4.0 and model.rope_high_freq_factor=4.0 must satisfy"),
+        ({"model__norm_eps": 0.0}, r"model.norm_eps=0.0 must be > 0"),
+        ({"model__rope_base": 1.0}, r"model.rope_base=1.0 must be > 1"),
+        ({"moe__shared_expert_dim": 16}, r"moe.shared_expert_dim=16 needs MoE layers"),
+        ({"moe__normalize_topk": False}, r"moe.normalize_topk=False needs MoE layers"),
+        ({**MOE, "moe__shared_expert_dim": -8}, r"moe.shared_expert_dim=-8 must be >= 0"),
+        ({**MOE, "moe__shared_expert_gate": True},
+         r"moe.shared_expert_gate=True gates the shared expert, but moe.shared_expert_dim=0"),
+        ({**MOE, "moe__routing": "expert_choice", "moe__normalize_topk": False},
+         r"moe.normalize_topk=False shapes token choice's top-k gates"),
+    ],
+)
+def test_model_family_keys_name_their_conflict(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(tiny_config(**overrides), num_devices=8)
+
+
+def test_a_llama_config_builds_its_model_config():
+    cfg = tiny_config(**LLAMA, **MOE, model__num_kv_heads=1, model__rope_scaling="llama3",
+                      model__rope_base=5e5, moe__normalize_topk=False, moe__shared_expert_dim=8)
+    validate_config(cfg, num_devices=1)
+    model = config_lib.gpt_config(cfg)
+    assert (model.family, model.num_kv_heads, model.rope.scaling) == ("llama", 1, "llama3")
+    assert model.rope.base == 5e5 and model.rope.factor == 8.0
+    assert (model.normalize_topk, model.shared_expert_dim) == (False, 8)

@@ -5,7 +5,7 @@ import doctest
 import pytest
 
 import dynjax.flops
-from dynjax.config import load_config
+from dynjax.config import load_config, validate_config
 from dynjax.flops import config_flops_per_token, device_name, mfu, model_flops_per_token, peak_flops
 
 from .helpers import ROOT
@@ -54,6 +54,20 @@ def test_moe_config_counts_top_k_experts_and_the_router():
         )
         == 3 * forward
     )
+
+
+def test_llama_config_counts_swiglu_grouped_heads_and_the_shared_expert():
+    cfg = load_config(str(CONFIGS / "llama_tiny.py"), [])
+    validate_config(cfg, num_devices=1)
+    # d 128, 4 heads of 32 sharing 2 key/value heads (d_kv 64), seq 128, vocab 256, per token:
+    #   attention: Q and K, V 2*128*(128 + 2*64) = 65,536; out 32,768; scores 65,536 -> 163,840
+    #   dense SwiGLU (layers 0, 2): 3 matrices 3*2*128*344 = 264,192
+    #   MoE (layers 1, 3): 2 SwiGLU experts 2*3*2*128*128 = 196,608, shared expert 98,304,
+    #   router 2*128*8 = 2,048 -> 296,960
+    attention, dense, moe = 163_840, 264_192, 196_608 + 98_304 + 2_048
+    forward = 2 * (attention + dense) + 2 * (attention + moe) + 2 * 128 * 256
+    assert forward == 1_843_200
+    assert config_flops_per_token(cfg) == 3 * forward
 
 
 def test_expert_width_zero_means_mlp_dim():

@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 
 NAME = "pruning"
 DENSITY = "pruning/density"  # [L] per step: each layer's (FLOP-weighted) fraction of kept weights
-COLUMN_BLOCKS = "pruning/column_blocks"  # [L, 4]: busiest block-column's blocks, per `LINEARS`
+COLUMN_BLOCKS = "pruning/column_blocks"  # [L, 5]: busiest block-column's blocks, per `LINEARS`
 GRANULARITIES = ("element", "block")
 SCALES = ("init", "none")
 
@@ -328,9 +328,10 @@ class PruningPlugin(Plugin):
         # "none": rank raw |w| (Alg. 1), which prunes GPT-2's smaller residual projections first;
         # "init": |w| / the std its matrix was initialised with (module docstring).
         c.scale = "none"
-        # Block granularity: a dense block's linear (attn/qkv, attn/out, mlp/up, mlp/down)
-        # multiplies block-sparsely once its busiest block-column keeps at most this fraction
-        # of its block-rows (K / (in / block_size), K bucketed); 0 = always dense.
+        # Block granularity: a dense block's linear (attn/qkv, attn/out, mlp/up, mlp/down and
+        # the llama family's mlp/gate) multiplies block-sparsely once its busiest block-column
+        # keeps at most this fraction of its block-rows (K / (in / block_size), K bucketed);
+        # 0 = always dense.
         c.sparse_below = 0.0
         return c
 

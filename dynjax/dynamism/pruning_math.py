@@ -45,10 +45,13 @@ import numpy as np
 
 from dynjax.parallel.peers import ALONE, Rounds
 
-# The matrices of attention (fused q/k/v and the output projection), of the dense MLP and of the
-# experts (dynjax/model/{attention,mlp,moe}.py); not embeddings, positions, norms, biases, the
-# router or the head. Matched with `re.search` against "/"-joined parameter paths.
-DEFAULT_INCLUDE = r"(^|/)(attn/(qkv|out)/kernel|mlp/(up|down)/kernel|moe/w_(in|out))$"
+# The matrices of attention (fused q/k/v and the output projection), of the dense MLP (with
+# SwiGLU's gate) and of the experts, routed and shared (dynjax/model/{attention,mlp,moe}.py);
+# not embeddings, positions, norms, biases, the router or the head. Matched with `re.search`
+# against "/"-joined parameter paths.
+DEFAULT_INCLUDE = (
+    r"(^|/)(attn/(qkv|out)/kernel|(mlp|shared)/(gate|up|down)/kernel|moe/w_(in|out))$"
+)
 
 _INF_KEY = 0x7F800000  # bits of float32 +inf: the largest key
 

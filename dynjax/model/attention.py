@@ -1,7 +1,11 @@
-"""Causal multi-head self-attention with rotary or learned positions."""
+"""Causal self-attention with rotary or learned positions: multi-head, or grouped-query
+(GQA, Ainslie et al. 2023: ``num_kv_heads`` key/value heads, each shared by a group of
+``num_heads / num_kv_heads`` query heads, as Llama 2/3, Mistral and Qwen use)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -13,14 +17,51 @@ from dynjax.model.hashed_attention import HashedAttention, hashed_attention
 from dynjax.model.moe import ExpertParallel
 from dynjax.model.pruned import SparseLinears, linear
 
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
-def rotary(
-    x: jax.Array, positions: jax.Array | None = None, base: float = 10_000.0
-) -> jax.Array:
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """RoPE's frequencies: ``base`` and a long-context ``scaling`` of them (`ROPE_SCALINGS`).
+
+    ``"linear"`` (position interpolation, Chen et al. 2023) divides every frequency by
+    ``factor``; ``"llama3"`` (Llama 3.1, Hugging Face's ``rope_type="llama3"``) divides only
+    the low frequencies, those whose wavelength exceeds ``original_max_len / low_freq_factor``,
+    keeps those whose wavelength is below ``original_max_len / high_freq_factor``, and blends
+    linearly in between."""
+
+    base: float = 10_000.0
+    scaling: str = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def frequencies(self, head_dim: int) -> jax.Array:
+        """[head_dim // 2] float32 angular frequencies (radians per position)."""
+        half = head_dim // 2
+        freqs = self.base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        if self.scaling == "linear":
+            return freqs / self.factor
+        if self.scaling == "llama3":
+            wavelen = 2 * math.pi / freqs
+            low, high = self.low_freq_factor, self.high_freq_factor
+            smooth = (self.original_max_len / wavelen - low) / (high - low)
+            blended = (1 - smooth) * freqs / self.factor + smooth * freqs
+            scaled = jnp.where(wavelen > self.original_max_len / low, freqs / self.factor, freqs)
+            medium = (wavelen >= self.original_max_len / high) & (
+                wavelen <= self.original_max_len / low
+            )
+            return jnp.where(medium, blended, scaled)
+        return freqs
+
+
+def rotary(x: jax.Array, positions: jax.Array | None = None, rope: Rope = Rope()) -> jax.Array:
     """Rotary position embedding (RoPE) of x: [B, S, H, Dh], rotating feature pairs by position
-    (``positions`` [B, S]: each token's position in its sequence; default 0..S-1)."""
+    (``positions`` [B, S]: each token's position in its sequence; default 0..S-1). Pairs are
+    (i, i + Dh/2), the GPT-NeoX and Hugging Face Llama convention."""
     seq, half = x.shape[1], x.shape[-1] // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freqs = rope.frequencies(x.shape[-1])
     if positions is None:
         positions = jnp.arange(seq)[None, :]
     angles = positions.astype(jnp.float32)[..., None] * freqs  # [B or 1, S, half]
@@ -29,37 +70,84 @@ def rotary(
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
 
 
-def qkv_per_head(x: Any, num_heads: int) -> Any:
-    """The fused projection's columns (last axis) from (q/k/v, head, Dh) order to (head, q/k/v,
-    Dh): each head's query, key and value side by side, so that a contiguous split of the
-    columns over the ``tensor`` devices gives each device whole heads (Megatron-LM §3: a
-    head-aligned split needs no exchange between the projection and the attention). A NumPy
-    or jax array of any leading shape."""
+def qkv_per_head(x: Any, num_heads: int, num_kv_heads: int = 0) -> Any:
+    """The fused projection's columns (last axis) from (q heads, k heads, v heads) order to one
+    run per key/value head: its group's queries, its key, its value, each Dh wide (multi-head:
+    (head, q/k/v, Dh)). A contiguous split of the columns over the ``tensor`` devices then
+    gives each device whole groups (Megatron-LM §3: a head-aligned split needs no exchange
+    between the projection and the attention). A NumPy or jax array of any leading shape;
+    ``num_kv_heads`` 0: ``num_heads``."""
     *lead, n = x.shape
-    return x.reshape(*lead, 3, num_heads, n // (3 * num_heads)).swapaxes(-3, -2).reshape(*lead, n)
+    kv = num_kv_heads or num_heads
+    if kv == num_heads:
+        return x.reshape(*lead, 3, kv, n // (3 * kv)).swapaxes(-3, -2).reshape(*lead, n)
+    dh = n // (num_heads + 2 * kv)
+    q, k, v = x[..., : num_heads * dh], x[..., num_heads * dh : -kv * dh], x[..., -kv * dh :]
+    runs = (q.reshape(*lead, kv, -1), k.reshape(*lead, kv, dh), v.reshape(*lead, kv, dh))
+    return jnp.concatenate(runs, axis=-1).reshape(*lead, n)
 
 
-def _per_head_init(init: Initializer, num_heads: int) -> Initializer:
-    """``init`` of the fused [D, 3D] kernel, drawn in (q/k/v, head, Dh) column order and stored
-    per head: a seed gives the model it gave when the columns were (q/k/v, head, Dh)."""
+def _per_head_init(init: Initializer, num_heads: int, num_kv_heads: int) -> Initializer:
+    """``init`` of the fused kernel, drawn in (q heads, k heads, v heads) column order and
+    stored per group (`qkv_per_head`): a seed gives the multi-head model it gave when the
+    columns were (q/k/v, head, Dh)."""
 
     def draw(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
-        return qkv_per_head(init(key, shape, dtype), num_heads)
+        return qkv_per_head(init(key, shape, dtype), num_heads, num_kv_heads)
 
     return draw
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, d_model: int, num_heads: int, *, rope: bool, out_std: float, rngs: nnx.Rngs):
+    """``num_kv_heads`` (0: ``num_heads``) key/value heads; ``positional``: RoPE's frequencies
+    when ``rope``; ``bias``: whether the projections have biases (GPT's do, Llama's do not)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        rope: bool,
+        out_std: float,
+        rngs: nnx.Rngs,
+        num_kv_heads: int = 0,
+        positional: Rope = Rope(),
+        bias: bool = True,
+    ):
         init = nnx.initializers.normal(0.02)
-        self.num_heads, self.rope = num_heads, rope
-        # Columns per head (`qkv_per_head`): [D, H x (q, k, v) x Dh].
+        self.num_heads, self.rope, self.positional = num_heads, rope, positional
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+        head_dim = d_model // num_heads
+        # Columns per key/value group (`qkv_per_head`): [D, Hkv x (G q, k, v) x Dh].
         self.qkv = nnx.Linear(
-            d_model, 3 * d_model, kernel_init=_per_head_init(init, num_heads), rngs=rngs
+            d_model,
+            (num_heads + 2 * self.num_kv_heads) * head_dim,
+            kernel_init=_per_head_init(init, num_heads, self.num_kv_heads),
+            use_bias=bias,
+            rngs=rngs,
         )
         self.out = nnx.Linear(
-            d_model, d_model, kernel_init=nnx.initializers.normal(out_std), rngs=rngs
+            d_model,
+            d_model,
+            kernel_init=nnx.initializers.normal(out_std),
+            use_bias=bias,
+            rngs=rngs,
         )
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    def _heads(self, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The fused projection's output [B, S, Hkv x (G + 2) x Dh] as queries [B, S, H, Dh],
+        keys and values [B, S, Hkv, Dh]."""
+        b, s = y.shape[:2]
+        g = self.group
+        y = y.reshape(b, s, self.num_kv_heads, g + 2, -1)
+        return y[:, :, :, :g].reshape(b, s, self.num_heads, -1), y[:, :, :, g], y[:, :, :, g + 1]
 
     def __call__(
         self,
@@ -80,14 +168,16 @@ class CausalSelfAttention(nnx.Module):
         ``parallel``: the mesh a hashed attention kernel splits the batch over."""
         b, s, d = x.shape
         if context is None:
-            qkv = linear(self.qkv, x, "attn/qkv", sparse).reshape(b, s, self.num_heads, 3, -1)
-            q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+            q, k, v = self._heads(linear(self.qkv, x, "attn/qkv", sparse))
             key_positions = positions
         else:
             q, k, v = self._split_projection(x, context, sparse)
             key_positions = jnp.arange(context.shape[1])[None, :]
         if self.rope:
-            q, k = rotary(q, positions), rotary(k, key_positions)
+            q = rotary(q, positions, self.positional)
+            k = rotary(k, key_positions, self.positional)
+        if self.group > 1:  # each key/value head serves its group of query heads
+            k, v = jnp.repeat(k, self.group, axis=2), jnp.repeat(v, self.group, axis=2)
         metrics: dict[str, jax.Array] = {}
         if hashed is not None:
             if context is not None:
@@ -110,17 +200,19 @@ class CausalSelfAttention(nnx.Module):
     def _split_projection(
         self, x: jax.Array, context: jax.Array, sparse: SparseLinears | None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries of ``x``, keys and values of ``context`` [B, T, H, Dh]: only the query
-        columns of the projection multiply the subset (a block-sparse projection multiplies
-        whole, then splits)."""
-        b, s, d = x.shape
-        t, h = context.shape[1], self.num_heads
+        """Queries of ``x`` [B, S, H, Dh], keys and values of ``context`` [B, T, Hkv, Dh]:
+        only the query columns of the projection multiply the subset (a block-sparse projection
+        multiplies whole, then splits)."""
+        d, h, kv, g = x.shape[-1], self.num_heads, self.num_kv_heads, self.group
         if sparse is not None and sparse.width("attn/qkv") is not None:
-            q = linear(self.qkv, x, "attn/qkv", sparse).reshape(b, s, h, 3, -1)[:, :, :, 0]
-            kv = linear(self.qkv, context, "attn/qkv", sparse).reshape(b, t, h, 3, -1)[:, :, :, 1:]
-        else:  # the columns per head (`qkv_per_head`): [D, H, (q, k, v), Dh]
-            w = self.qkv.kernel[...].reshape(d, h, 3, -1)
-            bias = self.qkv.bias[...].reshape(h, 3, -1)
-            q = jnp.einsum("bsd,dhe->bshe", x, w[:, :, 0]) + bias[:, 0]
-            kv = jnp.einsum("btd,dhce->bthce", context, w[:, :, 1:]) + bias[:, 1:]
-        return q, kv[:, :, :, 0], kv[:, :, :, 1]
+            q = self._heads(linear(self.qkv, x, "attn/qkv", sparse))[0]
+            _, k, v = self._heads(linear(self.qkv, context, "attn/qkv", sparse))
+            return q, k, v
+        # the columns per group (`qkv_per_head`): [D, Hkv, (G q, k, v), Dh]
+        w = self.qkv.kernel[...].reshape(d, kv, g + 2, -1)
+        q = jnp.einsum("bsd,dhe->bshe", x, w[:, :, :g].reshape(d, h, -1))
+        kv_out = jnp.einsum("btd,dhce->bthce", context, w[:, :, g:])
+        if self.qkv.bias is not None:
+            bias = self.qkv.bias[...].reshape(kv, g + 2, -1)
+            q, kv_out = q + bias[:, :g].reshape(h, -1), kv_out + bias[:, g:]
+        return q, kv_out[:, :, :, 0], kv_out[:, :, :, 1]

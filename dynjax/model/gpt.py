@@ -21,12 +21,18 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dynjax.model.attention import CausalSelfAttention
+from dynjax.model.attention import CausalSelfAttention, Rope
 from dynjax.model.hashed_attention import hashed_record
 from dynjax.model.hooks import NO_HOOKS, BlockPart, Hooks, LayerContext, LayerOptions
-from dynjax.model.mlp import MLP
+from dynjax.model.mlp import MLP, SwiGLU
 from dynjax.model.moe import MoE, MoEStats, RaggedCapacities
 from dynjax.model.pruned import sparse_linears
+
+# The block families (`GPTConfig.family`): "gpt", the pre-norm GPT-2 block (LayerNorm, GELU MLP,
+# biases); "llama", Llama's (RMSNorm, SwiGLU MLP and SwiGLU experts, no biases). Both lay their
+# parameters out under the same names (attn/qkv, attn/out, mlp/up, mlp/down; Llama adds
+# mlp/gate), so every scheme, parallelism and checkpoint path treats them alike.
+FAMILIES = ("gpt", "llama")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +44,13 @@ class GPTConfig:
     mlp_dim: int
     max_len: int
     positions: str = "rope"  # "rope" | "learned"
+    family: str = "gpt"  # `FAMILIES`
+    num_kv_heads: int = 0  # grouped-query attention's key/value heads; 0: num_heads
+    rope: Rope = Rope()  # RoPE's base and scaling (with positions="rope")
+    norm_eps: float = 1e-6  # the norms' epsilon (LayerNorm or RMSNorm)
+    normalize_topk: bool = True  # renormalise a token's top-k gates (`moe.route`)
+    shared_expert_dim: int = 0  # width of each MoE block's shared dense expert; 0: none
+    shared_expert_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 8
     top_k: int = 2
@@ -61,7 +74,7 @@ class GPTConfig:
 
 # The matrices GPT-2 initialises with `GPTConfig.residual_std` rather than 0.02: the projections
 # back into the residual stream. Matched with `re.search` against "/"-joined parameter paths.
-RESIDUAL_PROJECTIONS = r"(^|/)(attn/out/kernel|mlp/down/kernel|moe/w_out)$"
+RESIDUAL_PROJECTIONS = r"(^|/)(attn/out/kernel|(mlp|shared)/down/kernel|moe/w_out)$"
 
 
 def init_std(cfg: GPTConfig, path: str) -> float:
@@ -70,16 +83,30 @@ def init_std(cfg: GPTConfig, path: str) -> float:
     return cfg.residual_std if re.search(RESIDUAL_PROJECTIONS, path) else 0.02
 
 
+def make_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """The family's norm: LayerNorm (GPT) or RMSNorm (Llama), of epsilon ``cfg.norm_eps``."""
+    norm = nnx.RMSNorm if cfg.family == "llama" else nnx.LayerNorm
+    return norm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+
+
 class Block(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) with an MLP or MoE ffn."""
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) with an MLP or MoE ffn; its
+    norm, MLP and biases those of ``cfg.family`` (`FAMILIES`)."""
 
     def __init__(self, cfg: GPTConfig, index: int, *, rngs: nnx.Rngs):
-        d = cfg.d_model
-        self.norm1 = nnx.LayerNorm(d, rngs=rngs)
+        d, llama = cfg.d_model, cfg.family == "llama"
+        self.norm1 = make_norm(cfg, rngs)
         self.attn = CausalSelfAttention(
-            d, cfg.num_heads, rope=cfg.positions == "rope", out_std=cfg.residual_std, rngs=rngs
+            d,
+            cfg.num_heads,
+            rope=cfg.positions == "rope",
+            out_std=cfg.residual_std,
+            rngs=rngs,
+            num_kv_heads=cfg.num_kv_heads,
+            positional=cfg.rope,
+            bias=not llama,
         )
-        self.norm2 = nnx.LayerNorm(d, rngs=rngs)
+        self.norm2 = make_norm(cfg, rngs)
         self.is_moe = index in cfg.moe_layers
         if self.is_moe:
             hidden = cfg.expert_mlp_dim or cfg.mlp_dim
@@ -92,9 +119,14 @@ class Block(nnx.Module):
                 rngs=rngs,
                 routing=cfg.routing,
                 routed_bias=cfg.routed_bias,
+                gated=llama,
+                normalize_topk=cfg.normalize_topk,
+                shared_dim=cfg.shared_expert_dim,
+                shared_gate=cfg.shared_expert_gate,
             )
         else:
-            self.mlp = MLP(d, cfg.mlp_dim, out_std=cfg.residual_std, rngs=rngs)
+            mlp = SwiGLU if llama else MLP
+            self.mlp = mlp(d, cfg.mlp_dim, out_std=cfg.residual_std, rngs=rngs)
         self.hooks = cfg.hooks  # what the records of its options run
         for layer, name, settings in cfg.block_parts:
             if layer == index:
@@ -341,9 +373,13 @@ class GPT(nnx.Module):
                 nnx.initializers.normal(0.01)(rngs.params(), (cfg.max_len, cfg.d_model))
             )
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
-        self.norm = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.norm = make_norm(cfg, rngs)
         self.head = nnx.Linear(
-            cfg.d_model, cfg.vocab_size, kernel_init=nnx.initializers.normal(0.02), rngs=rngs
+            cfg.d_model,
+            cfg.vocab_size,
+            kernel_init=nnx.initializers.normal(0.02),
+            use_bias=cfg.family != "llama",
+            rngs=rngs,
         )
 
     def __call__(

@@ -69,6 +69,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dynjax.model.hooks import MOE_LOADS, HookSet
+from dynjax.model.mlp import MLP, SwiGLU
 
 ROUTINGS = ("token_choice", "expert_choice")
 BIAS = "routed_bias"  # the `RoutedBias` attribute of an MoE block: its path ends in moe/routed_bias
@@ -280,19 +281,25 @@ def route(
     top_k: int,
     cached: jax.Array | None = None,
     bias: jax.Array | None = None,
+    normalize: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Softmax top-k routing. Returns (probs [G,S,E], gates [G,S,k], experts, router_experts).
 
     With ``cached`` ([G,S,k], -1 where nothing is cached) dispatch uses the cached experts, but the
     gates are the current router's probabilities for them (DynaMoE §4.2). ``bias`` [E] is added
     to the probabilities for the selection only (DeepSeek-V3 §2.1.2): the gates do not see it.
+
+    ``normalize`` (``moe.normalize_topk``): the k gates of a token (k > 1) are renormalised to sum
+    to 1, which equals a softmax over the top-k logits (Mixtral, Qwen3-MoE); without it they are
+    the full softmax's probabilities (Qwen1.5/2-MoE, OLMoE). With k = 1 the gate is the
+    probability either way (Switch), so the router gets a gradient through it.
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     scores = probs if bias is None else probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
     _, router_experts = jax.lax.top_k(scores, top_k)
     experts = router_experts if cached is None else jnp.where(cached >= 0, cached, router_experts)
     gates = jnp.take_along_axis(probs, experts, axis=-1)
-    if top_k > 1:
+    if top_k > 1 and normalize:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     return probs, gates, experts, router_experts
 
@@ -377,12 +384,22 @@ def keep_pairs(experts: jax.Array, capacities: jax.Array) -> tuple[jax.Array, ja
     return _back(position < capacities.astype(jnp.int32)[order], experts), loads
 
 
+def expert_activation(h: jax.Array, w_out: jax.Array) -> jax.Array:
+    """The experts' hidden activation of ``h = x @ w_in``: GELU, or SwiGLU when ``w_in`` holds
+    gate and up side by side ([.., d, 2h] against ``w_out``'s h rows: Mixtral's experts), so
+    both kinds travel as the same two stacked arrays through dispatch and expert parallelism."""
+    if h.shape[-1] == 2 * w_out.shape[-2]:
+        gate, up = jnp.split(h, 2, axis=-1)
+        return jax.nn.silu(gate) * up
+    return jax.nn.gelu(h)
+
+
 def _expert_ffn(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, slot_sizes) -> jax.Array:
     """Each local expert's MLP on exactly its own slots. rows: [g, X, K, d]."""
     outs, start = [], 0
     for i, size in enumerate(slot_sizes):
         h = jnp.einsum("gxcd,dh->gxch", rows[:, :, start : start + size], w_in[i])
-        h = jax.nn.gelu(checkpoint_name(h, HIDDEN))
+        h = expert_activation(checkpoint_name(h, HIDDEN), w_out)
         outs.append(jnp.einsum("gxch,hd->gxcd", h, w_out[i]))
         start += size
     return jnp.concatenate(outs, axis=2)
@@ -446,13 +463,14 @@ def grouped_ffn(
     num, (n, t, d) = w_in.shape[0], buf.shape
     if tiles:
         e = jnp.minimum(expert, num - 1)  # an unused tile's zero rows compute zeros
-        h = jax.nn.gelu(checkpoint_name(jnp.einsum("ntd,ndh->nth", buf, w_in[e]), HIDDEN))
+        h = checkpoint_name(jnp.einsum("ntd,ndh->nth", buf, w_in[e]), HIDDEN)
+        h = expert_activation(h, w_out)
         return jnp.einsum("nth,nhd->ntd", h, w_out[e])
     ids = jnp.repeat(expert, t)
     sizes = jnp.sum(jax.nn.one_hot(ids, num, dtype=jnp.int32), axis=0)
     perm = jnp.argsort(ids, stable=True)
     rows = buf.reshape(n * t, d)[perm]
-    h = jax.nn.gelu(checkpoint_name(jax.lax.ragged_dot(rows, w_in, sizes), HIDDEN))
+    h = expert_activation(checkpoint_name(jax.lax.ragged_dot(rows, w_in, sizes), HIDDEN), w_out)
     out = jnp.zeros((n * t, d), buf.dtype).at[perm].set(jax.lax.ragged_dot(h, w_out, sizes))
     return out.reshape(n, t, d)
 
@@ -507,7 +525,14 @@ def _ragged_experts_combine(x, experts, kept, weight, w_in, w_out, *, shard_tota
 
 class MoE(nnx.Module):
     """E experts held as stacked weights ``w_in`` [E, d, h] and ``w_out`` [E, h, d]; with
-    ``routed_bias`` a `RoutedBias` [E] for auxiliary-loss-free balancing."""
+    ``routed_bias`` a `RoutedBias` [E] for auxiliary-loss-free balancing.
+
+    ``gated``: SwiGLU experts, ``w_in`` [E, d, 2h] holding gate then up (`expert_activation`).
+    ``normalize_topk``: `route`'s ``normalize``. ``shared``: a dense expert (``shared_dim``
+    wide; an `MLP`, or a `SwiGLU` when ``gated``) that every token passes through besides its
+    routed ones, its output added (DeepSeekMoE's shared experts, as one MLP of their summed
+    width); with ``shared_gate`` scaled per token by ``sigmoid(x @ shared_gate)`` first
+    (Qwen-MoE's ``shared_expert_gate``, [d, 1])."""
 
     def __init__(
         self,
@@ -520,22 +545,34 @@ class MoE(nnx.Module):
         rngs: nnx.Rngs,
         routing: str = "token_choice",
         routed_bias: bool = False,
+        gated: bool = False,
+        normalize_topk: bool = True,
+        shared_dim: int = 0,
+        shared_gate: bool = False,
     ):
         if routing not in ROUTINGS:
             raise ValueError(f"routing={routing!r} is not one of {ROUTINGS}")
         self.top_k = top_k
         self.routing = routing
+        self.normalize_topk = normalize_topk
         self.router = nnx.Param(
             nnx.initializers.normal(0.02)(rngs.params(), (d_model, num_experts))
         )
+        width = 2 * hidden if gated else hidden
         self.w_in = nnx.Param(
-            nnx.initializers.normal(0.02)(rngs.params(), (num_experts, d_model, hidden))
+            nnx.initializers.normal(0.02)(rngs.params(), (num_experts, d_model, width))
         )
         self.w_out = nnx.Param(
             nnx.initializers.normal(out_std)(rngs.params(), (num_experts, hidden, d_model))
         )
         if routed_bias:
             setattr(self, BIAS, RoutedBias(jnp.zeros((num_experts,), jnp.float32)))
+        if shared_dim:
+            mlp = SwiGLU if gated else MLP
+            self.shared = mlp(d_model, shared_dim, out_std=out_std, rngs=rngs)
+            if shared_gate:
+                init = nnx.initializers.normal(0.02)
+                self.shared_gate = nnx.Param(init(rngs.params(), (d_model, 1)))
 
     def __call__(
         self,
@@ -554,7 +591,9 @@ class MoE(nnx.Module):
             raise ValueError(f"{len(capacities)} capacities given for {num_experts} experts")
         logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
         bias = getattr(self, BIAS)[...] if hasattr(self, BIAS) else None
-        probs, gates, experts, router_experts = route(logits, self.top_k, cached, bias)
+        probs, gates, experts, router_experts = route(
+            logits, self.top_k, cached, bias, self.normalize_topk
+        )
         shards = parallel.expert_shards if parallel else 1
         w_in, w_out = self.w_in[...].astype(x.dtype), self.w_out[...].astype(x.dtype)
         axis = parallel.expert_axis if parallel else None
@@ -599,6 +638,11 @@ class MoE(nnx.Module):
                 out_specs=tokens,
             )
         y = fn(*args)
+        if hasattr(self, "shared"):
+            shared = self.shared(x)
+            if hasattr(self, "shared_gate"):
+                shared = shared * jax.nn.sigmoid(x @ self.shared_gate[...].astype(x.dtype))
+            y = y + shared
         z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
         unrouted = jnp.sum(~jnp.any(kept, axis=-1), axis=1).astype(jnp.int32)
         if self.routing == "expert_choice":  # balanced by construction: no balance loss

@@ -24,7 +24,8 @@ from flax import nnx
 
 from dynjax.model.sparse_linear import block_pruned_matmul
 
-LINEARS = ("attn/qkv", "attn/out", "mlp/up", "mlp/down")  # the dense blocks' linears, in order
+# The dense blocks' linears: GPT's in order, then the Llama family's SwiGLU gate.
+LINEARS = ("attn/qkv", "attn/out", "mlp/up", "mlp/down", "mlp/gate")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ EXPERT_PARAMS = ("w_in", "w_out")  # stacked [E, ...] expert weights inside an M
 # Megatron-LM's tensor parallelism (Shoeybi et al. 2019 §3): the first matmul of attention and
 # of the MLP split by output columns, the second by input rows, so each pair needs one
 # reduction; matched against the end of a parameter's path.
-COLUMN_PARALLEL = ("attn/qkv/kernel", "mlp/up/kernel")
+COLUMN_PARALLEL = ("attn/qkv/kernel", "mlp/up/kernel", "mlp/gate/kernel")  # gate: SwiGLU's
 COLUMN_PARALLEL_BIAS = ("attn/qkv/bias", "mlp/up/bias")
 ROW_PARALLEL = ("attn/out/kernel", "mlp/down/kernel")
 

@@ -192,12 +192,21 @@ def test_expert_masks_shard_and_checkpoint_like_expert_weights():
     assert item.dtype == bool and item.shape == (4, 64, 32)  # [E, expert_mlp_dim, d]
 
 
+# The Llama family's keys (docs/models.md): SwiGLU's gate and the shared expert are pruned too.
+FAMILIES = {
+    "gpt": {},
+    "llama": dict(model__family="llama", model__num_kv_heads=1, moe__shared_expert_dim=16),
+}
+
+
 @pytest.mark.slow
-def test_pruned_entries_stay_zero_through_steps_migration_and_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pruned_entries_stay_zero_through_steps_migration_and_a_checkpoint(tmp_path, family):
     """4 layers (layer 1 MoE) on 2 stages x 2 expert devices, clipping active: prune, train,
     move a layer to the other stage, prune further, save, restore on one device, train; the
     pipeline step equals the single-program step on the same pruned state."""
     base = dict(
+        **FAMILIES[family],
         model__num_layers=4,
         moe__every=2,
         mesh__expert=2,
@@ -248,6 +257,9 @@ def test_pruned_entries_stay_zero_through_steps_migration_and_a_checkpoint(tmp_p
     want = pm.prunable_leaves(jax.device_get(one.checkpoint_state()["params"]))
     for name in want:
         np.testing.assert_allclose(got[name], want[name], atol=2e-6, err_msg=name)
+    if family == "llama":  # the gate and the shared expert are pruned with the rest
+        for part in ("layers/0/mlp/gate/kernel", "layers/1/moe/shared/gate/kernel"):
+            assert 0 < np.mean(want[part] == 0) < 1, part
 
 
 @pytest.mark.parametrize(
@@ -284,8 +296,9 @@ def test_the_sparse_path_policy_picks_linears_below_the_crossover():
     from dynjax.dynamism.pruning import SparsePath
     from dynjax.recompile import History, Plan
 
-    policy = SparsePath(block_rows=((8, 8, 8, 32), (8, 8, 0, 0)), sparse_below=0.5)
-    counts = np.array([[8, 3, 5, 9], [4, 5, -1, -1]])  # layer 1 is MoE: no mlp/*
+    # columns: `LINEARS` (attn/qkv, attn/out, mlp/up, mlp/down, mlp/gate: GPT has no gate)
+    policy = SparsePath(block_rows=((8, 8, 8, 32, 0), (8, 8, 0, 0, 0)), sparse_below=0.5)
+    counts = np.array([[8, 3, 5, 9, -1], [4, 5, -1, -1, -1]])  # layer 1 is MoE: no mlp/*
     assert policy.widths(counts) == ((0, "attn/out", 3), (0, "mlp/down", 12), (1, "attn/qkv", 4))
     history = History.of([(7, {"pruning/column_blocks": counts})])
     proposal = policy.propose(history, Plan())

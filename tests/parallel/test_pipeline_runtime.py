@@ -2,7 +2,8 @@
 
 4 stages x 2 data devices with an uneven assignment, GPipe and 1F1B over the same compiled stage
 programs, MoE (dropping tokens) and learned positions, gradient clipping that triggers; then a
-changed assignment mid-training (migration), with SGD and with the real AdamW.
+changed assignment mid-training (migration), with SGD and with the real AdamW. The first also
+runs the Llama family (grouped-query attention, SwiGLU, shared expert, RoPE).
 """
 
 import dataclasses
@@ -50,6 +51,12 @@ CFG = GPTConfig(
     num_experts=4,
     top_k=2,
 )
+# The Llama family (docs/models.md): one key/value head for two query heads, SwiGLU experts
+# with a shared one, RoPE (the family has no learned positions).
+LLAMA = dataclasses.replace(
+    CFG, family="llama", positions="rope", num_kv_heads=1, shared_expert_dim=16
+)
+FAMILIES = {"gpt": CFG, "llama": LLAMA}
 CAPS = ((2, 5, 3, 4),)  # uneven and small: tokens are dropped
 CLIP = 0.5  # below the gradient norm of the first step: clipping is global and active
 LR = 0.3
@@ -81,22 +88,27 @@ def batches():
 
 
 @functools.cache
-def initial_state(opt=optimizer):
+def initial_state(opt=optimizer, cfg=CFG):
     """Host arrays, shared by the tests (nothing mutates them)."""
-    params = nnx.to_pure_dict(nnx.state(GPT(CFG, rngs=nnx.Rngs(0))))
+    params = nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(0))))
     return jax.device_get({"params": params, "opt_state": opt().init(params)})
 
 
 @pytest.fixture(scope="module")
 def reference():
+    return reference_run(CFG)
+
+
+@functools.cache
+def reference_run(cfg):
     """Per-step metrics and final state of the single-program step on one device."""
     opts = whole_model(
-        CFG.num_layers, batch_size=B, moe_layers=CFG.moe_layers, capacities=CAPS, microbatches=M
+        cfg.num_layers, batch_size=B, moe_layers=cfg.moe_layers, capacities=CAPS, microbatches=M
     )
     parallel = expert_parallel(make_mesh(1, 1, 1))
-    setup = stage_setup(CFG, optimizer(), z_loss_weight=1e-3)
+    setup = stage_setup(cfg, optimizer(), z_loss_weight=1e-3)
     step = jax.jit(make_train_step(setup, opts, parallel))
-    state = initial_state()
+    state = initial_state(cfg=cfg)
     p, s = state["params"], state["opt_state"]
     metrics = []
     for batch in batches():
@@ -105,16 +117,18 @@ def reference():
     return metrics, jax.device_get({"params": p, "opt_state": s})
 
 
-def pipeline_setup(mesh_shape=(4, 2, 1), opt=optimizer):
+def pipeline_setup(mesh_shape=(4, 2, 1), opt=optimizer, cfg=CFG):
     setup = StageSetup(
-        parts=ModelParts.of(CFG),
+        parts=ModelParts.of(cfg),
         optimizer=opt(),
         grad_clip=CLIP,
         aux_loss_weight=0.01,
         z_loss_weight=1e-3,
         return_assignments=False,
     )
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), initial_state(opt))
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), initial_state(opt, cfg)
+    )
     transport = Transport(make_mesh(*mesh_shape))
     programs = PipelinePrograms(setup, transport, abstract["params"], seq_len=8)
     return programs, abstract
@@ -139,18 +153,25 @@ def programs():
     return pipeline_setup()
 
 
+@functools.cache
+def llama_programs():
+    return pipeline_setup(cfg=LLAMA)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_uneven_pipeline_matches_one_device(programs, reference, schedule):
-    programs, template = programs
-    ref_metrics, ref_state = reference
+def test_uneven_pipeline_matches_one_device(programs, reference, schedule, family):
+    cfg = FAMILIES[family]
+    programs, template = programs if family == "gpt" else llama_programs()
+    ref_metrics, ref_state = reference if family == "gpt" else reference_run(cfg)
     spec = spec_for(ASSIGNMENT, schedule)
     exe = programs.lower(spec).compile()
-    start_params = initial_state()["params"]
+    start_params = initial_state(cfg=cfg)["params"]
     # The premises: the first step really clips, the capacities really drop tokens.
     assert ref_metrics[0]["grad_norm"] > CLIP and ref_metrics[0]["moe/dropped"].sum() > 0
     pipeline = Pipeline(programs, template)
-    pipeline.place(initial_state(), spec)
+    pipeline.place(initial_state(cfg=cfg), spec)
     for step, batch in enumerate(batches()):
         metrics = host_metrics(jax.device_get(pipeline.step(exe, **batch)))
         ref = ref_metrics[step]
@@ -277,10 +298,10 @@ def test_migration_is_exact_and_recompiles_only_changed_stages(programs, referen
 FROZEN = (0, 1, 3)  # a frozen prefix (embedding, layers 0-1) and a frozen layer inside
 
 
-def frozen_reference():
+def frozen_reference(cfg=CFG):
     """The single-program loss with stop_gradient on the frozen units, on one device."""
-    opts = whole_model(CFG.num_layers, batch_size=B, moe_layers=CFG.moe_layers, capacities=CAPS)
-    setup = stage_setup(CFG, z_loss_weight=1e-3)
+    opts = whole_model(cfg.num_layers, batch_size=B, moe_layers=cfg.moe_layers, capacities=CAPS)
+    setup = stage_setup(cfg, z_loss_weight=1e-3)
     parallel = expert_parallel(make_mesh(1, 1, 1))
     opt = optimizer()
 
@@ -288,7 +309,7 @@ def frozen_reference():
         layers = {
             i: jax.lax.stop_gradient(p) if i in FROZEN else p for i, p in params["layers"].items()
         }
-        embed = {k: jax.lax.stop_gradient(params[k]) for k in ("embed", "pos")}
+        embed = {k: jax.lax.stop_gradient(params[k]) for k in ("embed", "pos") if k in params}
         return {**params, **embed, "layers": layers}
 
     def loss(params, inputs, targets):
@@ -303,7 +324,7 @@ def frozen_reference():
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    state = initial_state()
+    state = initial_state(cfg=cfg)
     p, s = state["params"], state["opt_state"]
     for batch in batches():
         p, s = step(p, s, batch)
@@ -311,8 +332,10 @@ def frozen_reference():
 
 
 @pytest.mark.slow
-def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs):
-    programs, template = programs
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs, family):
+    cfg = FAMILIES[family]
+    programs, template = programs if family == "gpt" else llama_programs()
     exe = programs.lower(spec_for(ASSIGNMENT, "1f1b", frozen=FROZEN)).compile()
     assert ("bwd", 0) not in exe.programs  # stage 0 (embedding, layer 0) runs no backward
     assert ("fwd", 0) in exe.programs
@@ -324,13 +347,14 @@ def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs)
     acc_2, g_in_2 = exe.programs["bwd", 2].out_info[:2]
     assert acc_2 == {} and g_in_2.shape == (B // M, 8, CFG.d_model)
     pipeline = Pipeline(programs, template)
-    start = initial_state()
+    start = initial_state(cfg=cfg)
     pipeline.place(start, exe.spec)
     assert sorted(pipeline.acc[1]["layers"]) == [2]  # the accumulator holds trainable layers only
     for batch in batches():
         pipeline.step(exe, **batch)
     got = pipeline.host_state()
-    unchanged = [("embed",), ("pos",)] + [("layers", i) for i in FROZEN]
+    positions = [("pos",)] if cfg.positions == "learned" else []
+    unchanged = [("embed",), *positions] + [("layers", i) for i in FROZEN]
     for unit in unchanged:
         node_start, node_got = start["params"], got["params"]
         for key in unit:
@@ -339,7 +363,7 @@ def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs)
             np.testing.assert_array_equal(x, y)
     momentum = got["opt_state"][1][0].trace["layers"]
     assert all(not np.any(x) for i in FROZEN for x in jax.tree.leaves(momentum[i]))
-    assert_close(frozen_reference(), got, 1e-5)
+    assert_close(frozen_reference(cfg), got, 1e-5)
 
 
 @pytest.mark.slow

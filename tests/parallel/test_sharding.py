@@ -1,4 +1,7 @@
-"""Parallel equals sequential: expert/data sharding and microbatching against one device."""
+"""Parallel equals sequential: expert/data sharding and microbatching against one device, for
+both model families."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -30,15 +33,30 @@ CFG = GPTConfig(
     top_k=2,
 )
 CAPS = ((3, 5, 4, 6, 2, 4, 7, 3), (4,) * 8)  # uneven, and small enough to drop tokens
+# Both block families (docs/models.md); the Llama one with grouped-query attention (one key/value
+# head for two query heads), SwiGLU experts, unnormalised gates and a gated shared expert
+# (Qwen-MoE's conventions).
+FAMILIES = {
+    "gpt": CFG,
+    "llama": dataclasses.replace(
+        CFG,
+        family="llama",
+        num_kv_heads=1,
+        normalize_topk=False,
+        shared_expert_dim=16,
+        shared_expert_gate=True,
+    ),
+}
 
 
-@pytest.fixture(scope="module")
-def setup():
-    model = GPT(CFG, rngs=nnx.Rngs(0))
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def setup(request):
+    cfg = FAMILIES[request.param]
+    model = GPT(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(0)
     batch = {k: rng.integers(0, 64, (8, 16)).astype(np.int32) for k in ("inputs", "targets")}
-    return graphdef, nnx.to_pure_dict(state), batch
+    return graphdef, nnx.to_pure_dict(state), batch, cfg
 
 
 def spec(**kw):
@@ -47,14 +65,14 @@ def spec(**kw):
 
 
 def loss_and_grads(setup, mesh_shape, opts, tensor=1, fsdp=False):
-    _, params, batch = setup
+    _, params, batch, cfg = setup
     mesh = make_mesh(*mesh_shape, tensor=tensor)
     par = expert_parallel(mesh)
     params = jax.device_put(params, param_shardings(params, mesh, fsdp=fsdp))
     batch = jax.device_put(batch, batch_sharding(mesh))
     fn = jax.jit(
         jax.value_and_grad(
-            lambda p, b: loss_terms(stage_setup(CFG), opts, par, p, b["inputs"], b["targets"])[0]
+            lambda p, b: loss_terms(stage_setup(cfg), opts, par, p, b["inputs"], b["targets"])[0]
         )
     )
     return jax.device_get(fn(params, batch))
@@ -83,13 +101,13 @@ def test_fsdp_and_tensor_parallel_gradients_match_one_device(setup, mesh_shape, 
 @pytest.mark.slow
 def test_train_step_microbatches_and_sharding_match_one_device(setup):
     """A full optimizer step (SGD: parameters move by the gradient), sharded and microbatched."""
-    _, params, batch = setup
+    _, params, batch, cfg = setup
     results = []
     for mesh_shape, micro in (((1, 1, 1), 1), ((1, 2, 2), 2), ((1, 2, 4), 1)):
         mesh = make_mesh(*mesh_shape)
         opts = spec(capacities=CAPS, microbatches=micro)
         opt = optax.sgd(0.5)
-        step = jax.jit(make_train_step(stage_setup(CFG, opt), opts, expert_parallel(mesh)))
+        step = jax.jit(make_train_step(stage_setup(cfg, opt), opts, expert_parallel(mesh)))
         p = jax.device_put(params, param_shardings(params, mesh))
         new, _, metrics = step(p, opt.init(p), jax.device_put(batch, batch_sharding(mesh)))
         results.append(jax.device_get((new, metrics)))

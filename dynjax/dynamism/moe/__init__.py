@@ -89,6 +89,8 @@ class MoEPlugin(Plugin):
         "moe.top_k",
         "moe.expert_mlp_dim",
         "moe.bias_balancing.enabled",  # adds or removes each block's `RoutedBias`
+        "moe.shared_expert_dim",  # adds or removes each block's shared expert
+        "moe.shared_expert_gate",  # and its gate
     )
     logged_metrics = ("moe/unrouted",)  # [MoE layers] tokens no expert computed in the step
     Settings = MoESettings
@@ -111,6 +113,17 @@ class MoEPlugin(Plugin):
         # "token_choice": each token its top-k experts; "expert_choice": each expert its top-C
         # tokens of a group, C its capacity (Zhou et al. 2022; no drops, no balance loss)
         c.routing = "token_choice"
+        # Token choice's gates: the top-k probabilities renormalised to sum to 1, i.e. a
+        # softmax over the top-k logits (Mixtral, Qwen3-MoE); False: the full softmax's
+        # probabilities (Qwen1.5/2-MoE, OLMoE). Top-1 gates are the probability either way
+        c.normalize_topk = True
+        # A dense expert every token passes through beside its routed ones, its output added
+        # (DeepSeekMoE, Qwen-MoE's shared experts as one MLP of their summed width); its width,
+        # 0 = none. A SwiGLU in the llama family, a GELU MLP in the gpt family
+        c.shared_expert_dim = 0
+        # Scale the shared expert's output per token by sigmoid(x @ w), w [d_model, 1] trained
+        # (Qwen1.5/2-MoE's shared_expert_gate); needs moe.shared_expert_dim > 0
+        c.shared_expert_gate = False
         # Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias on the router's
         # probabilities for the top-k selection only, moved after each step by
         # rate * sign(mean load - load); not trained, checkpointed with the model
@@ -200,6 +213,9 @@ class MoEPlugin(Plugin):
                 "moe.granularity.enabled=True": moe.granularity.enabled,
                 f"moe.chunks={moe.chunks}": moe.chunks != 1,
                 f"moe.memory_reuse={moe.memory_reuse!r}": moe.memory_reuse != "none",
+                f"moe.shared_expert_dim={moe.shared_expert_dim}": moe.shared_expert_dim != 0,
+                "moe.shared_expert_gate=True": moe.shared_expert_gate,
+                "moe.normalize_topk=False": not moe.normalize_topk,
             }
             asked = [key for key, on in moe_policies.items() if on]
             if asked:  # it would be ignored: the run would not be what the config says
@@ -481,8 +497,20 @@ def _check_routing(moe: MoESettings) -> None:
             f"moe.bias_balancing.rate={moe.bias_balancing.rate} must be > 0 (DeepSeek-V3 uses "
             "1e-3), or set moe.bias_balancing.enabled=False"
         )
+    at_least({"moe.shared_expert_dim": moe.shared_expert_dim}, 0, " (0 = no shared expert)")
+    if moe.shared_expert_gate and not moe.shared_expert_dim:
+        raise ConfigError(
+            "moe.shared_expert_gate=True gates the shared expert, but moe.shared_expert_dim=0 "
+            "adds none: set moe.shared_expert_dim > 0 or moe.shared_expert_gate=False"
+        )
     if moe.routing != "expert_choice":
         return
+    if not moe.normalize_topk:
+        raise ConfigError(
+            "moe.normalize_topk=False shapes token choice's top-k gates; moe.routing="
+            "'expert_choice' weights each token by its probability and has none: set "
+            "moe.normalize_topk=True or moe.routing='token_choice'"
+        )
     clashes = {
         "moe.bias_balancing.enabled=True": moe.bias_balancing.enabled,
         "moe.capacity.policy='dynamic'": moe.capacity.policy == "dynamic",

@@ -68,6 +68,9 @@ class MoESettings:
     z_loss_weight: float
     dispatch: Literal["static", "ragged"]
     routing: Literal[ROUTINGS]
+    normalize_topk: bool
+    shared_expert_dim: int
+    shared_expert_gate: bool
     bias_balancing: BiasBalancingSettings
     capacity: CapacitySettings
     caching: CachingSettings
