@@ -63,7 +63,7 @@ import jax
 import numpy as np
 from dynmo_cases import cadence, resizes, swap_seconds, swaps, synthetic_cases
 
-from dynjax.config import load_config, microbatches
+from dynjax.config import load_config
 from dynjax.dynamism.moe.part import capacities_of
 from dynjax.experiment import Experiment
 from dynjax.model import ModelParts
@@ -73,6 +73,7 @@ from dynjax.parallel.timeline import WATCHER
 from dynjax.recompile import Plan, Rebalance
 from dynjax.recompile.monitor import Monitor
 from dynjax.recompile.policy import History
+from dynjax.settings import microbatches
 from dynjax.train import policies_for
 
 TRACES = Path(__file__).resolve().parent / "traces"
@@ -259,7 +260,7 @@ def main() -> None:
         [], [], [], [], [], [], [])
     after = {kind: [] for kind in changes}  # profiled step seconds after a swap, by change
     migrate_s = []
-    (policy,) = [p for p in policies_for(cfg, exp) if isinstance(p, Rebalance)]
+    (policy,) = [p for p in policies_for(exp.settings, exp) if isinstance(p, Rebalance)]
     watched.clear()
     watcher_cpu = []  # per profiled window
     for r in range(args.rounds):
@@ -294,9 +295,10 @@ def main() -> None:
     # per profiled step (they do nothing else) plus the training thread's extra.
     watchers = statistics.median(watcher_cpu)
     direct = thread + watchers
-    setting = (f"{cfg.mesh.stage} stages x {cfg.mesh.data} data ({jax.device_count()} "
-               f"{jax.devices()[0].platform} devices), {cfg.model.num_layers} layers, "
-               f"M={microbatches(cfg)}, batch {cfg.train.batch_size} x {cfg.data.seq_len}; "
+    run = exp.settings
+    setting = (f"{run.mesh.stage} stages x {run.mesh.data} data ({jax.device_count()} "
+               f"{jax.devices()[0].platform} devices), {run.model.num_layers} layers, "
+               f"M={microbatches(run)}, batch {run.train.batch_size} x {run.data.seq_len}; "
                f"medians of {args.rounds} rounds of {args.steps} steps, the periodic "
                "profile's paired with the round's plain steps")
     print(f"\n{args.case or config}: {setting}")

@@ -178,7 +178,7 @@ Variant = Callable[[Experiment, Plan, dict[str, Any]], tuple[Plan, dict[str, Any
 
 
 def frozen_prefix(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Plan, dict]:
-    layers = exp.cfg.model.num_layers
+    layers = exp.settings.model.num_layers
     return plan.replace(frozen_layers=tuple(range(layers // 2))), host
 
 
@@ -304,7 +304,7 @@ def measure(
 
 
 def report(title: str, exp: Experiment, results: dict[str, dict], steps: int, rounds: int) -> None:
-    tokens = exp.cfg.train.batch_size * exp.cfg.data.seq_len
+    tokens = exp.settings.train.batch_size * exp.settings.data.seq_len
     base = results[next(iter(results))]
     print(f"\n{title}\nmedian of {rounds} rounds x {steps} steps")
     header = (

@@ -56,7 +56,7 @@ def main() -> None:
                              rows[-1][PROCESSED] if rows else None)
     base = Experiment.from_config(load_config(args.config, overrides(False, args.steps)))
     exits = Experiment.from_config(load_config(args.config, overrides(True, args.steps)))
-    seq, layers = exits.cfg.data.seq_len, exits.cfg.model.num_layers
+    seq, layers = exits.settings.data.seq_len, exits.settings.model.num_layers
     whole = exits.initial_plan().with_part(NAME, active=True)
     ended = runs[True][1] or (seq,) * layers
     settings = {
@@ -77,7 +77,7 @@ def main() -> None:
                 metrics = runtime.step(compiled, exp.order.batch(r * 10 + t), None)
             jax.block_until_ready(metrics)
             if r:
-                tokens = 10 * exp.cfg.train.batch_size * seq
+                tokens = 10 * exp.settings.train.batch_size * seq
                 rates[name].append(tokens / (time.perf_counter() - t0))
     base_rate = statistics.median(rates["no early exit"])
     print(f"\n{args.config}: FLOPs from cost_analysis(), tokens/s median of {args.rounds} rounds "

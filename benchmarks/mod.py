@@ -54,7 +54,7 @@ def main() -> None:
                 metrics = runtime.step(compiled, exp.order.batch(r * 10 + t), None)
             jax.block_until_ready(metrics)
             if r:
-                tokens = 10 * exp.cfg.train.batch_size * exp.cfg.data.seq_len
+                tokens = 10 * exp.settings.train.batch_size * exp.settings.data.seq_len
                 rates[capacity].append(tokens / (time.perf_counter() - t0))
     losses = {}
     for capacity in CAPACITIES:

@@ -148,7 +148,7 @@ def step_table(experts: list[int], steps: int, rounds: int) -> None:
 def recompile_table(sim_steps: int) -> None:
     print(f"\n3. DynamicCapacity over {sim_steps} simulated steps (8 experts, drifting loads)")
     exp = Experiment.from_config(small_config(8, "ragged"))
-    counts = simulated_recompiles(exp, sim_steps, exp.cfg.recompile.cache_size)
+    counts = simulated_recompiles(exp, sim_steps, exp.settings.recompile.cache_size)
     per = 1000 / sim_steps
     print(f"plan changes {counts['plan changes'] * per:.0f} | static recompiles "
           f"{counts['static'] * per:.0f} | ragged recompiles {counts['ragged'] * per:.0f} "

@@ -50,9 +50,9 @@ def experiment(path: str, stages: int, data: int, layers: str = "", micro: int =
 
 
 def bubble_table(exp: Experiment, micro: list[int], steps: int) -> None:
-    stages = exp.ctx.pipeline_stages
-    print(f"\n{stages} stages x {exp.cfg.mesh.data} data devices, {exp.cfg.model.num_layers} "
-          f"layers, batch {exp.cfg.train.batch_size} x {exp.cfg.data.seq_len}; copies between "
+    stages, run = exp.ctx.pipeline_stages, exp.settings
+    print(f"\n{stages} stages x {run.mesh.data} data devices, {run.model.num_layers} "
+          f"layers, batch {run.train.batch_size} x {run.data.seq_len}; copies between "
           "stages by jax.device_put or by JAX's batched copy directly (`copy_to`), the two "
           "alternating step by step")
     print(f"{'schedule':<9}{'M':>3}{'copies':>12}{'dispatch/mb ms':>16}{'device/mb ms':>14}"
@@ -157,7 +157,7 @@ def _mean(row, kind: str) -> float:
 
 def one_stage_table(path: str, steps: int, rounds: int) -> None:
     plain = experiment(path, 1, 1, micro=1)  # the same Plan for both: one microbatch
-    staged = experiment(path, 1, 1, layers=f"({plain.cfg.model.num_layers},)", micro=1)
+    staged = experiment(path, 1, 1, layers=f"({plain.settings.model.num_layers},)", micro=1)
     loops = {}
     for name, exp in (("single program", plain), ("1-stage pipeline", staged)):
         plan = exp.initial_plan()
@@ -173,7 +173,7 @@ def one_stage_table(path: str, steps: int, rounds: int) -> None:
 
         run(3, 0)  # warm up
         loops[name] = run
-    tokens = steps * plain.cfg.train.batch_size * plain.cfg.data.seq_len
+    tokens = steps * plain.settings.train.batch_size * plain.settings.data.seq_len
     rates = {name: [] for name in loops}
     for r in range(rounds):  # alternate, the machine is shared
         for name, run in loops.items():

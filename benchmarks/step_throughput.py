@@ -107,7 +107,7 @@ def main() -> None:
         plan = exp.initial_plan()
         base, (ours, controller) = hand_written(exp, plan), dynjax_loop(exp, plan)
         base(3, 0), ours(3, 0)  # compile and warm up both
-        tokens = args.steps * exp.cfg.train.batch_size * exp.cfg.data.seq_len
+        tokens = args.steps * exp.settings.train.batch_size * exp.settings.data.seq_len
         rates = {"base": [], "ours": []}
         for r in range(args.rounds):
             start = 3 + r * args.steps

@@ -106,8 +106,11 @@ Every key dynjax reads, with its one default: the core sections are set in `dynj
 each dynamism scheme's section in its plugin's `config()` (`dynjax/dynamism/`). `configs/*.py`
 start from these defaults and change some; any key can be overridden on the command line with
 `--config.<section>.<key>=<value>`. A misspelt key, a value of the wrong type or values that
-conflict stop the run before any work, naming the keys and the fix. A description is the
-source's comment on the key where it has one; each section's page explains its keys.
+conflict stop the run before any work, naming the keys and the fix. The run reads the config
+once, at the edge, into frozen records (`dynjax.config.check_run`): each core section into its
+record in `dynjax/settings.py` (one field per key: a new core key needs its field there), each
+scheme's into its plugin's `Settings`. A description is the source's comment on the key where it
+has one; each section's page explains its keys.
 """
 
 

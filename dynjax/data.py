@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dynjax.corpus import tokenized_corpus
 from dynjax.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -36,18 +37,31 @@ class DataError(ConfigError):
     """The data at ``data.path`` cannot train; the message names the path and the fix."""
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """``data.tokenizer`` and the keys beside it: empty ``path`` is the byte-level default."""
+
+    path: str = ""
+    eos_token: str = ""
+    cache: str = ""
+
+
 def embedded_corpus_root() -> Path:
     """The default corpus: this interpreter's standard library sources (real text, no download)."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def load_tokens(path: str, max_tokens: int) -> np.ndarray:
+def load_tokens(path: str, max_tokens: int, tokenizer: TokenizerSpec | None = None) -> np.ndarray:
     """Read a non-empty token stream (uint8 bytes for text, the stored dtype for arrays).
 
     ``path`` may be a text file, a directory of text files (read in sorted order), a ``.npy``
     array, or a raw ``.bin`` of uint16 tokens; empty means the embedded corpus. Arrays are
-    memory-mapped, not read.
+    memory-mapped, not read. With a ``tokenizer``, ``path`` is a corpus it tokenizes once into a
+    cached token array (`dynjax.corpus`).
     """
+    if tokenizer is not None and tokenizer.path:
+        array = tokenized_corpus(path, tokenizer.path, tokenizer.cache, tokenizer.eos_token)
+        return _as_tokens(_load_npy(array, path), path)
     if not path:
         files = [
             f

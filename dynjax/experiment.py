@@ -1,9 +1,11 @@
 """Everything a run builds once from its config: data, model, mesh, optimizer, initial Plan.
 
-The config is unpacked here, at the edge (STYLE.md trap 1); below this point functions take the
-few numbers they need. A run executes either the single-program step (`dynjax.parallel.step`) or,
-when its Plan has a stage assignment, the MPMD pipeline (`dynjax.parallel.pipeline`); `runtime`
-builds the one its Plan needs (`dynjax.parallel.runtime`, one protocol for the training loop).
+The config is read and checked once, into records (`Experiment.settings`, `dynjax.settings`),
+and unpacked here, at the edge (STYLE.md trap 1), from those records; below this point
+functions take the records or the few numbers they need. A run executes either the
+single-program step (`dynjax.parallel.step`) or, when its Plan has a stage assignment, the MPMD
+pipeline (`dynjax.parallel.pipeline`); `runtime` builds the one its Plan needs
+(`dynjax.parallel.runtime`, one protocol for the training loop).
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from flax import nnx
 from dynjax import config as config_lib
 from dynjax import resume
 from dynjax.balance import schedule_tasks
-from dynjax.data import Batch, TokenWindows, TrainOrder, load_tokens, validation_batches
+from dynjax.data import (
+    Batch,
+    TokenizerSpec,
+    TokenWindows,
+    TrainOrder,
+    load_tokens,
+    validation_batches,
+)
 from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context, plan_layer_options
 from dynjax.dynamism.moe.capacity import ragged_totals
 from dynjax.dynamism.moe.part import NAME as MOE
@@ -58,14 +67,21 @@ from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stages import PipelineSpec, StageSpec, stage_specs
 from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError
+from dynjax.settings import (
+    RunSettings,
+    TrainSettings,
+    microbatches,
+    optimizer_settings,
+    stage_layers,
+)
 
 
 def optimizer(
-    cfg: ml_collections.ConfigDict, plugins: Sequence[Plugin]
+    train: TrainSettings, plugins: Sequence[Plugin]
 ) -> optax.GradientTransformation:
     """`make_optimizer`, wrapped by every enabled plugin in `Schemes` order (e.g. pruning keeps
     its masks in the optimizer state, so they are train state like the moments)."""
-    opt = make_optimizer(config_lib.optimizer_settings(cfg))
+    opt = make_optimizer(optimizer_settings(train))
     for plugin in plugins:
         opt = plugin.wrap_optimizer(opt)
     return opt
@@ -80,7 +96,8 @@ def _named_rounds(rounds: dict[str, Rounds], split: bool, name: str) -> Rounds:
 
 @dataclasses.dataclass
 class Experiment:
-    cfg: ml_collections.ConfigDict
+    cfg: ml_collections.ConfigDict  # what is written (config.json, checkpoints) and diffed
+    settings: RunSettings  # the config read and checked once: what the run reads
     ctx: PlanContext
     mesh: Any
     graphdef: Any
@@ -102,27 +119,41 @@ class Experiment:
     def __post_init__(self) -> None:
         self._eval_steps = EvalSteps(
             lambda spec: make_eval_step(self.stage_setup, spec, expert_parallel(self.mesh)),
-            self.cfg.recompile.cache_size,
+            self.settings.recompile.cache_size,
         )
 
     @classmethod
     def from_config(
         cls, cfg: ml_collections.ConfigDict, schemes: Schemes = BUILTIN
     ) -> Experiment:
-        settings = config_lib.validate_config(cfg, jax.device_count(), schemes)
-        facts = config_lib.model_facts(cfg, settings, schemes)
+        """The run of ``cfg``, read and checked here (`dynjax.config.check_run`)."""
+        return cls.from_settings(cfg, config_lib.check_run(cfg, jax.device_count(), schemes),
+                                 schemes)
+
+    @classmethod
+    def from_settings(
+        cls, cfg: ml_collections.ConfigDict, run: RunSettings, schemes: Schemes = BUILTIN
+    ) -> Experiment:
+        """The run of ``cfg`` as read and checked into ``run`` (`check_run`'s, for ``cfg`` and
+        ``schemes``): for a caller that needs the records before the run is built."""
+        settings = run.scheme_settings
+        facts = config_lib.model_facts(cfg, run, schemes)
         model_cfg = facts.model
         windows = TokenWindows(
-            load_tokens(cfg.data.path, cfg.data.max_tokens),
-            cfg.data.seq_len,
-            cfg.data.val_fraction,
-            cfg.model.vocab_size,
-            cfg.data.path,
+            load_tokens(
+                run.data.path,
+                run.data.max_tokens,
+                TokenizerSpec(run.data.tokenizer, run.data.eos_token, run.data.token_cache),
+            ),
+            run.data.seq_len,
+            run.data.val_fraction,
+            run.model.vocab_size,
+            run.data.path,
         )
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
-        t = cfg.train
+        t = run.train
         ctx = plan_context(facts)
-        order = TrainOrder(windows, t.batch_size, cfg.seed)
+        order = TrainOrder(windows, t.batch_size, run.seed)
         rounds: dict[str, Rounds] = {}
         split = jax.process_count() > 1 and bool(ctx.pipeline_stages)
         probe = schemes.speed_probe(settings, facts)  # timed here: no plugin hook times the device
@@ -135,17 +166,18 @@ class Experiment:
         ctx = dataclasses.replace(ctx, checks=tuple(p.plan_problems for p in plugins))
         return cls(
             cfg=cfg,
+            settings=run,
             ctx=ctx,
             # Devices in process order: each process of a multi-process run owns whole stages.
             mesh=make_mesh(
-                cfg.mesh.stage,
-                cfg.mesh.data,
-                cfg.mesh.expert,
+                run.mesh.stage,
+                run.mesh.data,
+                run.mesh.expert,
                 sorted(jax.devices(), key=lambda d: (d.process_index, d.id)),
-                tensor=cfg.mesh.tensor,
+                tensor=run.mesh.tensor,
             ),
             graphdef=graphdef,
-            optimizer=optimizer(cfg, plugins),
+            optimizer=optimizer(t, plugins),
             schedule=learning_rate_schedule(
                 t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio
             ),
@@ -164,19 +196,19 @@ class Experiment:
         """Fresh parameters (from ``seed``, or ``train.init_from``'s weights, each device
         reading its own slice) and optimizer state, placed on the mesh."""
         shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state["params"])
-        if self.cfg.train.init_from:
+        if self.settings.train.init_from:
             params = initial_params(
-                self.model_cfg, self.cfg.train.init_from, self.abstract_state["params"]
+                self.model_cfg, self.settings.train.init_from, self.abstract_state["params"]
             )
         else:
-            params = jax.device_put(fresh_params(self.model_cfg, self.cfg.seed), shardings)
+            params = jax.device_put(fresh_params(self.model_cfg, self.settings.seed), shardings)
         return {"params": params, "opt_state": jax.jit(self.optimizer.init)(params)}
 
     def init_host_state(self) -> dict[str, Any]:
         """Fresh parameters and optimizer state as host arrays (what a pipeline splits)."""
-        if self.cfg.train.init_from:
+        if self.settings.train.init_from:
             return jax.device_get(self.init_state())
-        params = fresh_params(self.model_cfg, self.cfg.seed)
+        params = fresh_params(self.model_cfg, self.settings.seed)
         return jax.device_get({"params": params, "opt_state": jax.jit(self.optimizer.init)(params)})
 
     @functools.cached_property
@@ -190,7 +222,7 @@ class Experiment:
         placed = lambda tree: jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             tree,
-            param_shardings(tree, self.mesh, fsdp=self.cfg.parallel.fsdp),
+            param_shardings(tree, self.mesh, fsdp=self.settings.parallel.fsdp),
         )
         params = placed(self.abstract_params)
         # Moments mirror the parameters' shardings (their paths end like the parameters');
@@ -217,12 +249,13 @@ class Experiment:
 
     def initial_plan(self) -> Plan:
         plan = Plan(
-            microbatches=config_lib.microbatches(self.cfg),
-            dtype=self.cfg.train.dtype,
-            stage_layers=config_lib.stage_layers(
-                self.cfg, layer_sizes(self.abstract_state["params"], self.cfg.model.num_layers)
+            microbatches=microbatches(self.settings),
+            dtype=self.settings.train.dtype,
+            stage_layers=stage_layers(
+                self.settings,
+                layer_sizes(self.abstract_state["params"], self.settings.model.num_layers),
             ),
-            schedule=self.cfg.pipeline.schedule,
+            schedule=self.settings.pipeline.schedule,
         )
         for plugin in self.plugins:
             plan = plugin.initial_plan(plan)
@@ -261,7 +294,7 @@ class Experiment:
         return ragged_totals(
             moe_context(self.facts),
             capacities_of(plan),
-            self.cfg.mesh.expert,
+            self.settings.mesh.expert,
             moe.capacity.bucket,
             expert_choice=moe.routing == "expert_choice",
         )
@@ -278,7 +311,7 @@ class Experiment:
         """The single-program step of ``plan``: one stage holding the whole model."""
         return whole_model(
             self.model_cfg.num_layers,
-            batch_size=self.cfg.train.batch_size,
+            batch_size=self.settings.train.batch_size,
             moe_layers=self.model_cfg.moe_layers,
             capacities=capacities_of(plan),
             frozen_layers=plan.frozen_layers,
@@ -293,7 +326,7 @@ class Experiment:
     @functools.cached_property
     def stage_setup(self) -> StageSetup:
         """What every stage's programs share, the single program's one stage included."""
-        t, moe = self.cfg.train, self.cfg.moe
+        t, moe = self.settings.train, self.cfg.moe
         return StageSetup(
             parts=ModelParts.of(self.model_cfg),
             optimizer=self.optimizer,
@@ -301,7 +334,7 @@ class Experiment:
             aux_loss_weight=moe.aux_loss_weight,
             z_loss_weight=moe.z_loss_weight,
             return_assignments=bool(self.model_cfg.moe_layers) and moe.caching.enabled,
-            fsdp=self.cfg.parallel.fsdp,
+            fsdp=self.settings.parallel.fsdp,
             skip_nonfinite=t.nonfinite == "skip",
         )
 
@@ -330,8 +363,8 @@ class Experiment:
         moe = len(self.model_cfg.moe_layers)
         return abstract_batch(
             self.mesh,
-            self.cfg.train.batch_size,
-            self.cfg.data.seq_len,
+            self.settings.train.batch_size,
+            self.settings.data.seq_len,
             cached=(moe, self.model_cfg.top_k) if cached_routing_of(plan) else None,
             inputs=self.step_inputs(plan),
         )
@@ -360,7 +393,7 @@ class Experiment:
             capacities=capacities_of(plan),
             frozen_layers=plan.frozen_layers,
             microbatches=plan.microbatches,
-            batch_size=self.cfg.train.batch_size,
+            batch_size=self.settings.train.batch_size,
             cached_routing=cached_routing_of(plan),
             dtype=plan.dtype,
             options=self.layer_options(plan),
@@ -375,12 +408,12 @@ class Experiment:
         # Up to `cache_size` Plans' worth of stage programs: about four kinds per stage, and
         # a forward and a backward per layer for profiling.
         per_plan = 4 * self.ctx.pipeline_stages + 2 * self.ctx.num_layers
-        entries = self.cfg.recompile.cache_size * per_plan
+        entries = self.settings.recompile.cache_size * per_plan
         return PipelinePrograms(
             self.stage_setup,
             Transport(self.mesh),
             self.abstract_params,
-            self.cfg.data.seq_len,
+            self.settings.data.seq_len,
             max_entries=entries,
         )
 
@@ -389,7 +422,7 @@ class Experiment:
         or ``state`` (host arrays, or arrays restored into `restore_target`, which stay where
         they are); a pipeline over several processes gathers its profiles through
         `stage_rounds`."""
-        t = self.cfg.train
+        t = self.settings.train
         if plan.stage_layers:
             profiles = self.stage_rounds("profile")
             pipeline = Pipeline(self.pipeline_programs, self.abstract_state, profiles)
@@ -402,7 +435,7 @@ class Experiment:
                 pipeline,
                 pipeline_stages=self.ctx.pipeline_stages,
                 batch_size=t.batch_size,
-                seq_len=self.cfg.data.seq_len,
+                seq_len=self.settings.data.seq_len,
                 step_inputs=self.step_inputs,
                 val_batches=self.val_batches,
                 rounds=self.stage_rounds,
@@ -414,7 +447,7 @@ class Experiment:
             pipeline_stages=self.ctx.pipeline_stages,
             mesh=self.mesh,
             batch_size=t.batch_size,
-            seq_len=self.cfg.data.seq_len,
+            seq_len=self.settings.data.seq_len,
             place_batch=self.device_batch,
             eval_step=self.eval_step,
             val_batches=self.val_batches,

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dynjax.model.gpt import GPTConfig
 
 # Training = forward + backward; the backward computes two matmuls (input and weight gradient)
 # per forward matmul: 3 x forward (PaLM Appendix B; Kaplan et al. 2020 §2.1's 6N).
@@ -110,7 +113,12 @@ def config_flops_per_token(cfg: Any, **kwargs: Any) -> float:
     """`model_flops_per_token` of a dynjax config (``ml_collections.ConfigDict``)."""
     from dynjax.config import gpt_config  # the one place the config is unpacked for the model
 
-    m = gpt_config(cfg)
+    return gpt_flops_per_token(gpt_config(cfg), **kwargs)
+
+
+def gpt_flops_per_token(m: GPTConfig, **kwargs: Any) -> float:
+    """`model_flops_per_token` of a model's sizes (`dynjax.model.GPTConfig`), one token of a
+    sequence of its ``max_len``."""
     return model_flops_per_token(
         d_model=m.d_model,
         num_layers=m.num_layers,

@@ -13,7 +13,7 @@ ROUTER = "router"  # the MoE router's parameter name (`dynjax.model.moe.MoE.rout
 @dataclasses.dataclass(frozen=True)
 class OptimizerSettings:
     """The `train` keys the optimizer reads, unpacked at the edge
-    (`dynjax.config.optimizer_settings`; their defaults and meanings are the config's)."""
+    (`dynjax.settings.optimizer_settings`; their defaults and meanings are the config's)."""
 
     learning_rate: float
     warmup_steps: int

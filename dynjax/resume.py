@@ -25,7 +25,7 @@ from dynjax.recompile import Plan
 # dynamism plugin adds its own (`Plugin.fixed_on_resume`).
 FIXED_ON_RESUME = ("seed", "data.", "model.", "train.batch_size")
 # Keys under those that decide only how the same batches are read, not which.
-READING_ONLY = ("data.prefetch",)
+READING_ONLY = ("data.prefetch", "data.token_cache")
 
 # The config keys each core Plan field comes from. A resumed run keeps the saved value (what
 # the policies made of it) unless one of its keys changed; then the new config's value applies.

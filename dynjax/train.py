@@ -34,6 +34,7 @@ from tqdm import tqdm
 from dynjax import config as config_lib
 from dynjax.checkpoint.errors import NoSpaceError
 from dynjax.checkpoint.rows import PartialRows
+from dynjax.checkpoint.settings import CheckpointSettings
 from dynjax.checkpoint.snapshot import InjectedFault
 from dynjax.checkpoint.strategy import (
     Checkpoints,
@@ -50,7 +51,7 @@ from dynjax.dynamism.moe.checkpoint import PLT
 from dynjax.dynamism.moe.part import base_capacity, cached_routing_of, capacities_of, moe_context
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
-from dynjax.flops import config_flops_per_token, mfu, peak_flops
+from dynjax.flops import gpt_flops_per_token, mfu, peak_flops
 from dynjax.launch.cluster import ClusterError
 from dynjax.launch.distributed import Peers, fail, initialize_from_env, joined
 from dynjax.launch.preemption import PREEMPTED_EXIT, StopRequest
@@ -73,6 +74,7 @@ from dynjax.recompile import (
     enable_persistent_cache,
 )
 from dynjax.resume import check_resumable, config_changes, resume_event
+from dynjax.settings import RunSettings
 from dynjax.writers import LayerCostsWriter, MetricsWriter
 
 log = logging.getLogger("dynjax")
@@ -106,19 +108,19 @@ class RunSummary:
     skipped_steps: int = 0  # updates skipped for a non-finite gradient (train.nonfinite="skip")
 
 
-def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
+def policies_for(settings: RunSettings, exp: Experiment) -> list:
     """The Controller's policies this config asks for."""
     out = [policy for plugin in exp.plugins for policy in plugin.policies()]
-    b = cfg.balance
+    b = settings.balance
     if not (b.enabled or b.repack):
         return out
-    state_bytes = layer_device_bytes(exp.abstract_state, cfg.model.num_layers)
-    memory = memory_budget(cfg, exp)
+    state_bytes = layer_device_bytes(exp.abstract_state, settings.model.num_layers)
+    memory = memory_budget(settings, exp)
     if b.enabled:
         out.append(
             Rebalance(
-                total_steps=cfg.train.steps,
-                layer_bytes=layer_sizes(exp.abstract_state, cfg.model.num_layers, nbytes=True),
+                total_steps=settings.train.steps,
+                layer_bytes=layer_sizes(exp.abstract_state, settings.model.num_layers, nbytes=True),
                 every=b.every,
                 threshold=b.threshold,
                 by=b.by,
@@ -127,7 +129,7 @@ def policies_for(cfg: ml_collections.ConfigDict, exp: Experiment) -> list:
                 bandwidth_bytes_per_sec=b.bandwidth_bytes_per_sec,
                 recompile_seconds=b.recompile_seconds,
                 comm_seconds=b.comm_seconds,
-                layer_params=layer_sizes(exp.abstract_state["params"], cfg.model.num_layers),
+                layer_params=layer_sizes(exp.abstract_state["params"], settings.model.num_layers),
                 memory_bytes=memory,
                 layer_state_bytes=None if memory is None else state_bytes,
             )
@@ -176,22 +178,22 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-def device_limit(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
+def device_limit(settings: RunSettings, exp: Experiment) -> float | None:
     """Bytes one device has: ``balance.memory_bytes``, else the devices' own limit (this
     process's: only those report it); None where neither is known (CPU)."""
-    if cfg.balance.memory_bytes:
-        return float(cfg.balance.memory_bytes)
+    if settings.balance.memory_bytes:
+        return float(settings.balance.memory_bytes)
     mine = [d for d in exp.mesh.devices.flat if d.process_index == jax.process_index()]
     return device_memory_limit(mine)
 
 
-def memory_budget(cfg: ml_collections.ConfigDict, exp: Experiment) -> float | None:
+def memory_budget(settings: RunSettings, exp: Experiment) -> float | None:
     """Bytes one device of a stage may use: `device_limit`, the devices' own less
     ``balance.memory_headroom``."""
-    limit = device_limit(cfg, exp)
-    if limit is None or cfg.balance.memory_bytes:
+    limit = device_limit(settings, exp)
+    if limit is None or settings.balance.memory_bytes:
         return limit
-    return limit * (1 - cfg.balance.memory_headroom)
+    return limit * (1 - settings.balance.memory_headroom)
 
 
 def train(
@@ -242,7 +244,7 @@ def _train(
     plan, start, runtime = restore(run, checkpoints)
     # Written once the config is known to fit the workdir: it always describes the newest run.
     (run.workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    steps = cfg.train.steps
+    steps = run.settings.train.steps
     if start >= steps:
         return _already_trained(run, checkpoints, start, began)
     try:
@@ -295,6 +297,11 @@ class _Run:
     policies: list[Policy]
     release_hook: ReleaseHook | None
 
+    @property
+    def settings(self) -> RunSettings:
+        """The config read and checked once (`Experiment.settings`): what the run reads."""
+        return self.exp.settings
+
 
 def _open_run(
     cfg: ml_collections.ConfigDict,
@@ -308,13 +315,14 @@ def _open_run(
         workdir = workdir / f"process_{jax.process_index()}"
     for directory in (workdir, root / "checkpoints"):
         writable_directory(directory)
-    enable_persistent_cache(os.path.expanduser(cfg.recompile.cache_dir) or None)
-    exp = Experiment.from_config(cfg, schemes)
-    config_policies = policies_for(cfg, exp)  # their config errors come before any work
-    release_hook = release_hook or load_release_hook(cfg.balance.release_hook)
+    settings = config_lib.check_run(cfg, jax.device_count(), schemes)
+    enable_persistent_cache(os.path.expanduser(settings.recompile.cache_dir) or None)
+    exp = Experiment.from_settings(cfg, settings, schemes)
+    config_policies = policies_for(settings, exp)  # their config errors come before any work
+    release_hook = release_hook or load_release_hook(settings.balance.release_hook)
     events = EventLog(workdir / "events.jsonl")
     if not single:
-        _check_multi_process(cfg, pipeline=bool(exp.ctx.pipeline_stages))
+        _check_multi_process(settings, pipeline=bool(exp.ctx.pipeline_stages))
     peers = None if single else Peers()
     return _Run(cfg, exp, root, workdir, events, peers, config_policies, release_hook)
 
@@ -339,21 +347,21 @@ def checkpoints_for(run: _Run) -> Checkpoints:
     """The run's checkpoint strategy, chosen from its config and the row-stacked leaves a
     plugin declares (`partial_rows`): two-level with ``checkpoint.snapshot_every``, else
     partial checkpoints when the declaring plugin's K is positive, else whole."""
-    cfg, exp, c = run.cfg, run.exp, run.cfg.checkpoint
-    partial = partial_rows(exp.plugins, c, cfg.train.keep_checkpoints)
+    settings, exp, c = run.settings, run.exp, run.settings.checkpoint
+    partial = partial_rows(exp.plugins, c, settings.train.keep_checkpoints)
     storage = open_storage(
         run.root,
         run.peers,
         parted=run.peers is not None and bool(exp.ctx.pipeline_stages),
-        keep=cfg.train.keep_checkpoints,
+        keep=settings.train.keep_checkpoints,
         partial=partial,
         async_save=c.async_save,
         emit=run.events,
     )
     common = dict(
-        steps=cfg.train.steps,
+        steps=settings.train.steps,
         content=c.pec_content,
-        config=cfg.to_dict(),
+        config=run.cfg.to_dict(),
         target=exp.restore_target,
         emit=run.events,
     )
@@ -367,16 +375,15 @@ def checkpoints_for(run: _Run) -> Checkpoints:
             **common,
         )
     kind = PartialRowCheckpoints if partial is not None and partial.k else WholeCheckpoints
-    return kind(storage, partial, every=cfg.train.checkpoint_every, **common)
+    return kind(storage, partial, every=settings.train.checkpoint_every, **common)
 
 
 def partial_rows(
-    plugins: Sequence[Plugin], checkpoint: ml_collections.ConfigDict, history: int
+    plugins: Sequence[Plugin], checkpoint: CheckpointSettings, history: int
 ) -> PartialRows | None:
     """The row-stacked leaves the run's plugins declare (`Plugin.checkpoint_rows`), from one
     plugin at most: one checkpoint layout holds one scheme's rows."""
-    section = ml_collections.FrozenConfigDict(checkpoint)
-    declared = {p.name: p.checkpoint_rows(section, history) for p in plugins}
+    declared = {p.name: p.checkpoint_rows(checkpoint, history) for p in plugins}
     declared = {name: rows for name, rows in declared.items() if rows is not None}
     if len(declared) > 1:
         raise ConfigError(
@@ -454,7 +461,7 @@ def _already_trained(
     run: _Run, checkpoints: Checkpoints, start: int, began: float
 ) -> RunSummary:
     checkpoints.close()
-    steps = run.cfg.train.steps
+    steps = run.settings.train.steps
     print(
         f"{run.workdir} is already trained to step {start} (train.steps={steps}); raise "
         "--config.train.steps or pass a new --workdir to train more."
@@ -467,7 +474,7 @@ def _already_trained(
         eval_loss=None,
         tokens_per_sec=None,
         mfu=None,
-        flops_per_token=config_flops_per_token(run.cfg),
+        flops_per_token=gpt_flops_per_token(run.exp.model_cfg),
         recompiles=0,
         checkpoints=checkpoints.storage.all_steps(),
         seconds=time.perf_counter() - began,
@@ -489,16 +496,17 @@ class _Loop:
         policies: list[Policy],
         progress: bool,
     ) -> None:
-        cfg, exp = run.cfg, run.exp
+        cfg, exp, settings = run.cfg, run.exp, run.settings
         self.run, self.cfg, self.exp, self.events = run, cfg, exp, run.events
+        self.settings = settings
         self.checkpoints, self.plan, self.start, self.runtime = checkpoints, plan, start, runtime
-        self.steps = cfg.train.steps
+        self.steps = settings.train.steps
         # A pipeline profiles the first step of every Plan (seed 000 §3.1) and every n-th step;
         # each Plan's profiling programs compile with it, in the background. Over several
         # processes each times its own stages and the profiles are gathered (`Pipeline`).
         profiling = bool(plan.stage_layers)
-        self.profile_on_change = cfg.pipeline.profile_on_change and profiling
-        self.profile_every = cfg.pipeline.profile_every if profiling else 0
+        self.profile_on_change = settings.pipeline.profile_on_change and profiling
+        self.profile_every = settings.pipeline.profile_every if profiling else 0
         self.profile_next = self.profile_on_change
         self.profiles = {}  # step -> its pending profile, until the Monitor hands the step over
         self.compiler, self.executable = self._compile_first()
@@ -506,7 +514,7 @@ class _Loop:
         self.cache = (
             AssignmentCache(
                 len(exp.model_cfg.moe_layers),
-                cfg.data.seq_len,
+                settings.data.seq_len,
                 exp.model_cfg.top_k,
                 exp.model_cfg.num_experts,
                 max_entries=cfg.moe.caching.max_entries,
@@ -514,7 +522,7 @@ class _Loop:
             if exp.stage_setup.return_assignments
             else None
         )
-        self.monitor = Monitor(cfg.recompile.delta_launch)
+        self.monitor = Monitor(settings.recompile.delta_launch)
         self.writer = MetricsWriter(run.workdir, resumed_from=start or None)
         self.plugins = plugins = exp.plugins
         costs = (
@@ -522,7 +530,7 @@ class _Loop:
             if plugins
             else None
         )
-        self.logger = _Logger(self.writer, costs, exp, cfg.train.log_every, self.steps)
+        self.logger = _Logger(self.writer, costs, exp, settings.train.log_every, self.steps)
         self.bar = tqdm(
             total=self.steps,
             initial=start,
@@ -535,7 +543,7 @@ class _Loop:
         self.preempted_by: str | None = None  # the signal the loop stopped at (`preempt`)
         # train.nonfinite="skip": updates skipped in all, and in a row up to the newest step.
         self.skipped, self.in_a_row = 0, 0
-        self.fault_at = cfg.checkpoint.inject_fault_at
+        self.fault_at = settings.checkpoint.inject_fault_at
         self.release_unused(start, "resumed re-packed")
         # Only the rows of each batch this process's devices consume (issue 15 §5), read ahead.
         # In one process every Plan's devices are this one's; over several, a re-pack may move
@@ -543,7 +551,8 @@ class _Loop:
         self.rows = runtime.batch_rows()
         self.controller.start()
         self.batches = Prefetcher(
-            functools.partial(exp.order.batch, rows=self.rows), start, self.steps, cfg.data.prefetch
+            functools.partial(exp.order.batch, rows=self.rows), start, self.steps,
+            settings.data.prefetch,
         )
 
     def _compile_first(self) -> tuple[Compiler, Any]:
@@ -553,11 +562,11 @@ class _Loop:
             exp.lower_train_step, profiling=self.profile_on_change or bool(self.profile_every)
         )
         compiler = Compiler(
-            lower, key_fn=exp.compile_key, max_entries=self.cfg.recompile.cache_size
+            lower, key_fn=exp.compile_key, max_entries=self.settings.recompile.cache_size
         )
         first = compiler.get(plan)
         try:
-            fits(device_bytes_needed(first.executable), device_limit(self.cfg, exp))
+            fits(device_bytes_needed(first.executable), device_limit(self.settings, exp))
         except ConfigError:
             compiler.shutdown()
             raise
@@ -573,7 +582,7 @@ class _Loop:
         return compiler, first.executable
 
     def _controller(self, policies: list[Policy]) -> Controller:
-        budget = self.cfg.recompile.budget
+        budget = self.settings.recompile.budget
 
         def validate(proposed: Plan) -> None:
             used = len(self.controller.plan.stage_layers)
@@ -590,7 +599,7 @@ class _Loop:
             peers=self.run.peers,
             # Processes run up to Δ + 1 steps apart: a survivor logs every step a dead peer
             # finished.
-            lag=self.cfg.recompile.delta_launch + 1,
+            lag=self.settings.recompile.delta_launch + 1,
         )
 
     def release_unused(self, step: int, reason: str) -> None:
@@ -699,7 +708,7 @@ class _Loop:
                if k in metrics and not np.isfinite(metrics[k])}
         if metrics.get("skipped"):
             self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
-            if self.in_a_row <= self.cfg.train.max_skipped:
+            if self.in_a_row <= self.settings.train.max_skipped:
                 return
             bad = {"skipped": self.in_a_row}
         else:
@@ -721,7 +730,11 @@ class _Loop:
     def after_step(self, done: int) -> None:
         """Snapshot, evaluate and save after step ``done`` where due."""
         self.checkpoints.after_step(done, self.runtime, self.plan, self.catch_up)
-        if done % self.cfg.train.eval_every == 0 or done == self.steps:
+        if done % self.settings.train.eval_every == 0 or done == self.steps:
+            # Every dispatched step observed first, each as it completes: after the evaluation,
+            # which waits for the device, they would all look done at once (a resumed run's
+            # first interval measured a rate 1e5 times too high).
+            self.catch_up()
             self.eval_loss = self.runtime.evaluate(self.plan)
             if self.eval_loss is not None:
                 self.writer.write(done, {"eval_loss": self.eval_loss})
@@ -774,11 +787,11 @@ class _Loop:
         )
 
 
-def _check_multi_process(cfg: ml_collections.ConfigDict, pipeline: bool) -> None:
+def _check_multi_process(settings: RunSettings, pipeline: bool) -> None:
     """What a multi-process run needs, refused before any work."""
-    if pipeline and cfg.train.keep_checkpoints < 2:
+    if pipeline and settings.train.keep_checkpoints < 2:
         raise ConfigError(
-            f"train.keep_checkpoints={cfg.train.keep_checkpoints}: a pipeline over processes "
+            f"train.keep_checkpoints={settings.train.keep_checkpoints}: a pipeline over processes "
             "saves one part per process, and a process that dies while saving leaves the "
             "newest step incomplete; keep at least 2 so that the step before it is complete"
         )
@@ -796,15 +809,15 @@ class _Logger:
         steps: int,
     ):
         self.writer, self.costs, self.exp, self.every, self.steps = writer, costs, exp, every, steps
-        self.tokens_per_step = exp.cfg.train.batch_size * exp.cfg.data.seq_len
+        self.tokens_per_step = exp.settings.train.batch_size * exp.settings.data.seq_len
         self.plugin_metrics = [
             name for plugin in exp.plugins for name in plugin.logged_metrics
         ]
         # Model FLOPs utilisation (PaLM app. B): the config's FLOPs per token against the peak.
-        self.flops_per_token = config_flops_per_token(exp.cfg)
+        self.flops_per_token = gpt_flops_per_token(exp.model_cfg)
         self.devices = exp.mesh.devices.size
         kind = jax.devices()[0].device_kind
-        self.peak = exp.cfg.train.peak_flops or peak_flops(kind, exp.cfg.train.dtype)
+        self.peak = exp.settings.train.peak_flops or peak_flops(kind, exp.settings.train.dtype)
         self.mfus: list[float] = []
         # Per step in flight: its samples, the Plan it ran with (its metrics arrive Δ steps
         # later, possibly after a swap, and are labelled with the Plan that produced them) and

@@ -6,6 +6,7 @@ from dynjax import config as config_lib
 from dynjax import train as train_module
 from dynjax.config import load_config, set_value, validate_config
 from dynjax.errors import ConfigError
+from dynjax.settings import num_stages, read_run
 from dynjax.train import main, parse_args
 
 from .tiny import tiny_config
@@ -242,7 +243,8 @@ def test_cli_reports_config_errors_found_once_devices_are_known(capsys, monkeypa
 
 def _check_multi_process(cfg) -> None:
     """`train`'s checks of a multi-process run, with a pipeline if the config has one."""
-    train_module._check_multi_process(cfg, pipeline=bool(config_lib.num_stages(cfg)))
+    run = read_run(cfg)
+    train_module._check_multi_process(run, pipeline=bool(num_stages(run)))
 
 
 def test_cli_override_forms():

@@ -35,7 +35,7 @@ def assembled(exp, step, placements, runtime, count):
     reads = [runtime.batch_rows(devices) for devices in simulated_processes(count)]
     out = []
     for sharding, rows in placements:
-        shape = (len(rows), exp.cfg.data.seq_len)
+        shape = (len(rows), exp.settings.data.seq_len)
         index = sharding.devices_indices_map(shape)
         arrays = {}
         for devices, read in zip(simulated_processes(count), reads, strict=True):

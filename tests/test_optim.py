@@ -7,10 +7,11 @@ import optax
 import pytest
 from flax import nnx
 
-from dynjax.config import gpt_config, optimizer_settings
+from dynjax.config import gpt_config
 from dynjax.experiment import Experiment
 from dynjax.model import GPT
 from dynjax.optim import make_optimizer
+from dynjax.settings import optimizer_settings, read_run
 
 from .tiny import tiny_config
 
@@ -43,7 +44,7 @@ def test_grad_clip_zero_means_no_clipping(stages):
 def test_router_is_not_weight_decayed_but_matrices_are():
     cfg = tiny_config(moe__every=2, train__weight_decay=0.5, train__warmup_steps=0)
     params = nnx.to_pure_dict(nnx.state(GPT(gpt_config(cfg), rngs=nnx.Rngs(0))))
-    optimizer = make_optimizer(optimizer_settings(cfg))
+    optimizer = make_optimizer(optimizer_settings(read_run(cfg).train))
 
     @jax.jit
     def one_update_without_gradients(params):

@@ -221,3 +221,16 @@ def test_a_resume_says_its_step_and_marks_the_records_it_writes(tmp_path, capsys
     first = [r["step"] for r in records if "resumed_from" not in r]
     again = [r["step"] for r in records if r.get("resumed_from") == 4]
     assert first == list(range(1, 7)) and again == [5, 6, 7, 8]
+
+
+def test_a_short_resumed_run_measures_the_throughput_of_its_steps(tmp_path):
+    """Steps still in flight at the end are fetched one at a time, each as it completes: a
+    resumed run of fewer steps than the monitor's delay fetched them in one call and timed the
+    second step as taking no time (tokens/s a million times too high)."""
+    run = {"train__checkpoint_every": 4, "train__eval_every": 1000, "train__log_every": 20}
+    train(tiny_config(train__steps=4, **run), tmp_path, progress=False)
+    train(tiny_config(train__steps=6, **run), tmp_path, progress=False)
+    rates = {r.get("resumed_from"): r["tokens_per_sec"]
+             for r in read_jsonl(tmp_path / "metrics.jsonl") if "tokens_per_sec" in r}
+    assert set(rates) == {None, 4}
+    assert rates[4] < 20 * rates[None]  # the same steps: within a loaded machine's noise

@@ -30,6 +30,7 @@ from dynjax.recompile import PlanContext
 
 if TYPE_CHECKING:
     from dynjax.checkpoint.rows import PartialRows
+    from dynjax.checkpoint.settings import CheckpointSettings
     from dynjax.dynamism.moe.speeds import Speeds
     from dynjax.recompile import Plan, Policy
 
@@ -293,13 +294,13 @@ class Plugin:
         return {}
 
     def checkpoint_rows(
-        self, checkpoint: ml_collections.FrozenConfigDict, history: int
+        self, checkpoint: CheckpointSettings, history: int
     ) -> PartialRows | None:
         """Leaves of the training state whose leading axis holds independent rows, which a
         checkpoint may save a subset of and restores row by row, with their optimizer moments
         (seed 004 §3; `dynjax.checkpoint.rows`), and the policy choosing each save's rows;
-        None: the scheme has none. ``checkpoint``: the run's ``checkpoint`` section (K, the
-        selection, two-level settings), ``history``: the checkpoints kept."""
+        None: the scheme has none. ``checkpoint``: the run's ``checkpoint`` section's record
+        (K, the selection, two-level settings), ``history``: the checkpoints kept."""
         return None
 
 

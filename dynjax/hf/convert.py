@@ -92,8 +92,8 @@ def export_model(workdir: str | Path, out: str | Path) -> Path:
 
     workdir, out = Path(workdir), Path(out)
     cfg, schemes = config_lib.load_run(workdir / "config.py")
-    model = config_lib.model_facts(cfg, config_lib.validate_config(cfg, jax.device_count(),
-                                                                   schemes), schemes).model
+    run = config_lib.check_run(cfg, jax.device_count(), schemes)
+    model = config_lib.model_facts(cfg, run, schemes).model
     kept = workdir / "hf"
     hf = read_hf_config(kept) if (kept / "config.json").is_file() else synthesized_config(model)
     params = newest_params(cfg, workdir, schemes)

@@ -16,10 +16,9 @@ import json
 import time
 from pathlib import Path
 
-import ml_collections
-
 from dynjax import config as config_lib
 from dynjax.errors import ConfigError
+from dynjax.settings import RunSettings, num_stages
 
 
 def died(status: int) -> bool:
@@ -27,13 +26,13 @@ def died(status: int) -> bool:
     return status > 128
 
 
-def shrunk(cfg: ml_collections.ConfigDict, devices: int) -> dict[str, object]:
-    """Overrides that fit ``cfg``'s run onto ``devices`` devices: the data-parallel devices of
+def shrunk(run: RunSettings, devices: int) -> dict[str, object]:
+    """Overrides that fit ``run``'s run onto ``devices`` devices: the data-parallel devices of
     one program scale down, or a pipeline keeps its stages' shape and loses stages (uniform
     layers per stage; the balancer may move them again), one program where one stage is left.
     Raises `ConfigError` where the run cannot fit (the caller names it)."""
-    mesh = cfg.mesh
-    if not config_lib.num_stages(cfg):
+    mesh = run.mesh
+    if not num_stages(run):
         if devices % mesh.expert:
             raise ConfigError(f"{devices} devices do not hold mesh.expert={mesh.expert}")
         return {"mesh.data": devices // mesh.expert}
@@ -53,7 +52,7 @@ def restart_overrides(
     config, overrides, _ = train_arguments(train_args)
     cfg, schemes = config_lib.load_run(config, overrides)
     devices = processes * devices_per_process
-    changes = shrunk(cfg, devices)
+    changes = shrunk(config_lib.read_config(cfg, schemes), devices)
     extra = [f"--config.{k}={v}" for k, v in changes.items()]
     cfg, _ = config_lib.load_run(config, [*overrides, *(a[len("--config."):] for a in extra)])
     config_lib.validate_config(cfg, devices, schemes)

@@ -14,6 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+# The schedules of `dynjax.balance.SCHEDULES` the pipeline runtime executes: one chunk of layers
+# per stage, one backward task. The balancer's simulator also runs interleaved 1F1B and ZB-H1;
+# the runtime does not run them yet (docs/parallelism.md, "Schedules").
+RUNTIME_SCHEDULES = ("gpipe", "1f1b")
+
 
 class TaskLike(Protocol):
     kind: str  # "F" or "B"

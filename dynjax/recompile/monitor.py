@@ -9,6 +9,7 @@ steps already queued. Δ can be changed at any time.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -55,11 +56,11 @@ class Monitor:
             ready.append(self._queue.popleft())
         return _to_host(ready)
 
-    def drain(self) -> list[tuple[int, dict[str, np.ndarray]]]:
-        """All queued steps (end of training), waiting for them."""
-        ready = list(self._queue)
-        self._queue.clear()
-        return _to_host(ready)
+    def drain(self) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """All queued steps (end of training), each yielded once it is done: one fetch per
+        step, so a consumer that times them sees each step's completion, not the last one's."""
+        while self._queue:
+            yield from _to_host([self._queue.popleft()])
 
 
 def _to_host(entries: list[tuple[int, Any]]) -> list[tuple[int, dict[str, np.ndarray]]]:

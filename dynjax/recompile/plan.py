@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynjax.balance import SCHEDULES
+from dynjax.parallel.dispatch import RUNTIME_SCHEDULES
 
 DTYPES = ("float32", "bfloat16")
 
@@ -166,8 +167,11 @@ class Plan:
                     f"stage_layers = {stages} sums to {sum(stages)} layers but the model has "
                     f"{ctx.num_layers}: the counts must add up to model.num_layers"
                 )
-            if self.schedule not in SCHEDULES:
-                problems.append(f"schedule = {self.schedule!r} is unknown: use one of {SCHEDULES}")
+            if self.schedule not in RUNTIME_SCHEDULES:
+                known = "is unknown" if self.schedule not in SCHEDULES else "does not run yet"
+                problems.append(
+                    f"schedule = {self.schedule!r} {known}: use one of {RUNTIME_SCHEDULES}"
+                )
             rows = ctx.batch_size // max(self.microbatches, 1)
             if rows % ctx.batch_shards:
                 problems.append(

@@ -106,8 +106,9 @@ def test_a_run_takes_the_rows_of_the_one_plugin_that_declares_them():
     exp = Experiment.from_config(cfg)
     moe = exp.plugins  # MoE's alone among the enabled schemes
     down = Down(ml_collections.ConfigDict({"enabled": True}), exp.facts)
-    assert partial_rows((down,), cfg.checkpoint, 3).stacks is DOWN
-    assert partial_rows(moe, cfg.checkpoint, 3).ids == (0, 1)  # MoE's: its layers
-    assert partial_rows((), cfg.checkpoint, 3) is None
+    checkpoint = exp.settings.checkpoint
+    assert partial_rows((down,), checkpoint, 3).stacks is DOWN
+    assert partial_rows(moe, checkpoint, 3).ids == (0, 1)  # MoE's: its layers
+    assert partial_rows((), checkpoint, 3) is None
     with pytest.raises(ConfigError, match=r"\['down', 'moe'\] each declare row-stacked"):
-        partial_rows((*moe, down), cfg.checkpoint, 3)
+        partial_rows((*moe, down), checkpoint, 3)

@@ -89,7 +89,7 @@ def test_the_predictor_loss_is_a_term_of_the_training_loss():
         exp = Experiment.from_config(mod_config(mod__predictor_weight=weight))
         plan = exp.initial_plan()
         batch = exp.order.batch(0)
-        params = fresh_params(exp.model_cfg, exp.cfg.seed)
+        params = fresh_params(exp.model_cfg, exp.settings.seed)
         total, layers = loss_terms(
             exp.stage_setup, exp.step_spec(plan), None, params, batch.inputs, batch.targets
         )

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynjax.config import model_facts, validate_config
+from dynjax.config import check_run, model_facts
 from dynjax.hf.architectures import UnsupportedModel, dynjax_overrides
 from dynjax.hf.convert import layout_of
 from dynjax.hf.weights import SafeTensors, leaves, load_params, read_slice, to_hf
@@ -28,7 +28,7 @@ def imported_model(name: str, **overrides):
     hf = json.loads((FIXTURES / name / "config.json").read_text())
     keys = {k.replace(".", "__"): v for k, v in dynjax_overrides(hf).items()}
     cfg = tiny_config(**keys, data__seq_len=12, moe__dispatch="static", **overrides)
-    return model_facts(cfg, validate_config(cfg, 1)).model, hf
+    return model_facts(cfg, check_run(cfg, 1)).model, hf
 
 
 def abstract_params(model, sharding):

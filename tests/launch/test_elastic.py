@@ -8,6 +8,7 @@ import pytest
 
 from dynjax.errors import ConfigError
 from dynjax.launch import elastic, local
+from dynjax.settings import read_run
 from dynjax.writers import read_jsonl
 
 from ..helpers import ROOT, TWO_PROCESS_BASE, TWO_PROCESS_LAYOUTS, events_of, two_processes
@@ -16,9 +17,11 @@ from ..tiny import dotted_config
 
 
 def test_the_mesh_shrinks_to_the_devices_left():
-    one_program = dotted_config({"mesh.data": 8})
+    one_program = read_run(dotted_config({"mesh.data": 8}))
     assert elastic.shrunk(one_program, 4) == {"mesh.data": 4}
-    pipeline = dotted_config({"mesh.stage": 2, "mesh.data": 4, "pipeline.stage_layers": "(1,1)"})
+    pipeline = read_run(
+        dotted_config({"mesh.stage": 2, "mesh.data": 4, "pipeline.stage_layers": "(1,1)"})
+    )
     assert elastic.shrunk(pipeline, 4) == {"mesh.stage": 1, "pipeline.stage_layers": ""}
     with pytest.raises(ConfigError, match="a pipeline stage needs 4 devices"):
         elastic.shrunk(pipeline, 2)
@@ -30,6 +33,23 @@ def test_restart_overrides_are_checked_as_the_run_checks_them():
     assert elastic.restart_overrides(args, 1, 4) == ["--config.mesh.data=4"]
     with pytest.raises(ConfigError):  # 3 devices split no batch of the tiny config
         elastic.restart_overrides(args, 1, 3)
+
+
+def test_restart_overrides_refuse_a_config_with_an_unknown_key_naming_it(tmp_path):
+    """The mesh is shrunk from the config's records, read after its keys are checked: a key
+    the records lack is the run's own error, not a TypeError."""
+    path = tmp_path / "extra.py"
+    path.write_text(
+        "from tests.tiny import tiny_config\n"
+        "def get_config():\n"
+        "    c = tiny_config()\n"
+        "    c.unlock()\n"
+        "    c.mesh.pods = 2\n"
+        "    return c\n"
+    )
+    args = ["--config", str(path), "--config.mesh.data=8", "--workdir", "/tmp/x"]
+    with pytest.raises(ConfigError, match=r"unknown config keys \['mesh.pods'\]"):
+        elastic.restart_overrides(args, 1, 4)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from dynjax.config import validate_config
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.recompile import Plan, PlanContext, PlanError
+from dynjax.settings import microbatches, num_stages, read_run, stage_layers
 from dynjax.train import main
 
 from ..tiny import tiny_config
@@ -36,6 +37,10 @@ CTX = PlanContext(batch_size=8, num_layers=4, pipeline_stages=3, batch_shards=2)
         ),
         ({"mesh__stage": 2, "pipeline__stage_layers": "(1,x)"}, r"tuple of layer counts"),
         ({"mesh__stage": 2, "pipeline__schedule": "zb"}, r"pipeline.schedule='zb'"),
+        (
+            {"mesh__stage": 2, "pipeline__schedule": "zb_h1"},
+            r"pipeline.schedule='zb_h1' is simulated .* does not run it yet: use one of",
+        ),
         ({"train__microbatches": -1}, r"train.microbatches=-1 must be >= 0"),
         ({"balance__enabled": True}, r"balance.enabled needs a pipeline"),
         (
@@ -69,15 +74,17 @@ def test_cli_rejects_a_bad_assignment_before_training(capsys, tmp_path):
 
 
 def test_stage_layers_default_to_uniform_and_microbatches_to_twice_the_stages():
-    cfg = tiny_config(model__num_layers=6, mesh__stage=4, mesh__data=2, train__batch_size=16)
-    assert config_lib.stage_layers(cfg) == (2, 2, 1, 1)  # the first stages take the extra
-    assert config_lib.microbatches(cfg) == 8
-    single = tiny_config()
-    assert config_lib.stage_layers(single) == () and config_lib.microbatches(single) == 1
-    one_stage = tiny_config(pipeline__stage_layers="(2,)")
-    assert config_lib.stage_layers(one_stage) == (2,)  # the pipeline runtime on one stage
-    assert config_lib.microbatches(one_stage) == 1
-    assert config_lib.microbatches(tiny_config(mesh__stage=2, mesh__data=4)) == 2
+    cfg = read_run(
+        tiny_config(model__num_layers=6, mesh__stage=4, mesh__data=2, train__batch_size=16)
+    )
+    assert stage_layers(cfg) == (2, 2, 1, 1)  # the first stages take the extra
+    assert microbatches(cfg) == 8
+    single = read_run(tiny_config())
+    assert stage_layers(single) == () and microbatches(single) == 1
+    one_stage = read_run(tiny_config(pipeline__stage_layers="(2,)"))
+    assert stage_layers(one_stage) == (2,)  # the pipeline runtime on one stage
+    assert microbatches(one_stage) == 1
+    assert microbatches(read_run(tiny_config(mesh__stage=2, mesh__data=4))) == 2
 
 
 @pytest.mark.parametrize(
@@ -120,13 +127,13 @@ def test_pipeline_plan_fields_round_trip_and_old_plans_load():
 
 
 def test_static_baselines_uniform_and_by_param():
-    uniform = tiny_config(model__num_layers=4, moe__every=2, mesh__stage=3,
-                          pipeline__stage_layers="uniform")
-    assert config_lib.stage_layers(uniform) == (2, 1, 1) and config_lib.num_stages(uniform) == 3
+    uniform = read_run(tiny_config(model__num_layers=4, moe__every=2, mesh__stage=3,
+                                   pipeline__stage_layers="uniform"))
+    assert stage_layers(uniform) == (2, 1, 1) and num_stages(uniform) == 3
     # only layer 3 holds an MoE block (4 experts): 20864 parameters against 8544
     by_param = tiny_config(model__num_layers=4, moe__every=4, mesh__stage=2, mesh__data=2,
                            pipeline__stage_layers="by_param")
     config_lib.validate_config(by_param, 8)
-    assert config_lib.stage_layers(by_param, [1, 1, 1, 5]) == (3, 1)
+    assert stage_layers(read_run(by_param), [1, 1, 1, 5]) == (3, 1)
     plan = Experiment.from_config(by_param).initial_plan()
     assert plan.stage_layers == (3, 1)  # uniform would give (2, 2)

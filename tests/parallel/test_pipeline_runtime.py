@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 
 from dynjax.balance import schedule_tasks
-from dynjax.config import optimizer_settings
 from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.optim import make_optimizer
 from dynjax.parallel import expert_parallel, make_mesh, make_train_step, whole_model
@@ -35,6 +34,7 @@ from dynjax.parallel.profile import (
 from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
+from dynjax.settings import optimizer_settings, read_run
 
 from ..helpers import assert_close, loss_terms, stage_setup
 from ..tiny import tiny_config
@@ -76,7 +76,7 @@ def adamw():
     cosine decay. Adam's step count and the schedule's are scalars every stage holds a copy
     of; its moments are per parameter and must follow their layer between stages."""
     cfg = tiny_config(train__steps=STEPS, train__grad_clip=CLIP)
-    return make_optimizer(optimizer_settings(cfg))
+    return make_optimizer(optimizer_settings(read_run(cfg).train))
 
 
 def batches():

@@ -146,3 +146,13 @@ def test_round_trip_and_self_diff_property(caps, cached, micro, dtype):
 def test_an_impossible_context_is_refused():
     with pytest.raises(PlanError):
         PlanContext(batch_size=0)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "words"), [("zb_h1", "does not run yet"), ("chimera", "is unknown")]
+)
+def test_a_schedule_the_runtime_does_not_run_is_refused(schedule, words):
+    ctx = PlanContext(batch_size=8, num_layers=2, pipeline_stages=2)
+    Plan(stage_layers=(1, 1), schedule="gpipe").validate(ctx)
+    with pytest.raises(PlanError, match=f"schedule = '{schedule}' {words}: use one of"):
+        Plan(stage_layers=(1, 1), schedule=schedule).validate(ctx)

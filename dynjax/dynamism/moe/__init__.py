@@ -38,6 +38,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from dynjax.checkpoint.settings import CheckpointSettings
 from dynjax.dynamism.base import Plugin
 from dynjax.dynamism.moe.caching import CachingPolicy
 from dynjax.dynamism.moe.capacity import DynamicCapacity
@@ -243,9 +244,7 @@ class MoEPlugin(Plugin):
 
         return report.PLOTS
 
-    def checkpoint_rows(
-        self, checkpoint: ml_collections.FrozenConfigDict, history: int
-    ) -> ExpertRows:
+    def checkpoint_rows(self, checkpoint: CheckpointSettings, history: int) -> ExpertRows:
         """Each MoE layer's stacked expert leaves, a row per expert, and the ledger choosing
         which experts a save holds (partial expert checkpoints, seed 004 §3)."""
         facts = self.facts

@@ -52,10 +52,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
 from dynjax.checkpoint.rows import RowStacks
+from dynjax.checkpoint.settings import CheckpointSettings
 from dynjax.parallel import is_expert_param
 
 log = logging.getLogger(__name__)
@@ -392,11 +392,11 @@ class ExpertRows:
         layers: Sequence[int],
         num_experts: int,
         ranks: int,
-        checkpoint: ml_collections.ConfigDict | ml_collections.FrozenConfigDict,
+        checkpoint: CheckpointSettings,
         history: int,
     ) -> ExpertRows:
-        """From the run's ``checkpoint`` section: K is ``experts_per_save``, or with two-level
-        checkpoints K_snapshot (``snapshot_experts``; 0: all E)."""
+        """From the run's ``checkpoint`` section's record: K is ``experts_per_save``, or with
+        two-level checkpoints K_snapshot (``snapshot_experts``; 0: all E)."""
         k = checkpoint.experts_per_save
         if checkpoint.snapshot_every:
             k = checkpoint.snapshot_experts or num_experts
