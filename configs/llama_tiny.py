@@ -3,8 +3,8 @@ attention (4 query heads sharing 2 key/value heads), RoPE at Llama 3's base, no 
 block in every other layer with Mixtral-style SwiGLU experts, renormalised top-2 gates and a
 shared expert. Five steps (``--config.train.steps=5``) took 45 s on two shared CPU cores.
 
-``--config.moe.every=0`` makes it dense; ``--config.moe.normalize_topk=False`` gives OLMoE's and
-Qwen1.5-MoE's gates.
+``--config.moe.every=0 --config.moe.shared_expert_dim=0`` makes it dense;
+``--config.moe.normalize_topk=False`` gives OLMoE's and Qwen1.5-MoE's gates.
 """
 
 from dynjax.config import default_config

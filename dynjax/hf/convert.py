@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 
 from dynjax import config as config_lib
-from dynjax.dynamism import Schemes
+from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.errors import ConfigError
 from dynjax.hf.architectures import dynjax_overrides
 from dynjax.hf.weights import layout_of, read_hf_config, to_hf
@@ -56,11 +56,10 @@ def import_model(
 
     source, workdir = Path(source).expanduser().resolve(), Path(workdir)
     hf = read_hf_config(source)
-    mapped = [f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in
-              dynjax_overrides(hf).items()]
-    implied = [f"train.init_from={str(source)!r}"]
+    mapped = [f"{k}={v}" for k, v in dynjax_overrides(hf).items()]
+    implied = [f"train.init_from={source}"]
     if (source / "tokenizer.json").is_file():
-        implied.append(f"data.tokenizer={str(source)!r}")
+        implied.append(f"data.tokenizer={source}")
     every = [*mapped, *implied, *overrides]  # the user's last: they may override any mapping
     cfg, schemes = imported_run(base, every)
     config_lib.validate_config(cfg, jax.device_count(), schemes)
@@ -91,7 +90,7 @@ def export_model(workdir: str | Path, out: str | Path) -> Path:
     from dynjax.train import newest_params  # the loop's own restore, above this module
 
     workdir, out = Path(workdir), Path(out)
-    cfg, schemes = config_lib.load_run(workdir / "config.py")
+    cfg, schemes = workdir_config(workdir)
     run = config_lib.check_run(cfg, jax.device_count(), schemes)
     model = config_lib.model_facts(cfg, run, schemes).model
     kept = workdir / "hf"
@@ -111,6 +110,26 @@ def export_model(workdir: str | Path, out: str | Path) -> Path:
     hf.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out
+
+
+def workdir_config(workdir: Path) -> tuple[ml_collections.ConfigDict, Schemes]:
+    """The config a workdir was trained with: its ``config.py`` (an import's), else the
+    ``config.json`` every run writes, over the built-in schemes' defaults."""
+    if (workdir / "config.py").is_file():
+        return config_lib.load_run(workdir / "config.py")
+    if not (workdir / "config.json").is_file():
+        raise ConfigError(f"{workdir} holds no config.json: give the workdir of a training run")
+    cfg = config_lib.default_config(BUILTIN)
+    _assign(cfg, json.loads((workdir / "config.json").read_text()))
+    return cfg, BUILTIN
+
+
+def _assign(node: ml_collections.ConfigDict, values: Mapping[str, Any]) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _assign(node[key], value)
+        else:  # JSON has no tuples
+            node[key] = tuple(value) if isinstance(node[key], tuple) else value
 
 
 def synthesized_config(model: GPTConfig) -> dict[str, Any]:

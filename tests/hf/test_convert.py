@@ -81,3 +81,31 @@ def test_bad_imports_stop_with_an_error(tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
     assert hf_main(["export", "--workdir", str(tmp_path / "nope"), "--out", "x"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_model_trained_here_exports_as_llama_and_imports_back(tmp_path):
+    """A dense llama-family run (its config.json, no import) exports a Llama directory whose
+    import holds the same weights: exported again, every tensor is equal."""
+    from dynjax.train import train
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config(model__family="llama", model__num_kv_heads=1, train__steps=2,
+                      train__eval_every=2, train__checkpoint_every=2)
+    train(cfg, tmp_path / "base", progress=False)
+    assert hf_main(["export", "--workdir", str(tmp_path / "base"), "--out",
+                    str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["model_type"], config["num_key_value_heads"]) == ("llama", 1)
+    tiny = [f"--config.data.path={cfg.data.path}", f"--config.data.seq_len={cfg.data.seq_len}",
+            "--config.checkpoint.async_save=False"]
+    assert hf_main(["import", str(tmp_path / "hf"), "--workdir", str(tmp_path / "ft"),
+                    *tiny]) == 0
+    assert hf_main(["export", "--workdir", str(tmp_path / "ft"), "--out",
+                    str(tmp_path / "again")]) == 0
+    first, again = tensors(tmp_path / "hf"), tensors(tmp_path / "again")
+    assert set(first) == set(again)
+    for key in first:
+        np.testing.assert_array_equal(again[key], first[key], err_msg=key)
+    cfg.model.family = "gpt"  # GPT has no Hugging Face architecture to export as
+    train(cfg, tmp_path / "gpt", progress=False)
+    assert hf_main(["export", "--workdir", str(tmp_path / "gpt"), "--out", "x"]) == 2
