@@ -82,7 +82,11 @@ MOE_CHANGES = {
     "moe.top_k": (2, 1),
     "moe.expert_mlp_dim": (0, 32),
     "moe.bias_balancing.enabled": (False, True),
+    "moe.shared_expert_dim": (0, 16),
+    "moe.shared_expert_gate": (False, True),
 }
+# What a change needs beside it to be a valid config (a gate needs a shared expert to gate).
+COMPANIONS = {"moe.shared_expert_gate": {"moe__shared_expert_dim": 16}}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +109,7 @@ def test_an_moe_shape_change_is_refused_before_any_work(moe_run, tmp_path, key):
     saved_config = (workdir / "config.json").read_text()
     before, after = MOE_CHANGES[key]
     overrides = {"moe__every": 2, "train__steps": 8, "train__checkpoint_every": 4}
-    changed = tiny_config(**overrides | {key.replace(".", "__"): after})
+    changed = tiny_config(**overrides | COMPANIONS.get(key, {}) | {key.replace(".", "__"): after})
     with pytest.raises(ConfigError) as err:
         train(changed, workdir, progress=False)
     assert f"{key}: {before!r} -> {after!r}" in str(err.value) and "--workdir" in str(err.value)
