@@ -75,6 +75,7 @@ from dynjax.recompile import History, Proposal
 
 if TYPE_CHECKING:
     from dynjax.recompile import Plan, Policy
+    from dynjax.runlog.plots import PlotEntry
 
 NAME = "pruning"
 DENSITY = "pruning/density"  # [L] per step: each layer's (FLOP-weighted) fraction of kept weights
@@ -370,6 +371,20 @@ class PruningPlugin(Plugin):
         if not any(key.startswith("pruning.") for key in changed):
             return saved
         return saved.replace(parts={k: v for k, v in saved.parts if k != NAME})
+
+    @classmethod
+    def report_plots(cls) -> Sequence[PlotEntry]:
+        """What pruning logged (each layer's density, the target sparsity) over time."""
+        from dynjax.runlog import plots  # the report's, never a run's import
+
+        return (
+            plots.scheme_metrics_plot(
+                cls.name,
+                "pruning",
+                "Pruning",
+                "Each `pruning/...` metric over time (per-layer lists: one line per layer).",
+            ),
+        )
 
     def wrap_optimizer(
         self, optimizer: optax.GradientTransformation
