@@ -76,7 +76,11 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
         False,
     ),
     "moe_routing": (["--steps", "10", "--rates", "1e-2"], "| expert choice |", False),
-    "moe_skewed_capacity": (["--steps", "10", "--workdir", "{tmp}"], "dynamic, ragged", False),
+    "moe_skewed_capacity": (
+        ["--steps", "10", "--workdir", "{tmp}", "--dispatch", "ragged"],
+        "dynamic, ragged",
+        False,
+    ),
     "pipeline": (
         ["--stages", "2", "--data", "1", "--microbatches", "2", "--steps", "1", "--rounds", "1"],
         "1-stage pipeline",
@@ -89,7 +93,11 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
         "Table 3",
         False,
     ),
-    "repack_freezing": (["--steps", "40", "--freeze-at", "10"], "freeze + re-pack", True),
+    "repack_freezing": (
+        ["--steps", "20", "--freeze-at", "4", "--workdir", "{tmp}"],
+        "freeze + re-pack",
+        True,
+    ),
     "scan_compile": (
         ["--layers", "2", "--repeats", "1", "--steps", "1", "--models", "dense"],
         "Table 3",
