@@ -55,7 +55,10 @@ def save_layout1(directory: Path, step: int, state: Any) -> int:
     args = {n: ocp.args.StandardSave(layout.nest(item)) for n, item in items.items()}
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
     with ocp.CheckpointManager(directory, options=options) as manager:
-        meta = ocp.args.JsonSave({"step": step, "checksums": sums})
+        # The state is today's model's, its attention columns already per head: said so, the
+        # restore reads them as they are (a layout-1 checkpoint of its time would be reordered).
+        meta = {"step": step, "checksums": sums, "qkv_columns": layout.QKV_COLUMNS}
+        meta = ocp.args.JsonSave(meta)
         manager.save(step, args=ocp.args.Composite(**args, meta=meta))
     return len(items) + 1
 

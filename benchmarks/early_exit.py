@@ -7,7 +7,7 @@ ended on: the compiled train step's FLOPs from ``cost_analysis()`` against the p
 tokens/s (median of interleaved rounds, the machine is shared); and the share of tokens each
 layer processed at the end of the run, with the final train and eval losses.
 
-    PYTHONPATH=. python3 benchmarks/early_exit.py [--steps 300 --rounds 5]
+    PYTHONPATH=. python3 benchmarks/early_exit.py [--steps 300 --rounds 5] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -44,18 +44,23 @@ def main() -> None:
     parser.add_argument("--config", default="configs/early_exit.py")
     parser.add_argument("--steps", type=int, default=300, help="training steps per setting")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds of 10 steps")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
     args = parser.parse_args()
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for enabled in (False, True):
             workdir = Path(tmp) / str(enabled)
-            summary = train(load_config(args.config, overrides(enabled, args.steps)), workdir,
-                            progress=False)
+            cfg = load_config(args.config, [*args.set, *overrides(enabled, args.steps)])
+            summary = train(cfg, workdir, progress=False)
             rows = [r for r in read_jsonl(workdir / "metrics.jsonl") if PROCESSED in r]
             runs[enabled] = (summary, final_tokens(workdir, args.steps),
                              rows[-1][PROCESSED] if rows else None)
-    base = Experiment.from_config(load_config(args.config, overrides(False, args.steps)))
-    exits = Experiment.from_config(load_config(args.config, overrides(True, args.steps)))
+    base, exits = (
+        Experiment.from_config(load_config(args.config, [*args.set, *overrides(e, args.steps)]))
+        for e in (False, True)
+    )
     seq, layers = exits.settings.data.seq_len, exits.settings.model.num_layers
     whole = exits.initial_plan().with_part(NAME, active=True)
     ended = runs[True][1] or (seq,) * layers

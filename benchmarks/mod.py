@@ -6,7 +6,7 @@ off), 0.5 and 0.125: the compiled train step's FLOPs from ``cost_analysis()`` ag
 step's, tokens/s of the step (median over interleaved rounds, the machine is shared) and the
 train and eval loss after ``--steps`` steps of training each from the same initialisation.
 
-    PYTHONPATH=. python3 benchmarks/mod.py [--steps 150 --rounds 3]
+    PYTHONPATH=. python3 benchmarks/mod.py [--steps 150 --rounds 3] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -37,11 +37,15 @@ def main() -> None:
     parser.add_argument("--config", default="configs/mod.py")
     parser.add_argument("--steps", type=int, default=150, help="training steps per setting")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds of 10 steps")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
     args = parser.parse_args()
     steps: dict = {}
     flops: dict = {}
     for capacity in CAPACITIES:
-        exp = Experiment.from_config(load_config(args.config, overrides(capacity, args.steps)))
+        cfg = load_config(args.config, [*args.set, *overrides(capacity, args.steps)])
+        exp = Experiment.from_config(cfg)
         plan = exp.initial_plan()
         compiled = exp.lower_train_step(plan).compile()
         flops[capacity] = compiled.cost_analysis()["flops"]
@@ -58,7 +62,7 @@ def main() -> None:
                 rates[capacity].append(tokens / (time.perf_counter() - t0))
     losses = {}
     for capacity in CAPACITIES:
-        cfg = load_config(args.config, overrides(capacity, args.steps))
+        cfg = load_config(args.config, [*args.set, *overrides(capacity, args.steps)])
         with tempfile.TemporaryDirectory() as workdir:
             summary = train(cfg, workdir, progress=False)
         losses[capacity] = (summary.final_loss, summary.eval_loss)

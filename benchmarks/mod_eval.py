@@ -8,7 +8,7 @@ looks ahead). Beside them: the predictors' accuracy at that step (metrics.jsonl;
 "skipped" scores 1 - capacity) and the fraction of tokens each routed layer computed at
 evaluation under the predictor (the top-k computes exactly the capacity).
 
-    PYTHONPATH=. python3 benchmarks/mod_eval.py [--steps 300 --every 100]
+    PYTHONPATH=. python3 benchmarks/mod_eval.py [--steps 300 --every 100] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -52,8 +52,11 @@ def main() -> None:
     parser.add_argument("--config", default="configs/mod.py")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=100, help="checkpoint and evaluate every")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
     args = parser.parse_args()
-    base = [f"train.steps={args.steps}", f"train.checkpoint_every={args.every}",
+    base = [*args.set, f"train.steps={args.steps}", f"train.checkpoint_every={args.every}",
             f"train.eval_every={args.every}", f"train.keep_checkpoints={args.steps // args.every}"]
     exps = {r: Experiment.from_config(load_config(args.config, [*base, f"mod.eval_routing={r}"]))
             for r in ROUTINGS}

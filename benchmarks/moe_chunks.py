@@ -12,7 +12,7 @@
 3. Alg. 1 in the loop: `AdaptiveGranularity` picks n from the live step times of part 2's
    programs at each B; its n's time against the best fixed n's (target within 5%).
 
-    PYTHONPATH=. python benchmarks/moe_chunks.py [--rounds 9] [--parts memory,time]
+    PYTHONPATH=. python benchmarks/moe_chunks.py [--rounds 9] [--parts memory,time] [--quick]
 """
 
 from __future__ import annotations
@@ -151,13 +151,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--parts", default="memory,time", help="which tables: memory, time")
+    ap.add_argument("--quick", action="store_true", help="toy widths, one B (the code runs)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices")
+    # B groups per device: at least the largest n of CHUNKS, which splits them.
+    scale, group_counts = (8, (8,)) if args.quick else (1, (8, 16, 32))
     if "memory" in args.parts:
-        memory_table(d=256, h=1024, groups=8)
+        memory_table(d=256 // scale, h=1024 // scale, groups=8)
     if "time" in args.parts:
-        time_tables(d=64, h=256, group_counts=(8, 16, 32), rounds=args.rounds)
+        time_tables(d=64 // scale, h=256 // scale, group_counts=group_counts, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@
    its key (the bucketed totals) is not among those.
 
     PYTHONPATH=. python benchmarks/moe_ragged.py [--rounds 5] [--steps 10] [--sections 1,2,3]
-        [--experts 8,64]
+        [--experts 8,64] [--layers 8]
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from dynjax.experiment import Experiment
 from dynjax.recompile import History
 
 
-def small_config(num_experts: int, dispatch: str):
+def small_config(num_experts: int, dispatch: str, layers: int = 8):
     c = default_config()
     c.data.path = "tests/data/corpus.txt"
     c.data.seq_len = 64
     c.data.max_tokens = 200_000
     c.train.batch_size = 8
-    c.model.num_layers = 8
+    c.model.num_layers = layers
     c.model.d_model = 64
     c.model.num_heads = 4
     c.model.mlp_dim = 128
@@ -119,11 +119,12 @@ def simulated_recompiles(exp: Experiment, steps: int, cache_size: int) -> dict[s
     return counts
 
 
-def compile_table(experts: list[int]) -> None:
-    print("\n1. compile seconds of a Plan's train step (8 layers, all MoE, d=64, S=64, B=8)")
+def compile_table(experts: list[int], layers: int) -> None:
+    print(f"\n1. compile seconds of a Plan's train step ({layers} layers, all MoE, d=64, S=64, "
+          "B=8)")
     print("experts | static s | ragged s | static/ragged")
     for e in experts:
-        exps = {d: Experiment.from_config(small_config(e, d)) for d in ("static", "ragged")}
+        exps = {d: Experiment.from_config(small_config(e, d, layers)) for d in ("static", "ragged")}
         secs = {d: [] for d in exps}
         for r in range(2):  # uneven capacities, new ones each time: no cache helps
             for d, exp in exps.items():
@@ -132,11 +133,11 @@ def compile_table(experts: list[int]) -> None:
         print(f"{e:7d} | {s:8.2f} | {g:8.2f} | {s / g:6.2f}x", flush=True)
 
 
-def step_table(experts: list[int], steps: int, rounds: int) -> None:
+def step_table(experts: list[int], steps: int, rounds: int, layers: int) -> None:
     print(f"\n2. seconds per step, medians of {rounds} rounds of {steps} steps")
     print("experts | capacities | static ms | ragged ms | static/ragged")
     for e in experts:
-        exps = {d: Experiment.from_config(small_config(e, d)) for d in ("static", "ragged")}
+        exps = {d: Experiment.from_config(small_config(e, d, layers)) for d in ("static", "ragged")}
         for label, plan in (("factor 1.25", exps["static"].initial_plan()),
                             ("uneven", uneven(exps["static"], e))):
             t = step_times(exps, plan, steps, rounds)
@@ -145,9 +146,9 @@ def step_table(experts: list[int], steps: int, rounds: int) -> None:
                   f"| {ratio:6.2f}x", flush=True)
 
 
-def recompile_table(sim_steps: int) -> None:
+def recompile_table(sim_steps: int, layers: int) -> None:
     print(f"\n3. DynamicCapacity over {sim_steps} simulated steps (8 experts, drifting loads)")
-    exp = Experiment.from_config(small_config(8, "ragged"))
+    exp = Experiment.from_config(small_config(8, "ragged", layers))
     counts = simulated_recompiles(exp, sim_steps, exp.settings.recompile.cache_size)
     per = 1000 / sim_steps
     print(f"plan changes {counts['plan changes'] * per:.0f} | static recompiles "
@@ -162,17 +163,18 @@ def main() -> None:
     ap.add_argument("--sim-steps", type=int, default=1000)
     ap.add_argument("--sections", default="1,2,3", help="which tables to print")
     ap.add_argument("--experts", default="8,64", help="expert counts of tables 1 and 2")
+    ap.add_argument("--layers", type=int, default=8, help="layers of the model (all MoE)")
     args = ap.parse_args()
     sections = {int(v) for v in args.sections.split(",")}
     experts = [int(v) for v in args.experts.split(",")]
     print(f"backend: {jax.default_backend()} (CPU numbers)")
 
     if 1 in sections:
-        compile_table(experts)
+        compile_table(experts, args.layers)
     if 2 in sections:
-        step_table(experts, args.steps, args.rounds)
+        step_table(experts, args.steps, args.rounds, args.layers)
     if 3 in sections:
-        recompile_table(args.sim_steps)
+        recompile_table(args.sim_steps, args.layers)
 
 
 if __name__ == "__main__":

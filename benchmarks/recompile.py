@@ -377,11 +377,14 @@ def analyse_plans(
         ca = ca[0] if isinstance(ca, list | tuple) else ca
         flops[key] = float(ca["flops"])
         if any(json.dumps(q["capacities"]) == key for q in time_plans.values()):
-            compiled[key] = c
+            compiled[key] = c, plan
     base = flops[json.dumps(ones["capacities"])]
-    batches = [exp.device_batch(exp.order.batch(t)) for t in range(args.time_steps)]
-    execs = {name: compiled[json.dumps(p["capacities"])] for name, p in time_plans.items()}
-    seconds = interleaved(exp.init_state(), {n: (e, batches) for n, e in execs.items()}, args)
+    host = [exp.order.batch(t) for t in range(args.time_steps)]
+    execs = {}
+    for name, p in time_plans.items():  # each Plan's batches carry its step inputs (ragged)
+        c, plan = compiled[json.dumps(p["capacities"])]
+        execs[name] = c, [exp.device_batch(b, plan=plan) for b in host]
+    seconds = interleaved(exp.init_state(), execs, args)
     d, h = cfg.model.d_model, cfg.moe.expert_mlp_dim or cfg.model.mlp_dim
     return {
         "expert_flops": {k: v - base for k, v in flops.items()},
@@ -448,17 +451,18 @@ def time_caching(args, common: list[str]) -> dict[str, float]:
     exp_on = Experiment.from_config(load_config(CONFIG, [*common, "moe.caching.enabled=True"]))
     exp_off = Experiment.from_config(load_config(CONFIG, [*common, "moe.caching.enabled=False"]))
     plan = exp_on.initial_plan()
+    cached_plan = plan.with_part("moe", cached_routing=True)
     off = exp_off.lower_train_step(plan).compile()
     routed = exp_on.lower_train_step(plan).compile()
-    cached = exp_on.lower_train_step(plan.with_part("moe", cached_routing=True)).compile()
+    cached = exp_on.lower_train_step(cached_plan).compile()
     host = [exp_on.order.batch(t) for t in range(args.time_steps)]
-    plain = [exp_on.device_batch(b) for b in host]
+    plain = [exp_on.device_batch(b, plan=plan) for b in host]
     state = exp_on.init_state()
     with_cache = []
     for b, dev in zip(host, plain, strict=True):  # donated state: thread it through
         state["params"], state["opt_state"], m = routed(state["params"], state["opt_state"], dev)
         assignments = np.asarray(jax.device_get(m["moe/assignments"]), np.int32)
-        with_cache.append(exp_on.device_batch(b, assignments))
+        with_cache.append(exp_on.device_batch(b, assignments, plan=cached_plan))
     execs = {"off": (off, plain), "on, routed": (routed, plain), "on, cached": (cached, with_cache)}
     return interleaved(state, execs, args)
 
@@ -680,6 +684,7 @@ def caching_benchmark(args) -> tuple[str, dict, list[dict]]:
         d["seq_len"],
         d["val_fraction"],
         c["model"]["vocab_size"],
+        d["path"],
     )
     epoch = windows.num_train / c["train"]["batch_size"]
     head = (

@@ -14,7 +14,7 @@ with another stage's and the measured times say nothing about a GPU cluster; per
 are what re-packing is for (seed 000 Fig. 4: throughput / number of GPUs).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
-        python3 benchmarks/repack_freezing.py [--steps 160] [--freeze-at 30]
+        python3 benchmarks/repack_freezing.py [--steps 160] [--freeze-at 30] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -111,9 +111,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--freeze-at", type=int, default=30)
+    parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temp dir)")
     args = parser.parse_args()
     micro = 2 * STAGES  # train.microbatches = 0 resolves to twice the stages
-    root = Path(tempfile.mkdtemp(prefix="repack_freezing_"))
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="repack_freezing_"))
     results = {}
     for name, repack in (("freeze only", False), ("freeze + re-pack", True)):
         workdir = root / name.replace(" ", "_").replace("+", "and")

@@ -1,28 +1,15 @@
-"""Decentralised diffusion balancing for a pipeline (seed 003 §B.3 Alg. 2; seed 000 §3.3, Lemma 2).
+"""Decentralised diffusion balancing for a pipeline (seed 003 §B.3 Alg. 2; seed 000 §3.3, Lemma 2;
+docs/parallelism.md "Diffusion" has the derivation).
 
-Alg. 2 lets each overloaded rank send a layer to a less loaded rank whenever that lowers the
-variance of the loads and the receiver's memory fits. In a pipeline the layers of a stage must stay
-consecutive, so a stage can only hand a *boundary* layer to a *neighbour*: its first layer to the
-previous stage or its last layer to the next one.
-
-Moving cost ``x`` from a stage with load ``a`` to one with load ``b`` changes the variance of the
-``S`` stage loads by ``2x(x - (a - b)) / S`` (the mean is unchanged), so it lowers the variance
-exactly when ``0 < x < a - b``: a test on two neighbours' loads. Every accepted move strictly lowers
-the variance, so it never increases and the process cannot cycle. Zero-cost layers (frozen ones)
-would block a boundary forever, so the unit handed over is the boundary layer together with any
-zero-cost layers in front of it.
-
-Pairwise hand-overs alone stall on staircases such as loads ``(4, 5, 6)`` of one-layer units:
-no neighbour pair can improve, though ``(5, 5, 5)`` is reachable. So a hand-over may be *relayed*:
-a receiver that is no more loaded than the donor passes its own far boundary unit on in the same
-move, and so on down the line. Each relaying stage needs only its own load, the unit it receives
-and a running change of the sum of squared loads passed along with it, so the scheme stays
-neighbour-to-neighbour; the composite move is accepted only if it lowers the variance.
-
-One round visits every stage once (alternating direction between rounds so work travels both ways,
-like a symmetric Gauss-Seidel sweep); the visited stage turns to the neighbour it exceeds the most
-(the "max neighbour" of Lemma 2's proof) and hands over units while each lowers the variance. The
-result is a local optimum; :func:`dynjax.balance.partition` finds the global one.
+Alg. 2 lets an overloaded rank send a layer to a less loaded one whenever that lowers the
+variance of the loads and the receiver's memory fits. In a pipeline a stage's layers stay
+consecutive, so a stage hands a *boundary* unit (its first or last layer, with any zero-cost
+layers in front of it) to a *neighbour*. Moving cost ``x`` from load ``a`` to load ``b`` lowers
+the variance exactly when ``0 < x < a - b``, so no move sequence cycles. A hand-over may be
+*relayed* down the line (a receiver no more loaded than the donor passes its far boundary unit
+on), which escapes staircases such as ``(4, 5, 6)``. One round visits every stage once,
+alternating direction; the result is a local optimum (:func:`dynjax.balance.partition` finds
+the global one).
 """
 
 from collections.abc import Sequence

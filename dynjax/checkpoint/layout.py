@@ -1,48 +1,22 @@
-"""How training state is laid out in a checkpoint: three items, whatever the layers x rows.
-
-Layout 2 (written since issue 15 §2): a step directory holds
+"""How training state is laid out in a checkpoint: three items, whatever the layers x rows
+(layout 2, since issue 15 §2; docs/checkpointing.md "What a checkpoint holds").
 
 - ``dense``: every leaf that is not row-stacked (`rows.RowStacks`), under its ``"/"``-joined
   path (``params/layers/1/attn/qkv/kernel``, ``opt_state/1/0/mu/...``);
 - `rows.ROWS_ITEM`: every row-stacked leaf (stacked expert weights [E, ...], with their Adam
-  moments and pruning masks), one array per leaf as the state holds it. It is stored with one
-  storage chunk per row (Orbax ``SaveArgs(shard_axes=(0,))`` splits the leading axis down to
-  1), so reading rows i, j of a leaf reads those rows' chunks only (`read_rows`: tensorstore
-  reads chunk by chunk); any subset of rows of any stack can be restored;
+  moments and pruning masks) as the state holds it, stored one chunk per row, so any subset of
+  rows of any stack restores alone (`read_rows`);
 - ``meta``: JSON: step, Plan, config, ``layout`` (2), ``qkv_columns`` and the checksums.
 
-``qkv_columns`` ("per head", `QKV_COLUMNS`) says the fused attention projection's columns are
-stored per head (`dynjax.model.attention.qkv_per_head`); a checkpoint without it (written
-before) is reordered as it is restored (`read.qkv_columns_per_head`).
-
-The item count is fixed (3; 2 without row-stacked leaves) and the array count is the state's
-leaf count (it grows with layers, never with rows): 50 layers x 64 experts is 3 items where
-layout 1 had 3,202. The arrays are the run's ``jax.Array``s as they are: Orbax writes each
-device's shards (one replica of each) and restores into ``jax.ShapeDtypeStruct`` targets
-carrying the current run's shardings, so a restore onto another
-``mesh.data``/``mesh.expert``/``mesh.tensor`` or stage count reshards in Orbax and no host holds
-the whole state.
-
-Partial saves (MoC-System's partial expert checkpoints, seed 004 §3, issue 13) fit the same
-three items: a save of rows i, j of a stack writes in its rows item arrays of the chosen rows
-only ([K, ...], gathered on device by `take_rows`) and records in ``meta`` (`rows.ROWS_META`)
-which rows each array holds (`held_rows`); the restore assembles each row's newest copy with
-`read_rows` from older steps. A row-stacked leaf is part of its row's weights (``params/...``
-and the pruning keep masks, which say which of those weights exist) or of its optimizer state
-(the Adam moments): `rows.row_group`, what seed 004 §3's PEC_W / PEC_O select.
-
-Integrity (`checksums`): per array, a pair of position-weighted sums of its 32-bit words modulo
-2^32 (``sum(w_i * (2i + 1))`` and ``sum(w_i * (i * 0x9E3779B9 | 1))``), computed by one jitted
-reduction on the devices that hold the shards: each device reduces its own shard and only the
-two words per array (per row, for row-stacked arrays) leave the devices. Modular sums are
-exact in any order, so the value does not depend on the sharding: a restore onto another mesh
-verifies against what the save recorded. Every odd weight is invertible mod 2^32, so a change
-of one word always changes both sums; swapped words change them unless both weighted
-differences vanish. Row-stacked arrays have one pair per row, so a subset restore is verified
-too.
-
-Layout 1 (before issue 15): ``dense`` plus one item per (stack, row), `rows.V1_ROW_NAME`, with
-host Adler-32 checksums; `read_layout1` still restores it.
+``qkv_columns`` (`QKV_COLUMNS`) says the fused attention projection's columns are stored per
+head; a checkpoint without it is reordered as it is restored (`read.qkv_columns_per_head`). A
+partial save (seed 004 §3) writes the chosen rows only ([K, ...], `take_rows`) and records
+which in ``meta`` (`rows.ROWS_META`, `held_rows`); `rows.row_group` says whether a leaf is a
+row's weights or its optimizer state (PEC_W / PEC_O). `checksums`: two position-weighted sums
+of each array's 32-bit words mod 2^32 (per row for row-stacked arrays), reduced on the devices
+and independent of the sharding (docs/checkpointing.md "Checksums"). Layout 1 (before issue
+15: an item per (stack, row), `rows.V1_ROW_NAME`, host Adler-32) still restores
+(`read_layout1`).
 """
 
 from __future__ import annotations

@@ -1,40 +1,22 @@
-"""Asynchronous, atomic, verified checkpoints on top of Orbax's CheckpointManager.
+"""Asynchronous, atomic, verified checkpoints on top of Orbax's CheckpointManager
+(docs/checkpointing.md).
 
-A save hands the run's ``jax.Array``s to Orbax as they are (`layout`: three items whatever the
-model's size): Orbax copies each device's shards to host (one replica of each) before ``save``
-returns, then writes them in the background into a temporary directory and renames it when
-complete, so a killed process never leaves a checkpoint that looks finished. The checksums are
-computed on the devices that hold the shards (`layout.checksums`). A restore reads each shard
-straight onto its device in the shardings of the target it is given (the current run's), so a
-run may resume on another ``mesh.data``/``mesh.expert``/``mesh.tensor`` or stage count, and
-verifies the checksums there: no host holds the whole state on save or restore. Which leaves
-are row-stacked (`rows.RowStacks`) the scheme that has them declares.
-
-A checkpoint that cannot be read or verified is moved aside to ``corrupt/<step>-<time>`` (kept
-for a person to inspect, never deleted) and the previous one is used; moving it also frees its
-step for the next save and keeps it out of ``keep``. A checkpoint that is intact but does not fit
-the model (other leaves, shapes or dtypes, told by its metadata before any array is read) is an
-error, never moved. A save that Orbax refuses or that fails is an event and a warning, never a
-success. Checkpoints of layout 1 (one item per row) still restore, through host memory.
-
-Partial checkpoints (seed 004 §3's partial expert checkpoints, for any row-stacked leaves): a
-save may hold only K of the rows of each stack, for the weights, the optimizer state or both
-(``content`` W / O / WO). A restore then assembles each row from the newest step that saved it
-(`restore_latest`), a step is kept on disk while it holds the newest copy of any row
-(`_NewestCopies`), and a save never leaves a row without any copy (`Checkpointer.save` adds
-it).
-
-Multi-process runs (issue 15 §4, issue 13 §5): every process calls save and restore with the
-same global arrays; each writes the shards its devices hold into its own ``ocdbt.process_<i>``
-part of the step, and process 0 the metadata (the checksums are replicated results of the global
-arrays, so every process computes the same). A leaf replicated over data-parallel ranks is
-written replica-parallel: each replica writes its slice of the leaf's first axis the replica
-count divides (Orbax's ``use_replica_parallel``, which Orbax leaves off on GPUs), so the ranks
-write disjoint, nearly equal byte shares instead of replica 0 writing it all. The processes
-agree on whether a step restored before any of them moves it aside, and only process 0 moves
-it. A restore reads into the current run's shardings, so a checkpoint written by N processes
-restores on any other process count. A pipeline over processes saves one part per process
-instead (``part``, `dynjax.checkpoint.parts`).
+- Save: the run's ``jax.Array``s go to Orbax as they are (`layout`: three items); Orbax copies
+  each device's shards to host before ``save`` returns, writes them in the background into a
+  temporary directory and renames it when complete, so a killed process never leaves a
+  checkpoint that looks finished. Checksums are computed on the devices (`layout.checksums`).
+- Restore: each shard straight onto its device in the target's shardings (the current run's:
+  another mesh or stage count reshards), checksums verified there. An unreadable or unverified
+  step is moved to ``corrupt/<step>-<time>`` and the previous one used; one that does not fit
+  the model is an error, never moved. Layout 1 still restores, through host memory.
+- Partial saves (seed 004 §3, any row-stacked leaves, `rows.RowStacks`): K rows per stack, of
+  the weights, the optimizer state or both (``content`` W / O / WO); `restore_latest`
+  assembles each row's newest copy, a step stays while it holds one (`_NewestCopies`), and a
+  save never leaves a row without a copy.
+- Several processes (issue 15 §4, issue 13 §5): each writes its devices' shards into its
+  ``ocdbt.process_<i>`` part (replicated leaves replica-parallel), process 0 the metadata; they
+  agree before a step is moved aside. A pipeline over processes saves one part per process
+  instead (``part``, `dynjax.checkpoint.parts`).
 """
 
 from __future__ import annotations

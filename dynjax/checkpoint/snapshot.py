@@ -1,44 +1,21 @@
-"""Two-level checkpoints (MoC-System, seed 004 §5.1-§5.2): in-memory snapshots every few steps,
-persisted to storage every few snapshots, with triple buffering.
+"""Two-level checkpoints (MoC-System, seed 004 §5.1-§5.2; docs/checkpointing.md "Two levels"):
+in-memory snapshots every few steps, persisted to storage every few snapshots, with triple
+buffering.
 
-Snapshot level. Every ``checkpoint.snapshot_every`` steps the loop calls `TwoLevel.snapshot`
-right after dispatching the step: one jitted program copies the dense leaves and K_snapshot
-rows of each row-stacked leaf (the row policy's selection, `rows.RowPolicy`) *on the device*,
-and
-``copy_to_host_async`` starts the device-to-host transfer of those copies. The copy is
-dispatched before the next step, so JAX orders it before that step's update, which donates the
-state (``donate_argnums`` of the train step): the copies are new buffers nobody donates, and the
-training loop never waits for the transfer (seed 004 §2.3.1 requires the snapshot to finish
-before the update; on-device copies make that hold by stream order, for the device memory of
-one copy of the dense state and K rows per stack while it is in flight). A background thread
-then materializes the transfer into a host buffer, taking the rows it did not copy from the
-newest complete snapshot, so every complete buffer holds the whole state and, per row, the
-step of its copy (`Snapshot.sources`).
-
-Triple buffering (§5.2, Fig. 13). Three host buffers; each is, at any time, *free*, *snapshot*
-(being filled), *persist* (being written to storage) and/or *recovery* (the newest complete
-snapshot). A fill takes a buffer that is neither persist nor recovery: there is always one,
-since at most one buffer fills, one persists and one is the recovery buffer. A completed fill
-becomes the recovery buffer and the previous recovery buffer is freed unless it is persisting;
-a persist takes the recovery buffer (it may stay the recovery buffer while written) and frees
-it when the write is done unless it is still the newest. So a buffer being filled is never
-handed out (neither to recovery nor to persist), and the newest complete snapshot is never
-overwritten: `TripleBuffer`.
-
-Persist level. Every ``checkpoint.persist_every`` steps the recovery buffer is placed on the
-devices as the restore target says and saved with `Checkpointer.save` (partial: its K_persist
-freshest-copied rows, those whose storage copy is the oldest), so a restarted process
-restores from storage with the usual partial assembly.
-
-Recovery. A surviving process whose step raised (`InjectedFault`, ``checkpoint.inject_fault_at``:
-a stand-in for a transient device error) restores from the recovery buffer, which is newer than
-storage, so fewer tokens are lost (lower PLT, §5.1); a restarted process reads storage.
-
-Several processes. Each snapshots what it holds: a pipeline stage's arrays whole, or its shards
-of the global arrays of one program over several processes (`HostShards`). A persist (a
-collective save, or the parts of one step) and a recovery must be of the same step in every
-process, so over several processes a persist waits for the fills in flight and the previous
-save, and the processes compare their newest snapshot's step before either (`TwoLevel.rounds`).
+- Snapshot (`TwoLevel.snapshot`, right after a step is dispatched): one jitted program copies
+  the dense leaves and the row policy's K_snapshot rows per stack on the device, and
+  ``copy_to_host_async`` starts their transfer. Dispatched before the next step, which donates
+  the state, the copy needs no wait (seed 004 §2.3.1's "before the update" holds by stream
+  order); a background thread fills a host buffer, taking the rows it did not copy from the
+  newest complete snapshot (`Snapshot.sources`: each row's step).
+- Triple buffering (§5.2, Fig. 13; `TripleBuffer`): a fill never takes the persist or the
+  recovery buffer, and a buffer being filled is never handed out.
+- Persist (every ``checkpoint.persist_every`` steps): the recovery buffer through
+  `Checkpointer.save`, its K_persist rows whose storage copy is the oldest.
+- Recovery: a process whose step raised (`InjectedFault`) restores the recovery buffer, newer
+  than storage (lower PLT, §5.1); a restarted process reads storage.
+- Several processes: each snapshots what it holds (`HostShards` for one program's shards), and
+  persists and recoveries agree on one step (`TwoLevel.rounds`).
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ class Plugin:
 
     @classmethod
     def report_plots(cls) -> Sequence[tuple[str, str, Callable, Callable, str]]:
-        """The scheme's own plots in the run report, as `dynjax.report.pngs.PLOTS` entries
+        """The scheme's own plots in the run report, as `dynjax.runlog.plots.PlotEntry` tuples
         (name, title, draw(run, figure), the reason to skip a run (None: draw), caption),
         drawn from a workdir's files. Only the report (an edge) calls it: a scheme keeps its
         report module out of its package's imports."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import ml_collections
 import numpy as np
@@ -31,6 +31,9 @@ from dynjax.dynamism.plasticity import PlasticityProbe
 from dynjax.errors import ConfigError
 from dynjax.model.facts import ModelFacts
 from dynjax.recompile import History, Plan, Policy, Proposal
+
+if TYPE_CHECKING:
+    from dynjax.runlog.plots import PlotEntry
 
 GRAD_NORMS = "layer_grad_norm"  # [L] per step, NaN for frozen layers
 PLASTICITY = "freezing/plasticity"  # [L] at measured steps, NaN for the frozen prefix
@@ -137,6 +140,34 @@ class FreezingPlugin(Plugin):
         if "freezing.enabled" in changed and not implied.frozen_layers and saved.frozen_layers:
             return saved.replace(frozen_layers=())
         return saved
+
+    @classmethod
+    def report_plots(cls) -> Sequence[PlotEntry]:
+        """The frozen prefix of each Plan, and what freezing measured (`PLASTICITY`)."""
+        from dynjax.runlog import plots  # the report's, never a run's import
+        from dynjax.runlog.arrays import frozen_layers
+
+        return (
+            (
+                "freezing",
+                "Layer freezing",
+                plots.on_axes(plots.plot_freezing, 4.0),
+                lambda r: (
+                    None
+                    if frozen_layers(r) is not None
+                    else "no Plan froze a layer (no `frozen_layers` in the compile/recompile "
+                    "events)"
+                ),
+                "The frozen prefix (layers 0..n-1 frozen: no backward) of each Plan over time.",
+            ),
+            plots.scheme_metrics_plot(
+                cls.name,
+                "freezing_metrics",
+                "Layer freezing: measurements",
+                "Each `freezing/...` metric over time, e.g. each layer's plasticity (one line per "
+                "layer).",
+            ),
+        )
 
     def policies(self) -> list[Policy]:
         f = self.settings

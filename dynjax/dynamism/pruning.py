@@ -1,48 +1,24 @@
 """Gradual global magnitude pruning as a dynamism plugin (seed 000 §2.2, §3.2.1 eq. 3, Alg. 1;
-seed 003 §B).
+seed 003 §B; docs/schemes/pruning.md).
 
-Every ``pruning.every`` steps from ``pruning.start_step`` on (``pruning.steps`` + 1 events), the
-weights of the matrices ``pruning.include`` selects are ranked by magnitude over the *whole*
-model, and all but the target fraction of Zhu & Gupta's cubic schedule are set to zero; layers
-end up with different densities, which is the imbalance DynMo balances (seed 000 §2.2). The math
-(schedule, scores, the exact distributed top-k that only sends counts to the host) is
-`dynjax.dynamism.pruning_math`; this module connects it to a run:
+Every ``pruning.every`` steps from ``pruning.start_step`` on, the matrices ``pruning.include``
+selects are ranked by magnitude over the whole model and all but Zhu & Gupta's cubic target
+are zeroed, so layers end up with different densities (the imbalance DynMo balances). The math
+(schedule, scores, the exact distributed top-k) is `dynjax.dynamism.pruning_math`; here:
 
-- **masks are train state**: `masked` wraps the run's optimizer, and its state (`PruneState`)
-  holds a params-shaped tree of keep masks next to the inner state. They move with their layer
-  between pipeline stages, are checkpointed, restored and resharded like the Adam moments, by
-  path, with no code of their own. Its ``update`` zeroes the gradients of pruned entries
-  before the inner optimizer and the updates after it, so a pruned weight stays exactly zero
-  (weight decay included);
-- **events between steps** (`PruningPlugin.before_step`): per stage, the scores of the current
-  weights, one global selection (`pruning_math.global_masks`), then per stage, jitted, on the
-  stage's own devices: weights multiplied by the masks, the masks replaced, and the Adam
-  moments of pruned entries zeroed. Each event is a ``prune`` record in events.jsonl;
-- **the forward** (a weight hook, `dynjax.model.hooks`): each prunable matrix is used as
-  ``w * (w != 0)``, with the pattern held constant for differentiation. It changes no value
-  (pruned weights are zero) but zeroes the gradient of every pruned weight where it is made,
-  so the global gradient norm (clipping, ``grad_norm``) counts kept weights only, alike in the
-  single-program step and in a pipeline (which clips with the norm of all stages before the
-  optimizer runs). It also reports ``pruning/density`` per layer in the host metrics, from the
-  weights the step ran with: what a policy reads, and the layer's cost (`metric_costs`);
-- **cost model** (seed 000 §2.2: load = retained fraction p_i times the dense cost c_i): a
-  layer's cost factor is its density, weighted by each matrix's multiply-adds per token (an
-  expert matrix counts top_k / num_experts of its size). It is read from the step's metrics,
-  not from the Plan: a density in the Plan would recompile the step at every event.
-
-**Ranking scale** (``pruning.scale``). ``"none"`` (the default) ranks raw magnitudes, Alg. 1 as
-written. GPT-2's init makes the residual projections (``attn/out``, ``mlp/down``, experts'
-``w_out``) ``1/sqrt(2L)`` times smaller than the other matrices, so they go first: in an 8-layer
-block-pruning run (`benchmarks/traces/pruning.jsonl`'s settings) ``attn/out`` and ``mlp/down``
-lost every block in most layers from about half sparsity on, and those sublayers add nothing.
-``"init"`` divides each matrix's scores by the std it was initialised with
-(`dynjax.model.gpt.init_std`) before the one global threshold, so matrices compete on how far
-training moved them and every sublayer keeps blocks. It is not the better model by default: on
-300-step CPU runs the raw ranking reached the same or a lower loss (docs/schemes/pruning.md).
-
-``granularity="block"`` ranks ``block_size`` x ``block_size`` blocks by their Frobenius norm
-instead (`pruning_math.block_scores`), so whole blocks are zero: what a block-sparse matmul can
-skip. The masks stay element masks (blocks expanded).
+- masks are train state: `masked` wraps the optimizer (`PruneState`: keep masks beside the
+  inner state, moved, checkpointed and resharded like the Adam moments) and keeps pruned
+  weights exactly zero;
+- events between steps (`PruningPlugin.before_step`): one global selection, then per stage the
+  weights, masks and pruned Adam moments updated on the stage's devices; a ``prune`` event;
+- the forward (a weight hook) uses ``w * (w != 0)`` with the pattern held constant, so pruned
+  weights get no gradient and ``grad_norm`` counts kept weights only; it reports
+  ``pruning/density`` per layer, the layer's cost (`metric_costs`, from the metrics, not the
+  Plan, which would recompile at every event);
+- ``pruning.scale="init"`` ranks ``|w|`` in units of each matrix's init std
+  (`dynjax.model.gpt.init_std`) instead of raw magnitudes, which prune GPT-2's smaller residual
+  projections first; ``granularity="block"`` ranks ``block_size`` blocks by Frobenius norm
+  (`pruning_math.block_scores`), whole blocks a block-sparse matmul can skip.
 """
 
 from __future__ import annotations
@@ -75,6 +51,7 @@ from dynjax.recompile import History, Proposal
 
 if TYPE_CHECKING:
     from dynjax.recompile import Plan, Policy
+    from dynjax.runlog.plots import PlotEntry
 
 NAME = "pruning"
 DENSITY = "pruning/density"  # [L] per step: each layer's (FLOP-weighted) fraction of kept weights
@@ -371,6 +348,20 @@ class PruningPlugin(Plugin):
         if not any(key.startswith("pruning.") for key in changed):
             return saved
         return saved.replace(parts={k: v for k, v in saved.parts if k != NAME})
+
+    @classmethod
+    def report_plots(cls) -> Sequence[PlotEntry]:
+        """What pruning logged (each layer's density, the target sparsity) over time."""
+        from dynjax.runlog import plots  # the report's, never a run's import
+
+        return (
+            plots.scheme_metrics_plot(
+                cls.name,
+                "pruning",
+                "Pruning",
+                "Each `pruning/...` metric over time (per-layer lists: one line per layer).",
+            ),
+        )
 
     def wrap_optimizer(
         self, optimizer: optax.GradientTransformation

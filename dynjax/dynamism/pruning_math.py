@@ -1,29 +1,14 @@
-"""The math of gradual global magnitude pruning: schedule, which weights, scores, exact selection.
+"""The math of gradual global magnitude pruning: schedule, which weights, scores, exact selection
+(seed 000 §3.2.1 eq. 3; seed 003 §B.2 eq. 2).
 
-DynMo prunes gradually with Zhu & Gupta's cubic schedule and ranks *all* prunable weights of the
-model together (global, unstructured magnitude pruning), so layers end up with different densities
-(seed 000 §3.2.1 eq. 3; seed 003 §B.2 eq. 2). Its Algorithm 1 gathers every rank's local top-k
-onto rank 0. Here each pipeline stage only ever sends the host a few counts per round:
-
-1. bisection on the int32 bit pattern of the threshold (non-negative float32 values order like
-   their bits), each round every stage counts its scores above the candidate, finds the k-th
-   largest score ``t`` in 31 rounds;
-2. each stage counts its scores equal to ``t``; the host gives the remaining quota to the ties in
-   the global order (stages in order, then each stage's names in the order given, then flat C
-   index);
-3. each stage builds its masks locally from ``t`` and its per-array quota.
-
-In a pipeline over several processes, each process counts its own stages and the per-round
-counts (one integer; the tie vectors once) are summed through the coordinator's key-value store
-(`RunLink.rounds`): about 33 exchanges of a few bytes per pruning event.
-
-The kept set is exactly what a single-device top-k with that tie rule keeps. Pipeline stages hold
-consecutive layers in order, so the global order is the model's layer order whatever the layout.
-
-Scores are the *current* magnitudes of all prunable weights, as in Zhu & Gupta: pruned weights are
-zero, so they rank last and, with a non-decreasing schedule, stay pruned (``element_scores`` and
-``block_scores`` take the current mask to enforce this even if stale values linger). A kept weight
-that is exactly zero ties with the pruned ones; the tie rule decides between them.
+Zhu & Gupta's cubic schedule, and *all* prunable weights of the model ranked together. Unlike
+Algorithm 1, which gathers every rank's local top-k on rank 0, `global_masks` is an exact global
+top-k in which each pipeline stage sends the host only counts: a bisection on the threshold's
+bit pattern (31 rounds), then the ties at the threshold given out in the global order (stages,
+then names as given, then flat index); over several processes the counts are summed through
+`RunLink.rounds`. The derivation is in docs/schemes/pruning.md "The schedule and the
+selection". Scores are the current magnitudes (pruned weights are zero, rank last and stay
+pruned; ``element_scores`` and ``block_scores`` also take the current mask).
 
 Example (two stages, one array each; ``keep = 3`` keeps both 5s and the first 2 in global order):
   >>> import numpy as np

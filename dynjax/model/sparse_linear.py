@@ -1,42 +1,21 @@
-"""Block-pruned matmul: ``x @ w`` computing only the blocks a pruning mask keeps.
+"""Block-pruned matmul: ``x @ w`` computing only the blocks a pruning mask keeps (seed 000
+§4.2.2, 003 §C; docs/schemes/pruning.md "The block-pruned matmul" has the design and where
+the time goes).
 
-Gradual pruning only saves time once the matmul skips the pruned weights (000 §4.2.2: a sparse
-kernel overtook the dense one from about 75% sparsity; 003 §C). The weight stays stored dense in
-the params, ``[in, out]`` with pruned entries exactly zero; what changes is how it is multiplied.
+``w`` stays stored dense (``[in, out]``, pruned entries exactly zero). For each output
+block-column ``j`` (blocks of ``bs x bs``), ``index[j, :]`` lists the present block-rows,
+ascending, padded with the sentinel ``in // bs`` to a static width ``K``. ``index`` is a runtime
+``int32`` array (a new mask with the same ``K`` reuses the compiled step); only ``K`` is in the
+Plan, rounded up by ``bucket_blocks`` so that pruning recompiles rarely. The product is
+``x @ (w * block_mask(index))``: absent blocks count as zero and get a zero gradient; forward
+and backward cost ``K / (in // bs)`` of the dense FLOPs.
 
-**The index.** For each output block-column ``j`` of ``w`` (blocks of ``bs x bs``),
-``index[j, :]`` lists the block-rows ``r`` whose block ``w[r*bs:(r+1)*bs, j*bs:(j+1)*bs]`` is
-present, ascending, padded with the sentinel ``in // bs`` (one past the last block-row) up to a
-static width ``K``. ``index`` is a runtime ``int32`` array: a new mask with the same ``K`` reuses
-the compiled step. Only ``K`` is part of the Plan; ``bucket_blocks`` rounds the busiest column's
-count up to a few sizes so that pruning recompiles rarely. The product is
-``x @ (w * block_mask(index))``: absent blocks count as zero whatever ``w`` holds there, and
-their gradient is zero. Forward and backward cost ``K / (in // bs)`` of the dense FLOPs.
-
-**Two paths, one function** (``block_pruned_matmul``):
-
-- ``"xla"`` (CPU, any backend; the default off GPU). Everything runs in the transposed
-  activation layout ``xT[r] = x[:, r*bs:(r+1)*bs].T`` (``[in//bs, bs, M]``), where a present
-  block's activations are one contiguous slab. A loop over the output block-columns gathers
-  each column's ``K`` slabs and multiplies them with its ``K`` weight blocks in one
-  ``[bs, K*bs] @ [K*bs, M]`` product; padding slabs meet zero weight blocks. The backward runs the
-  same loop: ``dx`` scatter-adds each column's ``[K*bs, M]`` contribution onto its block-rows
-  (padding rows are dropped), ``dw`` is ``xs @ dy_j.T`` for the present blocks only; the dense
-  ``[in, out]`` gradient is then written in one gather pass (`_scatter_blocks`). A custom VJP
-  keeps autodiff from differentiating the gathers. One block-column per product: grouping ``g``
-  columns into one batched product (also YNNPACK on jax 0.10.2) made the transposed write into
-  ``y`` about 3x slower, and one batched step over all columns gathers ``K`` times the output, a
-  buffer that costs more than the FLOPs saved. The loop is unrolled (`_unroll`) so that XLA
-  overlaps one column's gather and write, which run single-threaded inside a loop, with another
-  column's product. Where the time goes (profiled, 1024x4096, ``K = 4``, 2048 rows, forward): the
-  products about a third; the first touch of the fresh 32 MiB output (page faults, which the
-  dense matmul pays too) about 6 ms; the gathers and the transposed writes about 5 ms each. XLA's
-  ``cost_analysis`` counts a loop body once, so compare FLOPs with ``loop=False``.
-- ``"pallas"`` (the default on GPU): ``pallas_kernels.block_sparse_matmul`` on a
-  ``BlockSparseMatrix`` of the ``C*K`` indexed blocks (padding blocks are zero and point at a
-  valid block-row, so they add nothing); gradients reach ``w`` through the block gather.
-
-Element-granularity pruning does not use this: such layers multiply densely with their masks.
+``block_pruned_matmul`` has two paths: ``"xla"`` (any backend, the default off GPU: per
+block-column products in the transposed activation layout, a custom VJP, unrolled; XLA's
+``cost_analysis`` counts a loop body once, so compare FLOPs with ``loop=False``) and
+``"pallas"`` (the default on GPU: ``pallas_kernels.block_sparse_matmul`` on the ``C*K``
+indexed blocks). Element-granularity pruning does not use this: it multiplies densely with its
+masks.
 """
 
 from __future__ import annotations

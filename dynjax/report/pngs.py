@@ -5,24 +5,14 @@ walked over `dynjax.dynamism.BUILTIN`), after the run's loss and throughput."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.runlog import plots as drawing
-from dynjax.runlog.arrays import (
-    frozen_layers,
-    layer_costs,
-    scheme_series,
-    series,
-    stage_load,
-)
+from dynjax.runlog.arrays import layer_costs, series, stage_load
+from dynjax.runlog.plots import PlotEntry, on_axes
 from dynjax.runlog.workdir import Run
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 DPI = 100  # every PNG is drawing.WIDTH * DPI = 1000 pixels wide
 
@@ -39,27 +29,6 @@ class Plot:
     reason: str = ""
 
 
-def _axes_plot(draw: Callable[[Run, Any], Any], height: float) -> Callable[[Run, Figure], None]:
-    def on(run: Run, fig: Figure) -> None:
-        fig.set_size_inches(drawing.WIDTH, height)
-        draw(run, fig.add_subplot())
-
-    return on
-
-
-def _scheme_plot(scheme: str, name: str, title: str, caption: str) -> tuple:
-    """The `PLOTS` entry drawing every ``<scheme>/...`` metric a dynamism plugin logs."""
-
-    def skip(run: Run) -> str | None:
-        return None if scheme_series(run, scheme) else f"no `{scheme}/...` metrics in metrics.jsonl"
-
-    return name, title, lambda run, fig: drawing.plot_scheme(run, scheme, fig), skip, caption
-
-
-# name, title, drawing onto a given Figure, the reason to skip (None = draw), caption
-PlotEntry = tuple[str, str, Callable[[Run, "Figure"], Any], Callable[[Run], str | None], str]
-
-
 def scheme_plots(schemes: Schemes) -> tuple[PlotEntry, ...]:
     """Every scheme's own plots (`Plugin.report_plots`), in scheme order."""
     return tuple(entry for plugin in schemes.plugins for entry in plugin.report_plots())
@@ -69,7 +38,7 @@ _RUN_PLOTS: tuple[PlotEntry, ...] = (
     (
         "loss",
         "Loss",
-        _axes_plot(drawing.plot_loss, 4.5),
+        on_axes(drawing.plot_loss, 4.5),
         lambda r: None if series(r.metrics, "loss")[0].size else "no `loss` in metrics.jsonl yet",
         "Training loss per logged step and evaluation loss; red dashes: recompiles swapped in.",
     ),
@@ -113,29 +82,6 @@ _LAYER_PLOTS: tuple[PlotEntry, ...] = (
         ),
         "Top: each layer's modelled cost under the Plan in force (a dense layer = 1); bottom: "
         "its profiled forward + backward time, when profiled.",
-    ),
-    (
-        "freezing",
-        "Layer freezing",
-        _axes_plot(drawing.plot_freezing, 4.0),
-        lambda r: (
-            None
-            if frozen_layers(r) is not None
-            else "no Plan froze a layer (no `frozen_layers` in the compile/recompile events)"
-        ),
-        "The frozen prefix (layers 0..n-1 frozen: no backward) of each Plan over time.",
-    ),
-    _scheme_plot(
-        "freezing",
-        "freezing_metrics",
-        "Layer freezing: measurements",
-        "Each `freezing/...` metric over time, e.g. each layer's plasticity (one line per layer).",
-    ),
-    _scheme_plot(
-        "pruning",
-        "pruning",
-        "Pruning",
-        "Each `pruning/...` metric over time (per-layer lists: one line per layer).",
     ),
 )
 PLOTS: tuple[PlotEntry, ...] = _RUN_PLOTS + scheme_plots(BUILTIN) + _LAYER_PLOTS

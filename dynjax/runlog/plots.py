@@ -3,7 +3,7 @@ Figure, or a new pyplot one. matplotlib is imported only by the functions that d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 WIDTH = 10.0  # inches: every plot is WIDTH wide
+
+# A plot of the run report (`dynjax.report.pngs.PLOTS`, `Plugin.report_plots`): name, title,
+# drawing onto a given Figure, the reason to skip a run (None: draw), caption.
+PlotEntry = tuple[str, str, Callable[[Run, "Figure"], Any], Callable[[Run], str | None], str]
 
 
 def new_figure(fig: Figure | None, height: float) -> Figure:
@@ -392,3 +396,24 @@ def plot_scheme(run: Run, scheme: str, fig: Figure | None = None) -> Figure:
             )
     axes[-1].set_xlabel("step")
     return fig
+
+
+def on_axes(draw: Callable[[Run, Any], Any], height: float) -> Callable[[Run, Figure], None]:
+    """``draw(run, ax)`` as a report plot's drawing: onto one Axes of a WIDTH x ``height``
+    figure."""
+
+    def on(run: Run, fig: Figure) -> None:
+        fig.set_size_inches(WIDTH, height)
+        draw(run, fig.add_subplot())
+
+    return on
+
+
+def scheme_metrics_plot(scheme: str, name: str, title: str, caption: str) -> PlotEntry:
+    """The report plot of every ``<scheme>/...`` metric a dynamism plugin logs
+    (`plot_scheme`), skipped when the run logged none."""
+
+    def skip(run: Run) -> str | None:
+        return None if scheme_series(run, scheme) else f"no `{scheme}/...` metrics in metrics.jsonl"
+
+    return name, title, lambda run, fig: plot_scheme(run, scheme, fig), skip, caption

@@ -10,7 +10,9 @@ import pytest
 
 from dynjax import report
 from dynjax.dynamism import BUILTIN, Plugin
+from dynjax.dynamism.freezing import FreezingPlugin
 from dynjax.dynamism.moe.report import expert_load
+from dynjax.dynamism.pruning import PruningPlugin
 from dynjax.report.pngs import scheme_plots
 from dynjax.train import train
 
@@ -402,8 +404,10 @@ def test_a_schemes_plots_come_from_its_plugin():
         def report_plots(cls):
             return (("toy", "Toy", lambda run, fig: None, lambda run: "never drawn", "A toy."),)
 
-    assert [p[0] for p in scheme_plots(BUILTIN.with_(Toy))] == ["expert_load", "toy"]
+    builtin = ["freezing", "freezing_metrics", "expert_load", "pruning"]
+    assert [p[0] for p in scheme_plots(BUILTIN.with_(Toy))] == [*builtin, "toy"]
     assert [p[0] for p in report.PLOTS] == [
-        "loss", "throughput", "expert_load", "pipeline", "layer_costs", "freezing",
-        "freezing_metrics", "pruning",
+        "loss", "throughput", *builtin, "pipeline", "layer_costs",
     ]  # fmt: skip
+    assert [p[0] for p in FreezingPlugin.report_plots()] == ["freezing", "freezing_metrics"]
+    assert [p[0] for p in PruningPlugin.report_plots()] == ["pruning"]
