@@ -24,6 +24,7 @@ from flax import nnx
 from dynjax import config as config_lib
 from dynjax import resume
 from dynjax.balance import schedule_tasks
+from dynjax.checkpoint.huggingface import initial_params
 from dynjax.data import (
     Batch,
     TokenizerSpec,
@@ -38,7 +39,6 @@ from dynjax.dynamism.moe.part import NAME as MOE
 from dynjax.dynamism.moe.part import cached_routing_of, capacities_of, moe_context
 from dynjax.dynamism.moe.speeds import measure_speeds
 from dynjax.errors import ConfigError
-from dynjax.hf.weights import initial_params
 from dynjax.launch.distributed import Peers as ProcessPeers
 from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
 from dynjax.model.facts import ModelFacts

@@ -3,7 +3,7 @@
 ``import``: the directory's ``config.json`` becomes dynjax config keys (`architectures`), written
 with the base config and the user's overrides as the workdir's ``config.py``; the run's
 ``train.init_from`` names the directory, so its fresh start reads the weights (each device its
-own slice, `weights.load_params`), and that state is saved as the workdir's step-0 checkpoint.
+own slice, `dynjax.checkpoint.huggingface.load_params`), and that state is saved as the workdir's step-0 checkpoint.
 ``python -m dynjax.train --workdir W`` then fine-tunes it. The directory's config and tokenizer
 files are kept under ``W/hf`` for the export.
 
@@ -25,10 +25,10 @@ import ml_collections
 import numpy as np
 
 from dynjax import config as config_lib
+from dynjax.checkpoint.huggingface import layout_of, read_hf_config, to_hf
 from dynjax.dynamism import BUILTIN, Schemes
 from dynjax.errors import ConfigError
 from dynjax.hf.architectures import dynjax_overrides
-from dynjax.hf.weights import layout_of, read_hf_config, to_hf
 from dynjax.model.gpt import GPTConfig
 
 KEPT = (  # the files of a model directory an export writes back beside the weights

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from dynjax.checkpoint.huggingface import SafeTensors
 from dynjax.hf.__main__ import main as hf_main
-from dynjax.hf.weights import SafeTensors
 from dynjax.train import main as train_main
 
 FIXTURES = Path(__file__).parents[1] / "data" / "hf"

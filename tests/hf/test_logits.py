@@ -12,10 +12,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dynjax.checkpoint.huggingface import SafeTensors, leaves, load_params, read_slice, to_hf
 from dynjax.config import check_run, model_facts
 from dynjax.hf.architectures import UnsupportedModel, dynjax_overrides
 from dynjax.hf.convert import layout_of
-from dynjax.hf.weights import SafeTensors, leaves, load_params, read_slice, to_hf
 from dynjax.model.gpt import GPT
 from tests.tiny import tiny_config
 
