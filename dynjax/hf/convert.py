@@ -3,7 +3,8 @@
 ``import``: the directory's ``config.json`` becomes dynjax config keys (`architectures`), written
 with the base config and the user's overrides as the workdir's ``config.py``; the run's
 ``train.init_from`` names the directory, so its fresh start reads the weights (each device its
-own slice, `dynjax.checkpoint.huggingface.load_params`), and that state is saved as the workdir's step-0 checkpoint.
+own slice, `dynjax.checkpoint.huggingface.load_params`), and that state is saved as the
+workdir's step-0 checkpoint.
 ``python -m dynjax.train --workdir W`` then fine-tunes it. The directory's config and tokenizer
 files are kept under ``W/hf`` for the export.
 
