@@ -22,7 +22,8 @@ from dynjax.parallel import expert_parallel, make_mesh, make_train_step, whole_m
 from dynjax.parallel import timeline as timeline_module
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.executable import PipelinePrograms
-from dynjax.parallel.pipeline import Pipeline, host_metrics
+from dynjax.parallel.pipeline import Pipeline
+from dynjax.parallel.pipeline import host_metrics as fold_host_metrics
 from dynjax.parallel.profile import (
     UnitTimes,
     program_temp_bytes,
@@ -35,7 +36,7 @@ from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
 
-from ..helpers import assert_close, loss_terms, stage_setup
+from ..helpers import assert_close, loss_terms, moe_options, stage_setup
 from ..tiny import tiny_config
 
 CFG = GPTConfig(
@@ -51,6 +52,11 @@ CFG = GPTConfig(
     top_k=2,
 )
 CAPS = ((2, 5, 3, 4),)  # uneven and small: tokens are dropped
+
+
+def host_metrics(raw):
+    """`pipeline.host_metrics` with the model's hook sets."""
+    return fold_host_metrics(raw, CFG.hooks)
 CLIP = 0.5  # below the gradient norm of the first step: clipping is global and active
 LR = 0.3
 M, B, STEPS = 2, 8, 3
@@ -91,10 +97,11 @@ def initial_state(opt=optimizer):
 def reference():
     """Per-step metrics and final state of the single-program step on one device."""
     opts = whole_model(
-        CFG.num_layers, batch_size=B, moe_layers=CFG.moe_layers, capacities=CAPS, microbatches=M
+        CFG.num_layers, batch_size=B, options=moe_options(CFG, CAPS, z_loss_weight=1e-3),
+        microbatches=M,
     )
     parallel = expert_parallel(make_mesh(1, 1, 1))
-    setup = stage_setup(CFG, optimizer(), z_loss_weight=1e-3)
+    setup = stage_setup(CFG, optimizer())
     step = jax.jit(make_train_step(setup, opts, parallel))
     state = initial_state()
     p, s = state["params"], state["opt_state"]
@@ -106,14 +113,7 @@ def reference():
 
 
 def pipeline_setup(mesh_shape=(4, 2, 1), opt=optimizer):
-    setup = StageSetup(
-        parts=ModelParts.of(CFG),
-        optimizer=opt(),
-        grad_clip=CLIP,
-        aux_loss_weight=0.01,
-        z_loss_weight=1e-3,
-        return_assignments=False,
-    )
+    setup = StageSetup(parts=ModelParts.of(CFG), optimizer=opt(), grad_clip=CLIP)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), initial_state(opt))
     transport = Transport(make_mesh(*mesh_shape))
     programs = PipelinePrograms(setup, transport, abstract["params"], seq_len=8)
@@ -123,13 +123,11 @@ def pipeline_setup(mesh_shape=(4, 2, 1), opt=optimizer):
 def spec_for(assignment, schedule, frozen=(), capacities=CAPS):
     stages = stage_specs(
         assignment,
-        moe_layers=CFG.moe_layers,
-        capacities=capacities,
         frozen_layers=frozen,
         microbatches=M,
         batch_size=B,
-        cached_routing=False,
         dtype="float32",
+        options=moe_options(CFG, capacities, z_loss_weight=1e-3),
     )
     return PipelineSpec(stages, schedule, schedule_tasks(schedule, len(assignment), M))
 
@@ -279,8 +277,10 @@ FROZEN = (0, 1, 3)  # a frozen prefix (embedding, layers 0-1) and a frozen layer
 
 def frozen_reference():
     """The single-program loss with stop_gradient on the frozen units, on one device."""
-    opts = whole_model(CFG.num_layers, batch_size=B, moe_layers=CFG.moe_layers, capacities=CAPS)
-    setup = stage_setup(CFG, z_loss_weight=1e-3)
+    opts = whole_model(
+        CFG.num_layers, batch_size=B, options=moe_options(CFG, CAPS, z_loss_weight=1e-3)
+    )
+    setup = stage_setup(CFG)
     parallel = expert_parallel(make_mesh(1, 1, 1))
     opt = optimizer()
 
