@@ -24,7 +24,7 @@ from dynjax.model.attention import CausalSelfAttention
 from dynjax.model.hashed_attention import hashed_record
 from dynjax.model.hooks import NO_HOOKS, BlockPart, Hooks, LayerContext, LayerOptions
 from dynjax.model.mlp import MLP
-from dynjax.model.moe import MOE, MOE_HOOKS, MoE, MoELayer, MoEStats
+from dynjax.model.moe import MOE, MOE_HOOKS, MoE, MoEStats
 from dynjax.model.moe import layer_metrics as moe_layer_metrics
 from dynjax.model.pruned import sparse_linears
 
@@ -129,7 +129,12 @@ class Block(nnx.Module):
             y, metrics = self.attn(self.norm1(x), sparse, positions, hashed, keys, parallel)
             x = x + y
             if self.is_moe:
-                record = dict(options).get(MOE) or MoELayer()
+                record = dict(options).get(MOE)
+                if record is None:
+                    raise ValueError(
+                        f"an MoE block runs with an {MOE!r} record (`MoELayer`) in its options: "
+                        "the MoE plugin's layer options, or `dynjax.model.moe.static_options`"
+                    )
                 y, stats = self.moe(
                     self.norm2(x),
                     capacities=record.block_capacities(inputs),
@@ -147,7 +152,7 @@ class Block(nnx.Module):
             name, wrapper, record = wrapped
             part = getattr(self, name, None)
             x, stats, inner = wrapper(residual, x, record, part, context or LayerContext())
-        x, metrics = self.hooks.apply_block_hooks(x, options)
+        x, metrics = self.hooks.apply_block_hooks(x, options, inputs)
         return x, stats, {**inner, **metrics}
 
 

@@ -120,7 +120,10 @@ class HookSet:
     which hash by identity), so the model config and the specs that carry it key the compile
     cache; a module that defines hooks exposes its `HookSet` as a value and registers nothing.
 
-    - ``block``: ``hook(block_output, record) -> (output, metrics)`` after the block;
+    - ``block``: ``hook(block_output, record) -> (output, metrics)`` after the block; with
+      ``reads`` (names of per-layer step or batch inputs, `Plugin.step_inputs`,
+      `Plugin.batch_inputs`), ``hook(block_output, record, inputs)`` with the layer's rows of
+      those it is given;
     - ``weight``: ``hook(weights, record) -> (replacements, metrics)`` before it: ``weights``
       maps the block's parameter paths (``"attn/qkv/kernel"``, ``"moe/w_in"``) to arrays, the
       block then runs with the replaced weights (part of the differentiated forward);
@@ -167,6 +170,7 @@ class HookSet:
     step_metrics: tuple[tuple[str, str, str], ...] = ()
     derived: Derived | None = None
     update_record: Callable[[Any], Any] | None = None
+    reads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bad = set(self.needs) - set(CONTEXT_NEEDS)
@@ -335,11 +339,20 @@ class Hooks:
             state.update(replaced)
         return jax.tree_util.tree_unflatten(treedef, [state[n] for n in names])
 
-    def apply_block_hooks(self, x: jax.Array, options: LayerOptions) -> tuple[jax.Array, dict]:
-        """The block output after every hook its options name, and the hooks' metrics."""
+    def apply_block_hooks(
+        self, x: jax.Array, options: LayerOptions, inputs: Mapping[str, jax.Array] | None = None
+    ) -> tuple[jax.Array, dict]:
+        """The block output after every hook its options name (a hook whose set ``reads``
+        per-layer inputs gets the layer's rows of them among ``inputs``), and the hooks'
+        metrics."""
         metrics: dict[str, jax.Array] = {}
-        for _, hook, record in self._named(options, "block"):
-            x, out = hook(x, record)
+        for name, hook, record in self._named(options, "block"):
+            reads = self._set(name).reads
+            if reads:
+                held = {k: v for k, v in (inputs or {}).items() if k in reads}
+                x, out = hook(x, record, held)
+            else:
+                x, out = hook(x, record)
             metrics.update(out)
         return x, metrics
 
