@@ -23,6 +23,7 @@ from dynjax.config import load_config
 from dynjax.dynamism.moe.part import capacities_of
 from dynjax.experiment import Experiment
 from dynjax.model import GPT, lm_loss
+from dynjax.model.moe import static_options
 from dynjax.recompile import Budget, Compiler, Controller, Monitor
 
 
@@ -34,8 +35,11 @@ def hand_written(exp: Experiment, plan):
     opt = exp.optimizer
     opt_state = opt.init(params)
 
+    cfg = exp.model_cfg
+    options = static_options(cfg.num_layers, cfg.moe_layers, capacities_of(plan))
+
     def loss_fn(p, x, y):
-        logits, _ = nnx.merge(graphdef, p)(x, capacities=capacities_of(plan))
+        logits, _ = nnx.merge(graphdef, p)(x, options=options)
         return lm_loss(logits, y)
 
     @jax.jit

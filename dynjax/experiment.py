@@ -34,10 +34,6 @@ from dynjax.data import (
     validation_batches,
 )
 from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context, plan_layer_options
-from dynjax.dynamism.moe.capacity import ragged_totals
-from dynjax.dynamism.moe.part import NAME as MOE
-from dynjax.dynamism.moe.part import cached_routing_of, capacities_of, moe_context
-from dynjax.dynamism.moe.speeds import measure_speeds
 from dynjax.errors import ConfigError
 from dynjax.launch.distributed import Peers as ProcessPeers
 from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
@@ -65,6 +61,7 @@ from dynjax.parallel.runtime import (
 from dynjax.parallel.single import EvalSteps, abstract_batch, lower_step, place_batch
 from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stages import PipelineSpec, StageSpec, stage_specs
+from dynjax.parallel.step_inputs import BatchInputs, InputSignature, signatures
 from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError
 from dynjax.settings import (
@@ -156,11 +153,10 @@ class Experiment:
         order = TrainOrder(windows, t.batch_size, run.seed)
         rounds: dict[str, Rounds] = {}
         split = jax.process_count() > 1 and bool(ctx.pipeline_stages)
-        probe = schemes.speed_probe(settings, facts)  # timed here: no plugin hook times the device
         link = RunLink(
             rounds=functools.partial(_named_rounds, rounds, split),
             first_inputs=lambda: order.batch(0).inputs,
-            speeds=None if probe is None else measure_speeds(*probe),
+            speeds=schemes.speeds(settings, facts),
         )
         plugins = schemes.build(settings, facts, link)
         ctx = dataclasses.replace(ctx, checks=tuple(p.plan_problems for p in plugins))
@@ -281,59 +277,40 @@ class Experiment:
             ) from None
         return plan
 
-    @property
-    def ragged(self) -> bool:
-        """Whether the MoE layers take the ragged path (capacities as a step input)."""
-        return bool(self.model_cfg.moe_layers) and self.cfg.moe.dispatch == "ragged"
-
-    def ragged_totals(self, plan: Plan) -> tuple[int, ...]:
-        """The ragged path's static buffers of ``plan``; () on the static path."""
-        if not self.ragged:
-            return ()
-        moe = self.cfg.moe
-        return ragged_totals(
-            moe_context(self.facts),
-            capacities_of(plan),
-            self.settings.mesh.expert,
-            moe.capacity.bucket,
-            expert_choice=moe.routing == "expert_choice",
-        )
-
     def compile_key(self, plan: Plan) -> Hashable:
-        """What the train step's program depends on: on the ragged path the capacities only
-        through their bucketed totals, so Plans that differ in per-expert capacities within the
-        same totals share one executable (issue 12 §1)."""
-        if not self.ragged:
-            return plan
-        return plan.with_part(MOE, capacities=()), self.ragged_totals(plan)
+        """What the train step's program depends on: ``plan`` with each plugin's part as its
+        programs see it (`Plugin.compiled_part`), so Plans that differ only in what the
+        programs read at runtime (step inputs within the same compiled buffers) share one
+        executable (issue 12 §1)."""
+        parts = dict(plan.parts)
+        for p in self.plugins:
+            compiled = p.compiled_part(plan)
+            if compiled is not None:
+                parts[p.name] = compiled
+        return plan.replace(parts=parts)
 
     def step_spec(self, plan: Plan) -> StageSpec:
         """The single-program step of ``plan``: one stage holding the whole model."""
         return whole_model(
             self.model_cfg.num_layers,
             batch_size=self.settings.train.batch_size,
-            moe_layers=self.model_cfg.moe_layers,
-            capacities=capacities_of(plan),
             frozen_layers=plan.frozen_layers,
             microbatches=plan.microbatches,
-            cached_routing=cached_routing_of(plan),
             dtype=plan.dtype,
             options=self.layer_options(plan),
-            ragged_totals=self.ragged_totals(plan),
             hooks=self.model_cfg.hooks,
+            step_inputs=self.step_input_signatures(plan),
+            batch_inputs=self.batch_input_signatures(plan),
         )
 
     @functools.cached_property
     def stage_setup(self) -> StageSetup:
         """What every stage's programs share, the single program's one stage included."""
-        t, moe = self.settings.train, self.cfg.moe
+        t = self.settings.train
         return StageSetup(
             parts=ModelParts.of(self.model_cfg),
             optimizer=self.optimizer,
             grad_clip=t.grad_clip,
-            aux_loss_weight=moe.aux_loss_weight,
-            z_loss_weight=moe.z_loss_weight,
-            return_assignments=bool(self.model_cfg.moe_layers) and moe.caching.enabled,
             fsdp=self.settings.parallel.fsdp,
             skip_nonfinite=t.nonfinite == "skip",
         )
@@ -359,46 +336,60 @@ class Experiment:
         )
         return lower_step(step, self.abstract_state, self.abstract_batch(plan))
 
-    def abstract_batch(self, plan: Plan) -> dict[str, jax.ShapeDtypeStruct]:
-        moe = len(self.model_cfg.moe_layers)
+    def abstract_batch(self, plan: Plan) -> dict[str, Any]:
         return abstract_batch(
             self.mesh,
             self.settings.train.batch_size,
             self.settings.data.seq_len,
-            cached=(moe, self.model_cfg.top_k) if cached_routing_of(plan) else None,
             inputs=self.step_inputs(plan),
+            batch_inputs=self.batch_input_signatures(plan),
         )
 
     def device_batch(
-        self, batch: Batch, cached: np.ndarray | None = None, plan: Plan | None = None
-    ) -> dict[str, jax.Array]:
-        """A host batch (or this process's rows of it, `batch_rows`) on the mesh, with
-        ``plan``'s step inputs."""
-        if self.ragged and plan is None:
-            raise ValueError("moe.dispatch='ragged' takes the Plan's capacities: pass plan")
+        self, batch: Batch, batch_in: BatchInputs | None = None, plan: Plan | None = None
+    ) -> dict[str, Any]:
+        """A host batch (or this process's rows of it, `batch_rows`) on the mesh, with its
+        batch inputs (``batch_in``: `batch_inputs`, None for none) and ``plan``'s step
+        inputs (none without a Plan: for runs whose plugins declare none)."""
         inputs = {} if plan is None else self.step_inputs(plan)
-        return place_batch(self.mesh, batch, cached, inputs)
+        return place_batch(self.mesh, batch, batch_in, inputs)
 
     def step_inputs(self, plan: Plan) -> dict[str, dict[int, np.ndarray]]:
         """The step inputs of ``plan`` (`Plugin.step_inputs`): arrays its steps read rather
         than compile in."""
         return {k: v for p in self.plugins for k, v in p.step_inputs(plan).items()}
 
+    def step_input_signatures(self, plan: Plan) -> tuple[InputSignature, ...]:
+        """What the programs of ``plan`` are lowered for of its step inputs (their shapes,
+        and the values a layer profiled alone reads: `Plugin.input_fills`)."""
+        fills = {k: v for p in self.plugins for k, v in p.input_fills().items()}
+        return signatures(self.step_inputs(plan), fills)
+
+    def batch_input_signatures(self, plan: Plan) -> tuple[InputSignature, ...]:
+        """The per-layer arrays every training batch of ``plan`` carries
+        (`Plugin.batch_input_signatures`)."""
+        return tuple(s for p in self.plugins for s in p.batch_input_signatures(plan))
+
+    def batch_inputs(self, step: int, batch: Batch, plan: Plan) -> BatchInputs | None:
+        """The batch inputs of ``step``'s batch under ``plan`` (`Plugin.batch_inputs`); None
+        when its Plan declares none."""
+        ids = batch.sample_ids
+        out = {k: v for p in self.plugins for k, v in p.batch_inputs(step, ids, plan).items()}
+        return out or None
+
     # -- the pipeline ---------------------------------------------------------------------------
 
     def pipeline_spec(self, plan: Plan) -> PipelineSpec:
         stages = stage_specs(
             plan.stage_layers,
-            moe_layers=self.model_cfg.moe_layers,
-            capacities=capacities_of(plan),
             frozen_layers=plan.frozen_layers,
             microbatches=plan.microbatches,
             batch_size=self.settings.train.batch_size,
-            cached_routing=cached_routing_of(plan),
             dtype=plan.dtype,
             options=self.layer_options(plan),
-            ragged_totals=self.ragged_totals(plan),
             hooks=self.model_cfg.hooks,
+            step_inputs=self.step_input_signatures(plan),
+            batch_inputs=self.batch_input_signatures(plan),
         )
         tasks = schedule_tasks(plan.schedule, len(stages), plan.microbatches)
         return PipelineSpec(stages, plan.schedule, tasks)
@@ -464,7 +455,7 @@ class Experiment:
         return self.link.rounds(name)
 
     def eval_step(self, plan: Plan):
-        """Jitted mean validation loss of one batch under ``plan``'s capacities (the last
+        """Jitted mean validation loss of one batch under ``plan``'s records (the last
         ``recompile.cache_size`` kept: `EvalSteps`)."""
         spec = dataclasses.replace(self.step_spec(plan), frozen=(), embed_frozen=False)
         return self._eval_steps.get(spec)  # no backward: nothing frozen

@@ -46,9 +46,6 @@ from dynjax.checkpoint.strategy import (
 )
 from dynjax.data import Batch, Prefetcher
 from dynjax.dynamism import BUILTIN, Plugin, Schemes, layer_costs
-from dynjax.dynamism.moe.caching import STABILITY, AssignmentCache
-from dynjax.dynamism.moe.checkpoint import PLT
-from dynjax.dynamism.moe.part import base_capacity, cached_routing_of, capacities_of, moe_context
 from dynjax.errors import ConfigError
 from dynjax.experiment import Experiment
 from dynjax.flops import gpt_flops_per_token, mfu, peak_flops
@@ -78,7 +75,7 @@ from dynjax.settings import RunSettings
 from dynjax.writers import LayerCostsWriter, MetricsWriter
 
 log = logging.getLogger("dynjax")
-SCALARS = ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction", PLT, "skipped")
+SCALARS = ("loss", "grad_norm", "skipped")  # the step's own; hook sets and plugins add theirs
 
 
 @dataclasses.dataclass
@@ -100,7 +97,7 @@ class RunSummary:
     batch_build_seconds: float | None = None
     batch_wait_seconds: float | None = None
     # Of the `recompiles` Plan swaps, those that needed a new program: a swap that only moves
-    # runtime values (ragged MoE capacities within their buckets) reuses the one it has.
+    # runtime values (step inputs within the buffers compiled in) reuses the one it has.
     compiled: int = 0
     # The signal the run stopped at, having saved ``final_step`` (`StopRequest`); None: it ran
     # to ``train.steps``.
@@ -511,17 +508,6 @@ class _Loop:
         self.profiles = {}  # step -> its pending profile, until the Monitor hands the step over
         self.compiler, self.executable = self._compile_first()
         self.controller = self._controller(policies)
-        self.cache = (
-            AssignmentCache(
-                len(exp.model_cfg.moe_layers),
-                settings.data.seq_len,
-                exp.model_cfg.top_k,
-                exp.model_cfg.num_experts,
-                max_entries=cfg.moe.caching.max_entries,
-            )
-            if exp.stage_setup.return_assignments
-            else None
-        )
         self.monitor = Monitor(settings.recompile.delta_launch)
         self.writer = MetricsWriter(run.workdir, resumed_from=start or None)
         self.plugins = plugins = exp.plugins
@@ -650,17 +636,17 @@ class _Loop:
     def dispatch(self, step: int, batch: Batch) -> dict[str, Any]:
         """Dispatch ``step`` (profiled where due); its metrics as device arrays."""
         runtime, executable = self.runtime, self.executable
-        cached = self.cache.lookup(batch.sample_ids) if cached_routing_of(self.plan) else None
+        batch_in = self.exp.batch_inputs(step, batch, self.plan)  # e.g. cached routes
         if self.fault_at == step + 1:
             self.fault_at = 0  # once: the re-run of this step goes through
             raise InjectedFault(f"step {step + 1} (checkpoint.inject_fault_at)")
         if self.profile_next or (self.profile_every and step % self.profile_every == 0):
             # Units run alone only where a change made them new; the others' times are
             # rescaled from the step's timeline, taken while the loop goes on (`observe` waits).
-            metrics, self.profiles[step] = runtime.start_profile_step(executable, batch, cached)
+            metrics, self.profiles[step] = runtime.start_profile_step(executable, batch, batch_in)
             self.profile_next = False
             return metrics
-        return runtime.step(executable, batch, cached)
+        return runtime.step(executable, batch, batch_in)
 
     def recover(self, fault: InjectedFault, step: int) -> int | None:
         """Go on from the checkpoint strategy's state in memory (its step), if it has one."""
@@ -698,7 +684,7 @@ class _Loop:
                 m = {**m, **profile.metrics()}
             m = self.runtime.host_metrics(s, m)
             self.checkpoints.counted(s + 1, m)
-            self.logger.observe(s, m, self.cache, self.controller, self.bar)
+            self.logger.observe(s, m, self.controller, self.bar)
 
     def require_finite(self, step: int, metrics: dict[str, Any]) -> None:
         """Raise `NonFiniteError` naming the step, what diverged and the newest checkpoint: at
@@ -798,7 +784,8 @@ def _check_multi_process(settings: RunSettings, pipeline: bool) -> None:
 
 
 class _Logger:
-    """Turns host metrics (Δ steps late) into log lines, cache updates and policy input."""
+    """Turns host metrics (Δ steps late) into log lines, the plugins' observations (e.g. a
+    routing cache's updates) and policy input."""
 
     def __init__(
         self,
@@ -813,6 +800,14 @@ class _Logger:
         self.plugin_metrics = [
             name for plugin in exp.plugins for name in plugin.logged_metrics
         ]
+        # Scalars: the step's own, the hook sets' step metrics (e.g. auxiliary losses) and the
+        # plugins' own.
+        self.scalars = tuple(
+            dict.fromkeys(
+                (*SCALARS, *exp.model_cfg.hooks.step_metrics)
+                + tuple(name for plugin in exp.plugins for name in plugin.logged_scalars)
+            )
+        )
         # Model FLOPs utilisation (PaLM app. B): the config's FLOPs per token against the peak.
         self.flops_per_token = gpt_flops_per_token(exp.model_cfg)
         self.devices = exp.mesh.devices.size
@@ -832,12 +827,11 @@ class _Logger:
     ) -> None:
         self.in_flight[step] = (sample_ids, plan, measured)
 
-    def observe(self, step, metrics, cache, controller, bar) -> None:
+    def observe(self, step, metrics, controller, bar) -> None:
         ids, plan, measured = self.in_flight.pop(step)
         metrics.update(measured)
-        if cache is not None:
-            stability = cache.update(ids, metrics.pop("moe/assignments"))
-            metrics[STABILITY] = np.nan if stability is None else stability
+        for plugin in self.exp.plugins:  # e.g. a routing cache's update, before the policies
+            plugin.observe(step, metrics, ids, plan)
         controller.observe(step, metrics)
         self.last_loss = float(metrics["loss"])
         done = step + 1
@@ -850,7 +844,7 @@ class _Logger:
             self.costs.write(done, plan, metrics)
         if not logged:
             return
-        record = {k: float(metrics[k]) for k in SCALARS if k in metrics}
+        record = {k: float(metrics[k]) for k in self.scalars if k in metrics}
         record["learning_rate"] = float(self.exp.schedule(step))
         for name in self.plugin_metrics:  # e.g. each layer's pruned density
             if name in metrics:
@@ -866,14 +860,8 @@ class _Logger:
                 record["mfu"] = mfu(per_device, self.flops_per_token, self.peak)
                 self.mfus.append(record["mfu"])
             self._mark = (done, now)
-        if "moe/tokens_per_expert" in metrics:
-            record["tokens_per_expert"] = metrics["moe/tokens_per_expert"].tolist()
-            record["capacity_factor"] = float(
-                np.mean(capacities_of(plan)) / base_capacity(moe_context(self.exp.facts))
-            )
-        if STABILITY in metrics and np.isfinite(metrics[STABILITY]):
-            record["routing_stability"] = float(metrics[STABILITY])
-            record["cached_routing"] = cached_routing_of(plan)
+        for plugin in self.exp.plugins:  # fields of their own
+            record.update(plugin.record_fields(metrics, plan))
         self.writer.write(done, record)
         bar.set_postfix(
             loss=f"{record['loss']:.3f}",

@@ -21,6 +21,7 @@ from dynjax.checkpoint import layout
 from dynjax.experiment import Experiment
 from dynjax.model import ModelParts
 from dynjax.model.hashed_attention import lsh_buckets, rotations
+from dynjax.model.moe import static_options
 from dynjax.parallel.stage import StageSetup, forward_loss
 from dynjax.recompile import History, Plan, Proposal
 from dynjax.recompile.rebalance import (
@@ -151,22 +152,24 @@ def one_and_two(tmp_path: Path, run: dict, devices: int = 4) -> tuple[Path, Path
     return single, multi
 
 
-def stage_setup(cfg, optimizer=None, *, aux_loss_weight=0.01, z_loss_weight=0.0, grad_clip=0.0):
+def stage_setup(cfg, optimizer=None, *, grad_clip=0.0):
     """The `StageSetup` of a model config, as a test's single-program step takes it."""
-    return StageSetup(
-        parts=ModelParts.of(cfg),
-        optimizer=optimizer,
-        grad_clip=grad_clip,
-        aux_loss_weight=aux_loss_weight,
-        z_loss_weight=z_loss_weight,
-        return_assignments=False,
+    return StageSetup(parts=ModelParts.of(cfg), optimizer=optimizer, grad_clip=grad_clip)
+
+
+def moe_options(cfg, capacities, *, aux_loss_weight=0.01, z_loss_weight=0.0, base=()):
+    """Each layer's options of ``cfg`` with the MoE layers' static-path records of
+    ``capacities`` (one tuple per MoE layer) and loss weights, as the MoE plugin gives them."""
+    return static_options(
+        cfg.num_layers, cfg.moe_layers, capacities, base=base,
+        aux_loss_weight=aux_loss_weight, z_loss_weight=z_loss_weight,
     )
 
 
-def loss_terms(setup, spec, parallel, params, inputs, targets, cached=None):
+def loss_terms(setup, spec, parallel, params, inputs, targets, batch_in=None):
     """(the loss to minimise, the metrics) of the one-stage ``spec`` on one batch."""
     _, _, total, metrics = forward_loss(
-        setup, spec, parallel, params, inputs, {"targets": targets}, cached
+        setup, spec, parallel, params, inputs, {"targets": targets}, batch_in
     )
     return total, metrics
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from dynjax.checkpoint.rows import PartialRows
     from dynjax.checkpoint.settings import CheckpointSettings
     from dynjax.dynamism.moe.speeds import Speeds
+    from dynjax.parallel.step_inputs import InputSignature
     from dynjax.recompile import Plan, Policy
 
 # What a scheme may claim of a layer (`Plugin.claims`): two enabled schemes that claim the same
@@ -133,7 +134,11 @@ class Plugin:
     - `claims`: what it takes of which layers (`CLAIMS`), checked against the other schemes;
     - `initial_plan`: a fresh run's Plan with the scheme's part set (`Plan.with_part`);
     - `plan_problems`: what is wrong with a Plan's part for this run (checked with the Plan);
-    - `step_inputs`: per-layer arrays the steps of a Plan read as inputs (no recompile);
+    - `step_inputs`: per-layer arrays the steps of a Plan read as inputs (no recompile), and
+      `input_fills`, their values when a layer is profiled alone;
+    - `batch_input_signatures`, `batch_inputs`: per-layer arrays each training batch carries
+      (e.g. cached routes), declared per Plan and supplied per batch;
+    - `compiled_part`: what of its Plan part the compiled programs depend on (the compile key);
     - `layer_options`: the per-layer records its block hooks and state rules read;
     - `policies`: the Controller policies its settings ask for (pure `propose(history, plan)`);
     - `layer_costs`: each layer's relative cost under a Plan (a dense layer = 1.0; seed 000 §2
@@ -143,7 +148,10 @@ class Plugin:
     - `wrap_optimizer`: the run's optimizer with the scheme's per-parameter state around it;
     - `before_step`: change the training state between two steps and report it as events;
     - `measure`: measure the state between two steps as host metrics of the next step;
-    - `logged_metrics`: host metrics of its own that metrics.jsonl gets at logged steps;
+    - `observe`: read (and complete) each step's host metrics before the Controller does;
+    - `record_fields`: fields of its own in a logged step's metrics.jsonl record;
+    - `logged_metrics`, `logged_scalars`: host metrics of its own that metrics.jsonl gets at
+      logged steps;
     - `checkpoint_rows`: its row-stacked leaves and the policy of partial saves of them;
     - `report_plots` (class level): its plots in the run report (`dynjax.report`).
     """
@@ -156,6 +164,8 @@ class Plugin:
     fixed_on_resume: ClassVar[tuple[str, ...]] = ()
     # Host metrics written to metrics.jsonl at every logged step (scalars, or per-layer lists).
     logged_metrics: ClassVar[tuple[str, ...]] = ()
+    # Scalar host metrics written as numbers (NaN included) at every logged step where present.
+    logged_scalars: ClassVar[tuple[str, ...]] = ()
     # The model hooks the scheme's records run (`Schemes.hooks` collects every scheme's).
     hook_sets: ClassVar[tuple[HookSet, ...]] = ()
     # The frozen record of the section (`read_settings`): one field per key of `config`.
@@ -236,6 +246,45 @@ class Plugin:
         """Arrays every step of ``plan`` reads as inputs rather than compiles in, by name, one
         row per layer that reads it (``{layer: row}``): a change of their values runs the same
         programs (e.g. MoE's ragged capacities). Each stage gets the rows of its own layers."""
+        return {}
+
+    def input_fills(self) -> Mapping[str, float]:
+        """The value of each of its step inputs (by name) when the profiler times a layer
+        alone, e.g. the largest work the layer's compiled buffers allow; default 0."""
+        return {}
+
+    def batch_input_signatures(self, plan: Plan) -> Sequence[InputSignature]:
+        """The per-layer arrays every training batch under ``plan`` carries
+        (`dynjax.parallel.step_inputs.InputSignature`: the layers reading it, the shape of one
+        layer's row after the batch axis, its dtype): a change of these recompiles. The values
+        come from `batch_inputs`; evaluation batches carry none."""
+        return ()
+
+    def batch_inputs(
+        self, step: int, sample_ids: np.ndarray, plan: Plan
+    ) -> dict[str, dict[int, np.ndarray]]:
+        """The values of `batch_input_signatures` for the batch of ``step`` (its samples
+        ``sample_ids``): by name, ``{layer: [B, ...]}``."""
+        return {}
+
+    def compiled_part(self, plan: Plan) -> Mapping[str, Any] | None:
+        """Its Plan part as the compiled programs depend on it (None: all of it), the compile
+        cache's key: fields the programs read at runtime (e.g. step inputs) left out, what
+        they compile in of them instead kept, so Plans that differ only there share one
+        executable."""
+        return None
+
+    def observe(
+        self, step: int, metrics: dict[str, Any], sample_ids: np.ndarray, plan: Plan
+    ) -> None:
+        """Called with ``step``'s host metrics when they reach the host (Δ steps late, before
+        the Controller's policies read them), its samples and the Plan it ran with: may update
+        state of its own from them (e.g. a routing cache) and add metrics, or remove its own
+        that nothing else reads."""
+
+    def record_fields(self, metrics: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+        """Fields of its own (JSON data) in the metrics.jsonl record of a logged step, from
+        its host metrics (after `observe`) and the Plan it ran with."""
         return {}
 
     def plan_problems(self, plan: Plan) -> list[str]:

@@ -32,6 +32,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax.model import GPTConfig, ModelParts
+from dynjax.model.hooks import LayerOptions, layer_options
+from dynjax.model.moe import MOE, MoELayer
 from dynjax.parallel.peers import ALONE, Rounds
 
 
@@ -41,10 +43,8 @@ class PlasticityProbe:
     def __init__(self, cfg: GPTConfig, tokens: np.ndarray) -> None:
         self.parts = ModelParts.of(cfg)
         # A group is one sequence: an expert gets at most one pair per token of it.
-        ample = (tokens.shape[1],) * cfg.num_experts
-        self.capacities = tuple(
-            ample if i in cfg.moe_layers else None for i in range(cfg.num_layers)
-        )
+        ample = layer_options({MOE: MoELayer(capacities=(tokens.shape[1],) * cfg.num_experts)})
+        self.options = tuple(ample if i in cfg.moe_layers else () for i in range(cfg.num_layers))
         self.tokens = np.asarray(tokens, np.int32)
         # This process's layers' outputs at the last `refresh`, by layer (`_on_host`): on the
         # host, a reference stays usable wherever its layer moves (another stage, another
@@ -78,7 +78,7 @@ class PlasticityProbe:
                            jax.device_put(self.tokens, where))
             x = jax.device_put(x, where)
             for i in sorted(params.get("layers", {})):
-                x = _layer(self.parts.layers[i], self.capacities[i], params["layers"][i], x)
+                x = _layer(self.parts.layers[i], self.options[i], params["layers"][i], x)
                 out[i] = x
         return x
 
@@ -129,8 +129,8 @@ def _embed(graphdef: Any, params: Any, pos: jax.Array | None, tokens: jax.Array)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _layer(graphdef: Any, capacities: tuple[int, ...] | None, params: Any, x: jax.Array):
-    y, _, _ = nnx.merge(graphdef, params)(x, capacities=capacities)
+def _layer(graphdef: Any, options: LayerOptions, params: Any, x: jax.Array):
+    y, _, _ = nnx.merge(graphdef, params)(x, options=options)
     return y
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 
 from dynjax.dynamism.base import CLAIMS, LOCAL, Plugin, RunLink
+from dynjax.dynamism.moe.speeds import Speeds, measure_speeds
 from dynjax.errors import ConfigError
 from dynjax.model.facts import ModelFacts
 from dynjax.model.hooks import BlockPart, Hooks
@@ -93,6 +94,12 @@ class Schemes:
             if probe is not None:
                 return probe
         return None
+
+    def speeds(self, settings: Mapping[str, Any], facts: ModelFacts) -> Speeds | None:
+        """This machine's speeds timed for the probe a scheme asks for (`speed_probe`), or
+        None when none asks: timed here, at the edge, since no plugin hook times the device."""
+        probe = self.speed_probe(settings, facts)
+        return None if probe is None else measure_speeds(*probe)
 
     def fixed_on_resume(self) -> tuple[str, ...]:
         return tuple(key for p in self.plugins for key in p.fixed_on_resume)

@@ -10,10 +10,9 @@ Compile time still need not grow with depth: with ``GPTConfig.scan_layers`` the 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,7 +24,8 @@ from dynjax.model.attention import CausalSelfAttention, Rope
 from dynjax.model.hashed_attention import hashed_record
 from dynjax.model.hooks import NO_HOOKS, BlockPart, Hooks, LayerContext, LayerOptions
 from dynjax.model.mlp import MLP, SwiGLU
-from dynjax.model.moe import MoE, MoEStats, RaggedCapacities
+from dynjax.model.moe import MOE, MOE_HOOKS, MoE, MoEStats
+from dynjax.model.moe import layer_metrics as moe_layer_metrics
 from dynjax.model.pruned import sparse_linears
 
 # The block families (`GPTConfig.family`): "gpt", the pre-norm GPT-2 block (LayerNorm, GELU MLP,
@@ -67,6 +67,12 @@ class GPTConfig:
     # Run consecutive layers with identical static options under one `jax.lax.scan`
     # (`run_layers`): compile time about flat in depth, for a copy of their weights per step.
     scan_layers: bool = False
+
+    def __post_init__(self) -> None:
+        # The MoE block's metrics, their reductions and its loss terms are its hook set's: a
+        # model always runs it (on a dense model every stage reports zero auxiliary losses).
+        if not any(s.name == MOE for s in self.hooks.sets):
+            object.__setattr__(self, "hooks", Hooks((MOE_HOOKS, *self.hooks.sets)))
 
     @property
     def residual_std(self) -> float:
@@ -143,14 +149,16 @@ class Block(nnx.Module):
         self,
         x,
         *,
-        capacities=None,
         parallel=None,
-        cached=None,
+        inputs: Mapping[str, jax.Array] | None = None,
         options: LayerOptions = (),
         context: LayerContext | None = None,
     ):
-        """(output, MoE stats or None, the block hooks' metrics) of one layer."""
-        # Records read inside the block: block-sparse matmuls, hashed attention.
+        """(output, MoE stats or None, the block hooks' metrics) of one layer. ``inputs``: the
+        layer's rows of the step's per-layer inputs (`Plugin.step_inputs`, e.g. ragged MoE
+        capacities) and batch inputs (`Plugin.batch_inputs`, e.g. cached routes)."""
+        inputs = inputs or {}
+        # Records read inside the block: block-sparse matmuls, hashed attention, the MoE's.
         sparse, hashed = sparse_linears(options), hashed_record(options)
 
         def residual(x, positions, whole=None):
@@ -158,14 +166,20 @@ class Block(nnx.Module):
             y, metrics = self.attn(self.norm1(x), sparse, positions, hashed, keys, parallel)
             x = x + y
             if self.is_moe:
+                record = dict(options).get(MOE)
+                if record is None:
+                    raise ValueError(
+                        f"an MoE block runs with an {MOE!r} record (`MoELayer`) in its options: "
+                        "the MoE plugin's layer options, or `dynjax.model.moe.static_options`"
+                    )
                 y, stats = self.moe(
                     self.norm2(x),
-                    capacities=capacities,
+                    capacities=record.block_capacities(inputs),
                     parallel=parallel,
-                    cached=cached,
-                    chunking=dict(options).get("moe"),  # MPipeMoE's partitions, memory reuse
+                    cached=inputs.get("routes"),
+                    chunking=record.chunking,  # MPipeMoE's partitions, memory reuse
                 )
-                return x + y, stats, metrics
+                return x + y, stats, {**metrics, **moe_layer_metrics(stats, record)}
             return x + self.mlp(self.norm2(x), sparse), None, metrics
 
         wrapped = self.hooks.block_wrapper(options)
@@ -175,7 +189,7 @@ class Block(nnx.Module):
             name, wrapper, record = wrapped
             part = getattr(self, name, None)
             x, stats, inner = wrapper(residual, x, record, part, context or LayerContext())
-        x, metrics = self.hooks.apply_block_hooks(x, options)
+        x, metrics = self.hooks.apply_block_hooks(x, options, inputs)
         return x, stats, {**inner, **metrics}
 
 
@@ -194,35 +208,33 @@ def layer_runs(keys: Sequence[Hashable]) -> tuple[tuple[int, int], ...]:
 def scan_runs(
     blocks: Sequence[Block],
     options: Sequence[LayerOptions],
-    capacities: Sequence[Any],
+    inputs: Sequence[Mapping[str, jax.Array]],
     frozen: Sequence[bool],
 ) -> tuple[tuple[int, int], ...]:
     """The runs of ``blocks`` that `run_layers` scans (one `layer_runs` key per block, below;
-    ``capacities``: each block's, None for a dense one)."""
-    keys = [
-        _static_key(*args) for args in zip(blocks, options, capacities, frozen, strict=True)
-    ]
+    ``inputs``: each block's per-layer inputs)."""
+    keys = [_static_key(*args) for args in zip(blocks, options, inputs, frozen, strict=True)]
     return layer_runs(keys)
 
 
-def _static_key(block: Block, options: LayerOptions, capacity: Any, frozen: bool) -> Hashable:
+def _static_key(
+    block: Block, options: LayerOptions, inputs: Mapping[str, jax.Array], frozen: bool
+) -> Hashable:
     """Everything a block's traced body depends on beside its array values: its graph, its
-    parameters' shapes and dtypes, its plugin records, its MoE capacities (the ragged path's
-    static buffer) and whether it is frozen (a frozen layer stacked with trainable ones would
-    get a weight gradient and a backward it does not need)."""
+    parameters' shapes and dtypes, its plugin records (e.g. MoE capacities, or the ragged
+    path's static buffer), the names, shapes and dtypes of its per-layer inputs and whether it
+    is frozen (a frozen layer stacked with trainable ones would get a weight gradient and a
+    backward it does not need)."""
     graphdef, state = nnx.split(block)
     shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(state))
-    if isinstance(capacity, RaggedCapacities):
-        capacity = ("ragged", capacity.shard_total)
-    return graphdef, shapes, options, capacity, frozen
+    held = tuple(sorted((k, v.shape, str(v.dtype)) for k, v in inputs.items()))
+    return graphdef, shapes, options, held, frozen
 
 
-def _run_block(block, x, capacity, cached, opts, parallel, context):
+def _run_block(block, x, inputs, opts, parallel, context):
     """One layer: its weight hooks, then the block. (output, MoE stats or None, metrics)."""
     block, weight_metrics = block.hooks.apply_weight_hooks(block, opts)
-    x, stats, metrics = block(
-        x, capacities=capacity, parallel=parallel, cached=cached, options=opts, context=context
-    )
+    x, stats, metrics = block(x, parallel=parallel, inputs=inputs, options=opts, context=context)
     return x, stats, {**weight_metrics, **metrics}
 
 
@@ -267,10 +279,10 @@ def _stack_bwd(index, g):
 _stack.defvjp(_stack_fwd, _stack_bwd)
 
 
-def _scan_blocks(blocks, x, capacities, cached, opts, parallel, context):
+def _scan_blocks(blocks, x, inputs, opts, parallel, context):
     """`_run_block` over ``blocks`` (equal `_static_key`) as one ``jax.lax.scan``: their
-    parameters, ragged capacities and cached routing stacked on a leading axis; the activations
-    and the wrappers' carry flow through it. Returns per-layer stats and metrics, as unrolled.
+    parameters and per-layer inputs stacked on a leading axis; the activations and the
+    wrappers' carry flow through it. Returns per-layer stats and metrics, as unrolled.
 
     Stacking at trace time (rather than storing stacks) keeps the state keyed by layer, so
     migration, checkpoints and optimizer state do not change; it costs one copy of the run's
@@ -278,22 +290,19 @@ def _scan_blocks(blocks, x, capacities, cached, opts, parallel, context):
     """
     graphdef = nnx.graphdef(blocks[0])
     states = _stack([nnx.state(b) for b in blocks])
-    ragged = isinstance(capacities[0], RaggedCapacities)
-    values = jnp.stack([c.values for c in capacities]) if ragged else None
-    cached = None if cached[0] is None else jnp.stack(cached)
+    stacked = {k: jnp.stack([one[k] for one in inputs]) for k in inputs[0]}
 
     def body(carry, xs):
         x, wrapper_carry = carry
-        state, value, cached_one = xs
-        capacity = RaggedCapacities(value, capacities[0].shard_total) if ragged else capacities[0]
+        state, held = xs
         inner = dataclasses.replace(context, carry=dict(wrapper_carry))
         x, stats, metrics = _run_block(
-            nnx.merge(graphdef, state), x, capacity, cached_one, opts, parallel, inner
+            nnx.merge(graphdef, state), x, held, opts, parallel, inner
         )
         return (x, inner.carry), (stats, metrics)
 
     (x, carry), (stats, metrics) = jax.lax.scan(
-        body, (x, dict(context.carry)), (states, values, cached)
+        body, (x, dict(context.carry)), (states, stacked)
     )
     context.carry = carry
     index = _layer_indices(len(blocks))
@@ -304,20 +313,19 @@ def run_layers(
     blocks: Sequence[Block],
     x: jax.Array,
     *,
-    capacities: Sequence[tuple[int, ...]],
     options: Sequence[LayerOptions] | None,
     parallel,
-    cached: jax.Array | Sequence[jax.Array] | None,
+    inputs: Sequence[Mapping[str, jax.Array]] | None = None,
     context: LayerContext | None = None,
     scan: bool = False,
     frozen: Sequence[bool] | None = None,
 ) -> tuple[jax.Array, tuple[MoEStats, ...], tuple[dict[str, jax.Array], ...]]:
     """The one layer loop of the model and of every pipeline stage.
 
-    ``capacities`` and ``cached`` hold one entry per MoE block of ``blocks`` in order;
-    ``options`` one `LayerOptions` per block (None: none); ``context`` what the block wrappers
-    share (`LayerContext`; default: none of it). Returns the output, the MoE blocks' stats in
-    order and each block's hook metrics.
+    ``options`` holds one `LayerOptions` per block (None: none), ``inputs`` each block's rows
+    of the per-layer inputs (None: none; e.g. ragged MoE capacities, cached routes);
+    ``context`` what the block wrappers share (`LayerContext`; default: none of it). Returns
+    the output, the MoE blocks' stats in order and each block's hook metrics.
 
     ``scan``: each run of two or more consecutive blocks with equal static keys (`layer_runs`;
     ``frozen`` flags the blocks that get no gradient) runs as one ``jax.lax.scan``, so the
@@ -326,20 +334,11 @@ def run_layers(
     declared carry starts filled (`Hooks.initial_carry`), as a scan's carry keeps its keys.
     """
     context = context if context is not None else LayerContext()
-    if len(capacities) != sum(b.is_moe for b in blocks):
-        raise ValueError(
-            f"{len(capacities)} capacity tuples for {sum(b.is_moe for b in blocks)} MoE layers"
-        )
     options = options if options is not None else ((),) * len(blocks)
+    inputs = inputs if inputs is not None else ({},) * len(blocks)
     frozen = frozen if frozen is not None else (False,) * len(blocks)
-    moe_index = list(itertools.accumulate((b.is_moe for b in blocks), initial=0))
-    caps = [capacities[moe_index[i]] if b.is_moe else None for i, b in enumerate(blocks)]
-    cache = [
-        cached[moe_index[i]] if (b.is_moe and cached is not None) else None
-        for i, b in enumerate(blocks)
-    ]
     if scan:
-        runs = scan_runs(blocks, options, caps, frozen)
+        runs = scan_runs(blocks, options, inputs, frozen)
         hooks = blocks[0].hooks if blocks else NO_HOOKS  # one model's blocks share theirs
         fill = hooks.initial_carry(hooks.carrying_wrappers(options), x.shape[:2])
         context.carry = {**fill, **context.carry}
@@ -349,15 +348,14 @@ def run_layers(
     for start, stop in runs:
         if stop - start == 1:
             x, s, m = _run_block(
-                blocks[start], x, caps[start], cache[start], options[start], parallel, context
+                blocks[start], x, inputs[start], options[start], parallel, context
             )
             s, m = [s], [m]
         else:
             x, s, m = _scan_blocks(
                 blocks[start:stop],
                 x,
-                caps[start:stop],
-                cache[start:stop],
+                inputs[start:stop],
                 options[start],
                 parallel,
                 context,
@@ -391,29 +389,27 @@ class GPT(nnx.Module):
         self,
         tokens: jax.Array,
         *,
-        capacities: tuple[tuple[int, ...], ...] = (),
         parallel=None,
-        cached: tuple[jax.Array, ...] | None = None,
+        options: Sequence[LayerOptions] | None = None,
+        inputs: Sequence[Mapping[str, jax.Array]] | None = None,
     ) -> tuple[jax.Array, tuple[MoEStats, ...]]:
         """tokens [B, S] -> (logits [B, S, V] float32, stats of each MoE layer in order)."""
-        logits, stats, _ = self.forward(
-            tokens, capacities=capacities, parallel=parallel, cached=cached
-        )
+        logits, stats, _ = self.forward(tokens, parallel=parallel, options=options, inputs=inputs)
         return logits, stats
 
     def forward(
         self,
         tokens: jax.Array,
         *,
-        capacities: tuple[tuple[int, ...], ...] = (),
         parallel=None,
-        cached: tuple[jax.Array, ...] | None = None,
         options: Sequence[LayerOptions] | None = None,
+        inputs: Sequence[Mapping[str, jax.Array]] | None = None,
         targets: jax.Array | None = None,
         inference: bool = False,
         frozen: Sequence[int] = (),
     ):
         """`__call__` with each layer's options: also returns each layer's hook metrics.
+        ``inputs``: each layer's per-layer inputs (`run_layers`);
         ``targets`` [B, S]: the next tokens, for wrappers that take a loss inside the stack;
         ``inference``: run the wrappers as evaluation or sampling does (`LayerContext`);
         ``frozen``: the layers that get no gradient (kept out of trainable layers' scans)."""
@@ -423,10 +419,9 @@ class GPT(nnx.Module):
         x, stats, metrics = run_layers(
             list(self.layers),
             x,
-            capacities=capacities,
             options=options,
             parallel=parallel,
-            cached=cached,
+            inputs=inputs,
             context=LayerContext(readout=self.readout, targets=targets, inference=inference),
             scan=self.cfg.scan_layers,
             frozen=[i in frozen for i in range(len(self.layers))],

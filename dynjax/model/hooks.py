@@ -62,13 +62,19 @@ REDUCTIONS = ("mean", "sum", "rows")  # over microbatches: average, add, or rows
 # (the block's weights by "/"-joined path inside it, record) -> (replaced weights, metrics)
 WeightHook = Callable[[dict[str, jax.Array], Any], tuple[dict[str, jax.Array], dict]]
 # (the layer's state by "/"-joined path after the optimizer update, the layer's step metrics,
-# record) -> the replaced entries. The step metrics of a layer: each metric "<rule name>/..."
-# the layer reported (its hooks of the rule's name run on exactly the layers that hold the
-# record), folded over the step's microbatches, and on an MoE layer `MOE_LOADS`.
+# record) -> the replaced entries. The step metrics of a layer: each metric "<name>/..." the
+# layer reported for a record ``name`` it holds (a set's hooks run on exactly the layers that
+# hold its record), folded over the step's microbatches.
 StateRule = Callable[[dict[str, jax.Array], Mapping[str, jax.Array], Any], dict[str, jax.Array]]
-# [E] int32 of an MoE layer: the step's (token, choice) pairs routed to each expert, before
-# dropping (the row of the step metric of the same name)
-MOE_LOADS = "moe/tokens_per_expert"
+# (the hook metrics of a stage's layers in order, the records of the set's name among them in
+# order, possibly none) -> (a term of the loss to minimise, step metrics: scalars by name)
+StageLoss = Callable[
+    [Sequence[Mapping[str, jax.Array]], Sequence[Any]], tuple[jax.Array, dict[str, jax.Array]]
+]
+# (a step's folded metrics of the whole model, the array module: ``jnp`` inside a program,
+# ``np`` on the host) -> metrics that follow from them
+Derived = Callable[[Mapping[str, Any], Any], dict[str, Any]]
+STAGE_REDUCTIONS = ("last", "first", "sum")  # a step metric over pipeline stages
 
 # The block's residual body on any token subset: (x [B, S, D], the tokens' original positions
 # [B, S] or None for all, and optionally the whole sequence [B, T, D] whose keys and values
@@ -114,7 +120,10 @@ class HookSet:
     which hash by identity), so the model config and the specs that carry it key the compile
     cache; a module that defines hooks exposes its `HookSet` as a value and registers nothing.
 
-    - ``block``: ``hook(block_output, record) -> (output, metrics)`` after the block;
+    - ``block``: ``hook(block_output, record) -> (output, metrics)`` after the block; with
+      ``reads`` (names of per-layer step or batch inputs, `Plugin.step_inputs`,
+      `Plugin.batch_inputs`), ``hook(block_output, record, inputs)`` with the layer's rows of
+      those it is given;
     - ``weight``: ``hook(weights, record) -> (replacements, metrics)`` before it: ``weights``
       maps the block's parameter paths (``"attn/qkv/kernel"``, ``"moe/w_in"``) to arrays, the
       block then runs with the replaced weights (part of the differentiated forward);
@@ -133,7 +142,17 @@ class HookSet:
       bfloat16 (keeping them out of the optimizer is the plugin's, `Plugin.wrap_optimizer`);
     - ``reductions``: ``(metric, reduction)`` of each metric (`REDUCTIONS`; undeclared ones
       reduce by "mean"); ``losses``: scalar metrics that are also terms of the training loss
-      (summed over the layers).
+      (summed over the layers);
+    - ``stage_loss``: ``loss(layer_metrics, records) -> (term, step metrics)`` on every stage
+      (the single program's one included), given its layers' hook metrics and the records of
+      this name among them (none on a stage without any): a term added to the stage's loss
+      before the declared ``losses`` (e.g. MoE's weighted auxiliary losses) and scalar step
+      metrics, declared in ``step_metrics`` as ``(name, over microbatches, over stages)``
+      (`STAGE_REDUCTIONS`); the training loop logs them to metrics.jsonl;
+    - ``derived``: ``derived(metrics, xp)``, metrics that follow from a whole step's folded
+      metrics (e.g. MoE's dropped fraction), computed after the fold by both runtimes;
+    - ``update_record``: what of a record the update program depends on (default: all of
+      it); the rest (e.g. MoE's capacities) changes only the forward and backward programs.
     """
 
     name: str
@@ -147,14 +166,24 @@ class HookSet:
     carry: tuple[CarryEntry, ...] = ()
     reductions: tuple[tuple[str, str], ...] = ()
     losses: tuple[str, ...] = ()
+    stage_loss: StageLoss | None = None
+    step_metrics: tuple[tuple[str, str, str], ...] = ()
+    derived: Derived | None = None
+    update_record: Callable[[Any], Any] | None = None
+    reads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bad = set(self.needs) - set(CONTEXT_NEEDS)
         if bad:
             raise ValueError(f"unknown context needs {sorted(bad)}: use some of {CONTEXT_NEEDS}")
         wrong = {k: v for k, v in self.reductions if v not in REDUCTIONS}
+        wrong |= {k: (m, s) for k, m, s in self.step_metrics if m not in REDUCTIONS[:2]}
+        wrong |= {k: (m, s) for k, m, s in self.step_metrics if s not in STAGE_REDUCTIONS}
         if wrong:
-            raise ValueError(f"unknown reductions {wrong}: use one of {REDUCTIONS}")
+            raise ValueError(
+                f"unknown reductions {wrong}: use one of {REDUCTIONS} (step metrics: of "
+                f"{REDUCTIONS[:2]} over microbatches, of {STAGE_REDUCTIONS} over stages)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +221,44 @@ class Hooks:
     @functools.cached_property
     def _reductions(self) -> dict[str, str]:
         return {k: v for s in self.sets for k, v in s.reductions}
+
+    @functools.cached_property
+    def step_metrics(self) -> dict[str, tuple[str, str]]:
+        """``{name: (over microbatches, over stages)}`` of the sets' step metrics."""
+        return {k: (m, s) for hs in self.sets for k, m, s in hs.step_metrics}
+
+    def stage_loss(
+        self,
+        layer_metrics: Sequence[Mapping[str, jax.Array]],
+        options: Sequence[LayerOptions],
+    ) -> tuple[jax.Array | None, dict[str, jax.Array]]:
+        """Every set's `HookSet.stage_loss` on one stage (``options``: its layers'), summed in
+        set order (None: no set has one), and their step metrics."""
+        total, metrics = None, {}
+        for hs in self.sets:
+            if hs.stage_loss is None:
+                continue
+            records = [dict(o)[hs.name] for o in options if hs.name in dict(o)]
+            term, out = hs.stage_loss(layer_metrics, records)
+            total = term if total is None else total + term
+            metrics.update(out)
+        return total, metrics
+
+    def derived(self, metrics: Mapping[str, Any], xp: Any) -> dict[str, Any]:
+        """What every set's `HookSet.derived` makes of a step's folded ``metrics``."""
+        out: dict[str, Any] = {}
+        for hs in self.sets:
+            if hs.derived is not None:
+                out.update(hs.derived(metrics, xp))
+        return out
+
+    def update_options(self, options: Sequence[LayerOptions]) -> tuple[LayerOptions, ...]:
+        """``options`` as the update program reads them (`HookSet.update_record`)."""
+        def keep(name: str, record: Any) -> Any:
+            cut = self._set(name).update_record
+            return record if cut is None else cut(record)
+
+        return tuple(tuple((n, keep(n, r)) for n, r in o) for o in options)
 
     def loss(self, layer_metrics: Sequence[Mapping[str, jax.Array]]) -> jax.Array:
         """The loss terms the layers' metrics hold (`HookSet.losses`), summed."""
@@ -263,8 +330,7 @@ class Hooks:
         names = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in paths]
         state = dict(zip(names, (leaf for _, leaf in paths), strict=True))
         for name, rule, record in rules:
-            own = {k: v for k, v in metrics.items() if k.startswith(f"{name}/") or k == MOE_LOADS}
-            replaced = rule(dict(state), own, record)
+            replaced = rule(dict(state), metrics, record)
             unknown = set(replaced) - set(state)
             if unknown:
                 raise ValueError(
@@ -273,11 +339,20 @@ class Hooks:
             state.update(replaced)
         return jax.tree_util.tree_unflatten(treedef, [state[n] for n in names])
 
-    def apply_block_hooks(self, x: jax.Array, options: LayerOptions) -> tuple[jax.Array, dict]:
-        """The block output after every hook its options name, and the hooks' metrics."""
+    def apply_block_hooks(
+        self, x: jax.Array, options: LayerOptions, inputs: Mapping[str, jax.Array] | None = None
+    ) -> tuple[jax.Array, dict]:
+        """The block output after every hook its options name (a hook whose set ``reads``
+        per-layer inputs gets the layer's rows of them among ``inputs``), and the hooks'
+        metrics."""
         metrics: dict[str, jax.Array] = {}
-        for _, hook, record in self._named(options, "block"):
-            x, out = hook(x, record)
+        for name, hook, record in self._named(options, "block"):
+            reads = self._set(name).reads
+            if reads:
+                held = {k: v for k, v in (inputs or {}).items() if k in reads}
+                x, out = hook(x, record, held)
+            else:
+                x, out = hook(x, record)
             metrics.update(out)
         return x, metrics
 

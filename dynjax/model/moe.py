@@ -57,8 +57,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +68,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dynjax.model.hooks import MOE_LOADS, HookSet
+from dynjax.model.hooks import HookSet, LayerOptions, layer_options
 from dynjax.model.mlp import MLP, SwiGLU
 
 ROUTINGS = ("token_choice", "expert_choice")
@@ -192,12 +192,136 @@ def balance_rule(
     state: dict[str, jax.Array], metrics: Mapping[str, jax.Array], record: BiasBalancing
 ) -> dict[str, jax.Array]:
     """The state rule (`HookSet.state_rule`) that moves an MoE layer's `RoutedBias` by
-    `balance_bias` from the step's routed loads (`hooks.MOE_LOADS`)."""
+    `balance_bias` from the step's routed loads: its ``moe/group_loads`` [B, E] summed over
+    the batch's groups."""
     path = f"moe/{BIAS}"
-    return {path: balance_bias(state[path], metrics[MOE_LOADS], record.rate)}
+    loads = jnp.sum(metrics[GROUP_LOADS], axis=0)
+    return {path: balance_bias(state[path], loads, record.rate)}
 
 
 BIAS_HOOKS = HookSet(BIAS, state_rule=balance_rule, rule_state=(BIAS,))
+
+MOE = "moe"  # the MoE blocks' record (`MoELayer`) and the prefix of their metrics
+GROUP_LOADS = "moe/group_loads"  # [L, B, E] (token, choice) pairs per group, before dropping
+ASSIGNMENTS = "moe/assignments"  # [L, B, S, k] the router's top-k per token (caching)
+TOKENS_PER_EXPERT = "moe/tokens_per_expert"  # [L, E] routed pairs per expert in the step
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELayer:
+    """An MoE block's layer option (under `MOE`, from the MoE plugin's records): its static
+    choices under one Plan. ``capacities``: the static path's per-expert capacities, compiled
+    in; ``ragged_total`` (> 0): the ragged path's static buffer (`RaggedCapacities`), whose
+    per-expert capacities the block reads from its step input ``capacities``; ``chunking``:
+    MPipeMoE's partitions and memory reuse (None: one partition, no reuse); ``assignments``:
+    report the router's top-k per token (`ASSIGNMENTS`, for a routing cache); the weights of
+    the auxiliary balance and z losses in the training loss. A block given the batch input
+    ``routes`` ([B, S, k], -1 where nothing is cached) dispatches by it."""
+
+    capacities: tuple[int, ...] = ()
+    ragged_total: int = 0
+    chunking: Chunking | None = None
+    assignments: bool = False
+    aux_loss_weight: float = 0.0
+    z_loss_weight: float = 0.0
+
+    def block_capacities(self, inputs: Mapping[str, jax.Array]) -> Any:
+        """What `MoE.__call__` takes as ``capacities`` given the layer's step ``inputs``."""
+        if self.ragged_total:
+            return RaggedCapacities(inputs["capacities"], self.ragged_total)
+        return self.capacities
+
+
+def static_options(
+    num_layers: int,
+    moe_layers: Sequence[int],
+    capacities: Sequence[Sequence[int]],
+    *,
+    base: Sequence[LayerOptions] = (),
+    **record: Any,
+) -> tuple[LayerOptions, ...]:
+    """Each layer's options with an `MoELayer` of the static path on each MoE layer
+    (``capacities``: one tuple per MoE layer, in order; ``record``: its other fields), added to
+    ``base`` (each layer's other records; empty: none): a model run by hand, as the MoE plugin's
+    records would run it."""
+    if len(capacities) != len(moe_layers):
+        raise ValueError(f"{len(capacities)} capacity tuples for {len(moe_layers)} MoE layers")
+    caps = dict(zip(moe_layers, capacities, strict=True))
+    base = tuple(base) or ((),) * num_layers
+    return tuple(
+        layer_options(
+            {**dict(base[i]), MOE: MoELayer(capacities=tuple(caps[i]), **record)}
+            if i in caps
+            else dict(base[i])
+        )
+        for i in range(num_layers)
+    )
+
+
+def layer_metrics(stats: MoEStats, record: MoELayer) -> dict[str, jax.Array]:
+    """One MoE block's hook metrics (`MOE_HOOKS` declares their reductions)."""
+    metrics = {
+        GROUP_LOADS: stats.group_loads,
+        "moe/dropped": jnp.sum(stats.dropped),  # pairs dropped for lack of capacity
+        "moe/unrouted": jnp.sum(stats.unrouted),  # tokens no expert computes
+        "moe/expert_tokens": jnp.sum(stats.expert_tokens, 0),  # [E] tokens each computes
+        "moe/aux_loss": jnp.mean(stats.aux_loss),
+        "moe/z_loss": jnp.mean(stats.z_loss),
+    }
+    if record.assignments:
+        metrics[ASSIGNMENTS] = stats.router_experts
+    return metrics
+
+
+def stage_loss(
+    layer_metrics: Sequence[Mapping[str, jax.Array]], records: Sequence[MoELayer]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A stage's MoE loss term, its blocks' auxiliary and z losses weighted by their records
+    (zero on a stage without MoE blocks), and those losses as the step metrics ``aux_loss``
+    and ``z_loss``."""
+    aux = sum((m["moe/aux_loss"] for m in layer_metrics if "moe/aux_loss" in m), jnp.float32(0))
+    z = sum((m["moe/z_loss"] for m in layer_metrics if "moe/z_loss" in m), jnp.float32(0))
+    metrics = {"aux_loss": aux, "z_loss": z}
+    if not records:
+        return jnp.float32(0), metrics
+    return records[0].aux_loss_weight * aux + records[0].z_loss_weight * z, metrics
+
+
+def totals(metrics: Mapping[str, Any], xp: Any) -> dict[str, Any]:
+    """What follows from the folded MoE metrics of the whole model (none without them): each
+    layer's routed pairs per expert and the fraction of pairs dropped."""
+    if GROUP_LOADS not in metrics:
+        return {}
+    loads, dropped = metrics[GROUP_LOADS], metrics["moe/dropped"]
+    return {
+        TOKENS_PER_EXPERT: xp.sum(loads, axis=1),  # [L, E]
+        "dropped_fraction": xp.float32(xp.sum(dropped)) / xp.float32(xp.sum(loads)),
+    }
+
+
+def _update_record(record: MoELayer) -> MoELayer:
+    """What of a record the update program reads: not the capacities (forward only)."""
+    return dataclasses.replace(record, capacities=(), ragged_total=0)
+
+
+MOE_HOOKS = HookSet(
+    MOE,
+    reductions=(
+        (GROUP_LOADS, "rows"),
+        ("moe/dropped", "sum"),
+        ("moe/unrouted", "sum"),
+        ("moe/expert_tokens", "sum"),
+        (ASSIGNMENTS, "rows"),
+    ),
+    stage_loss=stage_loss,
+    step_metrics=(
+        ("aux_loss", "mean", "sum"),
+        ("z_loss", "mean", "sum"),
+        ("dropped_fraction", "mean", "first"),  # derived after the fold
+    ),
+    derived=totals,
+    update_record=_update_record,
+)
 
 
 @dataclasses.dataclass(frozen=True)

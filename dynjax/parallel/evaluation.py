@@ -49,7 +49,7 @@ def evaluate(
                 if transport.is_local(s):
                     ctx = {**stage_inputs.context(stage, carry, batch, m, m_count), **(
                         {"readout": readout[s]} if s in readout else {})}
-                    fwd = programs.get("fwd", replace(stage, cached_routing=False))
+                    fwd = programs.get("fwd", replace(stage, batch_inputs=()))
                     y, out_carry, _ = fwd(stages.state[s]["params"], x, ctx, None)
                 after = programs.shapes(evaluated[s + 1])
                 x = transport.send(y, s, s + 1, after.x)
@@ -60,7 +60,7 @@ def evaluate(
                 loss = programs.get("eval", last)
                 t = batch.place("targets", m, m_count, stage_inputs.rows(last.index))
                 ctx = {} if carry is None else {"carry": carry}
-                ctx.update(stage_inputs.inputs_of(last))
+                ctx.update(stage_inputs.step_inputs(last))
                 losses.append(loss(stages.state[last.index]["params"], x, ctx, t))
     return float(np.mean(jax.device_get(losses))) if losses else None
 

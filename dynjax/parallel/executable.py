@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from dynjax.model.hooks import Hooks
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.profile import unit_programs
 from dynjax.parallel.stage import StageSetup
@@ -34,16 +35,17 @@ def program_kinds(spec: StageSpec) -> tuple[str, ...]:
     return kinds + ("sqnorm", "update")
 
 
-def program_key(kind: str, spec: StageSpec) -> tuple[str, StageSpec]:
+def program_key(kind: str, spec: StageSpec, hooks: Hooks) -> tuple[str, StageSpec]:
     """The part of a stage's spec one of its programs depends on: its compile-cache key.
 
     The gradient norm and the update see parameters, gradients and metrics, whose shapes do
-    not depend on capacities or cached routing: a capacity change recompiles only the forward
-    and backward of the stages whose capacities changed (on the ragged MoE path: whose totals
-    changed; the capacities themselves are a runtime input).
+    not depend on the per-layer inputs nor on what of the layers' records only the forward
+    reads (`HookSet.update_record`): a change of those recompiles only the forward and
+    backward of the stages it touches.
     """
     if kind in ("sqnorm", "update"):
-        return kind, replace(spec, capacities=(), ragged_totals=(), cached_routing=False)
+        options = hooks.update_options(spec.options)
+        return kind, replace(spec, step_inputs=(), batch_inputs=(), options=options)
     return kind, spec
 
 
@@ -149,7 +151,7 @@ class PipelinePrograms:
 
     def _cached(self, kind: str, stage: StageSpec) -> Any:
         """A compiled program (now the most recently used), or None."""
-        key = program_key(kind, stage)
+        key = program_key(kind, stage, self.setup.parts.cfg.hooks)
         with self._lock:
             hit = self._compiled.get(key)
             if hit is not None:
@@ -161,7 +163,7 @@ class PipelinePrograms:
         return lower_stage(kind, self.setup, stage, mesh, self.shapes(stage))
 
     def store(self, kind: str, stage: StageSpec, compiled: Any) -> Any:
-        key = program_key(kind, stage)
+        key = program_key(kind, stage, self.setup.parts.cfg.hooks)
         with self._lock:
             self._compiled[key] = compiled
             self._compiled.move_to_end(key)
@@ -180,7 +182,7 @@ class PipelinePrograms:
     def get(self, kind: str, stage: StageSpec) -> Any:
         """A compiled program, compiling it now if needed (evaluation programs)."""
         with self._lock:
-            hit = self._compiled.get(program_key(kind, stage))
+            hit = self._compiled.get(program_key(kind, stage, self.setup.parts.cfg.hooks))
         if hit is None:
             hit = self.store(kind, stage, self.lower_one(kind, stage).compile())
         return hit

@@ -2,9 +2,11 @@
 
 Every metric a step reports is named, and its name says how it folds: over the microbatches of
 a step (`fold_microbatches`, inside the compiled programs) and over the stages of a pipeline
-(`fold_stages`, on the host). The step's own metrics declare theirs in `STEP_REDUCTIONS`; a
-block hook's metric (per layer) declares its microbatch reduction in its `HookSet` and folds
-over stages by concatenating layers, since stages hold consecutive layers. So the single
+(`fold_stages`, on the host). The step's own metrics declare theirs in `STEP_REDUCTIONS`, a hook
+set's step metrics (its stage loss's) in its `HookSet.step_metrics`; a block hook's metric (per
+layer) declares its microbatch reduction in its `HookSet` and folds over stages by
+concatenating layers, since stages hold consecutive layers. What follows from the folded
+metrics of the whole model (`HookSet.derived`) is computed after the fold. So the single
 program (one stage, the whole batch) and the pipeline (per stage, per microbatch) fold with the
 same code and report the same values.
 """
@@ -18,20 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynjax.model.hooks import Hooks
+from dynjax.model.hooks import NO_HOOKS, Hooks
 
 # name -> (over microbatches, over stages). Over microbatches: "mean", "sum", or "rows" back in
 # batch order (`hooks.REDUCTIONS`); over stages: "last" (the stage holding the loss), "first"
 # (equal on every stage), "sum", or "layers" (concatenated in layer order).
 STEP_REDUCTIONS: dict[str, tuple[str, str]] = {
     "loss": ("mean", "last"),
-    "aux_loss": ("mean", "sum"),
-    "z_loss": ("mean", "sum"),
-    "moe/group_loads": ("rows", "layers"),  # [L, B, E] (token, choice) pairs, pre-drop
-    "moe/dropped": ("sum", "layers"),  # [L] pairs dropped for lack of capacity
-    "moe/unrouted": ("sum", "layers"),  # [L] tokens no expert computes
-    "moe/expert_tokens": ("sum", "layers"),  # [L, E] tokens each expert computes
-    "moe/assignments": ("rows", "layers"),  # [L, B, S, k] the router's top-k (caching)
     "grad_norm": ("mean", "first"),  # the global norm: every stage computes it
     "layer_grad_norm": ("mean", "layers"),  # [L]
     "skipped": ("mean", "first"),  # 1: the update was skipped (non-finite norm, every stage)
@@ -44,38 +39,15 @@ def stack_layers(layer_metrics: Sequence[Mapping[str, jax.Array]]) -> dict[str, 
     return {n: jnp.stack([m[n] for m in layer_metrics if n in m]) for n in names}
 
 
-def moe_metrics(stats: Sequence[Any], assignments: bool) -> dict[str, jax.Array]:
-    """The per-layer MoE metrics of one forward from its MoE layers' stats in order (none
-    without MoE layers); ``assignments`` adds the router's top-k per token."""
-    if not stats:
-        return {}
-    metrics = {
-        "moe/group_loads": jnp.stack([s.group_loads for s in stats]),
-        "moe/dropped": jnp.stack([jnp.sum(s.dropped) for s in stats]),
-        "moe/unrouted": jnp.stack([jnp.sum(s.unrouted) for s in stats]),
-        "moe/expert_tokens": jnp.stack([jnp.sum(s.expert_tokens, 0) for s in stats]),
-    }
-    if assignments:
-        metrics["moe/assignments"] = jnp.stack([s.router_experts for s in stats])
-    return metrics
-
-
-def moe_totals(metrics: Mapping[str, Any], xp: Any = jnp) -> dict[str, Any]:
-    """What follows from the folded MoE metrics of the whole model (none without them): each
-    layer's routed pairs per expert and the fraction of pairs dropped. ``xp``: ``jnp`` inside a
-    program, ``np`` on the host."""
-    if "moe/group_loads" not in metrics:
-        return {}
-    loads, dropped = metrics["moe/group_loads"], metrics["moe/dropped"]
-    return {
-        "moe/tokens_per_expert": xp.sum(loads, axis=1),  # [L, E]
-        "dropped_fraction": xp.float32(xp.sum(dropped)) / xp.float32(xp.sum(loads)),
-    }
+def step_reductions(hooks: Hooks) -> dict[str, tuple[str, str]]:
+    """The step metrics' reductions: the step's own and the hook sets'."""
+    return {**hooks.step_metrics, **STEP_REDUCTIONS}
 
 
 def reduction(name: str, hooks: Hooks) -> str:
     """How metric ``name`` folds over microbatches."""
-    return STEP_REDUCTIONS[name][0] if name in STEP_REDUCTIONS else hooks.reduction(name)
+    step = step_reductions(hooks)
+    return step[name][0] if name in step else hooks.reduction(name)
 
 
 def fold_stacked(stacked: Mapping[str, jax.Array], hooks: Hooks) -> dict[str, jax.Array]:
@@ -101,17 +73,20 @@ def fold_microbatches(
     return fold_stacked({n: jnp.stack([mb[n] for mb in per_microbatch]) for n in names}, hooks)
 
 
-def hook_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+def hook_metrics(metrics: Mapping[str, Any], hooks: Hooks = NO_HOOKS) -> dict[str, Any]:
     """The block hooks' metrics among a step's (what the state rules read)."""
-    return {k: v for k, v in metrics.items() if k not in STEP_REDUCTIONS}
+    step = step_reductions(hooks)
+    return {k: v for k, v in metrics.items() if k not in step}
 
 
-def fold_stages(stages: Sequence[Mapping[str, np.ndarray]]) -> dict[str, Any]:
-    """Host copies of every stage's step metrics, in stage order -> the single program's."""
+def fold_stages(stages: Sequence[Mapping[str, np.ndarray]], hooks: Hooks) -> dict[str, Any]:
+    """Host copies of every stage's step metrics, in stage order -> the single program's,
+    with what the hook sets derive from them (`Hooks.derived`)."""
     f32 = np.float32
+    step = step_reductions(hooks)
     out: dict[str, Any] = {}
     for name in sorted({n for s in stages for n in s}):
-        kind = STEP_REDUCTIONS[name][1] if name in STEP_REDUCTIONS else "layers"
+        kind = step[name][1] if name in step else "layers"
         have = [s[name] for s in stages if name in s]
         if kind == "last":
             out[name] = stages[-1][name]
@@ -121,4 +96,4 @@ def fold_stages(stages: Sequence[Mapping[str, np.ndarray]]) -> dict[str, Any]:
             out[name] = f32(sum(f32(a) for a in have))
         else:
             out[name] = np.concatenate(have)
-    return {**out, **moe_totals(out, np)}
+    return {**out, **hooks.derived(out, np)}

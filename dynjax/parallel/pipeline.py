@@ -7,8 +7,8 @@ its own:
 
 * `executable`: the compiled programs of a spec, and their cache across Plans;
 * `stage_state`: the stages' parameters, optimizer state and accumulators, and migration;
-* `stage_inputs`: what the stage programs read besides activations (rows, context, MoE
-  capacities, the early-exit readout);
+* `stage_inputs`: what the stage programs read besides activations (rows, context, the step
+  inputs of their layers, the early-exit readout);
 * `step_run`: one step, dispatched asynchronously in the schedule's global order;
 * `timeline`: timed steps and the watcher threads that take their timelines;
 * `profiler`: profiled steps (unit times, memory);
@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dynjax.model.hooks import Hooks
 from dynjax.parallel.evaluation import evaluate
 from dynjax.parallel.executable import PipelineExecutable, PipelinePrograms
 from dynjax.parallel.feed import Placement
@@ -33,7 +34,7 @@ from dynjax.parallel.profiler import PendingProfile, Profiler
 from dynjax.parallel.stage_inputs import StageInputs
 from dynjax.parallel.stage_state import Migration, StageState, state_layout
 from dynjax.parallel.stages import PipelineSpec
-from dynjax.parallel.step_inputs import StepInputs
+from dynjax.parallel.step_inputs import BatchInputs, StepInputs
 from dynjax.parallel.step_run import StepRunner
 from dynjax.parallel.timeline import PendingTimeline, TimedSteps
 
@@ -114,16 +115,17 @@ class Pipeline:
         exe: PipelineExecutable,
         inputs: np.ndarray,
         targets: np.ndarray,
-        cached: np.ndarray | None = None,
+        batch_in: BatchInputs | None = None,
         rows: np.ndarray | None = None,
     ) -> dict[str, Any]:
-        """One training step on a host batch ([B, S] tokens; cached: [L_moe, B, S, k]), or on the
+        """One training step on a host batch ([B, S] tokens; ``batch_in``: its batch inputs,
+        `dynjax.parallel.step_inputs`), or on the
         ``rows`` of it this process read (`batch_placements`; default all B).
 
         Returns ``{"stages": {stage: metrics}}`` (this process's stages) as device arrays;
         `host_metrics` turns the host copies of all stages into the single-program metrics.
         """
-        run = self.runner.start(exe, inputs, targets, cached, rows)
+        run = self.runner.start(exe, inputs, targets, batch_in, rows)
         for s, task in exe.order:
             self.runner.dispatch(run, s, task)
         return self.runner.finish(run)
@@ -133,14 +135,14 @@ class Pipeline:
         exe: PipelineExecutable,
         inputs: np.ndarray,
         targets: np.ndarray,
-        cached: np.ndarray | None = None,
+        batch_in: BatchInputs | None = None,
         rows: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], tuple[tuple[TaskTime, ...], ...]]:
         """`step`, with each stage's timeline of tasks in seconds from the start of the step
         (what the pipeline simulator of `dynjax.balance` predicts). Blocks until the timeline is
         complete; `start_timed_step` does not."""
         self.stages.require_every_stage("the timeline of every stage")
-        metrics, timeline = self.start_timed_step(exe, inputs, targets, cached, rows)
+        metrics, timeline = self.start_timed_step(exe, inputs, targets, batch_in, rows)
         rows_of = timeline.result()
         return metrics, tuple(rows_of[s] for s in sorted(rows_of))
 
@@ -149,26 +151,26 @@ class Pipeline:
         exe: PipelineExecutable,
         inputs: np.ndarray,
         targets: np.ndarray,
-        cached: np.ndarray | None = None,
+        batch_in: BatchInputs | None = None,
         rows: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], PendingTimeline]:
         """`TimedSteps.start`: `step`, returning once it is dispatched, with the timeline of
         this process's stages still being taken."""
-        return self.timed.start(exe, inputs, targets, cached, rows)
+        return self.timed.start(exe, inputs, targets, batch_in, rows)
 
     def profile_step(
         self,
         exe: PipelineExecutable,
         inputs: np.ndarray,
         targets: np.ndarray,
-        cached: np.ndarray | None = None,
+        batch_in: BatchInputs | None = None,
         rows: np.ndarray | None = None,
         *,
         repeats: int = 3,
     ) -> tuple[dict[str, Any], Profile]:
         """`start_profile_step`, waiting for its `Profile`."""
         metrics, pending = self.start_profile_step(
-            exe, inputs, targets, cached, rows, repeats=repeats
+            exe, inputs, targets, batch_in, rows, repeats=repeats
         )
         return metrics, pending.result()
 
@@ -177,13 +179,13 @@ class Pipeline:
         exe: PipelineExecutable,
         inputs: np.ndarray,
         targets: np.ndarray,
-        cached: np.ndarray | None = None,
+        batch_in: BatchInputs | None = None,
         rows: np.ndarray | None = None,
         *,
         repeats: int = 3,
     ) -> tuple[dict[str, Any], PendingProfile]:
         """`Profiler.start`: a timed step, then each unit's time and each stage's memory."""
-        return self.profiler.start(exe, inputs, targets, cached, rows, repeats=repeats)
+        return self.profiler.start(exe, inputs, targets, batch_in, rows, repeats=repeats)
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -192,9 +194,10 @@ class Pipeline:
         return evaluate(self.stages, self.inputs, batches)
 
 
-def host_metrics(raw: Mapping[str, Any]) -> dict[str, Any]:
+def host_metrics(raw: Mapping[str, Any], hooks: Hooks) -> dict[str, Any]:
     """Host copies of `Pipeline.step` metrics of every stage -> the single-program metrics
-    (`metrics.fold_stages`), with any others of ``raw`` (e.g. a profile's metrics)."""
+    (`metrics.fold_stages` by the reductions ``hooks`` declare), with any others of ``raw``
+    (e.g. a profile's metrics)."""
     by_stage: Mapping[int, Mapping[str, np.ndarray]] = raw["stages"]
-    out = fold_stages([by_stage[s] for s in sorted(by_stage)])
+    out = fold_stages([by_stage[s] for s in sorted(by_stage)], hooks)
     return {**out, **{k: v for k, v in raw.items() if k != "stages"}}

@@ -5,7 +5,7 @@ every layer and the memory of every stage, and the balancer moves layers on that
 a stage's layers into one program, so a layer's time is measured by running that layer alone as
 a one-unit stage (the same `stage_programs`, on the layer's own stage sub-mesh, with its live
 parameters): a forward program, and a backward program that recomputes the forward first, as a
-stage's backward does. Layers with the same graph and capacities on the same stage compile and
+stage's backward does. Layers with the same graph and records on the same stage compile and
 run one such program; they are lowered and compiled with their Plan, in the background
 (`unit_programs`), so a profiled step waits for no compile. Memory is the compiler's memory
 analysis of the stage programs plus the live parameter, optimizer-state and
@@ -28,6 +28,7 @@ from dynjax.balance import peak_in_flight
 from dynjax.model import ModelParts
 from dynjax.parallel.layout import Unit, select
 from dynjax.parallel.stages import PipelineSpec, StageSpec
+from dynjax.parallel.step_inputs import restrict
 
 GetProgram = Callable[[str, StageSpec], Any]  # (kind, spec) -> compiled program
 Shapes = Callable[[StageSpec], Any]  # spec -> stage_programs.StageShapes
@@ -85,9 +86,8 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
     backward at all (seed 000 §4.2.3), as in the stage programs.
     """
     one = dataclasses.replace(
-        stage, first=False, last=False, layers=(), moe=(), capacities=(), frozen=(), options=(),
-        needs=(), embed_frozen=False, input_grads=trainable_before, cached_routing=False,
-        ragged_totals=(),
+        stage, first=False, last=False, layers=(), frozen=(), options=(), needs=(),
+        embed_frozen=False, input_grads=trainable_before, step_inputs=(), batch_inputs=(),
     )
     if unit == ("embed",):
         return dataclasses.replace(one, first=True, embed_frozen=stage.embed_frozen)
@@ -97,15 +97,14 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
     at = stage.layers.index(i)
     options = (stage.layer_options()[at],) if stage.options else ()
     needs = (stage.needs[at],) if stage.needs else ()
-    one = dataclasses.replace(
-        one, layers=(i,), frozen=(i,) if i in stage.frozen else (), options=options, needs=needs
+    return dataclasses.replace(
+        one,
+        layers=(i,),
+        frozen=(i,) if i in stage.frozen else (),
+        options=options,
+        needs=needs,
+        step_inputs=restrict(stage.step_inputs, (i,)),
     )
-    if i not in stage.moe:
-        return one
-    j = stage.moe.index(i)
-    caps = (stage.capacities[j],) if stage.capacities else ()
-    totals = (stage.ragged_totals[j],) if stage.ragged_totals else ()
-    return dataclasses.replace(one, moe=(i,), capacities=caps, ragged_totals=totals)
 
 
 def unit_kinds(one: StageSpec) -> tuple[str, ...]:
@@ -117,7 +116,7 @@ def unit_kinds(one: StageSpec) -> tuple[str, ...]:
 def timed_units(spec: PipelineSpec, parts: ModelParts) -> list[tuple[Unit, StageSpec, tuple]]:
     """Every unit of the model in order, as (unit, its one-unit spec, its timing signature).
 
-    Units with equal signatures (the same graph, capacities and plugin options on the same
+    Units with equal signatures (the same graph, plugin options and input shapes on the same
     stage, under any Plan) run one program and share one measurement: two layers of one stage
     whose options differ (e.g. block-sparse matmuls of different widths) are timed apart.
     """
@@ -130,9 +129,10 @@ def timed_units(spec: PipelineSpec, parts: ModelParts) -> list[tuple[Unit, Stage
             one = unit_spec(stage, unit, trainable_before=trainable_before)
             graph = parts.layers[unit[1]] if unit[0] == "layers" else None
             # The one-unit spec less the layer's index: the program's every input (its stage,
-            # microbatch, dtype, capacities, options, ...) but which equal-graph layer it is.
-            program = dataclasses.replace(one, layers=(), moe=(), frozen=())
-            signature = (unit[0], graph, one.moe != (), one.frozen != (), program)
+            # microbatch, dtype, options, input shapes, ...) but which equal-graph layer it is.
+            inputs = tuple(dataclasses.replace(s, layers=()) for s in one.step_inputs)
+            program = dataclasses.replace(one, layers=(), frozen=(), step_inputs=inputs)
+            signature = (unit[0], graph, one.frozen != (), program)
             out.append((unit, one, signature))
             if unit[0] == "layers":
                 trainable_before |= not one.frozen
@@ -166,7 +166,7 @@ def unit_seconds(
 
     ``known``: times by timing signature (`timed_units`) measured under an earlier Plan. A unit
     whose signature a Plan change left as it was is not run again, so the profile after a swap
-    costs what the swap changed (a capacity change re-times the MoE layers only; a move, the
+    costs what the swap changed (a record's change re-times the layers holding it only; a move, the
     layers moved): DynMo rebalances every iteration because that costs little (seed 000
     §3.3.1). Returns the units' times and their times by signature (the next ``known``).
     """
@@ -214,9 +214,10 @@ def _time_unit(
     # What the unit's block wrappers read in the step (carry, targets, the readout's
     # parameters), so a layer is timed with the work it does there (e.g. an exit's readout).
     ctx = jax.tree.map(lambda a: _random(a, rng), s.ctx)
-    if "capacities" in ctx:  # the ragged MoE path: every pair kept, up to the static buffer
-        full = np.full(s.ctx["capacities"].shape, x.shape[1], np.int32)
-        ctx["capacities"] = jax.device_put(full, s.ctx["capacities"].sharding)
+    for sig in one.step_inputs:  # each input at the value a unit is timed with
+        like = s.ctx["inputs"][sig.name]
+        full = np.full(like.shape, sig.fill, like.dtype)
+        ctx["inputs"][sig.name] = jax.device_put(full, like.sharding)
     forward_kind, *backward_kind = unit_kinds(one)
     if one.last:
         targets = _random(s.targets, rng)

@@ -30,6 +30,7 @@ from dynjax.parallel.profile import (
     units_busy_seconds,
 )
 from dynjax.parallel.stages import PipelineSpec
+from dynjax.parallel.step_inputs import BatchInputs
 from dynjax.parallel.timeline import PendingTimeline, TimedSteps
 
 
@@ -71,7 +72,7 @@ class Profiler:
         exe: PipelineExecutable,
         inputs: np.ndarray,
         targets: np.ndarray,
-        cached: np.ndarray | None,
+        batch_in: BatchInputs | None,
         rows: np.ndarray | None,
         *,
         repeats: int,
@@ -103,12 +104,12 @@ class Profiler:
         memory = self._memory(exe)
         measured = self._measured_units
         if measured is not None and measured[0] == exe.spec:
-            metrics, pending = self.timed.start(exe, inputs, targets, cached, rows)
+            metrics, pending = self.timed.start(exe, inputs, targets, batch_in, rows)
             return metrics, self._rescaled(exe, pending, memory)
         parts = self.stages.programs.setup.parts
         stages = set(self.stages.state)  # this process's
         known = known_unit_seconds(exe.spec, parts, stages=stages, known=self._unit_times)
-        metrics, pending = self.timed.start(exe, inputs, targets, cached, rows)
+        metrics, pending = self.timed.start(exe, inputs, targets, batch_in, rows)
         if known is not None:
             # Nothing new to time: the units keep their times as measured alone. Not rescaled
             # from this step, the first of the layout's programs (a first run may load them).

@@ -23,7 +23,7 @@ from dynjax.parallel.pipeline import Pipeline, host_metrics
 from dynjax.parallel.profiler import PendingProfile
 from dynjax.parallel.stage_state import Migration
 from dynjax.parallel.stages import PipelineSpec
-from dynjax.parallel.step_inputs import StepInputs
+from dynjax.parallel.step_inputs import BatchInputs, StepInputs
 
 if TYPE_CHECKING:  # carried, never built here: parallel sits below the data
     from dynjax.data import Batch
@@ -36,7 +36,7 @@ Plan = Hashable
 class Runtime(Protocol):
     """What the training loop calls, whichever program runs the steps."""
 
-    def step(self, executable, batch: Batch, cached: np.ndarray | None) -> Any:
+    def step(self, executable, batch: Batch, batch_in: BatchInputs | None) -> Any:
         """Dispatch one step; returns its metrics as device arrays (never waits for them)."""
 
     def batch_rows(self, devices: frozenset[jax.Device] | None = None) -> np.ndarray:
@@ -67,7 +67,7 @@ class Runtime(Protocol):
 class SingleProgramRuntime:
     """The training state of the single-program step, and the calls the training loop makes.
 
-    ``place_batch(batch, cached, plan)`` puts a host batch on the mesh (how depends on the
+    ``place_batch(batch, batch_in, plan)`` puts a host batch on the mesh (how depends on the
     run's sharding) and ``eval_step(plan)`` is the jitted validation loss of one batch under
     ``plan`` (`Experiment.eval_step`), run over ``val_batches``."""
 
@@ -89,11 +89,11 @@ class SingleProgramRuntime:
         self.batch_size, self.seq_len = batch_size, seq_len
         self._place_batch, self.eval_step, self.val_batches = place_batch, eval_step, val_batches
 
-    def step(self, executable, batch: Batch, cached: np.ndarray | None):
+    def step(self, executable, batch: Batch, batch_in: BatchInputs | None):
         """Dispatch one step; returns its metrics as device arrays."""
         state = self.state
         state["params"], state["opt_state"], metrics = executable(
-            state["params"], state["opt_state"], self._place_batch(batch, cached, self.plan)
+            state["params"], state["opt_state"], self._place_batch(batch, batch_in, self.plan)
         )
         return metrics
 
@@ -106,8 +106,8 @@ class SingleProgramRuntime:
         return metrics
 
     def swap(self, plan: Plan, executable) -> Migration | None:
-        """Every Plan of this runtime shares one state layout: nothing to migrate (the ragged
-        MoE path's next batches carry the new Plan's capacities)."""
+        """Every Plan of this runtime shares one state layout: nothing to migrate (the next
+        batches carry the new Plan's step inputs)."""
         self.plan = plan
         return None
 
@@ -188,28 +188,28 @@ class PipelineRuntime:
         placements = self.pipeline.batch_placements(self.batch_size)
         return process_rows(placements, self.seq_len, devices or local_devices())
 
-    def step(self, executable, batch: Batch, cached: np.ndarray | None):
-        return self.pipeline.step(executable, batch.inputs, batch.targets, cached, batch.rows)
+    def step(self, executable, batch: Batch, batch_in: BatchInputs | None):
+        return self.pipeline.step(executable, batch.inputs, batch.targets, batch_in, batch.rows)
 
-    def profile_step(self, executable, batch: Batch, cached: np.ndarray | None):
+    def profile_step(self, executable, batch: Batch, batch_in: BatchInputs | None):
         """`step`, profiled (blocks): returns (metrics with the profile's added, Profile). On a
         new layout the units a Plan change made new run alone and the others keep their times;
         later profiles rescale them by their step's timeline (`Pipeline.start_profile_step`).
 
         The metrics also name the layout that ran (`profile/stage_layers`, layers per stage),
         so a policy can tell a profile of the current Plan from an older one."""
-        metrics, pending = self.start_profile_step(executable, batch, cached)
+        metrics, pending = self.start_profile_step(executable, batch, batch_in)
         profile = pending.result()
         return {**metrics, **profile.metrics()}, profile
 
     def start_profile_step(
-        self, executable, batch: Batch, cached: np.ndarray | None
+        self, executable, batch: Batch, batch_in: BatchInputs | None
     ) -> tuple[dict[str, Any], PendingProfile]:
         """`profile_step` without waiting for a periodic profile (`Pipeline.start_profile_step`):
         returns the step's metrics and the pending `Profile`, whose metrics the training loop
         adds to the step's when the Monitor hands them over (Δ steps later: the step is done)."""
         return self.pipeline.start_profile_step(
-            executable, batch.inputs, batch.targets, cached, batch.rows
+            executable, batch.inputs, batch.targets, batch_in, batch.rows
         )
 
     def host_metrics(self, step: int, metrics: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -218,11 +218,12 @@ class PipelineRuntime:
         # Numbered by exchange, not by step: a step repeats after an in-memory recovery.
         for part in self.rounds("metrics").all(metrics["stages"]):
             stages.update(part)
-        return host_metrics({**metrics, "stages": stages})
+        hooks = self.pipeline.programs.setup.parts.cfg.hooks
+        return host_metrics({**metrics, "stages": stages}, hooks)
 
     def swap(self, plan: Plan, executable) -> Migration | None:
         """Migrate layers to their new stages when the state layout changed (`Pipeline.swap`);
-        a change of step inputs, cached routing or schedule swaps without waiting (the next
+        a change of step inputs, batch inputs or schedule swaps without waiting (the next
         steps take the new Plan's step inputs)."""
         migration = self.pipeline.swap(executable)
         self.pipeline.set_inputs(self.step_inputs(plan))

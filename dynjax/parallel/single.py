@@ -5,7 +5,7 @@ values, its batches (abstract and placed) and a bounded cache of its jitted eval
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.parallel.feed import place_rows
 from dynjax.parallel.mesh import TOKEN_AXES, batch_sharding
-from dynjax.parallel.step_inputs import StepInputs, rows_of
+from dynjax.parallel.step_inputs import BatchInputs, InputSignature, StepInputs, rows_of
 
 if TYPE_CHECKING:
     from dynjax.data import Batch
@@ -40,51 +40,65 @@ def abstract_batch(
     batch_size: int,
     seq_len: int,
     *,
-    cached: tuple[int, int] | None,
     inputs: StepInputs,
-) -> dict[str, jax.ShapeDtypeStruct]:
-    """A step's batch as ``jax.ShapeDtypeStruct``s: tokens, plus with ``cached`` (MoE layers,
-    top-k) the cached routing, and the step ``inputs`` (replicated)."""
+    batch_inputs: Sequence[InputSignature] = (),
+) -> dict[str, Any]:
+    """A step's batch as ``jax.ShapeDtypeStruct``s: tokens, the step ``inputs`` (replicated,
+    under ``step_inputs``) and the ``batch_inputs`` (rows sharded like the tokens, under
+    ``batch_inputs``)."""
     b, s = batch_size, seq_len
     tokens = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(mesh))
-    batch = {"inputs": tokens, "targets": tokens}
-    if cached is not None:
-        shape = (cached[0], b, s, cached[1])
-        batch["cached"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=_cached(mesh))
-    for name, rows in rows_of(inputs).items():
-        batch[name] = jax.ShapeDtypeStruct(
-            rows.shape, rows.dtype, sharding=NamedSharding(mesh, P())
-        )
+    batch: dict[str, Any] = {"inputs": tokens, "targets": tokens}
+    if batch_inputs:
+        batch["batch_inputs"] = {
+            sig.name: jax.ShapeDtypeStruct(
+                (len(sig.layers), b, *sig.shape), sig.dtype, sharding=_layer_rows(mesh)
+            )
+            for sig in batch_inputs
+        }
+    stacked = rows_of(inputs)
+    if stacked:
+        batch["step_inputs"] = {
+            name: jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=NamedSharding(mesh, P()))
+            for name, rows in stacked.items()
+        }
     return batch
 
 
 def place_batch(
     mesh: jax.sharding.Mesh,
     batch: Batch,
-    cached: np.ndarray | None,
+    batch_inputs: BatchInputs | None,
     inputs: StepInputs,
-) -> dict[str, jax.Array]:
-    """A host batch (or this process's rows of it) on the mesh, with the cached routing where
+) -> dict[str, Any]:
+    """A host batch (or this process's rows of it) on the mesh, with its batch inputs where
     given and the step ``inputs``."""
     sharding, rows = batch_sharding(mesh), np.arange(len(batch.sample_ids))
-    out = {
+    out: dict[str, Any] = {
         "inputs": place_rows(batch.inputs, batch.rows, rows, sharding),
         "targets": place_rows(batch.targets, batch.rows, rows, sharding),
     }
-    if cached is not None:
-        out["cached"] = jax.device_put(cached, _cached(mesh))
-    for name, rows in rows_of(inputs).items():
-        out[name] = jax.device_put(rows, NamedSharding(mesh, P()))
+    if batch_inputs:
+        out["batch_inputs"] = {
+            name: jax.device_put(stacked, _layer_rows(mesh))
+            for name, stacked in rows_of(batch_inputs).items()
+        }
+    stacked = rows_of(inputs)
+    if stacked:
+        out["step_inputs"] = {
+            name: jax.device_put(rows, NamedSharding(mesh, P())) for name, rows in stacked.items()
+        }
     return out
 
 
-def _cached(mesh: jax.sharding.Mesh) -> NamedSharding:
+def _layer_rows(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """A batch input's sharding: [layers, B, ...], the rows split like the tokens."""
     return NamedSharding(mesh, P(None, TOKEN_AXES))
 
 
 class EvalSteps:
     """The last ``max_entries`` jitted evaluation steps, by their one-stage spec, like the
-    Compiler's train steps: a dynamic-capacity run makes a new one at every capacity change."""
+    Compiler's train steps: a run whose layers' records change makes a new one at each change."""
 
     def __init__(self, make: Callable[[Hashable], Callable], max_entries: int) -> None:
         self.make, self.max_entries = make, max_entries

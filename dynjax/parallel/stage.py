@@ -8,7 +8,7 @@ pipeline compiles each function below as a program of its own per stage
 (`dynjax.parallel.stage_programs`), with the microbatch loop in its schedule:
 
 * `forward_loss`: the stage's layers on one microbatch, and its terms of the loss to minimise
-  (the cross entropy on the last stage, every stage's MoE auxiliary and z losses and its block
+  (the cross entropy on the last stage, every stage's hook sets' stage losses and its block
   hooks' loss terms) with the metrics of that microbatch;
 * `backward_fn`: the gradients of those terms, added to the float32 accumulator of the
   trainable units, seeded with the loss on the last stage and with the next stage's input
@@ -21,9 +21,10 @@ pipeline compiles each function below as a program of its own per stage
 * `evaluate_fn`: the last stage's loss as at inference.
 
 ``ctx`` holds what the stage's block wrappers read of the `LayerContext` beyond activations
-(`HookSet` ``needs`` and ``carry``), only what they need, and on the ragged MoE path
-``capacities``, the stage's MoE layers' per-expert capacities [len(spec.moe), E] int32 (a
-runtime input, issue 12 §1): ``carry``, the per-token arrays the previous stage's layers left (a
+(`HookSet` ``needs`` and ``carry``), only what they need, and ``inputs``, the step inputs of
+its layers (`StageSpec.step_inputs`, each name [its layers, ...]: runtime inputs, issue 12
+§1); the batch inputs of a microbatch (`StageSpec.batch_inputs`) come as their own argument,
+``batch_in`` (None: none): ``carry``, the per-token arrays the previous stage's layers left (a
 stage input and output beside the activations, never differentiated); ``targets`` [b, S] (the
 last stage's loss takes them from here too); and ``readout``, the last stage's norm and head
 parameters, for a stage before the last whose wrappers read the model's readout: its loss terms
@@ -41,12 +42,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dynjax.model import ExpertParallel, ModelParts, RaggedCapacities, lm_loss
+from dynjax.model import ExpertParallel, ModelParts, lm_loss
 from dynjax.model.gpt import run_layers
-from dynjax.model.hooks import MOE_LOADS, Hooks, LayerContext, LayerOptions
+from dynjax.model.hooks import Hooks, LayerContext, LayerOptions
 from dynjax.parallel.layout import by_path, fill, select
-from dynjax.parallel.metrics import hook_metrics, moe_metrics, stack_layers
+from dynjax.parallel.metrics import hook_metrics, stack_layers
 from dynjax.parallel.stages import StageSpec
+from dynjax.parallel.step_inputs import layer_rows
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 READOUT_UNITS = (("norm",), ("head",))  # the parameter units of `GPT.readout`
@@ -56,14 +58,11 @@ Metrics = dict[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class StageSetup:
-    """What every stage of a run shares: the model's units, optimizer and loss weights."""
+    """What every stage of a run shares: the model's units and optimizer."""
 
     parts: ModelParts
     optimizer: optax.GradientTransformation
     grad_clip: float  # the optimizer's global-norm bound, applied globally here; 0 = no clipping
-    aux_loss_weight: float
-    z_loss_weight: float
-    return_assignments: bool  # add the router's top-k per token to the metrics (caching)
     fsdp: bool = False  # parameters and optimizer state split over the stage's data devices
     # ``train.nonfinite="skip"``: a step whose global gradient norm is not finite keeps the
     # parameters and optimizer state it had (`update_fn`), and says so in ``skipped``.
@@ -92,11 +91,12 @@ def overlay(params: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, Any
 
 
 def apply_stage(
-    setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None, params, x, ctx, cached
+    setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None, params, x, ctx, batch_in
 ):
     """The stage's slice of ``GPT.forward``: (output, the carry after its layers (empty on the
-    last stage), MoE stats of its layers in order, each layer's hook metrics), through the
-    model's own layer loop with the `LayerContext` built from ``ctx`` (module docstring).
+    last stage), each layer's hook metrics), through the model's own layer loop with the
+    `LayerContext` built from ``ctx`` and each layer's rows of the step inputs
+    (``ctx["inputs"]``) and the batch inputs ``batch_in`` (module docstring).
 
     The first stage takes tokens [b, S] and embeds them; the last returns float32 logits.
     """
@@ -120,45 +120,44 @@ def apply_stage(
     context = LayerContext(
         readout=readout, targets=ctx.get("targets"), carry=carry, inference=spec.inference
     )
-    capacities: tuple = spec.capacities
-    if spec.ragged_totals:
-        caps = ctx["capacities"]
-        capacities = tuple(RaggedCapacities(caps[j], t) for j, t in enumerate(spec.ragged_totals))
-    x, stats, layer_metrics = run_layers(
+    inputs = layer_rows(ctx.get("inputs", {}), spec.step_inputs, spec.layers)
+    for one, more in zip(
+        inputs, layer_rows(batch_in or {}, spec.batch_inputs, spec.layers), strict=True
+    ):
+        one.update(more)
+    x, _, layer_metrics = run_layers(
         [nnx.merge(parts.layers[i], p["layers"][i]) for i in spec.layers],
         x,
-        capacities=capacities,
         options=spec.layer_options(),
         parallel=parallel,
-        cached=cached,
+        inputs=inputs,
         context=context,
         scan=parts.cfg.scan_layers,
         frozen=[i in spec.frozen for i in spec.layers],
     )
     if spec.last:
-        return readout(x), {}, stats, layer_metrics
+        return readout(x), {}, layer_metrics
     # The activation a stage sends is in the compute dtype, as the next stage was lowered for
     # (`stage_shapes`): layers may hand back a wider residual (float32 norms in a bfloat16 step).
     carry = {k: context.carry[k] for k in hooks.carry_dtypes(spec.carry)}
-    return x.astype(dtype), carry, stats, layer_metrics
+    return x.astype(dtype), carry, layer_metrics
 
 
 def forward_loss(
-    setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None, params, x, ctx, cached
+    setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None, params, x, ctx, batch_in
 ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array, Metrics]:
     """The stage's forward on one microbatch and its terms of the loss to minimise: (output,
     carry, loss terms, metrics). On the last stage the output are the logits and the loss terms
     start with the cross entropy against ``ctx["targets"]`` (the metric ``loss``); every stage
-    adds its MoE auxiliary and z losses (weighted by `StageSetup`) and its hooks' loss terms.
-    The metrics: ``aux_loss``, ``z_loss``, the hook metrics stacked over the layers reporting
-    each, the MoE metrics of its MoE layers (`metrics.moe_metrics`)."""
-    out, carry, stats, layer_metrics = apply_stage(setup, spec, parallel, params, x, ctx, cached)
-    aux = sum((jnp.mean(s.aux_loss) for s in stats), jnp.float32(0))
-    z = sum((jnp.mean(s.z_loss) for s in stats), jnp.float32(0))
-    hook_loss = setup.parts.cfg.hooks.loss(layer_metrics)
-    local = setup.aux_loss_weight * aux + setup.z_loss_weight * z + hook_loss
-    metrics: Metrics = {"aux_loss": aux, "z_loss": z, **stack_layers(layer_metrics)}
-    metrics.update(moe_metrics(stats, setup.return_assignments))
+    adds its hook sets' stage losses (`Hooks.stage_loss`) and its hooks' loss terms. The
+    metrics: the stage losses' step metrics and the hook metrics stacked over the layers
+    reporting each."""
+    out, carry, layer_metrics = apply_stage(setup, spec, parallel, params, x, ctx, batch_in)
+    hooks = setup.parts.cfg.hooks
+    term, step_metrics = hooks.stage_loss(layer_metrics, spec.layer_options())
+    hook_loss = hooks.loss(layer_metrics)
+    local = hook_loss if term is None else term + hook_loss
+    metrics: Metrics = {**step_metrics, **stack_layers(layer_metrics)}
     if spec.last:
         metrics["loss"] = ce = lm_loss(out, ctx["targets"])
         local = ce + local
@@ -166,7 +165,7 @@ def forward_loss(
 
 
 def backward_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None):
-    """``bwd(params, acc, racc, x, ctx, seed, cached) -> (acc, g_x, racc, [metrics])``.
+    """``bwd(params, acc, racc, x, ctx, seed, batch_in) -> (acc, g_x, racc, [metrics])``.
 
     Runs the stage forward on one microbatch (the pipeline recomputes it from the stored stage
     input: activation checkpointing at stage boundaries), then adds the weight gradients of the
@@ -178,13 +177,13 @@ def backward_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | N
     prefix at all."""
     trainable_units = spec.trainable(setup.parts.learned_positions)
 
-    def bwd(params, acc, racc, x, ctx, seed, cached):
+    def bwd(params, acc, racc, x, ctx, seed, batch_in):
         if spec.last:
             ctx = {**ctx, "targets": seed}
 
         def f(trainable, readout, x):
             out, _, local, metrics = forward_loss(
-                setup, spec, parallel, overlay(params, trainable), x, {**ctx, **readout}, cached
+                setup, spec, parallel, overlay(params, trainable), x, {**ctx, **readout}, batch_in
             )
             return (local if spec.last else (out, local)), metrics
 
@@ -248,11 +247,9 @@ def update_trainable(optimizer, grads, opt_state, trainable):
 
 def update_layer_state(
     units: Mapping[str, Any],
-    params: Mapping[str, Any],
     layers: Sequence[int],
     options: Sequence[LayerOptions],
     layer_metrics: Mapping[str, jax.Array],
-    moe_loads: jax.Array | None,
     hooks: Hooks,
 ) -> dict[str, Any]:
     """``units`` (the trainable units after the optimizer update) with the state rules of
@@ -261,31 +258,32 @@ def update_layer_state(
 
     ``layers``: the stage's layers in order, ``options`` their `LayerOptions` (empty: none);
     ``layer_metrics`` the step's hook metrics stacked over the layers that report each
-    (``[Lr, ...]``): a metric ``"<rule>/..."`` has a row for every layer holding the rule's
-    record; ``moe_loads`` [Lm, E] the step's routed pairs of each MoE layer of ``params`` among
-    ``layers`` (`hooks.MOE_LOADS`)."""
+    (``[Lr, ...]``): a metric ``"<name>/..."`` has a row for every layer holding a record
+    ``name``. A rule gets every metric of its layer's records."""
     options = options or ((),) * len(layers)
     ruled = [(i, o) for i, o in zip(layers, options, strict=True) if hooks.state_rules(o)]
     if not ruled:
         return dict(units)
-    moe = [i for i in layers if "moe" in params["layers"][i]]
     holders = {
         name: [i for i, o in zip(layers, options, strict=True) if name in dict(o)]
         for _, o in ruled
-        for name, _, _ in hooks.state_rules(o)
+        for name, _ in o
     }
+    rules = {name for _, o in ruled for name, _, _ in hooks.state_rules(o)}
     got = dict(units.get("layers", {}))
     for i, opts in ruled:
         if i not in got:
             continue
-        metrics = {MOE_LOADS: moe_loads[moe.index(i)]} if i in moe else {}
+        metrics = {}
         for name, rows in holders.items():
             for metric, stacked in layer_metrics.items():
                 if metric.startswith(f"{name}/") and i in rows:
                     if len(stacked) != len(rows):
+                        if name not in rules:  # not every holder reports it: not a row each
+                            continue
                         raise ValueError(
-                            f"state rule {name!r} reads {metric!r}, reported by {len(stacked)} "
-                            f"layers, but {len(rows)} layers hold its record"
+                            f"state rule {name!r} reads {metric!r}, reported by "
+                            f"{len(stacked)} layers, but {len(rows)} layers hold its record"
                         )
                     metrics[metric] = stacked[rows.index(i)]
         got[i] = hooks.apply_state_rules(got[i], metrics, opts)
@@ -318,11 +316,8 @@ def update_fn(setup: StageSetup, spec: StageSpec):
         trainable, before = select(params, trainable_units), opt_state
         trainable, opt_state = update_trainable(setup.optimizer, grads, opt_state, trainable)
         folded = {**metrics, "grad_norm": norm}
-        loads = None
-        if "moe/group_loads" in folded:
-            loads = jnp.sum(folded["moe/group_loads"], axis=1)  # [Ls, E]
         trainable = update_layer_state(
-            trainable, params, spec.layers, spec.options, hook_metrics(folded), loads, hooks
+            trainable, spec.layers, spec.options, hook_metrics(folded, hooks), hooks
         )
         folded["layer_grad_norm"] = layer_grad_norms(grads, spec.layers)
         if setup.skip_nonfinite:  # the global norm: every stage decides alike
@@ -342,7 +337,7 @@ def evaluate_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | N
 
     def evaluate(params, x, ctx, targets):
         ctx = {**ctx, "targets": targets}
-        logits, _, _, _ = apply_stage(setup, spec, parallel, params, x, ctx, None)
+        logits, _, _ = apply_stage(setup, spec, parallel, params, x, ctx, None)
         return lm_loss(logits, targets)
 
     return evaluate

@@ -56,6 +56,12 @@ class StageInputs:
         self.inputs = inputs
         self._stage_inputs = {}
 
+    def step_inputs(self, stage: StageSpec) -> dict[str, Any]:
+        """The stage context's entry of the step inputs of its layers (`inputs_of`; none:
+        empty)."""
+        inputs = self.inputs_of(stage)
+        return {"inputs": inputs} if inputs else {}
+
     def inputs_of(self, stage: StageSpec) -> dict[str, jax.Array]:
         """The rows of the stage's layers of each step input, on its sub-mesh."""
         key = (stage.index, stage.layers)
@@ -72,7 +78,7 @@ class StageInputs:
         readout (carry, targets), and the step inputs of its layers: stored with the stage
         input for the backward."""
         ctx = {} if carry is None else {"carry": carry}
-        ctx.update(self.inputs_of(stage))
+        ctx.update(self.step_inputs(stage))
         if stage.needs_targets:
             ctx["targets"] = batch.place("targets", m, m_count, self.rows(stage.index))
         return ctx

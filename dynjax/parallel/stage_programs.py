@@ -5,10 +5,10 @@ compiled per stage on the stage's own (data, expert) sub-mesh: data parallel ove
 and expert parallel over ``'expert'`` exactly as the single-program step. The schedule runs the
 microbatch loop (`dynjax.parallel.step_run`):
 
-* ``fwd(params, x, ctx, cached) -> (y, carry, metrics)``: `stage.forward_loss` on one
+* ``fwd(params, x, ctx, batch_in) -> (y, carry, metrics)``: `stage.forward_loss` on one
   microbatch. The last stage has no forward program: its forward output only feeds its own
   backward.
-* ``bwd(params, acc, racc, x, ctx, seed, cached) -> (acc, g_x, racc, [metrics])``:
+* ``bwd(params, acc, racc, x, ctx, seed, batch_in) -> (acc, g_x, racc, [metrics])``:
   `stage.backward_fn`, recomputing the forward from the stored stage input (activation
   checkpointing at stage boundaries: a stage keeps one input per microbatch in flight, not
   every intermediate).
@@ -56,8 +56,8 @@ from dynjax.parallel.stages import StageSpec
 def forward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
     parallel = expert_parallel(mesh)
 
-    def fwd(params, x, ctx, cached):
-        y, carry, _, metrics = forward_loss(setup, spec, parallel, params, x, ctx, cached)
+    def fwd(params, x, ctx, batch_in):
+        y, carry, _, metrics = forward_loss(setup, spec, parallel, params, x, ctx, batch_in)
         return y, carry, metrics
 
     return fwd
@@ -93,7 +93,7 @@ class StageShapes:
     carry: dict[str, jax.ShapeDtypeStruct]  # the carry the stage outputs (empty on the last)
     racc: dict[str, Any]  # the readout-gradient accumulator (empty unless needs_readout)
     targets: jax.ShapeDtypeStruct
-    cached: jax.ShapeDtypeStruct | None
+    batch_in: dict[str, jax.ShapeDtypeStruct] | None  # the batch inputs of a microbatch
     metrics: Metrics  # of one microbatch
 
 
@@ -114,12 +114,14 @@ def stage_shapes(
     b, dtype = spec.microbatch_size, DTYPES[spec.dtype]
     tokens = jax.ShapeDtypeStruct((b, seq_len), jnp.int32, sharding=rows)
     acts = jax.ShapeDtypeStruct((b, seq_len, cfg.d_model), dtype, sharding=rows)
-    cached = None
-    if spec.cached_routing and spec.moe:
-        shape = (len(spec.moe), b, seq_len, cfg.top_k)
-        cached = jax.ShapeDtypeStruct(
-            shape, jnp.int32, sharding=NamedSharding(mesh, P(None, TOKEN_AXES))
+    batch_in = {
+        sig.name: jax.ShapeDtypeStruct(
+            (len(sig.layers), b, *sig.shape),
+            sig.dtype,
+            sharding=NamedSharding(mesh, P(None, TOKEN_AXES)),
         )
+        for sig in spec.batch_inputs
+    } or None
     x = tokens if spec.first else acts
     carry = {
         k: jax.ShapeDtypeStruct((b, seq_len), d, sharding=rows)
@@ -127,9 +129,13 @@ def stage_shapes(
     }
     ctx: dict[str, Any] = {} if spec.first or not carry else {"carry": carry}
     replicated = NamedSharding(mesh, P())
-    if spec.ragged_totals:
-        shape = (len(spec.moe), cfg.num_experts)
-        ctx["capacities"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
+    if spec.step_inputs:
+        ctx["inputs"] = {
+            sig.name: jax.ShapeDtypeStruct(
+                (len(sig.layers), *sig.shape), sig.dtype, sharding=replicated
+            )
+            for sig in spec.step_inputs
+        }
     if spec.needs_targets:
         ctx["targets"] = tokens
     racc: dict[str, Any] = {}
@@ -138,9 +144,9 @@ def stage_shapes(
         racc = ctx["readout"]
     if spec.last:
         fn = backward_fn(setup, spec, expert_parallel(mesh))
-        metrics = jax.eval_shape(fn, params, acc, racc, x, ctx, tokens, cached)[3]
+        metrics = jax.eval_shape(fn, params, acc, racc, x, ctx, tokens, batch_in)[3]
     else:
-        metrics = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, ctx, cached)[2]
+        metrics = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, ctx, batch_in)[2]
     metrics = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), metrics
     )
@@ -154,7 +160,7 @@ def stage_shapes(
         carry={} if spec.last else carry,
         racc=racc,
         targets=tokens,
-        cached=cached,
+        batch_in=batch_in,
         metrics=metrics,
     )
 
@@ -169,7 +175,7 @@ def lower_stage(
     if kind == "fwd":
         outs = (shapes.y.sharding, sharding(shapes.carry), metrics)
         jitted = jax.jit(forward_fn(setup, spec, mesh), out_shardings=outs)
-        return jitted.lower(shapes.params, shapes.x, shapes.ctx, shapes.cached)
+        return jitted.lower(shapes.params, shapes.x, shapes.ctx, shapes.batch_in)
     if kind == "bwd":
         g_x = shapes.x.sharding if spec.input_grads else replicated
         outs = (sharding(shapes.acc), g_x, sharding(shapes.racc))
@@ -181,7 +187,7 @@ def lower_stage(
         )
         seed = shapes.targets if spec.last else shapes.y
         return jitted.lower(
-            shapes.params, shapes.acc, shapes.racc, shapes.x, shapes.ctx, seed, shapes.cached
+            shapes.params, shapes.acc, shapes.racc, shapes.x, shapes.ctx, seed, shapes.batch_in
         )
     if kind == "sqnorm":
         return jax.jit(sqnorm_fn(spec), out_shardings=replicated).lower(shapes.acc)

@@ -3,7 +3,7 @@
 State per stage: ``{"params", "opt_state"}`` keyed by name as in the full state (see `layout`),
 plus the gradient accumulators of its trainable units (zero between steps). `StageState.migrate`
 moves each moved layer's parameters and optimizer state to its new stage bit for bit (seed 000
-§4.1); a Plan that keeps the state layout (`state_layout`: capacities, cached routing, the
+§4.1); a Plan that keeps the state layout (`state_layout`: layer records, step inputs, the
 schedule changed) swaps in without touching the state or waiting for the device.
 """
 

@@ -1,7 +1,7 @@
 """What each pipeline stage computes, as frozen data: the compile key of its programs.
 
 docs/parallelism.md: the pipeline is MPMD, one program per stage on its own sub-mesh, so a
-stage's programs depend only on its own layers (their kinds, capacities, frozen flags), its
+stage's programs depend only on its own layers (their kinds, records, inputs, frozen flags), its
 position (first: embedding; last: norm, head, loss) and the microbatch shape. `StageSpec` holds
 exactly that, so a Plan change that leaves a stage's spec equal reuses its executables, and only
 stages whose layer set changed recompile (seed 000 §4.1).
@@ -15,6 +15,7 @@ from typing import Any
 
 from dynjax.model.hooks import NO_HOOKS, Hooks, LayerOptions
 from dynjax.parallel.layout import Unit
+from dynjax.parallel.step_inputs import InputSignature, restrict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,14 +27,11 @@ class StageSpec:
     first: bool  # holds the embedding: its input is tokens
     last: bool  # holds the final norm, head and loss
     layers: tuple[int, ...]  # consecutive model layers
-    moe: tuple[int, ...]  # the MoE layers among `layers`
-    capacities: tuple[tuple[int, ...], ...]  # one tuple per MoE layer of this stage, in order
     frozen: tuple[int, ...]  # frozen layers among `layers`
     embed_frozen: bool  # first stage: the embedding (and learned positions) are frozen
     input_grads: bool  # the backward returns the gradient of the stage input
     microbatches: int
     microbatch_size: int
-    cached_routing: bool
     dtype: str
     options: tuple[LayerOptions, ...] = ()  # each layer's plugin records (empty: none)
     inference: bool = False  # evaluation programs: block wrappers run causally (`LayerContext`)
@@ -42,11 +40,13 @@ class StageSpec:
     carry: tuple[str, ...] = ()
     # What of the `LayerContext` each layer's wrapper reads (`HookSet.needs`; empty: none).
     needs: tuple[frozenset[str], ...] = ()
-    # The ragged MoE path (``capacities`` then empty): each MoE layer's static buffer
-    # (`RaggedCapacities.shard_total`); the per-expert capacities are a runtime input of the
-    # stage's programs (``ctx["capacities"]`` [len(moe), E] int32), so changing them within
-    # these totals leaves the spec, and so every compiled program, as it is.
-    ragged_totals: tuple[int, ...] = ()
+    # The step inputs its layers read (`Plugin.step_inputs`): a
+    # runtime input of the stage's programs (``ctx["inputs"]``, each name [its layers, ...]),
+    # so changing their values leaves the spec, and so every compiled program, as it is.
+    step_inputs: tuple[InputSignature, ...] = ()
+    # The batch inputs its layers read (`Plugin.batch_inputs`): per
+    # microbatch, each name [its layers, b, ...]; none in evaluation.
+    batch_inputs: tuple[InputSignature, ...] = ()
 
     def layer_options(self) -> tuple[LayerOptions, ...]:
         """One `LayerOptions` per layer of the stage."""
@@ -112,16 +112,14 @@ class PipelineSpec:
 def stage_specs(
     stage_layers: Sequence[int],
     *,
-    moe_layers: Sequence[int],
-    capacities: Sequence[Sequence[int]],
     frozen_layers: Sequence[int],
     microbatches: int,
     batch_size: int,
-    cached_routing: bool,
     dtype: str,
     options: Sequence[LayerOptions] = (),
-    ragged_totals: Sequence[int] = (),
     hooks: Hooks = NO_HOOKS,
+    step_inputs: Sequence[InputSignature] = (),
+    batch_inputs: Sequence[InputSignature] = (),
 ) -> tuple[StageSpec, ...]:
     """Split the model into consecutive stages of ``stage_layers[s]`` layers each.
 
@@ -129,17 +127,15 @@ def stage_specs(
     seed 000 §4.2.3) needs no gradient: stages after it still pass input gradients back to it.
     ``options`` holds each model layer's plugin records; a stage carries those of its layers, so
     only stages whose records change compile anew; ``hooks`` is what the records run (what
-    the stages' wrappers read and carry). ``ragged_totals`` (one per MoE layer):
-    the ragged MoE path, whose stages hold their layers' totals in place of their capacities.
+    the stages' wrappers read and carry). ``step_inputs`` and ``batch_inputs``: the per-layer
+    inputs of the model (`dynjax.parallel.step_inputs`); a stage reads its layers' rows.
     """
     frozen = set(frozen_layers)
     embed_frozen = 0 in frozen
     first_trainable = 0 if not embed_frozen else next(
         (i for i in range(sum(stage_layers)) if i not in frozen), None
     )
-    caps = dict(zip(moe_layers, capacities, strict=True))
     needs = [hooks.context_needs([o]) for o in options]
-    totals = dict(zip(moe_layers, ragged_totals, strict=True)) if ragged_totals else {}
     specs, start = [], 0
     for s, count in enumerate(stage_layers):
         layers = tuple(range(start, start + count))
@@ -151,19 +147,17 @@ def stage_specs(
                 first=s == 0,
                 last=s == len(stage_layers) - 1,
                 layers=layers,
-                moe=tuple(i for i in layers if i in caps),
-                capacities=() if totals else tuple(tuple(caps[i]) for i in layers if i in caps),
                 frozen=tuple(i for i in layers if i in frozen),
                 embed_frozen=s == 0 and embed_frozen,
                 input_grads=s > 0 and trainable_before,
                 microbatches=microbatches,
                 microbatch_size=batch_size // microbatches,
-                cached_routing=cached_routing,
                 dtype=dtype,
                 options=tuple(options[start : start + count]) if any(options) else (),
                 carry=hooks.carrying_wrappers(options),
                 needs=tuple(needs[start : start + count]) if any(needs) else (),
-                ragged_totals=tuple(totals[i] for i in layers if i in totals),
+                step_inputs=restrict(step_inputs, layers),
+                batch_inputs=restrict(batch_inputs, layers),
             )
         )
         start += count

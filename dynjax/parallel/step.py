@@ -6,8 +6,9 @@ The step is the pipeline's stage functions (`dynjax.parallel.stage`) on the one-
 function ``(params, opt_state, batch) -> (params, opt_state, metrics)`` over plain pytrees, the
 model's units merged inside so ``jax.jit`` caches on array shapes only (measured: ``jax.jit``
 over split/merge is ~2x faster per call than ``nnx.jit`` on small models). Everything that
-changes the compiled program (capacities, cached routing, microbatches, dtype, frozen layers,
-the layers' records) is a field of the spec, so a different Plan is a different executable.
+changes the compiled program (microbatches, dtype, frozen layers, the layers' records, the
+shapes of their per-layer inputs) is a field of the spec, so a different Plan is a different
+executable.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from dynjax.model import ExpertParallel
 from dynjax.model.hooks import NO_HOOKS, Hooks, LayerOptions
 from dynjax.parallel.layout import select
-from dynjax.parallel.metrics import fold_stacked, moe_totals
+from dynjax.parallel.metrics import fold_stacked
 from dynjax.parallel.stage import (
     StageSetup,
     backward_fn,
@@ -31,35 +32,32 @@ from dynjax.parallel.stage import (
     update_fn,
 )
 from dynjax.parallel.stages import StageSpec, stage_specs
+from dynjax.parallel.step_inputs import InputSignature
 
 
 def whole_model(
     num_layers: int,
     *,
     batch_size: int,
-    moe_layers: Sequence[int] = (),
-    capacities: Sequence[Sequence[int]] = (),
     frozen_layers: Sequence[int] = (),
     microbatches: int = 1,
-    cached_routing: bool = False,
     dtype: str = "float32",
     options: Sequence[LayerOptions] = (),
-    ragged_totals: Sequence[int] = (),
     hooks: Hooks = NO_HOOKS,
+    step_inputs: Sequence[InputSignature] = (),
+    batch_inputs: Sequence[InputSignature] = (),
 ) -> StageSpec:
     """The single program's spec: one stage holding every layer (`stages.stage_specs`)."""
     (spec,) = stage_specs(
         (num_layers,),
-        moe_layers=moe_layers,
-        capacities=capacities,
         frozen_layers=frozen_layers,
         microbatches=microbatches,
         batch_size=batch_size,
-        cached_routing=cached_routing,
         dtype=dtype,
         options=options,
-        ragged_totals=ragged_totals,
         hooks=hooks,
+        step_inputs=step_inputs,
+        batch_inputs=batch_inputs,
     )
     return spec
 
@@ -73,9 +71,11 @@ def make_train_step(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel
     """Build ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted)
     for the one-stage ``spec`` (`whole_model`).
 
-    ``batch`` holds ``inputs``/``targets`` [B, S], with cached routing ``cached`` [L, B, S, k],
-    on the ragged MoE path ``capacities`` [L, E] int32 (a runtime input: no recompile).
-    Microbatch j takes rows j, j+M, ... of the batch; the gradients add up in float32.
+    ``batch`` holds ``inputs``/``targets`` [B, S], the batch inputs ``batch_inputs`` (each
+    name [its layers, B, ...]) and the step inputs ``step_inputs`` (each name [its layers,
+    ...]: runtime inputs, no recompile) the spec declares. Microbatch j takes rows j, j+M, ...
+    of the batch; the gradients add up in float32. The metrics end with what the hook sets
+    derive from them (`Hooks.derived`).
     """
     if not (spec.first and spec.last):
         raise ValueError("the single-program step runs one stage holding the whole model")
@@ -85,22 +85,25 @@ def make_train_step(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel
 
     def step(params, opt_state, batch: dict[str, Any]):
         inputs, targets = batch["inputs"], batch["targets"]
-        cached = batch.get("cached") if spec.cached_routing else None
-        ctx = {"capacities": batch["capacities"]} if spec.ragged_totals else {}
+        batch_in = batch.get("batch_inputs") if spec.batch_inputs else None
+        ctx = {"inputs": batch["step_inputs"]} if spec.step_inputs else {}
         acc = jax.tree.map(
             lambda p: jnp.zeros(p.shape, jnp.float32), select(params, trainable_units)
         )
         m = spec.microbatches
         if m == 1:
-            acc, _, _, metrics = bwd(params, acc, {}, inputs, ctx, targets, cached)
+            acc, _, _, metrics = bwd(params, acc, {}, inputs, ctx, targets, batch_in)
             stacked = jax.tree.map(lambda a: a[None], metrics)
         else:
             xs = (
                 _split_microbatches(inputs, m),
                 _split_microbatches(targets, m),
                 None
-                if cached is None
-                else jnp.swapaxes(jax.vmap(lambda c: _split_microbatches(c, m))(cached), 0, 1),
+                if batch_in is None
+                else {
+                    k: jnp.swapaxes(jax.vmap(lambda c: _split_microbatches(c, m))(v), 0, 1)
+                    for k, v in batch_in.items()
+                },
             )
 
             def body(acc, x):
@@ -110,7 +113,7 @@ def make_train_step(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel
             acc, stacked = jax.lax.scan(body, acc, xs)
         folded = fold_stacked(stacked, setup.parts.cfg.hooks)
         params, opt_state, metrics = update(params, opt_state, acc, (sqnorm(acc),), folded)
-        return params, opt_state, {**metrics, **moe_totals(metrics)}
+        return params, opt_state, {**metrics, **setup.parts.cfg.hooks.derived(metrics, jnp)}
 
     return step
 
@@ -118,11 +121,11 @@ def make_train_step(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel
 def make_eval_step(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None):
     """``eval(params, batch) -> mean next-token loss`` of the one-stage ``spec``, the forward
     run as at inference (`StageSpec.inference`): the loss causal sampling would see."""
-    spec = dataclasses.replace(spec, cached_routing=False, inference=True)
+    spec = dataclasses.replace(spec, batch_inputs=(), inference=True)
     evaluate = evaluate_fn(setup, spec, parallel)
 
     def step(params, batch):
-        ctx = {"capacities": batch["capacities"]} if spec.ragged_totals else {}
+        ctx = {"inputs": batch["step_inputs"]} if spec.step_inputs else {}
         return evaluate(params, batch["inputs"], ctx, batch["targets"])
 
     return step

@@ -28,6 +28,7 @@ from dynjax.parallel.stage_inputs import StageInputs
 from dynjax.parallel.stage_programs import add_readout_grads
 from dynjax.parallel.stage_state import StageState
 from dynjax.parallel.stages import PipelineSpec, StageSpec
+from dynjax.parallel.step_inputs import BatchInputs, rows_of
 from dynjax.parallel.transport import Transport
 from jax_private import copy_to
 
@@ -41,7 +42,7 @@ class Run:
     targets: np.ndarray
     held: np.ndarray
     size: int
-    routes: CachedRoutes
+    routes: BatchRows  # the batch inputs of each (stage, microbatch)
     # [stage][microbatch] -> (stage input, its context), kept for the backward
     stage_in: list[dict[int, Any]]
     grad_in: list[dict[int, Any]]  # [stage][microbatch] -> gradient of the stage output
@@ -99,19 +100,25 @@ class Run:
         return self.placed[key][m]
 
 
-class CachedRoutes:
-    """Cached expert assignments of each stage's MoE layers, per microbatch, on its sub-mesh."""
+class BatchRows:
+    """Each stage's rows of a step's batch inputs (`StageSpec.batch_inputs`), per microbatch,
+    on its sub-mesh."""
 
-    def __init__(self, spec: PipelineSpec, cached: np.ndarray | None, transport: Transport):
-        self.spec, self.cached, self.transport = spec, cached, transport
-        self.first = np.cumsum([0] + [len(s.moe) for s in spec.stages])
+    def __init__(self, spec: PipelineSpec, batch_in: BatchInputs | None, transport: Transport):
+        self.spec, self.batch_in, self.transport = spec, batch_in, transport
+        self._stacked: dict[int, dict[str, np.ndarray]] = {}
 
-    def __call__(self, s: int, m: int) -> jax.Array | None:
+    def __call__(self, s: int, m: int) -> dict[str, jax.Array] | None:
         stage = self.spec.stages[s]
-        if self.cached is None or not stage.cached_routing or not stage.moe:
+        if self.batch_in is None or not stage.batch_inputs:
             return None
-        rows = self.cached[self.first[s] : self.first[s + 1], m :: stage.microbatches]
-        return jax.device_put(rows, self.transport.sharding(s, P(None, TOKEN_AXES)))
+        if s not in self._stacked:
+            self._stacked[s] = rows_of(self.batch_in, stage.layers)
+        sharding = self.transport.sharding(s, P(None, TOKEN_AXES))
+        return {
+            name: jax.device_put(rows[:, m :: stage.microbatches], sharding)
+            for name, rows in self._stacked[s].items()
+        }
 
 
 class StepRunner:
@@ -126,7 +133,7 @@ class StepRunner:
         exe: PipelineExecutable,
         inputs: np.ndarray,
         targets: np.ndarray,
-        cached: np.ndarray | None,
+        batch_in: BatchInputs | None,
         rows: np.ndarray | None,
     ) -> Run:
         """The arrays of a step on ``exe``, before any task ran; the readout sent."""
@@ -140,7 +147,7 @@ class StepRunner:
             targets=targets,
             held=np.arange(size) if rows is None else rows,
             size=size,
-            routes=CachedRoutes(exe.spec, cached, self.transport),
+            routes=BatchRows(exe.spec, batch_in, self.transport),
             stage_in=[{} for _ in stages],
             grad_in=[{} for _ in stages],
             metrics=[[None] * exe.spec.microbatches for _ in stages],

@@ -20,6 +20,7 @@ import numpy as np
 
 from dynjax.parallel.executable import PipelineExecutable
 from dynjax.parallel.profile import TaskTime
+from dynjax.parallel.step_inputs import BatchInputs
 from dynjax.parallel.step_run import Run, StepRunner, present
 
 _MARK = jax.jit(lambda leaf: leaf.reshape(-1)[0] * 0)  # `TimedSteps._ready_marks`: one program
@@ -138,7 +139,7 @@ class TimedSteps:
         exe: PipelineExecutable,
         inputs: np.ndarray,
         targets: np.ndarray,
-        cached: np.ndarray | None,
+        batch_in: BatchInputs | None,
         rows: np.ndarray | None,
     ) -> tuple[dict[str, Any], PendingTimeline]:
         """`Pipeline.step`, timed: returns once the step is dispatched, as `Pipeline.step` does,
@@ -158,7 +159,7 @@ class TimedSteps:
         watched arrays are none that a later program donates, so later steps may be dispatched
         before the watchers are done.
         """
-        run = self.runner.start(exe, inputs, targets, cached, rows)
+        run = self.runner.start(exe, inputs, targets, batch_in, rows)
         local = [s.index for s in self.stages.local(exe.spec)]
         queues = {s: self._watcher(s) for s in local}
         seen: dict[int, list[Seen]] = {s: [] for s in local}

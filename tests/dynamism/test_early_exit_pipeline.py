@@ -101,7 +101,6 @@ def reference():
 @functools.cache
 def programs(stages: int, fsdp: bool = False):
     setup = StageSetup(parts=ModelParts.of(CFG), optimizer=optimizer(), grad_clip=CLIP,
-                       aux_loss_weight=0.01, z_loss_weight=0.0, return_assignments=False,
                        fsdp=fsdp)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), initial_state())
     transport = Transport(make_mesh(stages, 8 // stages // 2, 1))
@@ -109,9 +108,8 @@ def programs(stages: int, fsdp: bool = False):
 
 
 def spec_for(assignment, schedule="1f1b"):
-    stages = stage_specs(assignment, moe_layers=(), capacities=(), frozen_layers=(),
-                         microbatches=M, batch_size=B, cached_routing=False, dtype="float32",
-                         options=options(), hooks=CFG.hooks)
+    stages = stage_specs(assignment, frozen_layers=(), microbatches=M, batch_size=B,
+                         dtype="float32", options=options(), hooks=CFG.hooks)
     return PipelineSpec(stages, schedule, schedule_tasks(schedule, len(assignment), M))
 
 
@@ -120,7 +118,9 @@ def trained(assignment, schedule="1f1b", fsdp=False):
     exe = progs.lower(spec_for(assignment, schedule)).compile()
     pipeline = Pipeline(progs, template)
     pipeline.place(initial_state(), exe.spec)
-    metrics = [host_metrics(jax.device_get(pipeline.step(exe, **b))) for b in batches()]
+    metrics = [
+        host_metrics(jax.device_get(pipeline.step(exe, **b)), CFG.hooks) for b in batches()
+    ]
     return pipeline, metrics
 
 

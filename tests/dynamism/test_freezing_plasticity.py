@@ -18,7 +18,7 @@ from dynjax.parallel.peers import Rounds
 from dynjax.train import train
 from dynjax.writers import read_jsonl
 
-from ..helpers import Store
+from ..helpers import Store, moe_options
 from ..tiny import tiny_config
 
 
@@ -38,7 +38,7 @@ def test_the_probe_forward_is_the_model_forward():
     h0, h3 = outputs[0], outputs[3]
     model = nnx.merge(exp.graphdef, host["params"])
     seq = probe.tokens.shape[1]
-    want, _ = model(probe.tokens, capacities=((seq,) * 4, (seq,) * 4))
+    want, _ = model(probe.tokens, options=moe_options(exp.model_cfg, ((seq,) * 4, (seq,) * 4)))
     got = model.head(model.norm(h3))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert h0.shape == (2, seq, 32)

@@ -10,6 +10,7 @@ from dynjax.experiment import Experiment
 from dynjax.model import lm_loss
 from dynjax.parallel.stage import cast_floats
 
+from ..helpers import moe_options
 from ..tiny import tiny_config
 
 CFG = tiny_config(model__num_layers=4, moe__every=2)
@@ -62,7 +63,7 @@ def test_frozen_layers_keep_parameters_and_moments_the_others_match_stopped_grad
         from flax import nnx
         model = nnx.merge(exp.graphdef, cast_floats(p, np.float32, exp.model_cfg.hooks))
         caps = capacities_of(exp.initial_plan())
-        logits, stats = model(batch.inputs, capacities=caps)
+        logits, stats = model(batch.inputs, options=moe_options(exp.model_cfg, caps))
         aux = sum(np.float32(0) + s.aux_loss.mean() for s in stats)
         return lm_loss(logits, batch.targets) + CFG.moe.aux_loss_weight * aux
 

@@ -138,7 +138,7 @@ def test_the_training_path_does_not_see_the_evaluation_routing():
             exp.stage_setup, opts, None, fresh_params(exp.model_cfg, 0), batch.inputs,
             batch.targets,
         )
-        layers = hook_metrics(metrics)
+        layers = hook_metrics(metrics, exp.model_cfg.hooks)
         return float(total), float(metrics["loss"]), {k: np.asarray(v) for k, v in layers.items()}
 
     total, ce, layers = loss("predictor", False)

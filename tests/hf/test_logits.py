@@ -17,6 +17,7 @@ from dynjax.config import check_run, model_facts
 from dynjax.hf.architectures import UnsupportedModel, dynjax_overrides
 from dynjax.hf.convert import layout_of
 from dynjax.model.gpt import GPT
+from tests.helpers import moe_options
 from tests.tiny import tiny_config
 
 FIXTURES = Path(__file__).parents[1] / "data" / "hf"
@@ -40,9 +41,8 @@ def logits_of(model, params, tokens):
     graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(model, rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, params)
     every = (tokens.size * model.top_k,) * model.num_experts  # no token dropped
-    logits, _ = nnx.merge(graphdef, state)(
-        jnp.asarray(tokens), capacities=tuple(every for _ in model.moe_layers)
-    )
+    options = moe_options(model, tuple(every for _ in model.moe_layers))
+    logits, _ = nnx.merge(graphdef, state)(jnp.asarray(tokens), options=options)
     return np.asarray(logits)
 
 

@@ -4,9 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynjax.model.hooks import Hooks, HookSet
+from dynjax.model.moe import MOE_HOOKS
 from dynjax.parallel.metrics import fold_microbatches, fold_stages
 
-HOOKS = Hooks((HookSet("h", reductions=(("h/rows", "rows"), ("h/sum", "sum"))),))
+# The MoE block's set declares the reductions of its metrics (moe/dropped: a sum).
+HOOKS = Hooks((HookSet("h", reductions=(("h/rows", "rows"), ("h/sum", "sum"))), MOE_HOOKS))
 
 
 def test_microbatches_fold_by_each_metrics_reduction():
@@ -28,7 +30,7 @@ def test_stages_fold_into_the_single_program_metrics():
              "moe/group_loads": np.ones((1, 2, 2), np.int32), "moe/dropped": np.array([2])}
     last = {"aux_loss": np.float32(2), "grad_norm": np.float32(5), "loss": np.float32(7),
             "h/x": np.array([2.0, 3.0])}
-    out = fold_stages([first, last])
+    out = fold_stages([first, last], HOOKS)
     assert out["aux_loss"] == 3 and out["loss"] == 7 and out["grad_norm"] == 5
     assert out["h/x"].tolist() == [1.0, 2.0, 3.0]
     assert out["moe/tokens_per_expert"].tolist() == [[2, 2]]

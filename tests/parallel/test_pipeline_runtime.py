@@ -22,7 +22,8 @@ from dynjax.parallel import expert_parallel, make_mesh, make_train_step, whole_m
 from dynjax.parallel import timeline as timeline_module
 from dynjax.parallel.dispatch import dispatch_order
 from dynjax.parallel.executable import PipelinePrograms
-from dynjax.parallel.pipeline import Pipeline, host_metrics
+from dynjax.parallel.pipeline import Pipeline
+from dynjax.parallel.pipeline import host_metrics as fold_host_metrics
 from dynjax.parallel.profile import (
     UnitTimes,
     program_temp_bytes,
@@ -36,7 +37,7 @@ from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
 from dynjax.settings import optimizer_settings, read_run
 
-from ..helpers import assert_close, loss_terms, stage_setup
+from ..helpers import assert_close, loss_terms, moe_options, stage_setup
 from ..tiny import tiny_config
 
 CFG = GPTConfig(
@@ -58,6 +59,11 @@ LLAMA = dataclasses.replace(
 )
 FAMILIES = {"gpt": CFG, "llama": LLAMA}
 CAPS = ((2, 5, 3, 4),)  # uneven and small: tokens are dropped
+
+
+def host_metrics(raw):
+    """`pipeline.host_metrics` with the model's hook sets."""
+    return fold_host_metrics(raw, CFG.hooks)
 CLIP = 0.5  # below the gradient norm of the first step: clipping is global and active
 LR = 0.3
 M, B, STEPS = 2, 8, 3
@@ -103,10 +109,11 @@ def reference():
 def reference_run(cfg):
     """Per-step metrics and final state of the single-program step on one device."""
     opts = whole_model(
-        cfg.num_layers, batch_size=B, moe_layers=cfg.moe_layers, capacities=CAPS, microbatches=M
+        cfg.num_layers, batch_size=B, options=moe_options(cfg, CAPS, z_loss_weight=1e-3),
+        microbatches=M,
     )
     parallel = expert_parallel(make_mesh(1, 1, 1))
-    setup = stage_setup(cfg, optimizer(), z_loss_weight=1e-3)
+    setup = stage_setup(cfg, optimizer())
     step = jax.jit(make_train_step(setup, opts, parallel))
     state = initial_state(cfg=cfg)
     p, s = state["params"], state["opt_state"]
@@ -118,14 +125,7 @@ def reference_run(cfg):
 
 
 def pipeline_setup(mesh_shape=(4, 2, 1), opt=optimizer, cfg=CFG):
-    setup = StageSetup(
-        parts=ModelParts.of(cfg),
-        optimizer=opt(),
-        grad_clip=CLIP,
-        aux_loss_weight=0.01,
-        z_loss_weight=1e-3,
-        return_assignments=False,
-    )
+    setup = StageSetup(parts=ModelParts.of(cfg), optimizer=opt(), grad_clip=CLIP)
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), initial_state(opt, cfg)
     )
@@ -137,13 +137,11 @@ def pipeline_setup(mesh_shape=(4, 2, 1), opt=optimizer, cfg=CFG):
 def spec_for(assignment, schedule, frozen=(), capacities=CAPS):
     stages = stage_specs(
         assignment,
-        moe_layers=CFG.moe_layers,
-        capacities=capacities,
         frozen_layers=frozen,
         microbatches=M,
         batch_size=B,
-        cached_routing=False,
         dtype="float32",
+        options=moe_options(CFG, capacities, z_loss_weight=1e-3),
     )
     return PipelineSpec(stages, schedule, schedule_tasks(schedule, len(assignment), M))
 
@@ -300,8 +298,10 @@ FROZEN = (0, 1, 3)  # a frozen prefix (embedding, layers 0-1) and a frozen layer
 
 def frozen_reference(cfg=CFG):
     """The single-program loss with stop_gradient on the frozen units, on one device."""
-    opts = whole_model(cfg.num_layers, batch_size=B, moe_layers=cfg.moe_layers, capacities=CAPS)
-    setup = stage_setup(cfg, z_loss_weight=1e-3)
+    opts = whole_model(
+        cfg.num_layers, batch_size=B, options=moe_options(cfg, CAPS, z_loss_weight=1e-3)
+    )
+    setup = stage_setup(cfg)
     parallel = expert_parallel(make_mesh(1, 1, 1))
     opt = optimizer()
 

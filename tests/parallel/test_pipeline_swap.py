@@ -11,10 +11,12 @@ import pytest
 
 import dynjax.parallel.executable as executable_module
 from dynjax.experiment import Experiment
+from dynjax.model.moe import MOE, static_options
 from dynjax.parallel.pipeline import Pipeline, host_metrics
 from dynjax.parallel.profile import unit_spec
 from dynjax.parallel.stage_state import state_layout
 from dynjax.parallel.stages import PipelineSpec, stage_specs
+from dynjax.parallel.step_inputs import InputSignature
 from dynjax.recompile import Compiler
 
 from ..tiny import tiny_config
@@ -37,13 +39,16 @@ def refuse(*_args, **_kwargs):
 
 
 def loss(runtime, executable, batch) -> float:
-    return float(host_metrics(jax.device_get(runtime.step(executable, batch, None)))["loss"])
+    hooks = executable.spec.stages[0] and runtime.pipeline.programs.setup.parts.cfg.hooks
+    metrics = jax.device_get(runtime.step(executable, batch, None))
+    return float(host_metrics(metrics, hooks)["loss"])
 
 
 def spec(layers=(2, 1), *, frozen=(), capacities=((20,) * 4,), cached=False, schedule="1f1b"):
+    routes = (InputSignature("routes", (1,), (8, 2), "int32"),) if cached else ()
     stages = stage_specs(
-        layers, moe_layers=(1,), capacities=capacities, frozen_layers=frozen, microbatches=2,
-        batch_size=8, cached_routing=cached, dtype="float32",
+        layers, frozen_layers=frozen, microbatches=2, batch_size=8, dtype="float32",
+        options=static_options(3, (1,), capacities), batch_inputs=routes,
     )
     return PipelineSpec(stages, schedule, ())
 
@@ -123,7 +128,7 @@ def test_profiling_a_swapped_in_plan_compiles_nothing_on_the_training_thread(exp
     assert here == []
     # The MoE layer's one-layer programs of the new capacities are the ones that ran.
     moe_layer = unit_spec(after.spec.stages[0], ("layers", 1))
-    assert moe_layer.capacities == NEW_CAPACITIES
+    assert (dict(moe_layer.options[0])[MOE].capacities,) == NEW_CAPACITIES
     assert {("fwd", moe_layer), ("bwd", moe_layer)} <= set(after.profiling)
     assert min(profile.units.layer_forward + profile.units.layer_backward) > 0
     assert "profile/layer_forward_seconds" in metrics

@@ -28,7 +28,7 @@ from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
 
-from ..helpers import loss_terms, stage_setup
+from ..helpers import loss_terms, moe_options, stage_setup
 from ..tiny import tiny_config
 
 DENSE = GPTConfig(vocab_size=64, num_layers=6, d_model=16, num_heads=2, mlp_dim=32, max_len=8)
@@ -38,16 +38,15 @@ CAPS = ((3, 5, 3, 5), (3, 5, 3, 5), (4, 4, 2, 6))
 B = 8
 
 
-def setup_of(cfg: GPTConfig, scan: bool, opt=None, z_loss_weight=0.0):
+def setup_of(cfg: GPTConfig, scan: bool, opt=None):
     cfg = dataclasses.replace(cfg, scan_layers=scan)
-    return stage_setup(cfg, opt, z_loss_weight=z_loss_weight)
+    return stage_setup(cfg, opt)
 
 
-def spec_of(cfg: GPTConfig, caps, **kw):
+def spec_of(cfg: GPTConfig, caps, z_loss_weight=0.0, **kw):
     """The single program's one stage of ``cfg``."""
-    return whole_model(
-        cfg.num_layers, batch_size=B, moe_layers=cfg.moe_layers, capacities=caps, **kw
-    )
+    options = moe_options(cfg, caps, z_loss_weight=z_loss_weight) if cfg.moe_layers else ()
+    return whole_model(cfg.num_layers, batch_size=B, options=options, **kw)
 
 
 def params_of(cfg: GPTConfig):
@@ -86,11 +85,11 @@ def test_layer_runs_are_maximal_runs_of_equal_keys():
 def test_scan_runs_split_on_kind_capacities_options_and_freezing():
     cfg = dataclasses.replace(MOE, num_layers=8, moe_layers=(2, 3, 4))
     blocks = list(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))).layers)
-    options = [()] * 7 + [(("some_plugin", 1),)]
-    caps = [None, None, (2, 2, 2, 2), (2, 2, 2, 2), (1, 2, 3, 4), None, None, None]
+    caps = ((2, 2, 2, 2), (2, 2, 2, 2), (1, 2, 3, 4))
+    options = moe_options(cfg, caps, base=[()] * 7 + [(("some_plugin", 1),)])
     frozen = [True] + [False] * 7
     # frozen 0 | dense 1 | MoE 2-3 (same capacities) | MoE 4 | dense 5-6 | dense 7 with a record
-    assert scan_runs(blocks, options, caps, frozen) == (
+    assert scan_runs(blocks, options, [{}] * 8, frozen) == (
         (0, 1), (1, 2), (2, 4), (4, 5), (5, 7), (7, 8)
     )
 
@@ -99,13 +98,9 @@ def test_scan_runs_split_on_kind_capacities_options_and_freezing():
 @pytest.mark.parametrize("cfg, caps", [(DENSE, ()), (MOE, CAPS)], ids=["dense", "moe"])
 def test_scanned_forward_and_gradients_equal_unrolled(cfg, caps):
     params, data = params_of(cfg), batch()
-    opts = spec_of(cfg, caps)
-    (ref, ref_grads), unrolled_scans = loss_and_grads(
-        setup_of(cfg, False, z_loss_weight=1e-3), params, data, opts
-    )
-    (got, got_grads), scans = loss_and_grads(
-        setup_of(cfg, True, z_loss_weight=1e-3), params, data, opts
-    )
+    opts = spec_of(cfg, caps, z_loss_weight=1e-3)
+    (ref, ref_grads), unrolled_scans = loss_and_grads(setup_of(cfg, False), params, data, opts)
+    (got, got_grads), scans = loss_and_grads(setup_of(cfg, True), params, data, opts)
     assert unrolled_scans == 0 and scans > 0  # the layers really ran under a scan
     assert_trees_close(ref, got, 1e-5, "forward ")
     assert_trees_close(ref_grads, got_grads, 1e-5, "gradient ")
@@ -201,14 +196,7 @@ def run_pipeline(cfg, scan, layouts, frozen=(), caps=PIPE_CAPS):
     opt = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.3, momentum=0.9))
     params = params_of(cfg)
     state = {"params": params, "opt_state": opt.init(params)}
-    setup = StageSetup(
-        parts=ModelParts.of(cfg),
-        optimizer=opt,
-        grad_clip=0.5,
-        aux_loss_weight=0.01,
-        z_loss_weight=1e-3,
-        return_assignments=False,
-    )
+    setup = StageSetup(parts=ModelParts.of(cfg), optimizer=opt, grad_clip=0.5)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     programs = PipelinePrograms(
         setup, Transport(make_mesh(2, 2, 2)), abstract["params"], seq_len=8
@@ -217,13 +205,12 @@ def run_pipeline(cfg, scan, layouts, frozen=(), caps=PIPE_CAPS):
     def executable(layout):
         stages = stage_specs(
             layout,
-            moe_layers=cfg.moe_layers,
-            capacities=caps,
             frozen_layers=frozen,
             microbatches=M,
             batch_size=B,
-            cached_routing=False,
             dtype="float32",
+            options=moe_options(cfg, caps, z_loss_weight=1e-3) if caps else (),
+            hooks=cfg.hooks,
         )
         spec = PipelineSpec(stages, "1f1b", schedule_tasks("1f1b", len(layout), M))
         return programs.lower(spec).compile()
@@ -236,7 +223,7 @@ def run_pipeline(cfg, scan, layouts, frozen=(), caps=PIPE_CAPS):
         if layouts[step] != layouts[step - 1] and step > 0:
             exe = executable(layouts[step])
             pipeline.migrate(exe)
-        metrics = host_metrics(jax.device_get(pipeline.step(exe, **batch(step))))
+        metrics = host_metrics(jax.device_get(pipeline.step(exe, **batch(step))), cfg.hooks)
         losses.append(metrics["loss"])
     return np.array(losses), pipeline.host_state()
 

@@ -19,7 +19,7 @@ from dynjax.parallel import (
     whole_model,
 )
 
-from ..helpers import assert_close, loss_terms, stage_setup
+from ..helpers import assert_close, loss_terms, moe_options, stage_setup
 
 CFG = GPTConfig(
     vocab_size=64,
@@ -61,7 +61,8 @@ def setup(request):
 
 def spec(**kw):
     """The single program's one stage of CFG on a batch of 8."""
-    return whole_model(CFG.num_layers, batch_size=8, moe_layers=CFG.moe_layers, **kw)
+    options = moe_options(CFG, kw.pop("capacities"))
+    return whole_model(CFG.num_layers, batch_size=8, options=options, **kw)
 
 
 def loss_and_grads(setup, mesh_shape, opts, tensor=1, fsdp=False):

@@ -40,9 +40,9 @@ import optax
 
 from dynjax.checkpoint.settings import CheckpointSettings
 from dynjax.dynamism.base import Plugin
-from dynjax.dynamism.moe.caching import CachingPolicy
-from dynjax.dynamism.moe.capacity import DynamicCapacity
-from dynjax.dynamism.moe.checkpoint import ExpertRows
+from dynjax.dynamism.moe.caching import STABILITY, AssignmentCache, CachingPolicy
+from dynjax.dynamism.moe.capacity import DynamicCapacity, ragged_totals
+from dynjax.dynamism.moe.checkpoint import PLT, ExpertRows
 from dynjax.dynamism.moe.granularity import (
     STEP_CHUNKS,
     STEP_ROWS,
@@ -56,6 +56,7 @@ from dynjax.dynamism.moe.part import (
     NAME,
     MoEContext,
     base_capacity,
+    cached_routing_of,
     capacities_of,
     moe_context,
     plan_problems,
@@ -65,12 +66,17 @@ from dynjax.dynamism.moe.settings import CachingSettings, CapacitySettings, MoES
 from dynjax.errors import ConfigError, at_least
 from dynjax.model.facts import ModelFacts
 from dynjax.model.moe import (
+    ASSIGNMENTS,
     BIAS,
     BIAS_HOOKS,
+    MOE_HOOKS,
+    TOKENS_PER_EXPERT,
     BiasBalancing,
     Chunking,
+    MoELayer,
     SlotLayout,
 )
+from dynjax.parallel.step_inputs import InputSignature
 from dynjax.recompile import Plan, Policy
 
 EXPERT_TOKENS = "moe/expert_tokens"  # [MoE layers, E] per step: tokens each expert computed
@@ -82,7 +88,9 @@ class MoEPlugin(Plugin):
 
     name = NAME
     switch = "every"
-    hook_sets = (BIAS_HOOKS,)  # auxiliary-loss-free balancing's state rule
+    # The MoE blocks' metrics, losses and records (`MoELayer`), and auxiliary-loss-free
+    # balancing's state rule.
+    hook_sets = (MOE_HOOKS, BIAS_HOOKS)
     fixed_on_resume = (
         "moe.every",
         "moe.num_experts",
@@ -93,6 +101,7 @@ class MoEPlugin(Plugin):
         "moe.shared_expert_gate",  # and its gate
     )
     logged_metrics = ("moe/unrouted",)  # [MoE layers] tokens no expert computed in the step
+    logged_scalars = (PLT,)  # partial expert checkpoints' proportion of lost tokens
     Settings = MoESettings
     settings: MoESettings
 
@@ -269,6 +278,89 @@ class MoEPlugin(Plugin):
         rows = zip(self.facts.model.moe_layers, capacities_of(plan), strict=True)
         return {"capacities": {layer: np.asarray(caps, np.int32) for layer, caps in rows}}
 
+    def input_fills(self) -> dict[str, float]:
+        """A layer profiled alone keeps every pair, up to its static buffer: each expert's
+        capacity is the group's tokens."""
+        return {"capacities": self.facts.seq_len}
+
+    def ragged_totals(self, plan: Plan) -> tuple[int, ...]:
+        """The ragged path's static buffers of ``plan``, one per MoE layer; () on the static
+        path (`capacity.ragged_totals`)."""
+        if not self.ragged:
+            return ()
+        moe = self.settings
+        return ragged_totals(
+            self.moe,
+            capacities_of(plan),
+            self.facts.expert_shards,
+            moe.capacity.bucket,
+            expert_choice=moe.routing == "expert_choice",
+        )
+
+    def compiled_part(self, plan: Plan) -> dict[str, Any] | None:
+        """On the ragged path the capacities count only through their bucketed totals, so
+        Plans that differ in per-expert capacities within the same totals share one executable
+        (issue 12 §1)."""
+        if not self.ragged:
+            return None
+        return {**plan.part(NAME), "capacities": (), "ragged_totals": self.ragged_totals(plan)}
+
+    def batch_input_signatures(self, plan: Plan) -> tuple[InputSignature, ...]:
+        """With cached routing, each MoE layer's cached routes per token (``routes``, int32
+        [S, k] a sample, -1 where none is cached)."""
+        if not cached_routing_of(plan):
+            return ()
+        shape = (self.facts.seq_len, self.moe.top_k)
+        return (InputSignature("routes", tuple(self.facts.model.moe_layers), shape, "int32"),)
+
+    def batch_inputs(
+        self, step: int, sample_ids: np.ndarray, plan: Plan
+    ) -> dict[str, dict[int, np.ndarray]]:
+        """With cached routing, the routes the cache holds for the batch's samples."""
+        if not cached_routing_of(plan):
+            return {}
+        routes = self.cache.lookup(sample_ids)  # [MoE layers, B, S, k]
+        return {"routes": dict(zip(self.facts.model.moe_layers, routes, strict=True))}
+
+    @functools.cached_property
+    def cache(self) -> AssignmentCache | None:
+        """The routing cache (`moe.caching`): the router's assignments of the samples seen,
+        from the steps' ``moe/assignments``; None without caching."""
+        if not self.settings.caching.enabled:
+            return None
+        model = self.facts.model
+        return AssignmentCache(
+            len(model.moe_layers),
+            self.facts.seq_len,
+            model.top_k,
+            model.num_experts,
+            max_entries=self.settings.caching.max_entries,
+        )
+
+    def observe(
+        self, step: int, metrics: dict[str, Any], sample_ids: np.ndarray, plan: Plan
+    ) -> None:
+        """With caching, the step's assignments go into the cache (and out of the metrics),
+        and the routing stability they showed into the metrics (`STABILITY`; NaN when no
+        sample repeated), which the caching policy reads."""
+        if self.cache is not None:
+            stability = self.cache.update(sample_ids, metrics.pop(ASSIGNMENTS))
+            metrics[STABILITY] = np.nan if stability is None else stability
+
+    def record_fields(self, metrics: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+        """Each layer's routed pairs per expert and the Plan's mean capacity factor; the
+        routing stability and whether routing was cached where measured."""
+        out: dict[str, Any] = {}
+        if TOKENS_PER_EXPERT in metrics:
+            out["tokens_per_expert"] = metrics[TOKENS_PER_EXPERT].tolist()
+            out["capacity_factor"] = float(
+                np.mean(capacities_of(plan)) / base_capacity(self.moe)
+            )
+        if STABILITY in metrics and np.isfinite(metrics[STABILITY]):
+            out["routing_stability"] = float(metrics[STABILITY])
+            out["cached_routing"] = cached_routing_of(plan)
+        return out
+
     def initial_plan(self, plan: Plan) -> Plan:
         moe = self.settings
         caps = static_capacities(self.moe, _static_factor(moe, self.moe))
@@ -316,21 +408,33 @@ class MoEPlugin(Plugin):
         return saved.with_part(NAME, **part)
 
     def layer_options(self, plan: Plan) -> Sequence[Any] | None:
-        """Each MoE layer's `Chunking` (None for the others; none at all for the plain layer,
-        one partition and no memory reuse, so its program is exactly the layer without them),
-        and with bias balancing its `BiasBalancing` record (under `BIAS`), which runs the
-        routed-bias state rule `dynjax.model.moe.balance_rule` after each step."""
-        chunks, reuse = chunks_of(plan), plan.part(NAME).get("memory_reuse", "none")
+        """Each MoE layer's `MoELayer` (None for the others): its capacities on the static
+        path, its bucketed total on the ragged one (the capacities then a step input), its
+        `Chunking` (None for the plain layer, one partition and no memory reuse, so its program
+        is exactly the layer without them), whether it reports assignments for the routing
+        cache, and the loss weights; with bias balancing its `BiasBalancing` record (under
+        `BIAS`), which runs the routed-bias state rule `dynjax.model.moe.balance_rule` after
+        each step."""
+        model, moe = self.facts.model, self.settings
+        chunks = chunks_of(plan) or (1,) * len(model.moe_layers)
+        reuse = plan.part(NAME).get("memory_reuse", "none")
         chunking = not (set(chunks) <= {1} and reuse == "none")
-        model = self.facts.model
         balancing = model.routed_bias
-        if not chunking and not balancing:
-            return None
+        totals = self.ragged_totals(plan)
+        caps = capacities_of(plan)
         records: list[dict[str, Any] | None] = [None] * model.num_layers
-        for layer, n in zip(model.moe_layers, chunks, strict=True):
+        for j, (layer, n) in enumerate(zip(model.moe_layers, chunks, strict=True)):
+            block = MoELayer(
+                capacities=() if totals else tuple(caps[j]),
+                ragged_total=totals[j] if totals else 0,
+                chunking=Chunking(n, reuse) if chunking else None,
+                assignments=moe.caching.enabled,
+                aux_loss_weight=moe.aux_loss_weight,
+                z_loss_weight=moe.z_loss_weight,
+            )
             records[layer] = {
-                "moe": Chunking(n, reuse) if chunking else None,
-                BIAS: BiasBalancing(self.settings.bias_balancing.rate) if balancing else None,
+                NAME: block,
+                BIAS: BiasBalancing(moe.bias_balancing.rate) if balancing else None,
             }
         return records
 
