@@ -87,10 +87,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "pruning.start_step": 2, "pruning.every": 1, "pruning.steps": 1,  # steps 2 and 3
         "pruning.granularity": "block", "pruning.block_size": 16, "pruning.sparse_below": 0.5,
     }),
-    # The front half of the layers frozen (AutoFreeze's rule, every layer up to the one changing
-    # most, capped at half), from step 2.
+    # The front half of the layers frozen in one decision: Egeria's rule with a threshold every
+    # layer meets (each counts as converged after one reference period), capped at half.
     "freezing": ("configs/freezing.py", {
-        "freezing.start_step": 2, "freezing.every": 2, "freezing.percentile": 100.0,
+        "freezing.metric": "plasticity", "freezing.threshold": 1e9, "freezing.patience": 1,
+        "freezing.reference_every": 4, "freezing.every": 2, "freezing.start_step": 2,
         "freezing.max_fraction": 0.5,
     }),
     # Exit points after every other layer from layer 2; a low confidence threshold from step 2,
