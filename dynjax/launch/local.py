@@ -21,9 +21,9 @@ processes left (`dynjax.launch.elastic`).
 
 With ``--pin-cores``, process i runs on core i alone (the i-th of the cores the launcher may use,
 `os.sched_getaffinity`) and XLA:CPU runs each op in the calling thread (`PIN_XLA_FLAG`): the
-processes then compute truly at the same time, one per core, so a 2-stage pipeline over 2
-processes shows its real bubble and speedup on a 2-core machine (docs/parallelism.md). It needs
-at least as many cores as processes.
+processes no longer share cores, so stages in different processes can compute at the same time
+on a 2-core machine (whether the pipeline runtime lets them: docs/benchmarks.md, "Stages on
+cores of their own"). It needs at least as many cores as processes.
 """
 
 from __future__ import annotations
