@@ -1,8 +1,10 @@
-"""DynMo's speedup measured on a pipeline whose two stages really run at the same time.
+"""DynMo's speedup measured on a pipeline whose two stages have a core each.
 
 Each stage is one process pinned to its own core (``python -m dynjax.launch.local --processes 2
---pin-cores``: XLA:CPU single-threaded, one core per process), so wall time shows what the
-simulator of `dynjax.balance` only predicts elsewhere: a stage left idle by a slower one.
+--pin-cores``: XLA:CPU single-threaded, one core per process), so wall time can show what the
+simulator of `dynjax.balance` only predicts elsewhere: a stage left idle by a slower one. (As
+measured so far the multi-process runtime does not overlap the two stages: ``--parallel-check``
+below, and docs/benchmarks.md "Stages on cores of their own".)
 
 ``--case NAME`` takes one of DynMo's six dynamic models (`CASES`: each case's config file with
 16 narrow layers and its dynamism made strong and early enough to matter in a short run) and
