@@ -18,6 +18,12 @@ Ctrl-C reaches them once, through here): they stop at the same step, save it and
 
 With ``--elastic``, a process killed by a signal does not end the run: it starts again on the
 processes left (`dynjax.launch.elastic`).
+
+With ``--pin-cores``, process i runs on core i alone (the i-th of the cores the launcher may use,
+`os.sched_getaffinity`) and XLA:CPU runs each op in the calling thread (`PIN_XLA_FLAG`): the
+processes no longer share cores, so stages in different processes can compute at the same time
+on a 2-core machine (whether the pipeline runtime lets them: docs/benchmarks.md, "Stages on
+cores of their own"). It needs at least as many cores as processes.
 """
 
 from __future__ import annotations
@@ -46,7 +52,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_env(rank: int, processes: int, devices: int, port: int) -> dict[str, str]:
+# XLA:CPU's intra-op parallelism off: on one pinned core its Eigen thread pool only adds
+# switching between threads that share that core. (``intra_op_parallelism_threads`` is not an
+# XLA flag; XLA rejects it as unknown, and jax's CPU client has no other thread setting.)
+PIN_XLA_FLAG = "--xla_cpu_multi_thread_eigen=false"
+
+
+def cores_for(processes: int) -> list[int]:
+    """The core each of ``processes`` pinned processes runs on: the cores this process may use,
+    in order. Raises `ConfigError` when there are fewer than ``processes``."""
+    available = sorted(os.sched_getaffinity(0))
+    if processes > len(available):
+        raise ConfigError(
+            f"--pin-cores needs a core per process: {processes} processes but only "
+            f"{len(available)} cores available ({available}); use --processes <= "
+            f"{len(available)} or leave out --pin-cores"
+        )
+    return available[:processes]
+
+
+def process_env(
+    rank: int, processes: int, devices: int, port: int, pinned: bool = False
+) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         DYNJAX_COORDINATOR=f"127.0.0.1:{port}",
@@ -57,7 +84,11 @@ def process_env(rank: int, processes: int, devices: int, port: int) -> dict[str,
     )
     # A forced host device count would override DYNJAX_LOCAL_DEVICES.
     flags = env.get("XLA_FLAGS", "").split()
-    env["XLA_FLAGS"] = " ".join(f for f in flags if "force_host_platform_device_count" not in f)
+    flags = [f for f in flags if "force_host_platform_device_count" not in f]
+    if pinned:
+        flags = [f for f in flags if not f.startswith("--xla_cpu_multi_thread_eigen")]
+        flags.append(PIN_XLA_FLAG)
+    env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 
@@ -91,23 +122,40 @@ def how_it_ended(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
-def launch(processes: int, devices: int, command: list[str], log: TextIO | None = None) -> int:
+def _spawn(command: list[str], env: dict[str, str], core: int | None) -> subprocess.Popen:
+    """Start ``command``; with ``core``, on that core alone. The calling thread's affinity is
+    set for the fork and put back: the child inherits it before it runs anything, so every
+    thread it starts is pinned too (no window where one runs elsewhere)."""
+    kwargs = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                  start_new_session=True)
+    if core is None:
+        return subprocess.Popen(command, **kwargs)
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        return subprocess.Popen(command, **kwargs)
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+def launch(
+    processes: int,
+    devices: int,
+    command: list[str],
+    log: TextIO | None = None,
+    pin_cores: bool = False,
+) -> int:
     """Run ``command`` as each process of the run, to completion; the status of the first that
     failed, else `PREEMPTED_EXIT` if they stopped at a signal, else 0. Every line the processes
-    print goes to ``log`` too."""
+    print goes to ``log`` too. ``pin_cores``: process i on core i alone (`cores_for`)."""
+    cores = cores_for(processes) if pin_cores else [None] * processes
     port = free_port()
     procs, relays = [], []
     if threading.current_thread() is threading.main_thread():  # where Python allows handlers
         for sig in SIGNALS:  # a scheduler's notice, or Ctrl-C: every process stops and saves
             signal.signal(sig, lambda signum, frame: _forward(procs, signum))
     for rank in range(processes):
-        proc = subprocess.Popen(
-            command,
-            env=process_env(rank, processes, devices, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = _spawn(command, process_env(rank, processes, devices, port, pin_cores), cores[rank])
         relay = threading.Thread(target=_relay, args=(rank, proc.stdout, log), daemon=True)
         relay.start()
         procs.append(proc)
@@ -142,7 +190,12 @@ def launch(processes: int, devices: int, command: list[str], log: TextIO | None 
 
 
 def launch_elastic(
-    processes: int, devices: int, command: list[str], train_args: list[str], log: TextIO | None
+    processes: int,
+    devices: int,
+    command: list[str],
+    train_args: list[str],
+    log: TextIO | None,
+    pin_cores: bool = False,
 ) -> int:
     """`launch`, started again on one process fewer whenever one is killed (`elastic.died`),
     its mesh shrunk to the devices left (`elastic.restart_overrides`), resuming from the newest
@@ -150,7 +203,7 @@ def launch_elastic(
     extra: list[str] = []
     workdir = workdir_of(train_args)
     while True:
-        status = launch(processes, devices, [*command, *extra], log)
+        status = launch(processes, devices, [*command, *extra], log, pin_cores)
         if not elastic.died(status) or processes == 1:
             return status
         ended = time.time()
@@ -188,18 +241,30 @@ def main(argv: list[str] | None = None) -> int:
         help="when a process is killed, go on with the others (mesh shrunk, from the newest "
         "checkpoint)",
     )
+    parser.add_argument(
+        "--pin-cores", action="store_true",
+        help="run process i on core i alone, XLA:CPU single-threaded: the processes compute in "
+        "parallel, one per core (needs a core per process)",
+    )
     args = parser.parse_args(argv[:split])
     if args.processes < 1 or args.devices_per_process < 1:
         parser.error("--processes and --devices-per-process must be >= 1")
+    if args.pin_cores:
+        try:
+            cores_for(args.processes)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     train = [sys.executable, "-m", "dynjax.train", *argv[split + 1 :]]
     workdir = workdir_of(argv[split + 1 :])
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / "launch.log", "a") as log:
         if args.elastic:
             return launch_elastic(
-                args.processes, args.devices_per_process, train, argv[split + 1 :], log
+                args.processes, args.devices_per_process, train, argv[split + 1 :], log,
+                args.pin_cores,
             )
-        return launch(args.processes, args.devices_per_process, train, log)
+        return launch(args.processes, args.devices_per_process, train, log, args.pin_cores)
 
 
 if __name__ == "__main__":

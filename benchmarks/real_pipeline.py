@@ -1,0 +1,364 @@
+"""DynMo's speedup measured on a pipeline whose two stages have a core each.
+
+Each stage is one process pinned to its own core (``python -m dynjax.launch.local --processes 2
+--pin-cores``: XLA:CPU single-threaded, one core per process), so wall time can show what the
+simulator of `dynjax.balance` only predicts elsewhere: a stage left idle by a slower one. (As
+measured so far the multi-process runtime does not overlap the two stages: ``--parallel-check``
+below, and docs/benchmarks.md "Stages on cores of their own".)
+
+``--case NAME`` takes one of DynMo's six dynamic models (`CASES`: each case's config file with
+16 narrow layers and its dynamism made strong and early enough to matter in a short run) and
+trains it, in interleaved rounds (the machine is shared, so both layouts see the same load):
+
+* **static**: the uniform layout (Megatron-LM), 8 + 8 layers;
+* **balanced**: the layout dynjax's balancer picks for this model: `dynjax.balance.partition` of
+  the per-layer forward + backward seconds (embedding counted in the first layer, head in the
+  last, as `Rebalance` does) of the newest profile the first static run took after its dynamism
+  settled (the first step of every Plan is profiled). It runs fixed from step 0, not switched
+  to by a rebalance mid-run: a run switching layouts would put the background compile and the
+  migration into the measured window; their cost is what ``benchmarks/balance_overhead.py``
+  measures. Both runs go through the same dynamism (pruning events, freezes, bucket shrinks);
+  only the layout differs.
+
+Throughput is the median tokens/s of the steps after the run's last Plan swap and last profile
+(`steady_tokens_per_sec`), so compiles, swaps and profiled steps are left out. Printed per case:
+tokens/s of each layout (per round and median), the measured speedup (median of the rounds'
+balanced / static ratios), the simulator's predicted speedup (`dynjax.balance.simulate` of both
+layouts from the same profile's layer times and the run's schedule and microbatches), the
+simulated and measured step seconds, and the ideal bound: the static layout's slowest stage
+over total work / stages, all that a re-layout could gain. ``--json FILE`` writes
+``static_tokens_per_sec``, ``balanced_tokens_per_sec``, ``measured_speedup``,
+``predicted_speedup``, ``bound_speedup`` (and the layouts and per-round figures).
+
+    PYTHONPATH=. python3 benchmarks/real_pipeline.py --case freezing [--json out.json]
+
+``--parallel-check`` shows that the pinned stages run in parallel: the same balanced 2-stage
+pipeline (a dense 16-layer model, 8 + 8 layers) on two cores, pinned, and on one core (both
+processes on the launcher's first core, XLA:CPU single-threaded alike), interleaved; the
+printed ratio is two cores' step seconds over one core's (ideal: (M + 1) / (2 M) for 1F1B on 2
+balanced stages with M microbatches, 0.625 at M = 4; 1.0: nothing ran in parallel):
+
+    PYTHONPATH=. python3 benchmarks/real_pipeline.py --parallel-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dynjax.balance import partition, simulate, stage_costs, uniform
+from dynjax.launch.local import PIN_XLA_FLAG
+from dynjax.writers import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = 2
+
+# Every case: 16 narrow layers on 2 stages, 4 microbatches, no checkpoints or evals in the way.
+COMMON = {
+    "model.num_layers": 16,
+    "model.d_model": 128,
+    "model.num_heads": 4,
+    "model.mlp_dim": 512,
+    "mesh.stage": STAGES,
+    "train.microbatches": 4,
+    "train.log_every": 1,
+    "train.eval_every": 100_000,
+    "train.checkpoint_every": 100_000,
+    "pipeline.profile_on_change": True,
+    "balance.enabled": False,
+}
+
+# Per case: its config file and what makes its dynamism strong and early (DynMo's settings).
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    # 8 experts, top-2, an MoE block in every other layer.
+    "moe": ("configs/moe.py", {"moe.every": 2}),
+    # Global magnitude pruning to 90% in one event at step 2, block-sparse path below 50% density.
+    "pruning": ("configs/pruning.py", {
+        "pruning.initial_sparsity": 0.9, "pruning.final_sparsity": 0.9,
+        "pruning.start_step": 2, "pruning.every": 1, "pruning.steps": 1,  # steps 2 and 3
+        "pruning.granularity": "block", "pruning.block_size": 16, "pruning.sparse_below": 0.5,
+    }),
+    # The front half of the layers frozen in one decision: Egeria's rule with a threshold every
+    # layer meets (each counts as converged after one reference period), capped at half.
+    "freezing": ("configs/freezing.py", {
+        "freezing.metric": "plasticity", "freezing.threshold": 1e9, "freezing.patience": 1,
+        "freezing.reference_every": 4, "freezing.every": 2, "freezing.start_step": 2,
+        "freezing.max_fraction": 0.5,
+    }),
+    # Exit points after every other layer from layer 2; a low confidence threshold from step 2,
+    # so most tokens leave in the first half and the later layers' buckets shrink.
+    "early_exit": ("configs/early_exit.py", {
+        "early_exit.first": 2, "early_exit.every": 2, "early_exit.threshold": 0.02,
+        "early_exit.start_step": 2, "early_exit.window": 3, "data.seq_len": 128,
+        "train.batch_size": 16,
+    }),
+    # Every other block computes 1/8 of the tokens.
+    "mod": ("configs/mod.py", {"mod.every": 2, "mod.capacity": 0.125, "data.seq_len": 256}),
+    # 1,024-token sequences (attention dominates a d_model 64 layer), LSH buckets, budgets per
+    # layer shrunk by the policy from a short window.
+    "sparse_attention": ("configs/sparse_attention.py", {
+        "model.d_model": 64, "model.mlp_dim": 256, "train.batch_size": 4,
+        "sparse_attention.window": 3,
+    }),
+}
+
+DEFAULT_STEPS = 80
+# Steps per run where the default does not fit: early exit settles after two background
+# recompiles (the exits' start, then the later layers' token buckets); sparse attention's step
+# (1,024-token sequences) takes about 6 s on a loaded 2-core machine, its budgets settle by 17.
+CASE_STEPS = {"early_exit": 140, "sparse_attention": 32}
+
+# The parallel check's model: dense, 8 + 8 identical layers (a balanced pipeline).
+DENSE = ("configs/quickstart.py", {})
+
+
+def overrides(case: str, steps: int, layers: int | None, layout: str) -> tuple[str, dict]:
+    config, own = (DENSE if case == "dense" else CASES[case])
+    values = {**COMMON, **own, "train.steps": steps, "pipeline.stage_layers": layout}
+    if layers is not None:
+        values["model.num_layers"] = layers
+    return config, values
+
+
+def train_command(config: str, values: dict, workdir: Path, pin: bool) -> list[str]:
+    """The launcher's command for a 2-process run of ``config`` with ``values``."""
+    launcher = [sys.executable, "-m", "dynjax.launch.local", "--processes", str(STAGES)]
+    return [
+        *launcher, *(["--pin-cores"] if pin else []), "--",
+        "--config", config, "--workdir", str(workdir),
+        *(f"--config.{k}={v}" for k, v in values.items()),
+    ]
+
+
+def run(command: list[str], one_core: int | None = None) -> None:
+    """Run ``command`` from the repository root; with ``one_core``, every process it starts on
+    that core alone (inherited affinity) with XLA:CPU single-threaded, as a pinned process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    preexec = None
+    if one_core is not None:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {PIN_XLA_FLAG}".strip()
+        preexec = lambda: os.sched_setaffinity(0, {one_core})  # noqa: E731 (no threads here)
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, preexec_fn=preexec
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n"
+                           f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
+
+
+# The dynamism decisions that change the Plan (a recompile swaps each in some steps later).
+DECISIONS = ("freeze", "sparse_path", "attention_budget", "early_exit_buckets")
+
+
+def settled_step(workdir: Path) -> int:
+    """The last step a Plan swap or a profile slowed: steps after it are the steady state.
+    Raises when a decision's Plan had not been swapped in by the end of the run."""
+    events = read_jsonl(workdir / "events.jsonl")
+    recompiles = [e for e in events if e.get("event") == "recompile"]
+    proposed = max([-1, *(e["step"] for e in recompiles)])
+    pending = [e for e in events if e.get("event") in DECISIONS and e["step"] > proposed]
+    if pending:
+        raise RuntimeError(
+            f"{workdir}: the {pending[-1]['event']} decided at step {pending[-1]['step']} was "
+            "not swapped in before the run ended: raise --steps"
+        )
+    swaps = [e["swap_step"] for e in recompiles]
+    profiles = [e["step"] for e in events if e.get("event") == "profile"]
+    return max([0, *swaps, *profiles])
+
+
+def steady_tokens_per_sec(workdir: Path) -> float:
+    """Median tokens/s of the logged steps after `settled_step` (each logged at its end)."""
+    start = settled_step(workdir)
+    rates = [
+        r["tokens_per_sec"] for r in read_jsonl(workdir / "metrics.jsonl")
+        if "tokens_per_sec" in r and r["step"] > start + 1
+    ]
+    if len(rates) < 3:
+        raise RuntimeError(
+            f"{workdir}: only {len(rates)} steady steps after step {start} (its last Plan swap "
+            "or profile): raise --steps"
+        )
+    return statistics.median(rates)
+
+
+def layer_times(workdir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """[L] forward and backward seconds per microbatch of the newest profile, the embedding
+    in the first layer and the head in the last (`dynjax.recompile.rebalance.layer_times`)."""
+    profiles = [e for e in read_jsonl(workdir / "events.jsonl") if e.get("event") == "profile"]
+    if not profiles:
+        raise RuntimeError(f"{workdir}: no profile event (pipeline.profile_on_change is on)")
+    p = profiles[-1]
+    fwd = np.array(p["layer_forward_seconds"], float)
+    bwd = np.array(p["layer_backward_seconds"], float)
+    fwd[0] += p["embed_seconds"][0]
+    bwd[0] += p["embed_seconds"][1]
+    fwd[-1] += p["head_seconds"][0]
+    bwd[-1] += p["head_seconds"][1]
+    return fwd, bwd
+
+
+def simulated_seconds(fwd, bwd, layout, microbatches: int, schedule: str) -> float:
+    sim = simulate(stage_costs(fwd, layout), stage_costs(bwd, layout), microbatches,
+                   schedule=schedule)
+    return sim.iteration_time
+
+
+def measure_case(case: str, steps: int, rounds: int, layers: int | None, out: Path) -> dict:
+    config, values = overrides(case, steps, layers, "")
+    num_layers = values["model.num_layers"]
+    static = tuple(int(n) for n in uniform(num_layers, STAGES))
+    balanced: tuple[int, ...] | None = None
+    rows: list[dict[str, float]] = []
+    for r in range(rounds):
+        row: dict[str, float] = {}
+        for name in ("static", "balanced"):
+            layout = static if name == "static" else balanced
+            assert layout is not None
+            workdir = out / f"{case}-{name}-{r}"
+            _, values = overrides(case, steps, layers, ",".join(map(str, layout)))
+            run(train_command(config, values, workdir, pin=True))
+            row[name] = steady_tokens_per_sec(workdir)
+            if balanced is None:  # the first static run's settled profile decides the layout
+                fwd, bwd = layer_times(workdir)
+                balanced = tuple(int(n) for n in partition(fwd + bwd, STAGES, current=static))
+            print(f"  round {r} {name:<8} {str(layout):<10} {row[name]:>10,.0f} tokens/s",
+                  flush=True)
+        rows.append(row)
+    assert balanced is not None
+    fwd, bwd = layer_times(out / f"{case}-static-0")
+    micro, schedule = values["train.microbatches"], "1f1b"
+    sim_static = simulated_seconds(fwd, bwd, static, micro, schedule)
+    sim_balanced = simulated_seconds(fwd, bwd, balanced, micro, schedule)
+    loads = stage_costs(fwd + bwd, static)
+    tokens_per_step = values.get("train.batch_size", 0) or _config_value(config, "train.batch_size")
+    tokens_per_step *= values.get("data.seq_len", 0) or _config_value(config, "data.seq_len")
+    static_rate = statistics.median(r["static"] for r in rows)
+    balanced_rate = statistics.median(r["balanced"] for r in rows)
+    return {
+        "case": case,
+        "layers": num_layers,
+        "static_layout": list(static),
+        "balanced_layout": list(balanced),
+        "rounds": rows,
+        "static_tokens_per_sec": static_rate,
+        "balanced_tokens_per_sec": balanced_rate,
+        "measured_speedup": statistics.median(r["balanced"] / r["static"] for r in rows),
+        "predicted_speedup": sim_static / sim_balanced,
+        "bound_speedup": float(loads.max() / (loads.sum() / STAGES)),
+        "predicted_static_step_seconds": sim_static,
+        "predicted_balanced_step_seconds": sim_balanced,
+        "measured_static_step_seconds": tokens_per_step / static_rate,
+        "measured_balanced_step_seconds": tokens_per_step / balanced_rate,
+        "load": os.getloadavg()[0],
+    }
+
+
+def _config_value(config: str, dotted: str) -> int:
+    """A key of a config file with its defaults (what the run's config.json holds)."""
+    from dynjax.config import load_config
+
+    node = load_config(str(ROOT / config), [])
+    for part in dotted.split("."):
+        node = node[part]
+    return int(node)
+
+
+def parallel_check(steps: int, rounds: int, out: Path) -> dict:
+    """Step seconds of the balanced dense pipeline on two pinned cores and on one core."""
+    config, values = overrides("dense", steps, None, "")
+    batch = _config_value(config, "train.batch_size") * _config_value(config, "data.seq_len")
+    seconds: dict[str, list[float]] = {"two cores": [], "one core": []}
+    for r in range(rounds):
+        for name in seconds:
+            workdir = out / f"dense-{name.replace(' ', '-')}-{r}"
+            pin = name == "two cores"
+            run(train_command(config, values, workdir, pin=pin),
+                one_core=None if pin else min(os.sched_getaffinity(0)))
+            seconds[name].append(batch / steady_tokens_per_sec(workdir))
+            print(f"  round {r} {name:<9} {seconds[name][-1]:.4f} s/step", flush=True)
+    ratios = [t / o for t, o in zip(seconds["two cores"], seconds["one core"], strict=True)]
+    m = values["train.microbatches"]
+    return {
+        "two_core_step_seconds": statistics.median(seconds["two cores"]),
+        "one_core_step_seconds": statistics.median(seconds["one core"]),
+        "ratio": statistics.median(ratios),
+        "ideal_ratio": (m + 1) / (2 * m),
+        "load": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--case", choices=sorted(CASES))
+    mode.add_argument("--parallel-check", action="store_true")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steps of each run (default {DEFAULT_STEPS}; {CASE_STEPS})")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    parser.add_argument("--layers", type=int, default=None, help="override the 16 layers")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here")
+    args = parser.parse_args(argv)
+    if len(os.sched_getaffinity(0)) < STAGES:
+        print(f"error: the benchmark pins {STAGES} processes to a core each; this process may "
+              f"use {len(os.sched_getaffinity(0))} core(s)", file=sys.stderr)
+        return 2
+    if args.steps is None:
+        args.steps = CASE_STEPS.get(args.case, DEFAULT_STEPS)
+    if args.steps < 1 or args.rounds < 1:
+        print("error: --steps and --rounds must be >= 1", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="real_pipeline-") as tmp:
+        out = args.workdir or Path(tmp)
+        start = time.perf_counter()
+        print(f"load average at start: {os.getloadavg()[0]:.2f} "
+              f"({os.cpu_count()} cores)", flush=True)
+        try:
+            result = (parallel_check(args.steps, args.rounds, out) if args.parallel_check
+                      else measure_case(args.case, args.steps, args.rounds, args.layers, out))
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        if args.parallel_check:
+            print(f"two cores {result['two_core_step_seconds']:.4f} s/step, one core "
+                  f"{result['one_core_step_seconds']:.4f} s/step: ratio {result['ratio']:.3f} "
+                  f"(ideal {result['ideal_ratio']:.3f}, 1.0 = not parallel)")
+        else:
+            print(
+                f"{result['case']}: static {result['static_layout']} "
+                f"{result['static_tokens_per_sec']:,.0f} tokens/s, balanced "
+                f"{result['balanced_layout']} {result['balanced_tokens_per_sec']:,.0f} tokens/s\n"
+                f"  measured speedup {result['measured_speedup']:.3f}x, predicted "
+                f"{result['predicted_speedup']:.3f}x, bound {result['bound_speedup']:.3f}x\n"
+                f"  step seconds static: measured "
+                f"{result['measured_static_step_seconds']:.4f}, simulated "
+                f"{result['predicted_static_step_seconds']:.4f}; balanced: measured "
+                f"{result['measured_balanced_step_seconds']:.4f}, simulated "
+                f"{result['predicted_balanced_step_seconds']:.4f}"
+            )
+        print(f"load average at end: {os.getloadavg()[0]:.2f}; "
+              f"{time.perf_counter() - start:.0f} s")
+        bad = [k for k, v in result.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            print(f"error: non-finite figures {bad}", file=sys.stderr)
+            return 1
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

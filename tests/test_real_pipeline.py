@@ -1,0 +1,82 @@
+"""benchmarks/real_pipeline.py: the steady-state window it measures, the profile it balances
+from, and (slow) one case run end to end on two pinned processes (issue 33 §1)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .helpers import ROOT
+
+_spec = importlib.util.spec_from_file_location(
+    "real_pipeline", ROOT / "benchmarks/real_pipeline.py"
+)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["real_pipeline"] = bench
+_spec.loader.exec_module(bench)
+
+KEYS = ("static_tokens_per_sec", "balanced_tokens_per_sec", "measured_speedup",
+        "predicted_speedup", "bound_speedup")
+
+
+def write(workdir: Path, events: list[dict], rates: dict[int, float]) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    metrics = [{"step": s, "loss": 1.0, "tokens_per_sec": r} for s, r in rates.items()]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+PROFILE = {"event": "profile", "step": 6, "layer_forward_seconds": [1.0, 1.0, 1.0, 1.0],
+           "layer_backward_seconds": [2.0, 2.0, 2.0, 2.0], "embed_seconds": [0.5, 0.25],
+           "head_seconds": [3.0, 6.0]}
+
+
+def test_the_steady_window_starts_after_the_last_swap_and_profile(tmp_path):
+    events = [{"event": "freeze", "step": 3}, {"event": "recompile", "step": 3, "swap_step": 5},
+              PROFILE]
+    # steps 1..7 pay for the compile, the swap and the profile; 8 is the first interval after
+    write(tmp_path, events, {s: (1.0 if s <= 7 else 100.0 + s) for s in range(1, 13)})
+    assert bench.settled_step(tmp_path) == 6
+    assert bench.steady_tokens_per_sec(tmp_path) == np.median([108, 109, 110, 111, 112])
+
+
+def test_a_decision_not_swapped_in_by_the_end_is_refused(tmp_path):
+    events = [{"event": "recompile", "step": 3, "swap_step": 5}, {"event": "freeze", "step": 9}]
+    write(tmp_path, events, {s: 1.0 for s in range(1, 13)})
+    with pytest.raises(RuntimeError, match="freeze decided at step 9 .* raise --steps"):
+        bench.settled_step(tmp_path)
+
+
+def test_too_few_steady_steps_are_refused(tmp_path):
+    write(tmp_path, [PROFILE], {s: 1.0 for s in range(1, 10)})
+    with pytest.raises(RuntimeError, match="only 2 steady steps after step 6"):
+        bench.steady_tokens_per_sec(tmp_path)
+
+
+def test_layer_times_fold_the_embedding_and_head_into_the_end_layers(tmp_path):
+    write(tmp_path, [{**PROFILE, "layer_forward_seconds": [9.0] * 4}, PROFILE], {})
+    fwd, bwd = bench.layer_times(tmp_path)  # the newest profile
+    np.testing.assert_array_equal(fwd, [1.5, 1.0, 1.0, 4.0])
+    np.testing.assert_array_equal(bwd, [2.25, 2.0, 2.0, 8.0])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins 2 processes to a core each")
+def test_one_case_runs_on_two_pinned_processes(tmp_path):
+    out = tmp_path / "mod.json"
+    cmd = [sys.executable, "benchmarks/real_pipeline.py", "--case", "mod", "--layers", "4",
+           "--steps", "8", "--rounds", "1", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for key in KEYS:
+        assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0
+    assert result["static_layout"] == [2, 2] and sum(result["balanced_layout"]) == 4
+    assert "measured speedup" in done.stdout and "predicted" in done.stdout
