@@ -1,7 +1,8 @@
 """Every benchmark script still runs: each one's smallest mode, as a subprocess from the
 repository root, exits 0 and prints its table. The numbers say nothing (tiny sizes, one round);
 what fails here is a script the library's changes broke (an import, a renamed API, a file
-format). benchmarks/gpu_suite.py has its own test (test_gpu_suite.py, its ``--tiny`` mode)."""
+format). benchmarks/gpu_suite.py and real_pipeline.py have their own tests (test_gpu_suite.py,
+its ``--tiny`` mode; test_real_pipeline.py, one case at its smallest)."""
 
 import os
 import subprocess
@@ -122,7 +123,7 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
 def test_every_benchmark_script_is_run_here():
     """A new script gets its smallest mode above (or is the GPU suite, tested on its own)."""
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
-    assert scripts - {"gpu_suite"} == set(SCRIPTS)
+    assert scripts - {"gpu_suite", "real_pipeline"} == set(SCRIPTS)
 
 
 @pytest.mark.slow
