@@ -35,7 +35,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 import optax
 
@@ -107,9 +106,9 @@ class MoEPlugin(Plugin):
     Settings = MoESettings
     settings: MoESettings
 
-    @classmethod
-    def config(cls) -> ml_collections.ConfigDict:
-        return section.config()
+    # The section's own function, not a wrapper: the config reference reads its keys' comments
+    # from this attribute's source (`dynjax.config_reference`).
+    config = staticmethod(section.config)
 
     @classmethod
     def enabled(cls, settings: MoESettings) -> bool:
