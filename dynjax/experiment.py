@@ -23,7 +23,6 @@ from flax import nnx
 
 from dynjax import config as config_lib
 from dynjax import resume
-from dynjax.balance import schedule_tasks
 from dynjax.checkpoint.huggingface import initial_params
 from dynjax.data import (
     Batch,
@@ -33,7 +32,8 @@ from dynjax.data import (
     load_tokens,
     validation_batches,
 )
-from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context, plan_layer_options
+from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context
+from dynjax.dynamism.specs import ProgramSpecs
 from dynjax.errors import ConfigError
 from dynjax.launch.distributed import Peers as ProcessPeers
 from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
@@ -46,7 +46,6 @@ from dynjax.parallel import (
     make_mesh,
     make_train_step,
     param_shardings,
-    whole_model,
 )
 from dynjax.parallel.executable import PipelinePrograms
 from dynjax.parallel.layout import layer_sizes
@@ -60,8 +59,8 @@ from dynjax.parallel.runtime import (
 )
 from dynjax.parallel.single import EvalSteps, abstract_batch, lower_step, place_batch
 from dynjax.parallel.stage import StageSetup
-from dynjax.parallel.stages import PipelineSpec, StageSpec, stage_specs
-from dynjax.parallel.step_inputs import BatchInputs, InputSignature, signatures
+from dynjax.parallel.stages import PipelineSpec, StageSpec
+from dynjax.parallel.step_inputs import BatchInputs
 from dynjax.parallel.transport import Transport
 from dynjax.recompile import Plan, PlanContext, PlanError
 from dynjax.settings import (
@@ -107,7 +106,6 @@ class Experiment:
     facts: ModelFacts
     plugins: tuple[Plugin, ...]  # this run's instances of the enabled schemes
     link: RunLink  # what the plugins were built with: the named exchanges between processes
-    _layer_options: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def model_cfg(self) -> GPTConfig:
@@ -278,30 +276,12 @@ class Experiment:
         return plan
 
     def compile_key(self, plan: Plan) -> Hashable:
-        """What the train step's program depends on: ``plan`` with each plugin's part as its
-        programs see it (`Plugin.compiled_part`), so Plans that differ only in what the
-        programs read at runtime (step inputs within the same compiled buffers) share one
-        executable (issue 12 §1)."""
-        parts = dict(plan.parts)
-        for p in self.plugins:
-            compiled = p.compiled_part(plan)
-            if compiled is not None:
-                parts[p.name] = compiled
-        return plan.replace(parts=parts)
+        """`ProgramSpecs.compile_key`: Plans the same programs run share one key."""
+        return self.specs.compile_key(plan)
 
     def step_spec(self, plan: Plan) -> StageSpec:
-        """The single-program step of ``plan``: one stage holding the whole model."""
-        return whole_model(
-            self.model_cfg.num_layers,
-            batch_size=self.settings.train.batch_size,
-            frozen_layers=plan.frozen_layers,
-            microbatches=plan.microbatches,
-            dtype=plan.dtype,
-            options=self.layer_options(plan),
-            hooks=self.model_cfg.hooks,
-            step_inputs=self.step_input_signatures(plan),
-            batch_inputs=self.batch_input_signatures(plan),
-        )
+        """The single-program step of ``plan`` (`ProgramSpecs.step_spec`)."""
+        return self.specs.step_spec(plan)
 
     @functools.cached_property
     def stage_setup(self) -> StageSetup:
@@ -315,11 +295,15 @@ class Experiment:
             skip_nonfinite=t.nonfinite == "skip",
         )
 
+    @functools.cached_property
+    def specs(self) -> ProgramSpecs:
+        """What this run's Plans' programs are built from: its plugins' records and inputs."""
+        m = self.model_cfg
+        return ProgramSpecs(self.plugins, m.num_layers, m.hooks, self.settings.train.batch_size)
+
     def layer_options(self, plan: Plan) -> tuple[LayerOptions, ...]:
-        """Each layer's plugin records under ``plan`` (computed once per Plan)."""
-        if plan not in self._layer_options:
-            self._layer_options = {plan: plan_layer_options(self.plugins, plan)}
-        return self._layer_options[plan]
+        """Each layer's plugin records under ``plan`` (`ProgramSpecs.layer_options`)."""
+        return self.specs.layer_options(plan)
 
     def lower_train_step(self, plan: Plan, *, profiling: bool = False):
         """Trace and lower the train step of ``plan`` from abstract values (no buffers touched).
@@ -342,7 +326,7 @@ class Experiment:
             self.settings.train.batch_size,
             self.settings.data.seq_len,
             inputs=self.step_inputs(plan),
-            batch_inputs=self.batch_input_signatures(plan),
+            batch_inputs=self.specs.batch_input_signatures(plan),
         )
 
     def device_batch(
@@ -355,44 +339,18 @@ class Experiment:
         return place_batch(self.mesh, batch, batch_in, inputs)
 
     def step_inputs(self, plan: Plan) -> dict[str, dict[int, np.ndarray]]:
-        """The step inputs of ``plan`` (`Plugin.step_inputs`): arrays its steps read rather
-        than compile in."""
-        return {k: v for p in self.plugins for k, v in p.step_inputs(plan).items()}
-
-    def step_input_signatures(self, plan: Plan) -> tuple[InputSignature, ...]:
-        """What the programs of ``plan`` are lowered for of its step inputs (their shapes,
-        and the values a layer profiled alone reads: `Plugin.input_fills`)."""
-        fills = {k: v for p in self.plugins for k, v in p.input_fills().items()}
-        return signatures(self.step_inputs(plan), fills)
-
-    def batch_input_signatures(self, plan: Plan) -> tuple[InputSignature, ...]:
-        """The per-layer arrays every training batch of ``plan`` carries
-        (`Plugin.batch_input_signatures`)."""
-        return tuple(s for p in self.plugins for s in p.batch_input_signatures(plan))
+        """The step inputs of ``plan`` (`ProgramSpecs.step_inputs`)."""
+        return self.specs.step_inputs(plan)
 
     def batch_inputs(self, step: int, batch: Batch, plan: Plan) -> BatchInputs | None:
-        """The batch inputs of ``step``'s batch under ``plan`` (`Plugin.batch_inputs`); None
-        when its Plan declares none."""
-        ids = batch.sample_ids
-        out = {k: v for p in self.plugins for k, v in p.batch_inputs(step, ids, plan).items()}
-        return out or None
+        """The batch inputs of ``step``'s batch under ``plan`` (`ProgramSpecs.batch_inputs`)."""
+        return self.specs.batch_inputs(step, batch.sample_ids, plan)
 
     # -- the pipeline ---------------------------------------------------------------------------
 
     def pipeline_spec(self, plan: Plan) -> PipelineSpec:
-        stages = stage_specs(
-            plan.stage_layers,
-            frozen_layers=plan.frozen_layers,
-            microbatches=plan.microbatches,
-            batch_size=self.settings.train.batch_size,
-            dtype=plan.dtype,
-            options=self.layer_options(plan),
-            hooks=self.model_cfg.hooks,
-            step_inputs=self.step_input_signatures(plan),
-            batch_inputs=self.batch_input_signatures(plan),
-        )
-        tasks = schedule_tasks(plan.schedule, len(stages), plan.microbatches)
-        return PipelineSpec(stages, plan.schedule, tasks)
+        """The stages of ``plan``'s pipeline (`ProgramSpecs.pipeline_spec`)."""
+        return self.specs.pipeline_spec(plan)
 
     @functools.cached_property
     def pipeline_programs(self) -> PipelinePrograms:

@@ -3,7 +3,8 @@
 Seed 001 §4.1 (dynamic per-expert capacities) and §4.2 (sample-assignment caching); seed 000
 §2.1 (MoE's load: a layer's cost follows the tokens its experts are given). The MoE block
 itself is `dynjax.model.moe`; its Plan part (`dynjax.dynamism.moe.part`) holds the capacities
-and cached routing, its policies are `capacity`, `caching` and `granularity` beside it.
+and cached routing, its policies are `capacity`, `caching` and `granularity` beside it; its
+config section and checks are `section`, the arrays its layers read at runtime `inputs`.
 
 Routing variants (issue 12 §2): ``moe.routing="expert_choice"`` (Zhou et al. 2022) and
 auxiliary-loss-free balancing (``moe.bias_balancing``, DeepSeek-V3 §2.1.2). The balancing bias
@@ -34,14 +35,14 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 import optax
 
 from dynjax.checkpoint.settings import CheckpointSettings
 from dynjax.dynamism.base import Plugin
-from dynjax.dynamism.moe.caching import STABILITY, AssignmentCache, CachingPolicy
-from dynjax.dynamism.moe.capacity import DynamicCapacity, ragged_totals
+from dynjax.dynamism.moe import section
+from dynjax.dynamism.moe.caching import STABILITY, CachingPolicy
+from dynjax.dynamism.moe.capacity import DynamicCapacity
 from dynjax.dynamism.moe.checkpoint import PLT, ExpertRows
 from dynjax.dynamism.moe.granularity import (
     STEP_CHUNKS,
@@ -52,6 +53,7 @@ from dynjax.dynamism.moe.granularity import (
     chunks_of,
     reuse_costs,
 )
+from dynjax.dynamism.moe.inputs import MoEInputs
 from dynjax.dynamism.moe.part import (
     NAME,
     MoEContext,
@@ -62,11 +64,10 @@ from dynjax.dynamism.moe.part import (
     plan_problems,
     static_capacities,
 )
-from dynjax.dynamism.moe.settings import CachingSettings, CapacitySettings, MoESettings
-from dynjax.errors import ConfigError, at_least
+from dynjax.dynamism.moe.section import local_groups
+from dynjax.dynamism.moe.settings import MoESettings
 from dynjax.model.facts import ModelFacts
 from dynjax.model.moe import (
-    ASSIGNMENTS,
     BIAS,
     BIAS_HOOKS,
     MOE_HOOKS,
@@ -105,73 +106,9 @@ class MoEPlugin(Plugin):
     Settings = MoESettings
     settings: MoESettings
 
-    @classmethod
-    def config(cls) -> ml_collections.ConfigDict:
-        c = ml_collections.ConfigDict()
-        c.num_experts = 8
-        c.top_k = 2
-        c.every = 0  # an MoE block in every n-th layer (layers n-1, 2n-1, ...); 0 = dense model
-        c.expert_mlp_dim = 0  # 0: same as model.mlp_dim
-        c.aux_loss_weight = 0.01
-        c.z_loss_weight = 0.0
-        # "ragged": the kept pairs grouped by expert through one grouped matmul pair per layer
-        # (ragged_dot; tiled by hand on CPU), capacities a runtime input (only a new bucketed
-        # total recompiles; issue 12 §1); "static": a matmul pair per expert, capacities
-        # compiled in (a change recompiles), kept for comparison
-        c.dispatch = "ragged"
-        # "token_choice": each token its top-k experts; "expert_choice": each expert its top-C
-        # tokens of a group, C its capacity (Zhou et al. 2022; no drops, no balance loss)
-        c.routing = "token_choice"
-        # Token choice's gates: the top-k probabilities renormalised to sum to 1, i.e. a
-        # softmax over the top-k logits (Mixtral, Qwen3-MoE); False: the full softmax's
-        # probabilities (Qwen1.5/2-MoE, OLMoE). Top-1 gates are the probability either way
-        c.normalize_topk = True
-        # A dense expert every token passes through beside its routed ones, its output added
-        # (DeepSeekMoE, Qwen-MoE's shared experts as one MLP of their summed width); its width,
-        # 0 = none. A SwiGLU in the llama family, a GELU MLP in the gpt family
-        c.shared_expert_dim = 0
-        # Scale the shared expert's output per token by sigmoid(x @ w), w [d_model, 1] trained
-        # (Qwen1.5/2-MoE's shared_expert_gate); needs moe.shared_expert_dim > 0
-        c.shared_expert_gate = False
-        # Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias on the router's
-        # probabilities for the top-k selection only, moved after each step by
-        # rate * sign(mean load - load); not trained, checkpointed with the model
-        c.bias_balancing = ml_collections.ConfigDict()
-        c.bias_balancing.enabled = False
-        c.bias_balancing.rate = 1e-3
-        c.capacity = ml_collections.ConfigDict()
-        # the static global factor, and the start of a dynamic run; <= 0: dropless (needs
-        # moe.dispatch="ragged": every capacity is the group's tokens, the buffer the worst case)
-        c.capacity.factor = 1.25
-        c.capacity.policy = "static"  # "static" | "dynamic" (per-expert, seed 001 §4.1)
-        c.capacity.target_drop_rate = 0.01
-        c.capacity.min_factor = 0.5
-        c.capacity.max_factor = 2.0
-        c.capacity.window = 20  # steps of observed loads per decision
-        c.capacity.headroom = 1.1
-        c.capacity.bucket = 0.25  # capacity factors are rounded up to multiples of this
-        c.capacity.hysteresis = 0.2  # shrink only when it saves at least this fraction
-        c.caching = ml_collections.ConfigDict()  # sample-assignment caching (seed 001 §4.2)
-        c.caching.enabled = False
-        c.caching.on_threshold = 0.96
-        c.caching.off_threshold = 0.90
-        c.caching.warmup_steps = 100
-        c.caching.window = 10
-        c.caching.max_entries = 65536  # samples whose assignments are kept on the host
-        # MPipeMoE (seed 002 §III-B): partitions of each MoE layer's dispatch groups per shard,
-        # each its own all-to-all -> experts -> all-to-all, overlapped on GPU; must divide
-        # train.batch_size / (mesh.data * mesh.expert * microbatches)
-        c.chunks = 1
-        # Table II: "none" | "S1" | "S2" | "S3" | "S4" (restore T_DI by offload (S1, S3) or
-        # re-communication (S2, S4), T_M by offload (S1, S2) or recomputation (S3, S4)) | "auto"
-        # (eq. 10 on speeds measured at the start)
-        c.memory_reuse = "none"
-        c.granularity = ml_collections.ConfigDict()  # Alg. 1: adaptive n per token count B
-        c.granularity.enabled = False
-        c.granularity.max_chunks = 8  # candidates: the powers of two up to this dividing groups
-        c.granularity.trials = 3  # timed steps per candidate n
-        c.granularity.warmup = 1  # steps after a change of n or B not timed
-        return c
+    # The section's own function, not a wrapper: the config reference reads its keys' comments
+    # from this attribute's source (`dynjax.config_reference`).
+    config = staticmethod(section.config)
 
     @classmethod
     def enabled(cls, settings: MoESettings) -> bool:
@@ -179,58 +116,7 @@ class MoEPlugin(Plugin):
 
     @classmethod
     def validate(cls, moe: MoESettings, facts: ModelFacts) -> None:
-        expert = facts.expert_shards
-        if moe.every < 0:
-            raise ConfigError(f"moe.every={moe.every} must be >= 0 (0 = no MoE layers)")
-        if moe.every:
-            if not facts.model.moe_layers:
-                raise ConfigError(
-                    f"moe.every={moe.every} > model.num_layers={facts.num_layers}: no layer "
-                    "would be MoE"
-                )
-            if not 1 <= moe.top_k <= moe.num_experts:
-                raise ConfigError(
-                    f"moe.top_k={moe.top_k} must be in [1, moe.num_experts={moe.num_experts}]"
-                )
-            if moe.num_experts % expert:
-                raise ConfigError(
-                    f"moe.num_experts={moe.num_experts} must be divisible by "
-                    f"mesh.expert={expert}"
-                )
-            if moe.capacity.factor <= 0 and moe.dispatch != "ragged":
-                raise ConfigError(
-                    f"moe.capacity.factor={moe.capacity.factor} (dropless) needs "
-                    "moe.dispatch='ragged': set it, or a factor > 0"
-                )
-            if moe.capacity.factor <= 0 and moe.capacity.policy == "dynamic":
-                raise ConfigError(
-                    f"moe.capacity.factor={moe.capacity.factor} (dropless) leaves nothing for "
-                    "moe.capacity.policy='dynamic' to size: set a factor > 0 or policy='static'"
-                )
-            _check_routing(moe)
-            _check_chunks(moe, facts)
-            _check_moe(moe)
-        elif expert != 1:
-            raise ConfigError(
-                f"mesh.expert={expert} needs MoE layers: set moe.every > 0 or mesh.expert=1"
-            )
-        else:
-            moe_policies = {
-                "moe.capacity.policy='dynamic'": moe.capacity.policy == "dynamic",
-                "moe.caching.enabled=True": moe.caching.enabled,
-                "moe.bias_balancing.enabled=True": moe.bias_balancing.enabled,
-                "moe.granularity.enabled=True": moe.granularity.enabled,
-                f"moe.chunks={moe.chunks}": moe.chunks != 1,
-                f"moe.memory_reuse={moe.memory_reuse!r}": moe.memory_reuse != "none",
-                f"moe.shared_expert_dim={moe.shared_expert_dim}": moe.shared_expert_dim != 0,
-                "moe.shared_expert_gate=True": moe.shared_expert_gate,
-                "moe.normalize_topk=False": not moe.normalize_topk,
-            }
-            asked = [key for key, on in moe_policies.items() if on]
-            if asked:  # it would be ignored: the run would not be what the config says
-                raise ConfigError(
-                    f"{', '.join(asked)} needs MoE layers: set moe.every > 0, or turn it off"
-                )
+        section.validate(moe, facts)
 
     def claims(self) -> dict[str, tuple[int, ...]]:
         """The MoE layers' token sets: capacities are sized for every token of a group."""
@@ -270,82 +156,32 @@ class MoEPlugin(Plugin):
     def plan_problems(self, plan: Plan) -> list[str]:
         return plan_problems(plan, self.moe)
 
+    @functools.cached_property
+    def inputs(self) -> MoEInputs:
+        """The step and batch inputs of the MoE layers and the routing cache."""
+        return MoEInputs(self.settings, self.facts, self.moe)
+
     def step_inputs(self, plan: Plan) -> dict[str, dict[int, np.ndarray]]:
-        """On the ragged path, each MoE layer's per-expert capacities (``capacities``, int32
-        [E]): an input of the step, so a change within the bucketed totals compiles nothing."""
-        if not self.ragged:
-            return {}
-        rows = zip(self.facts.model.moe_layers, capacities_of(plan), strict=True)
-        return {"capacities": {layer: np.asarray(caps, np.int32) for layer, caps in rows}}
+        return self.inputs.step_inputs(plan)
 
     def input_fills(self) -> dict[str, float]:
-        """A layer profiled alone keeps every pair, up to its static buffer: each expert's
-        capacity is the group's tokens."""
-        return {"capacities": self.facts.seq_len}
-
-    def ragged_totals(self, plan: Plan) -> tuple[int, ...]:
-        """The ragged path's static buffers of ``plan``, one per MoE layer; () on the static
-        path (`capacity.ragged_totals`)."""
-        if not self.ragged:
-            return ()
-        moe = self.settings
-        return ragged_totals(
-            self.moe,
-            capacities_of(plan),
-            self.facts.expert_shards,
-            moe.capacity.bucket,
-            expert_choice=moe.routing == "expert_choice",
-        )
+        return self.inputs.input_fills()
 
     def compiled_part(self, plan: Plan) -> dict[str, Any] | None:
-        """On the ragged path the capacities count only through their bucketed totals, so
-        Plans that differ in per-expert capacities within the same totals share one executable
-        (issue 12 §1)."""
-        if not self.ragged:
-            return None
-        return {**plan.part(NAME), "capacities": (), "ragged_totals": self.ragged_totals(plan)}
+        return self.inputs.compiled_part(plan)
 
     def batch_input_signatures(self, plan: Plan) -> tuple[InputSignature, ...]:
-        """With cached routing, each MoE layer's cached routes per token (``routes``, int32
-        [S, k] a sample, -1 where none is cached)."""
-        if not cached_routing_of(plan):
-            return ()
-        shape = (self.facts.seq_len, self.moe.top_k)
-        return (InputSignature("routes", tuple(self.facts.model.moe_layers), shape, "int32"),)
+        return self.inputs.batch_input_signatures(plan)
 
     def batch_inputs(
         self, step: int, sample_ids: np.ndarray, plan: Plan
     ) -> dict[str, dict[int, np.ndarray]]:
-        """With cached routing, the routes the cache holds for the batch's samples."""
-        if not cached_routing_of(plan):
-            return {}
-        routes = self.cache.lookup(sample_ids)  # [MoE layers, B, S, k]
-        return {"routes": dict(zip(self.facts.model.moe_layers, routes, strict=True))}
-
-    @functools.cached_property
-    def cache(self) -> AssignmentCache | None:
-        """The routing cache (`moe.caching`): the router's assignments of the samples seen,
-        from the steps' ``moe/assignments``; None without caching."""
-        if not self.settings.caching.enabled:
-            return None
-        model = self.facts.model
-        return AssignmentCache(
-            len(model.moe_layers),
-            self.facts.seq_len,
-            model.top_k,
-            model.num_experts,
-            max_entries=self.settings.caching.max_entries,
-        )
+        return self.inputs.batch_inputs(step, sample_ids, plan)
 
     def observe(
         self, step: int, metrics: dict[str, Any], sample_ids: np.ndarray, plan: Plan
     ) -> None:
-        """With caching, the step's assignments go into the cache (and out of the metrics),
-        and the routing stability they showed into the metrics (`STABILITY`; NaN when no
-        sample repeated), which the caching policy reads."""
-        if self.cache is not None:
-            stability = self.cache.update(sample_ids, metrics.pop(ASSIGNMENTS))
-            metrics[STABILITY] = np.nan if stability is None else stability
+        self.inputs.observe(step, metrics, sample_ids, plan)
 
     def record_fields(self, metrics: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
         """Each layer's routed pairs per expert and the Plan's mean capacity factor; the
@@ -420,7 +256,7 @@ class MoEPlugin(Plugin):
         reuse = plan.part(NAME).get("memory_reuse", "none")
         chunking = not (set(chunks) <= {1} and reuse == "none")
         balancing = model.routed_bias
-        totals = self.ragged_totals(plan)
+        totals = self.inputs.ragged_totals(plan)
         caps = capacities_of(plan)
         records: list[dict[str, Any] | None] = [None] * model.num_layers
         for j, (layer, n) in enumerate(zip(model.moe_layers, chunks, strict=True)):
@@ -506,11 +342,6 @@ class MoEPlugin(Plugin):
             return optimizer
         return optax.multi_transform({"trained": optimizer, BIAS: optax.set_to_zero()}, _labels)
 
-    @property
-    def ragged(self) -> bool:
-        """Whether the MoE layers take the ragged path (capacities as a step input)."""
-        return self.settings.dispatch == "ragged"
-
     def layer_costs(self, plan: Plan) -> Sequence[float] | None:
         """Static path: an MoE layer costs what its busiest expert-parallel rank computes (seed
         000 §2.1: the layer's time is its slowest rank's, the others wait in the all-to-all),
@@ -518,7 +349,7 @@ class MoEPlugin(Plugin):
         j sized for the largest capacity among the experts in slot j (`SlotLayout`), so the
         busiest rank computes ``shard_slots`` rows per group; with one rank that is the mean
         capacity. The ragged path computes the tokens it is given: `metric_costs`."""
-        if not capacities_of(plan) or self.ragged:
+        if not capacities_of(plan) or self.inputs.ragged:
             return None
         shards = self.facts.expert_shards
         share = self.moe.num_experts // shards * base_capacity(self.moe)
@@ -531,7 +362,7 @@ class MoEPlugin(Plugin):
         """Ragged path: the tokens the busiest expert-parallel rank's experts computed in the
         step (``moe/expert_tokens``, kept pairs), over a rank's share of the step's
         batch * seq * top_k pairs (seed 000 §2.1)."""
-        if not self.ragged or EXPERT_TOKENS not in metrics:
+        if not self.inputs.ragged or EXPERT_TOKENS not in metrics:
             return None
         tokens = np.asarray(metrics[EXPERT_TOKENS], np.float64)  # [MoE layers, E]
         shards = self.facts.expert_shards
@@ -542,12 +373,6 @@ class MoEPlugin(Plugin):
         for layer, busy in zip(self.facts.model.moe_layers, busiest, strict=True):
             costs[layer] = float(busy / share)
         return costs
-
-
-def local_groups(facts: ModelFacts) -> int:
-    """Dispatch groups (sequences) per expert-parallel shard in one microbatch: what
-    ``moe.chunks`` partitions."""
-    return facts.batch_size // (facts.batch_shards * facts.microbatches)
 
 
 def chunk_candidates(moe: MoESettings, facts: ModelFacts) -> tuple[int, ...]:
@@ -592,111 +417,3 @@ def _labels(params):
         return BIAS if getattr(path[-1], "key", None) == BIAS else "trained"
 
     return jax.tree_util.tree_map_with_path(label, params)
-
-
-def _check_routing(moe: MoESettings) -> None:
-    """``moe.routing`` and ``moe.bias_balancing``, and what expert choice cannot combine with."""
-    if moe.bias_balancing.enabled and moe.bias_balancing.rate <= 0:
-        raise ConfigError(
-            f"moe.bias_balancing.rate={moe.bias_balancing.rate} must be > 0 (DeepSeek-V3 uses "
-            "1e-3), or set moe.bias_balancing.enabled=False"
-        )
-    at_least({"moe.shared_expert_dim": moe.shared_expert_dim}, 0, " (0 = no shared expert)")
-    if moe.shared_expert_gate and not moe.shared_expert_dim:
-        raise ConfigError(
-            "moe.shared_expert_gate=True gates the shared expert, but moe.shared_expert_dim=0 "
-            "adds none: set moe.shared_expert_dim > 0 or moe.shared_expert_gate=False"
-        )
-    if moe.routing != "expert_choice":
-        return
-    if not moe.normalize_topk:
-        raise ConfigError(
-            "moe.normalize_topk=False shapes token choice's top-k gates; moe.routing="
-            "'expert_choice' weights each token by its probability and has none: set "
-            "moe.normalize_topk=True or moe.routing='token_choice'"
-        )
-    clashes = {
-        "moe.bias_balancing.enabled=True": moe.bias_balancing.enabled,
-        "moe.capacity.policy='dynamic'": moe.capacity.policy == "dynamic",
-        "moe.caching.enabled=True": moe.caching.enabled,
-        f"moe.capacity.factor={moe.capacity.factor} (dropless)": moe.capacity.factor <= 0,
-    }
-    asked = [key for key, on in clashes.items() if on]
-    if asked:  # every expert takes exactly its capacity: nothing to balance, size or cache
-        raise ConfigError(
-            f"moe.routing='expert_choice' balances by construction (each expert takes its "
-            f"capacity's tokens) and does not combine with {', '.join(asked)}: turn it off "
-            "(a factor > 0), or set moe.routing='token_choice'"
-        )
-
-
-def _check_chunks(moe: MoESettings, facts: ModelFacts) -> None:
-    """``moe.chunks``, ``moe.memory_reuse`` and ``moe.granularity`` (seed 002 §III)."""
-    groups = local_groups(facts)
-    if moe.chunks < 1 or groups % moe.chunks:
-        raise ConfigError(
-            f"moe.chunks={moe.chunks} must be >= 1 and divide the {groups} dispatch groups "
-            "(sequences) per expert-parallel shard, train.batch_size / (mesh.data * mesh.expert "
-            "* microbatches): choose a divisor of it"
-        )
-    g = moe.granularity
-    if g.enabled:
-        at_least(
-            {"moe.granularity.max_chunks": g.max_chunks, "moe.granularity.trials": g.trials}, 1
-        )
-        at_least({"moe.granularity.warmup": g.warmup}, 0)
-
-
-def _check_moe(moe: MoESettings) -> None:
-    """The capacity policy's name, the MoE block's loss weights and the keys of the policies that
-    are on: everything `DynamicCapacity`, `CachingPolicy` and `AssignmentCache` would reject,
-    named by key."""
-    at_least(
-        {
-            "moe.expert_mlp_dim": moe.expert_mlp_dim,
-            "moe.aux_loss_weight": moe.aux_loss_weight,
-            "moe.z_loss_weight": moe.z_loss_weight,
-        },
-        0,
-    )
-    if moe.capacity.policy == "dynamic":
-        _check_dynamic_capacity(moe.capacity)
-    if moe.caching.enabled:
-        _check_caching(moe.caching, moe.num_experts)
-
-
-def _check_dynamic_capacity(c: CapacitySettings) -> None:
-    if not 0 <= c.target_drop_rate < 1:
-        raise ConfigError(
-            f"moe.capacity.target_drop_rate={c.target_drop_rate} must be in [0, 1): the "
-            "fraction of routed tokens an expert may drop"
-        )
-    if c.min_factor <= 0:
-        raise ConfigError(f"moe.capacity.min_factor={c.min_factor} must be > 0")
-    if c.min_factor > c.max_factor:
-        raise ConfigError(
-            f"moe.capacity.min_factor={c.min_factor} exceeds moe.capacity.max_factor="
-            f"{c.max_factor}: lower min_factor or raise max_factor"
-        )
-    if c.bucket <= 0:
-        raise ConfigError(f"moe.capacity.bucket={c.bucket} must be > 0 (factors round up to it)")
-    at_least({"moe.capacity.window": c.window}, 1, " (steps of loads per decision)")
-    at_least({"moe.capacity.headroom": c.headroom}, 1, " (a multiplier on the need; 1 = none)")
-    at_least({"moe.capacity.hysteresis": c.hysteresis}, 0, " (0 = none)")
-
-
-def _check_caching(c: CachingSettings, num_experts: int) -> None:
-    if not 0 <= c.off_threshold <= c.on_threshold <= 1:
-        raise ConfigError(
-            f"moe.caching needs 0 <= off_threshold <= on_threshold <= 1, got off_threshold="
-            f"{c.off_threshold}, on_threshold={c.on_threshold}: caching switches on at a "
-            "routing stability >= on_threshold and off below off_threshold"
-        )
-    at_least({"moe.caching.warmup_steps": c.warmup_steps}, 0)
-    at_least({"moe.caching.window": c.window, "moe.caching.max_entries": c.max_entries}, 1)
-    if num_experts > 32767:
-        raise ConfigError(
-            f"moe.caching.enabled stores expert ids as int16: moe.num_experts={num_experts} "
-            "must be <= 32767, or set moe.caching.enabled=False"
-        )
-
