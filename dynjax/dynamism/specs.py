@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -78,32 +79,25 @@ class ProgramSpecs:
         }
         return out or None
 
+    def _shared(self, plan: Plan) -> dict[str, Any]:
+        """What the single program's spec and every pipeline stage's take from ``plan``."""
+        return {
+            "batch_size": self.batch_size,
+            "frozen_layers": plan.frozen_layers,
+            "microbatches": plan.microbatches,
+            "dtype": plan.dtype,
+            "options": self.layer_options(plan),
+            "hooks": self.hooks,
+            "step_inputs": self.step_input_signatures(plan),
+            "batch_inputs": self.batch_input_signatures(plan),
+        }
+
     def step_spec(self, plan: Plan) -> StageSpec:
         """The single-program step of ``plan``: one stage holding the whole model."""
-        return whole_model(
-            self.num_layers,
-            batch_size=self.batch_size,
-            frozen_layers=plan.frozen_layers,
-            microbatches=plan.microbatches,
-            dtype=plan.dtype,
-            options=self.layer_options(plan),
-            hooks=self.hooks,
-            step_inputs=self.step_input_signatures(plan),
-            batch_inputs=self.batch_input_signatures(plan),
-        )
+        return whole_model(self.num_layers, **self._shared(plan))
 
     def pipeline_spec(self, plan: Plan) -> PipelineSpec:
         """The stages of ``plan``'s pipeline and the order its schedule runs their tasks in."""
-        stages = stage_specs(
-            plan.stage_layers,
-            frozen_layers=plan.frozen_layers,
-            microbatches=plan.microbatches,
-            batch_size=self.batch_size,
-            dtype=plan.dtype,
-            options=self.layer_options(plan),
-            hooks=self.hooks,
-            step_inputs=self.step_input_signatures(plan),
-            batch_inputs=self.batch_input_signatures(plan),
-        )
+        stages = stage_specs(plan.stage_layers, **self._shared(plan))
         tasks = schedule_tasks(plan.schedule, len(stages), plan.microbatches)
         return PipelineSpec(stages, plan.schedule, tasks)
