@@ -69,7 +69,7 @@ def run(steps: int, faults: list[int], dynamic_k: bool, workdir: Path) -> dict:
             Monitor.push = push
     events = read_jsonl(workdir / "events.jsonl")
     events = [e for e in events if e["event"] == "checkpoint_recovery"]
-    last = read_jsonl(workdir / "metrics.jsonl")[-1]
+    last = [r for r in read_jsonl(workdir / "metrics.jsonl") if "loss" in r][-1]  # not eval
     return {"recoveries": events, "final_plt": last["checkpoint/plt"]}
 
 

@@ -463,7 +463,7 @@ def time_caching(args, common: list[str]) -> dict[str, float]:
         state["params"], state["opt_state"], m = routed(state["params"], state["opt_state"], dev)
         assignments = np.asarray(jax.device_get(m["moe/assignments"]), np.int32)
         routes = dict(zip(exp_on.model_cfg.moe_layers, assignments, strict=True))
-        with_cache.append(exp_on.device_batch(b, {"routes": routes}))
+        with_cache.append(exp_on.device_batch(b, {"routes": routes}, plan=cached_plan))
     execs = {"off": (off, plain), "on, routed": (routed, plain), "on, cached": (cached, with_cache)}
     return interleaved(state, execs, args)
 
