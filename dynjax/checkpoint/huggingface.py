@@ -264,13 +264,13 @@ def load_params(
     return jax.tree_util.tree_unflatten(tree, arrays)
 
 
-def to_hf(params: Mapping[Path_, np.ndarray], layout: Layout) -> dict[str, np.ndarray]:
-    """Host parameters by key path as the HF tensors they came from (the inverse of
-    `read_slice` over whole leaves). A tied model's head is written as ``lm_head.weight``."""
+def to_hf(params: Any, layout: Layout) -> dict[str, np.ndarray]:
+    """The host parameters as the HF tensors they came from (the inverse of `read_slice` over
+    whole leaves). A tied model's head is written as ``lm_head.weight``."""
     table = leaves(dataclasses.replace(layout, tied=False))
     pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
-    for path, value in params.items():
-        leaf, value = table[path], np.asarray(value)
+    for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
+        leaf, value = table[_key(path)], np.asarray(value)
         if leaf.kind == "plain":
             pieces.setdefault(leaf.parts[0].name, []).append((0, value))
         elif leaf.kind == "stacked":

@@ -42,13 +42,6 @@ KEPT = (  # the files of a model directory an export writes back beside the weig
 SHARD_BYTES = 2 << 30  # one safetensors file's most bytes when exporting
 
 
-def imported_run(
-    base: str, overrides: Sequence[str]
-) -> tuple[ml_collections.ConfigDict, Schemes]:
-    """The config of an imported workdir: ``base`` with ``overrides`` (``a.b=value`` strings)."""
-    return config_lib.load_run(base, overrides)
-
-
 def import_model(
     source: str | Path, workdir: str | Path, base: str, overrides: Sequence[str] = ()
 ) -> Path:
@@ -62,7 +55,7 @@ def import_model(
     if (source / "tokenizer.json").is_file():
         implied.append(f"data.tokenizer={source}")
     every = [*mapped, *implied, *overrides]  # the user's last: they may override any mapping
-    cfg, schemes = imported_run(base, every)
+    cfg, schemes = config_lib.load_run(base, every)
     config_lib.validate_config(cfg, jax.device_count(), schemes)
     if (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
         raise ConfigError(f"{workdir} already holds checkpoints: import into a new --workdir")
@@ -75,12 +68,12 @@ def import_model(
     config_file = workdir / "config.py"
     config_file.write_text(
         f'"""Fine-tunes {source} (written by python -m dynjax.hf import)."""\n\n'
-        "from dynjax.hf.convert import imported_run\n\n"
+        "from dynjax.config import load_run\n\n"
         f"BASE = {str(Path(base).resolve())!r}\n"
         f"OVERRIDES = {every!r}\n"
-        "SCHEMES = imported_run(BASE, OVERRIDES)[1]\n\n\n"
+        "SCHEMES = load_run(BASE, OVERRIDES)[1]\n\n\n"
         "def get_config():\n"
-        "    return imported_run(BASE, OVERRIDES)[0]\n"
+        "    return load_run(BASE, OVERRIDES)[0]\n"
     )
     write_initial_checkpoint(cfg, workdir, schemes)
     return config_file
@@ -96,12 +89,7 @@ def export_model(workdir: str | Path, out: str | Path) -> Path:
     model = config_lib.model_facts(cfg, run, schemes).model
     kept = workdir / "hf"
     hf = read_hf_config(kept) if (kept / "config.json").is_file() else synthesized_config(model)
-    params = newest_params(cfg, workdir, schemes)
-    flat = {
-        tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-    tensors = to_hf(flat, layout_of(model, hf))
+    tensors = to_hf(newest_params(cfg, workdir, schemes), layout_of(model, hf))
     out.mkdir(parents=True, exist_ok=True)
     _write_safetensors(tensors, out)
     for name in KEPT[1:]:
