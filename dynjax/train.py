@@ -13,6 +13,7 @@ the plugins' hooks, the dispatch (or the recovery from a fault), the log and the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -22,7 +23,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -421,37 +422,43 @@ def restore(run: _Run, checkpoints: Checkpoints) -> tuple[Plan, int, Runtime]:
     return plan, start, runtime
 
 
+@contextlib.contextmanager
+def _opened(
+    cfg: ml_collections.ConfigDict, workdir: str | Path, schemes: Schemes
+) -> Iterator[tuple[_Run, Checkpoints]]:
+    """The run of ``cfg`` in ``workdir`` and its checkpoints, as the loop opens them, for the
+    commands that save or read its state without training; the checkpoints closed after."""
+    run = _open_run(cfg, workdir, None, schemes)
+    checkpoints = checkpoints_for(run)
+    try:
+        yield run, checkpoints
+    finally:
+        checkpoints.close()
+
+
 def write_initial_checkpoint(
     cfg: ml_collections.ConfigDict, workdir: str | Path, schemes: Schemes = BUILTIN
 ) -> None:
     """Save a fresh start of ``cfg`` (``train.init_from``'s weights where set) as step 0 of
     ``workdir``, so a training run resumes from it (`dynjax.hf.convert.import_model`)."""
-    run = _open_run(cfg, workdir, None, schemes)
-    checkpoints = checkpoints_for(run)
-    try:
+    with _opened(cfg, workdir, schemes) as (run, checkpoints):
         plan, start, runtime = restore(run, checkpoints)
         if start:
             raise ConfigError(f"{workdir} already holds step {start}: use a new --workdir")
         (run.workdir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         checkpoints.save_now(0, runtime, plan, lambda: None)
         checkpoints.finish()
-    finally:
-        checkpoints.close()
 
 
 def newest_params(
     cfg: ml_collections.ConfigDict, workdir: str | Path, schemes: Schemes = BUILTIN
 ) -> dict[str, Any]:
     """The parameters of ``workdir``'s newest checkpoint as host arrays (an export's)."""
-    run = _open_run(cfg, workdir, None, schemes)
-    checkpoints = checkpoints_for(run)
-    try:
+    with _opened(cfg, workdir, schemes) as (run, checkpoints):
         if not checkpoints.storage.all_steps():
             raise ConfigError(f"{workdir} holds no checkpoint to export: train it first")
-        _, _, runtime = restore(run, checkpoints)
+        runtime = restore(run, checkpoints)[2]
         return jax.device_get(runtime.checkpoint_state()["params"])
-    finally:
-        checkpoints.close()
 
 
 def _already_trained(
