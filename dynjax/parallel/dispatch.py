@@ -1,23 +1,38 @@
-"""The order in which the host dispatches a schedule's tasks: pure data, no JAX.
+"""The order in which the host dispatches a schedule's tasks and transfers: pure data, no JAX.
 
 A schedule gives each stage an ordered task list (``dynjax.balance.schedule_tasks``). Devices run
 what they are sent in the order they are sent it, and a task can only be dispatched once the
 arrays it consumes exist (as not-yet-computed futures), so the host merges the per-stage lists
 into one global order that respects every dependency: F(s, m) after F(s-1, m), B(s, m) after
-B(s+1, m), each stage's own list in order. Every process of a multi-process run walks the same
-global order, so the transfers both neighbours take part in are issued in the same order on
-both sides.
+B(s+1, m), each stage's own list in order. An entry is ``(stage, task, action)``: ``"run"``
+dispatches the task's program, ``"send"`` moves what it produced to the neighbour stage.
+
+Two orders, for two runtimes:
+
+* `dispatch_order` (one process owns every stage): sweep the stages, dispatching each one's
+  ready tasks, each send right after its task. Every stage has devices of its own and a copy
+  only waits for its source, so the order only decides how many copies go in one call.
+* `overlapped_order` (several processes, docs/parallelism.md "Several processes"): a transfer
+  between processes is a collective both neighbours take part in, which holds each one's device
+  queue until the other arrives, and every process must issue them in the same order. A sweep
+  order makes a stage wait at a transfer it does not need yet (stage 0 of 1F1B would receive
+  B1's gradient before running B0), which serialises the stages. This order is the timeline of
+  a simulated step (forward 1, backward 2, the last stage's fused forward and backward 3): each
+  task at its start, each send at its task's end, so a process meets each transfer about when
+  the data is needed and the stages overlap as the schedule intends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 # The schedules of `dynjax.balance.SCHEDULES` the pipeline runtime executes: one chunk of layers
 # per stage, one backward task. The balancer's simulator also runs interleaved 1F1B and ZB-H1;
 # the runtime does not run them yet (docs/parallelism.md, "Schedules").
 RUNTIME_SCHEDULES = ("gpipe", "1f1b")
+
+Action = Literal["run", "send"]
 
 
 class TaskLike(Protocol):
@@ -25,14 +40,32 @@ class TaskLike(Protocol):
     microbatch: int
 
 
-def dispatch_order(tasks: Sequence[Sequence[TaskLike]]) -> tuple[tuple[int, TaskLike], ...]:
-    """A global ``(stage, task)`` order: sweep the stages, dispatching each one's ready tasks.
+Order = tuple[tuple[int, TaskLike, Action], ...]
+
+
+def _needs(s: int, task: TaskLike, stages: int) -> tuple[str, int, int] | None:
+    """The task (kind, stage, microbatch) whose output ``task`` on stage ``s`` consumes."""
+    if task.kind == "F":
+        return ("F", s - 1, task.microbatch) if s > 0 else None
+    if task.kind == "B":
+        return ("B", s + 1, task.microbatch) if s < stages - 1 else None
+    raise ValueError(f"unknown task kind {task.kind!r} on stage {s}")
+
+
+def _sends(s: int, task: TaskLike, stages: int) -> bool:
+    """Whether ``task`` produces something a neighbour consumes (the last stage's forward runs
+    inside its backward; the first stage's backward sends nothing)."""
+    return s < stages - 1 if task.kind == "F" else s > 0
+
+
+def dispatch_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
+    """A global order for one process: sweep the stages, dispatching each one's ready tasks.
 
     >>> from collections import namedtuple
     >>> T = namedtuple("T", "kind microbatch")
     >>> one_f_one_b = [[T("F", 0), T("F", 1), T("B", 0), T("B", 1)],  # stage 0
     ...                [T("F", 0), T("B", 0), T("F", 1), T("B", 1)]]  # stage 1
-    >>> [f"{s}{t.kind}{t.microbatch}" for s, t in dispatch_order(one_f_one_b)]
+    >>> [f"{s}{t.kind}{t.microbatch}" for s, t, a in dispatch_order(one_f_one_b) if a == "run"]
     ['0F0', '0F1', '1F0', '1B0', '1F1', '1B1', '0B0', '0B1']
     """
     stages = len(tasks)
@@ -43,20 +76,79 @@ def dispatch_order(tasks: Sequence[Sequence[TaskLike]]) -> tuple[tuple[int, Task
         for s in range(stages):
             while nxt[s] < len(tasks[s]):
                 task = tasks[s][nxt[s]]
-                if task.kind == "F":
-                    needs = ("F", s - 1, task.microbatch) if s > 0 else None
-                elif task.kind == "B":
-                    needs = ("B", s + 1, task.microbatch) if s < stages - 1 else None
-                    if ("F", s, task.microbatch) not in done:
-                        raise ValueError(f"stage {s} runs B{task.microbatch} before its forward")
-                else:
-                    raise ValueError(f"unknown task kind {task.kind!r} on stage {s}")
+                _check_own_forward(s, task, done)
+                needs = _needs(s, task, stages)
                 if needs is not None and needs not in done:
                     break
                 done.add((task.kind, s, task.microbatch))
-                order.append((s, task))
+                order.append((s, task, "run"))
+                if _sends(s, task, stages):
+                    order.append((s, task, "send"))
                 nxt[s] += 1
                 progressed = True
         if not progressed:
-            raise ValueError("the schedule deadlocks: every stage waits on a task that never runs")
+            raise _deadlock()
     return tuple(order)
+
+
+# Simulated task lengths of `overlapped_order`: the forward and backward of a middle stage and
+# the last stage's fused forward and backward (its forward task is empty).
+_FORWARD, _BACKWARD, _LAST_FORWARD, _LAST_BACKWARD = 1.0, 2.0, 0.0, 3.0
+
+
+def overlapped_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
+    """A global order for several processes: the entries of a simulated step by time.
+
+    >>> from collections import namedtuple
+    >>> T = namedtuple("T", "kind microbatch")
+    >>> one_f_one_b = [[T("F", 0), T("F", 1), T("B", 0), T("B", 1)],  # stage 0
+    ...                [T("F", 0), T("B", 0), T("F", 1), T("B", 1)]]  # stage 1
+    >>> order = overlapped_order(one_f_one_b)
+    >>> [f"{s}{t.kind}{t.microbatch}" + ("" if a == "run" else ">") for s, t, a in order]
+    ['0F0', '0F0>', '0F1', '1F0', '1B0', '0F1>', '1B0>', '0B0', '1F1', '1B1', '1B1>', '0B1']
+
+    Stage 1 runs its first microbatch before it takes the second from stage 0, and stage 0
+    takes B0's gradient before B1's, so neither waits on a transfer it does not need yet.
+    """
+    stages = len(tasks)
+    finish: dict[tuple[str, int, int], float] = {}
+    free, nxt = [0.0] * stages, [0] * stages
+    events: list[tuple[float, int, int, int, TaskLike, Action]] = []
+    while any(n < len(t) for n, t in zip(nxt, tasks, strict=True)):
+        ready = []
+        for s in range(stages):
+            if nxt[s] == len(tasks[s]):
+                continue
+            task = tasks[s][nxt[s]]
+            _check_own_forward(s, task, finish)
+            needs = _needs(s, task, stages)
+            if needs is None or needs in finish:
+                ready.append((max(free[s], finish.get(needs, 0.0)), s, task))
+        if not ready:
+            raise _deadlock()
+        start, s, task = min(ready, key=lambda r: (r[0], r[1]))
+        last = s == stages - 1
+        length = {
+            ("F", False): _FORWARD, ("B", False): _BACKWARD,
+            ("F", True): _LAST_FORWARD, ("B", True): _LAST_BACKWARD,
+        }[task.kind, last]
+        end = free[s] = finish[task.kind, s, task.microbatch] = start + length
+        events.append((start, 1, s, nxt[s], task, "run"))
+        if _sends(s, task, stages):  # at the same time, a send goes before what it feeds
+            events.append((end, 0, s, nxt[s], task, "send"))
+        nxt[s] += 1
+    return tuple((s, task, action) for _, _, s, _, task, action in sorted(events, key=_time))
+
+
+def _time(event: tuple) -> tuple:
+    time, rank, stage, index = event[:4]
+    return (time, rank, stage, index)
+
+
+def _check_own_forward(s: int, task: TaskLike, done) -> None:
+    if task.kind == "B" and ("F", s, task.microbatch) not in done:
+        raise ValueError(f"stage {s} runs B{task.microbatch} before its forward")
+
+
+def _deadlock() -> ValueError:
+    return ValueError("the schedule deadlocks: every stage waits on a task that never runs")

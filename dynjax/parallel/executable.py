@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from dynjax.model.hooks import Hooks
-from dynjax.parallel.dispatch import dispatch_order
+from dynjax.parallel.dispatch import Order, dispatch_order, overlapped_order
 from dynjax.parallel.profile import unit_programs
 from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stage_programs import StageShapes, lower_stage, stage_shapes
@@ -57,7 +57,7 @@ class PipelineExecutable:
     spec: PipelineSpec
     programs: Mapping[ProgramKey, Any]  # (kind, stage) -> jax.stages.Compiled
     compiled: tuple[ProgramKey, ...]  # compiled for this spec; the others came from the cache
-    order: tuple[tuple[int, Any], ...]  # global dispatch order of (stage, task)
+    order: Order  # the global dispatch order of (stage, task, action) (`dispatch`)
     # `profile.unit_programs` of this process's stages (none: it has none); None: lowered
     # without them
     profiling: Mapping[UnitKey, Any] | None
@@ -85,7 +85,9 @@ class LoweredPipeline:
             self.spec,
             programs,
             tuple(sorted(self.lowered)),
-            dispatch_order(self.spec.tasks),
+            (dispatch_order if self.programs.transport.all_local else overlapped_order)(
+                self.spec.tasks
+            ),
             profiling,
         )
 

@@ -126,8 +126,8 @@ class Pipeline:
         `host_metrics` turns the host copies of all stages into the single-program metrics.
         """
         run = self.runner.start(exe, inputs, targets, batch_in, rows)
-        for s, task in exe.order:
-            self.runner.dispatch(run, s, task)
+        for s, task, action in exe.order:
+            self.runner.dispatch(run, s, task, action)
         return self.runner.finish(run)
 
     def timed_step(

@@ -47,6 +47,8 @@ class Run:
     stage_in: list[dict[int, Any]]
     grad_in: list[dict[int, Any]]  # [stage][microbatch] -> gradient of the stage output
     metrics: list[list[Any]]  # [stage][microbatch] -> metrics of that forward
+    # (kind, stage, microbatch) -> what a task produced for a neighbour, until its send
+    outbox: dict[tuple[str, int, int], Any]
     readout: dict[int, Any]  # stage -> the last stage's norm and head parameters, this step
     # (field, microbatches, sharding) -> every microbatch of it, placed at the first request
     placed: dict[tuple[str, int, NamedSharding], list[jax.Array]] = dataclasses.field(
@@ -151,12 +153,17 @@ class StepRunner:
             stage_in=[{} for _ in stages],
             grad_in=[{} for _ in stages],
             metrics=[[None] * exe.spec.microbatches for _ in stages],
+            outbox={},
             readout=self.inputs.send_readout(exe.spec),
         )
 
-    def dispatch(self, run: Run, s: int, task: Any) -> tuple:
-        """Dispatch one task (and, across processes, this process's side of its transfer);
-        returns what it computed as far as it is on this process (what a timed step watches)."""
+    def dispatch(self, run: Run, s: int, task: Any, action: str = "run") -> tuple:
+        """Dispatch one entry of the step's order (`dispatch`): a task's program (``"run"``)
+        or this process's side of the transfer of what it produced (``"send"``); returns
+        what a run computed as far as it is on this process (what a timed step watches)."""
+        if action == "send":
+            self._send(run, s, task)
+            return ()
         spec = run.exe.spec
         stage, m, m_count = spec.stages[s], task.microbatch, spec.microbatches
         programs, local = run.exe.programs, self.transport.is_local(s)
@@ -165,15 +172,42 @@ class StepRunner:
             if local and stage.first:
                 x = run.place("inputs", m, m_count, self.inputs.rows(s))
                 run.stage_in[s][m] = (x, self.inputs.context(stage, None, run, m, m_count))
-            if stage.last:
+            if stage.last or not local:
                 return ()  # the last stage's forward runs inside its backward
-            y = carry = None
-            if local:
-                x, ctx = run.take(run.stage_in, s, m, pop=False)
-                y, carry, run.metrics[s][m] = programs["fwd", s](
-                    params, x, {**ctx, **run.readout_of(s)}, run.routes(s, m)
-                )
+            x, ctx = run.take(run.stage_in, s, m, pop=False)
+            y, carry, run.metrics[s][m] = programs["fwd", s](
+                params, x, {**ctx, **run.readout_of(s)}, run.routes(s, m)
+            )
+            run.outbox["F", s, m] = (y, carry)
+            return present(y, carry)
+        x, ctx = run.take(run.stage_in, s, m, pop=True) if local else (None, None)
+        if not (local and stage.has_backward):
+            return ()
+        if stage.last:
+            seed = run.place("targets", m, m_count, self.inputs.rows(s))
+        else:
+            seed = run.take(run.grad_in, s, m, pop=True)
+        acc, racc = self.stages.acc, self.stages.racc
+        out = programs["bwd", s](
+            params, acc[s], racc[s], x, {**ctx, **run.readout_of(s)}, seed, run.routes(s, m)
+        )
+        acc[s], racc[s] = out[0], out[2]
+        if stage.last:
+            run.metrics[s][m] = out[3]
+        if stage.input_grads:
+            run.outbox["B", s, m] = out[1]
+        # Not the accumulators: the stage's next backward donates them.
+        return present((out[1], out[3:]))
+
+    def _send(self, run: Run, s: int, task: Any) -> None:
+        """Move what ``task`` on stage ``s`` produced to the stage that consumes it: a copy
+        made later with others (`Run.defer`) inside this process, a transfer both processes
+        take part in across two."""
+        spec, m, m_count = run.exe.spec, task.microbatch, run.exe.spec.microbatches
+        local = self.transport.is_local(s)
+        if task.kind == "F":
             after = self.shapes(spec.stages[s + 1])
+            y, carry = run.outbox.pop(("F", s, m)) if local else (None, None)
             carry_like, carry_def = jax.tree.flatten(after.ctx.get("carry", {}))
 
             def arrive(moved: jax.Array, moved_carry: Any, dst: StageSpec = spec.stages[s + 1]):
@@ -186,44 +220,27 @@ class StepRunner:
                     [after.x.sharding, *(c.sharding for c in carry_like)],
                     lambda a: arrive(a[0], jax.tree.unflatten(carry_def, a[1:])),
                 )
-                return present(y, carry)
+                return
             moved = self.transport.send(y, s, s + 1, after.x)
             moved_carry = self.transport.send_tree(carry, s, s + 1, after.ctx.get("carry", {}))
             if moved is not None:
                 arrive(moved, moved_carry)
-            return present(y, carry)
-        x, ctx = run.take(run.stage_in, s, m, pop=True) if local else (None, None)
-        if not stage.has_backward:
-            return ()
-        out = None
-        if local:
-            if stage.last:
-                seed = run.place("targets", m, m_count, self.inputs.rows(s))
-            else:
-                seed = run.take(run.grad_in, s, m, pop=True)
-            acc, racc = self.stages.acc, self.stages.racc
-            out = programs["bwd", s](
-                params, acc[s], racc[s], x, {**ctx, **run.readout_of(s)}, seed, run.routes(s, m)
-            )
-            acc[s], racc[s] = out[0], out[2]
-            if stage.last:
-                run.metrics[s][m] = out[3]
-        # Not the accumulators: the stage's next backward donates them.
-        done = present(None if out is None else (out[1], out[3:]))
-        if not stage.input_grads:
-            return done
+            return
+        stage = spec.stages[s]
+        if not (stage.has_backward and stage.input_grads):
+            return
         like = self.shapes(spec.stages[s - 1]).y
+        grad = run.outbox.pop(("B", s, m)) if local else None
         if local and self.transport.is_local(s - 1):
 
-            def arrive(moved: list[jax.Array], dst: int = s - 1) -> None:
+            def land(moved: list[jax.Array], dst: int = s - 1) -> None:
                 run.grad_in[dst][m] = moved[0]
 
-            run.defer([out[1]], [like.sharding], arrive)
-            return done
-        moved = self.transport.send(out[1] if local else None, s, s - 1, like)
+            run.defer([grad], [like.sharding], land)
+            return
+        moved = self.transport.send(grad, s, s - 1, like)
         if moved is not None:
             run.grad_in[s - 1][m] = moved
-        return done
 
     def finish(self, run: Run) -> dict[str, Any]:
         """Global gradient norm and the update of every stage of this process."""

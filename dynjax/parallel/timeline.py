@@ -170,10 +170,10 @@ class TimedSteps:
             for s in local:  # this step's records, then what its first task waits for
                 queues[s].put((_BEGIN, seen[s], errors, ()))
                 queues[s].put((_READY, start, self._ready_marks(run, s), ()))
-            for s, task in exe.order:
+            for s, task, action in exe.order:
                 dispatched = time.perf_counter()
-                computed = self.runner.dispatch(run, s, task)
-                if s in queues:
+                computed = self.runner.dispatch(run, s, task, action)
+                if s in queues and action == "run":
                     queues[s].put((task, dispatched, (), computed))
             metrics = self.runner.finish(run)
         finally:

@@ -20,7 +20,7 @@ from dynjax.model import GPT, GPTConfig, ModelParts
 from dynjax.optim import make_optimizer
 from dynjax.parallel import expert_parallel, make_mesh, make_train_step, whole_model
 from dynjax.parallel import timeline as timeline_module
-from dynjax.parallel.dispatch import dispatch_order
+from dynjax.parallel.dispatch import dispatch_order, overlapped_order
 from dynjax.parallel.executable import PipelinePrograms
 from dynjax.parallel.pipeline import Pipeline
 from dynjax.parallel.pipeline import host_metrics as fold_host_metrics
@@ -236,23 +236,47 @@ def test_a_step_is_dispatched_without_waiting_for_the_device(programs, monkeypat
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(outs[-1]))
 
 
-def test_dispatch_order_respects_dependencies():
+@pytest.mark.parametrize("make_order", [dispatch_order, overlapped_order])
+def test_dispatch_orders_respect_dependencies(make_order):
     for name in ("gpipe", "1f1b"):
         tasks = schedule_tasks(name, 4, 3)
-        order = dispatch_order(tasks)
-        seen = set()
-        for s, t in order:
+        order = make_order(tasks)
+        ran, sent = set(), set()
+        for s, t, action in order:
+            key = (t.kind, s, t.microbatch)
+            if action == "send":
+                assert key in ran and key not in sent  # sent once, after it ran
+                sent.add(key)
+                continue
             if t.kind == "F" and s > 0:
-                assert ("F", s - 1, t.microbatch) in seen
+                assert ("F", s - 1, t.microbatch) in sent
             if t.kind == "B" and s < 3:
-                assert ("B", s + 1, t.microbatch) in seen
-            seen.add((t.kind, s, t.microbatch))
+                assert ("B", s + 1, t.microbatch) in sent
+            ran.add(key)
         for s in range(4):  # each stage's own list, in its own order
-            assert [t for st, t in order if st == s] == list(tasks[s])
+            assert [t for st, t, a in order if st == s and a == "run"] == list(tasks[s])
+        # every forward but the last stage's and every backward but the first's is sent
+        assert len(sent) == 2 * 3 * 3
     f0, b0 = schedule_tasks("gpipe", 1, 1)[0]
     f1, b1 = type(f0)("F", 1), type(f0)("B", 1)
     with pytest.raises(ValueError, match="deadlocks"):
-        dispatch_order(((f0, b0, f1, b1), (f1, b1, f0, b0)))
+        make_order(((f0, b0, f1, b1), (f1, b1, f0, b0)))
+
+
+def test_overlapped_order_meets_each_transfer_when_it_is_needed():
+    """1F1B on 2 stages: in the sweep order stage 0 receives B1's gradient before it runs B0,
+    so (with transfers both processes take part in) it waits for stage 1's second microbatch
+    before its first backward; the overlapped order interleaves them as the schedule does."""
+    tasks = schedule_tasks("1f1b", 2, 4)
+
+    def stage0(order):
+        return [f"{t.kind}{t.microbatch}{'' if st == 0 else '<'}" for st, t, a in order
+                if (st == 0 and a == "run") or (st == 1 and a == "send")]
+
+    assert stage0(dispatch_order(tasks))[:5] == ["F0", "F1", "B0<", "B1<", "B0"]
+    assert stage0(overlapped_order(tasks)) == [
+        "F0", "F1", "B0<", "B0", "F2", "B1<", "B1", "F3", "B2<", "B2", "B3<", "B3"
+    ]
 
 
 def train_and_migrate(programs, template, before, after):
