@@ -140,7 +140,10 @@ class Watchdog:
         """Leave the run after an error in this process; its output says what the error was.
         If a peer died, the watching thread names it and exits first. Otherwise write ``failed``
         once every peer has beaten since the error, so that the others stop too."""
-        t = time.monotonic()
+        # A beat the watching thread sees in its first polls after the error may have been
+        # written just before a peer died with it (its connection reset is what failed here):
+        # only beats seen two intervals later tell a live peer (it beats every interval).
+        t = time.monotonic() + 2 * self.interval
         deadline = t + self.peers.timeout + 2 * self.interval
         while time.monotonic() < deadline:
             with self._lock:
