@@ -25,7 +25,10 @@ from dynjax.data import TokenizerSpec, text_codec
 from dynjax.errors import ConfigError
 from dynjax.hf.convert import workdir_config
 from dynjax.model.decode import Decoder, mean_depth
+from dynjax.model.early_exit import NAME as EXIT
 from dynjax.train import newest_checkpoint
+
+ROUNDS = 5  # timed runs of each decoder when early exit is compared with full depth
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -63,26 +66,27 @@ def generate(args: argparse.Namespace) -> tuple[str, list[str]]:
     decoder = Decoder(exp.model_cfg, options)
     run = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                top_p=args.top_p, seed=args.seed)
-    out = decoder.generate(params, np.asarray([prompt]), **run)
+    # with exits, both decoders are timed as the median of a few runs: one is too short to tell
+    rounds = ROUNDS if decoder.spec.exits else 1
+    out = decoder.generate(params, np.asarray([prompt]), **run, rounds=rounds)
     tokens = out.tokens[0].tolist()
     if codec.eos is not None and codec.eos in tokens:
         tokens = tokens[: tokens.index(codec.eos)]
-    n = args.max_new_tokens
+    n, layers = args.max_new_tokens, exp.model_cfg.num_layers
     lines = [f"{n} new tokens in {out.seconds:.3f} s: {n / out.seconds:.1f} tokens/s "
              f"(prompt {len(prompt)} tokens)"]
-    layers = exp.model_cfg.num_layers
     if decoder.spec.exits:
         full = Decoder(exp.model_cfg, options, exits=False).generate(
-            params, np.asarray([prompt]), **run
+            params, np.asarray([prompt]), **run, rounds=ROUNDS
         )
         depth = mean_depth(out)
         exit_layer = "n/a (one new token)" if math.isnan(depth) else f"{depth:.2f}"
         lines.append(
             f"early exit: mean exit layer {exit_layer} of {layers}; {n / out.seconds:.1f} "
             f"tokens/s against {n / full.seconds:.1f} at full depth "
-            f"({full.seconds / out.seconds:.2f}x)"
+            f"({full.seconds / out.seconds:.2f}x, medians of {ROUNDS} runs)"
         )
-    elif any(name == "early_exit" for name, _ in (o for opts in options for o in opts)):
+    elif any(name == EXIT for opts in options for name, _ in opts):
         lines.append("early exit: no exit point is active at this checkpoint (before "
                      "early_exit.start_step): every token ran all layers")
     return codec.decode(tokens), lines
