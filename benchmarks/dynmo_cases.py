@@ -611,6 +611,11 @@ PAPER = {  # seed 000 abstract / §5: (speedup, its baseline)
     "MoD": (1.17, "MoD w/o balancing"),
 }
 DENSE_BASELINE = ("sparse attention", "early exit")  # the paper's speedup is over no dynamism
+# `benchmarks/real_pipeline.py --case NAME --json` of each case: its speedup measured on two
+# stages that run at the same time (one pinned process each), issue 33 §1.
+MEASURED = Path(__file__).resolve().parent / "results" / "real_pipeline"
+MEASURED_NAMES = {"moe": "MoE", "pruning": "pruning", "freezing": "freezing",
+                  "sparse_attention": "sparse attention", "early_exit": "early exit", "mod": "MoD"}
 
 
 @dataclass(frozen=True)
@@ -1355,6 +1360,39 @@ def main(deep: bool = True, tiled: bool = False) -> None:
                 if "profile_cpu_seconds" in r else "") + ".")
     for note in notes:
         say(note)
+    say("Measured on a 2-stage pipeline whose stages run at the same time, one process pinned to "
+        "a core each (benchmarks/real_pipeline.py --case NAME --json, in "
+        "benchmarks/results/real_pipeline/): the static uniform and the balanced layout, "
+        "tokens/s of each, the measured speedup, the simulator's from the profiled layer times "
+        "alone and with a per-task overhead calibrated on the static run, the ideal bound and "
+        "the paper's figure (16 or 24 stages, GPUs):")
+    print(f"{'':<18}{'layouts':>12}{'static':>10}{'balanced':>10}{'measured':>10}"
+          f"{'simul.':>9}{'calib.':>9}{'bound':>8}{'paper':>8}")
+    for row in measured_rows():
+        print(row)
+
+
+def measured_rows(results: Path = MEASURED) -> list[str]:
+    """One line per case `real_pipeline.py` measured on two pinned stages (its JSON in
+    ``results``): layouts, tokens/s, the measured speedup of the balanced layout beside the
+    simulator's (compute only, and with the per-task overhead calibrated on the static run),
+    the ideal bound and the paper's figure."""
+    rows = []
+    for case, name in MEASURED_NAMES.items():
+        path = results / f"{case}.json"
+        if not path.exists():
+            rows.append(f"{name:<18} not measured")
+            continue
+        r = json.loads(path.read_text())
+        layouts = "/".join(",".join(map(str, r[k])) for k in ("static_layout", "balanced_layout"))
+        calibrated = r.get("calibrated_speedup", float("nan"))
+        rows.append(
+            f"{name:<18}{layouts:>12}{r['static_tokens_per_sec']:>10,.0f}"
+            f"{r['balanced_tokens_per_sec']:>10,.0f}{r['measured_speedup']:>9.2f}x"
+            f"{r['predicted_speedup']:>8.2f}x{calibrated:>8.2f}x{r['bound_speedup']:>7.2f}x"
+            f"{PAPER[name][0]:>7.2f}x"
+        )
+    return rows
 
 
 def cli() -> None:

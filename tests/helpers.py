@@ -168,7 +168,7 @@ def moe_options(cfg, capacities, *, aux_loss_weight=0.01, z_loss_weight=0.0, bas
 
 def loss_terms(setup, spec, parallel, params, inputs, targets, batch_in=None):
     """(the loss to minimise, the metrics) of the one-stage ``spec`` on one batch."""
-    _, _, total, metrics = forward_loss(
+    _, _, total, metrics, _ = forward_loss(
         setup, spec, parallel, params, inputs, {"targets": targets}, batch_in
     )
     return total, metrics

@@ -194,3 +194,15 @@ def test_the_profiles_after_plan_swaps_count_by_what_they_changed(tmp_path):
     assert cases.cadence("MoD") == 1 and cases.cadence("pruning") == 1000
     assert cases.overhead("MoD", measured) == "2.0%"
     assert cases.overhead("pruning", {"pruning": measured["MoD"]}) == "0.0%"
+
+
+def test_measured_rows_read_the_real_pipeline_results(tmp_path):
+    result = {"static_layout": [8, 8], "balanced_layout": [11, 5], "static_tokens_per_sec": 100.0,
+              "balanced_tokens_per_sec": 125.0, "measured_speedup": 1.25,
+              "predicted_speedup": 1.4, "calibrated_speedup": 1.2, "bound_speedup": 1.6}
+    (tmp_path / "freezing.json").write_text(json.dumps(result))
+    rows = cases.measured_rows(tmp_path)
+    assert len(rows) == 6
+    freezing = next(r for r in rows if r.startswith("freezing"))
+    assert "8,8/11,5" in freezing and "1.25x" in freezing and "2.23x" in freezing
+    assert next(r for r in rows if r.startswith("MoE")).endswith("not measured")

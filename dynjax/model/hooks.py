@@ -244,6 +244,14 @@ class Hooks:
             metrics.update(out)
         return total, metrics
 
+    def has_stage_loss(self, options: Sequence[LayerOptions]) -> bool:
+        """Whether a set with a stage loss has records among ``options`` (without any, its
+        stage loss sees the same empty records on every part of a stage)."""
+        return any(
+            hs.stage_loss is not None and any(hs.name in dict(o) for o in options)
+            for hs in self.sets
+        )
+
     def derived(self, metrics: Mapping[str, Any], xp: Any) -> dict[str, Any]:
         """What every set's `HookSet.derived` makes of a step's folded ``metrics``."""
         out: dict[str, Any] = {}

@@ -50,7 +50,7 @@ def evaluate(
                     ctx = {**stage_inputs.context(stage, carry, batch, m, m_count), **(
                         {"readout": readout[s]} if s in readout else {})}
                     fwd = programs.get("fwd", replace(stage, batch_inputs=()))
-                    y, out_carry, _ = fwd(stages.state[s]["params"], x, ctx, None)
+                    y, out_carry, *_ = fwd(stages.state[s]["params"], x, ctx, None)
                 after = programs.shapes(evaluated[s + 1])
                 x = transport.send(y, s, s + 1, after.x)
                 carry = transport.send_tree(

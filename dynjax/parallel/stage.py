@@ -91,19 +91,32 @@ def overlay(params: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, Any
 
 
 def apply_stage(
-    setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None, params, x, ctx, batch_in
+    setup: StageSetup,
+    spec: StageSpec,
+    parallel: ExpertParallel | None,
+    params,
+    x,
+    ctx,
+    batch_in,
+    *,
+    start: int = 0,
+    keep: int = 0,
 ):
     """The stage's slice of ``GPT.forward``: (output, the carry after its layers (empty on the
-    last stage), each layer's hook metrics), through the model's own layer loop with the
-    `LayerContext` built from ``ctx`` and each layer's rows of the step inputs
-    (``ctx["inputs"]``) and the batch inputs ``batch_in`` (module docstring).
+    last stage), each layer's hook metrics, the hidden state entering its layer ``keep``),
+    through the model's own layer loop with the `LayerContext` built from ``ctx`` and each
+    layer's rows of the step inputs (``ctx["inputs"]``) and the batch inputs ``batch_in``
+    (module docstring).
 
     The first stage takes tokens [b, S] and embeds them; the last returns float32 logits.
+    ``start`` > 0: ``x`` is the hidden state entering the stage's layer ``start`` and only the
+    layers from there run (the metrics are theirs); ``keep`` > 0: also return the hidden state
+    entering layer ``keep`` (else None): a frozen prefix's output (`frozen_prefix`).
     """
     parts, dtype = setup.parts, DTYPES[spec.dtype]
     hooks = parts.cfg.hooks
     p = cast_floats(params, dtype, hooks)
-    if spec.first:
+    if spec.first and not start:
         x = nnx.merge(parts.embed, p["embed"])(x)
         if parts.learned_positions:
             x = x + p["pos"][: x.shape[1]].astype(x.dtype)
@@ -125,43 +138,89 @@ def apply_stage(
         inputs, layer_rows(batch_in or {}, spec.batch_inputs, spec.layers), strict=True
     ):
         one.update(more)
-    x, _, layer_metrics = run_layers(
-        [nnx.merge(parts.layers[i], p["layers"][i]) for i in spec.layers],
-        x,
-        options=spec.layer_options(),
-        parallel=parallel,
-        inputs=inputs,
-        context=context,
-        scan=parts.cfg.scan_layers,
-        frozen=[i in spec.frozen for i in spec.layers],
-    )
+    blocks = [nnx.merge(parts.layers[i], p["layers"][i]) for i in spec.layers]
+    options, frozen = spec.layer_options(), [i in spec.frozen for i in spec.layers]
+
+    def layers(a: int, b: int, x: jax.Array) -> tuple[jax.Array, tuple]:
+        x, _, metrics = run_layers(
+            blocks[a:b],
+            x,
+            options=options[a:b],
+            parallel=parallel,
+            inputs=inputs[a:b],
+            context=context,
+            scan=parts.cfg.scan_layers,
+            frozen=frozen[a:b],
+        )
+        return x, metrics
+
+    kept, layer_metrics = None, ()
+    if keep:
+        kept, layer_metrics = layers(start, keep, x)
+        x = kept
+    x, more = layers(max(start, keep), len(blocks), x)
+    layer_metrics = (*layer_metrics, *more)
     if spec.last:
-        return readout(x), {}, layer_metrics
+        return readout(x), {}, layer_metrics, kept
     # The activation a stage sends is in the compute dtype, as the next stage was lowered for
     # (`stage_shapes`): layers may hand back a wider residual (float32 norms in a bfloat16 step).
     carry = {k: context.carry[k] for k in hooks.carry_dtypes(spec.carry)}
-    return x.astype(dtype), carry, layer_metrics
+    return x.astype(dtype), carry, layer_metrics, kept
 
 
 def forward_loss(
-    setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None, params, x, ctx, batch_in
-) -> tuple[jax.Array, dict[str, jax.Array], jax.Array, Metrics]:
+    setup: StageSetup,
+    spec: StageSpec,
+    parallel: ExpertParallel | None,
+    params,
+    x,
+    ctx,
+    batch_in,
+    *,
+    start: int = 0,
+    keep: int = 0,
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array, Metrics, jax.Array | None]:
     """The stage's forward on one microbatch and its terms of the loss to minimise: (output,
-    carry, loss terms, metrics). On the last stage the output are the logits and the loss terms
-    start with the cross entropy against ``ctx["targets"]`` (the metric ``loss``); every stage
-    adds its hook sets' stage losses (`Hooks.stage_loss`) and its hooks' loss terms. The
-    metrics: the stage losses' step metrics and the hook metrics stacked over the layers
-    reporting each."""
-    out, carry, layer_metrics = apply_stage(setup, spec, parallel, params, x, ctx, batch_in)
+    carry, loss terms, metrics, the hidden state `apply_stage` kept). On the last stage the
+    output are the logits and the loss terms start with the cross entropy against
+    ``ctx["targets"]`` (the metric ``loss``); every stage adds its hook sets' stage losses
+    (`Hooks.stage_loss`) and its hooks' loss terms. The metrics: the stage losses' step metrics
+    and the hook metrics stacked over the layers reporting each (``start``: of the layers that
+    ran)."""
+    out, carry, layer_metrics, kept = apply_stage(
+        setup, spec, parallel, params, x, ctx, batch_in, start=start, keep=keep
+    )
     hooks = setup.parts.cfg.hooks
-    term, step_metrics = hooks.stage_loss(layer_metrics, spec.layer_options())
+    term, step_metrics = hooks.stage_loss(layer_metrics, spec.layer_options()[start:])
     hook_loss = hooks.loss(layer_metrics)
     local = hook_loss if term is None else term + hook_loss
     metrics: Metrics = {**step_metrics, **stack_layers(layer_metrics)}
     if spec.last:
         metrics["loss"] = ce = lm_loss(out, ctx["targets"])
         local = ce + local
-    return out, carry, local, metrics
+    return out, carry, local, metrics, kept
+
+
+def frozen_prefix(setup: StageSetup, spec: StageSpec) -> int:
+    """How many leading layers of ``spec`` its backward can skip entirely: frozen layers that
+    nothing before them trains (no input gradient, the embedding frozen on the first stage) and
+    whose loss terms are constants. Its forward keeps their output as the microbatch's stage
+    input, so its backward recomputes the trainable rest only (seed 000 §4.2.3: a frozen
+    layer costs its forward alone; recomputing the prefix cost a second forward of it).
+
+    0 where it does not apply: a stage whose layers pass a carry, read step or batch inputs,
+    the readout or a stage loss (their values or rows would have to be cut at the prefix), the
+    last stage (its backward returns every layer's metrics) and a stage without backward."""
+    if spec.last or spec.input_grads or spec.needs_readout or spec.carry:
+        return 0
+    if (spec.first and not spec.embed_frozen) or spec.step_inputs or spec.batch_inputs:
+        return 0
+    if setup.parts.cfg.hooks.has_stage_loss(spec.layer_options()):
+        return 0
+    k = 0
+    while k < len(spec.layers) and spec.layers[k] in spec.frozen:
+        k += 1
+    return k if k < len(spec.layers) else 0
 
 
 def backward_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None):
@@ -176,14 +235,22 @@ def backward_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | N
     stage's input gradient. Frozen units are constants: XLA keeps no backward for a frozen
     prefix at all."""
     trainable_units = spec.trainable(setup.parts.learned_positions)
+    start = frozen_prefix(setup, spec)  # x: the frozen prefix's output (`frozen_prefix`)
 
     def bwd(params, acc, racc, x, ctx, seed, batch_in):
         if spec.last:
             ctx = {**ctx, "targets": seed}
 
         def f(trainable, readout, x):
-            out, _, local, metrics = forward_loss(
-                setup, spec, parallel, overlay(params, trainable), x, {**ctx, **readout}, batch_in
+            out, _, local, metrics, _ = forward_loss(
+                setup,
+                spec,
+                parallel,
+                overlay(params, trainable),
+                x,
+                {**ctx, **readout},
+                batch_in,
+                start=start,
             )
             return (local if spec.last else (out, local)), metrics
 
@@ -337,7 +404,7 @@ def evaluate_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | N
 
     def evaluate(params, x, ctx, targets):
         ctx = {**ctx, "targets": targets}
-        logits, _, _ = apply_stage(setup, spec, parallel, params, x, ctx, None)
+        logits, _, _, _ = apply_stage(setup, spec, parallel, params, x, ctx, None)
         return lm_loss(logits, targets)
 
     return evaluate

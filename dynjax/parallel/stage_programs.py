@@ -5,13 +5,14 @@ compiled per stage on the stage's own (data, expert) sub-mesh: data parallel ove
 and expert parallel over ``'expert'`` exactly as the single-program step. The schedule runs the
 microbatch loop (`dynjax.parallel.step_run`):
 
-* ``fwd(params, x, ctx, batch_in) -> (y, carry, metrics)``: `stage.forward_loss` on one
-  microbatch. The last stage has no forward program: its forward output only feeds its own
+* ``fwd(params, x, ctx, batch_in) -> (y, carry, metrics, [kept])``: `stage.forward_loss` on
+  one microbatch; ``kept``, the output of a frozen prefix (`stage.frozen_prefix`), where the
+  stage has one. The last stage has no forward program: its forward output only feeds its own
   backward.
 * ``bwd(params, acc, racc, x, ctx, seed, batch_in) -> (acc, g_x, racc, [metrics])``:
   `stage.backward_fn`, recomputing the forward from the stored stage input (activation
   checkpointing at stage boundaries: a stage keeps one input per microbatch in flight, not
-  every intermediate).
+  every intermediate), or from ``kept`` past a frozen prefix.
 * ``sqnorm(acc) -> [1]``: this stage's squared gradient norm; `Transport.gather` brings every
   stage's to every stage.
 * ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
@@ -47,6 +48,7 @@ from dynjax.parallel.stage import (
     backward_fn,
     evaluate_fn,
     forward_loss,
+    frozen_prefix,
     sqnorm_fn,
     update_fn,
 )
@@ -55,10 +57,13 @@ from dynjax.parallel.stages import StageSpec
 
 def forward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
     parallel = expert_parallel(mesh)
+    keep = frozen_prefix(setup, spec)
 
     def fwd(params, x, ctx, batch_in):
-        y, carry, _, metrics = forward_loss(setup, spec, parallel, params, x, ctx, batch_in)
-        return y, carry, metrics
+        y, carry, _, metrics, kept = forward_loss(
+            setup, spec, parallel, params, x, ctx, batch_in, keep=keep
+        )
+        return (y, carry, metrics) + ((kept,) if keep else ())
 
     return fwd
 
@@ -88,6 +93,8 @@ class StageShapes:
     opt_state: Any
     acc: Any
     x: jax.ShapeDtypeStruct  # the stage input: tokens on the first stage, activations after
+    # What the backward recomputes from: ``x``, or a frozen prefix's output (`frozen_prefix`).
+    kept: jax.ShapeDtypeStruct
     y: jax.ShapeDtypeStruct | None  # the stage output (None on the last stage)
     ctx: dict[str, Any]  # what the stage's wrappers read beside x (module docstring)
     carry: dict[str, jax.ShapeDtypeStruct]  # the carry the stage outputs (empty on the last)
@@ -142,11 +149,15 @@ def stage_shapes(
     if spec.needs_readout:
         ctx["readout"] = with_sharding(select(full_params, READOUT_UNITS))
         racc = ctx["readout"]
+    kept = x
     if spec.last:
         fn = backward_fn(setup, spec, expert_parallel(mesh))
         metrics = jax.eval_shape(fn, params, acc, racc, x, ctx, tokens, batch_in)[3]
     else:
-        metrics = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, ctx, batch_in)[2]
+        outs = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, ctx, batch_in)
+        metrics = outs[2]
+        if len(outs) > 3:
+            kept = jax.ShapeDtypeStruct(outs[3].shape, outs[3].dtype, sharding=rows)
     metrics = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), metrics
     )
@@ -155,6 +166,7 @@ def stage_shapes(
         opt_state=opt_state,
         acc=acc,
         x=x,
+        kept=kept,
         y=None if spec.last else acts,
         ctx=ctx,
         carry={} if spec.last else carry,
@@ -174,6 +186,7 @@ def lower_stage(
     metrics = sharding(shapes.metrics)
     if kind == "fwd":
         outs = (shapes.y.sharding, sharding(shapes.carry), metrics)
+        outs += (shapes.kept.sharding,) if shapes.kept is not shapes.x else ()
         jitted = jax.jit(forward_fn(setup, spec, mesh), out_shardings=outs)
         return jitted.lower(shapes.params, shapes.x, shapes.ctx, shapes.batch_in)
     if kind == "bwd":
@@ -187,7 +200,7 @@ def lower_stage(
         )
         seed = shapes.targets if spec.last else shapes.y
         return jitted.lower(
-            shapes.params, shapes.acc, shapes.racc, shapes.x, shapes.ctx, seed, shapes.batch_in
+            shapes.params, shapes.acc, shapes.racc, shapes.kept, shapes.ctx, seed, shapes.batch_in
         )
     if kind == "sqnorm":
         return jax.jit(sqnorm_fn(spec), out_shardings=replicated).lower(shapes.acc)

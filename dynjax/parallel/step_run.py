@@ -175,9 +175,11 @@ class StepRunner:
             if stage.last or not local:
                 return ()  # the last stage's forward runs inside its backward
             x, ctx = run.take(run.stage_in, s, m, pop=False)
-            y, carry, run.metrics[s][m] = programs["fwd", s](
+            y, carry, run.metrics[s][m], *kept = programs["fwd", s](
                 params, x, {**ctx, **run.readout_of(s)}, run.routes(s, m)
             )
+            if kept:  # the backward recomputes from a frozen prefix's output (`frozen_prefix`)
+                run.stage_in[s][m] = (kept[0], ctx)
             run.outbox["F", s, m] = (y, carry)
             return present(y, carry)
         x, ctx = run.take(run.stage_in, s, m, pop=True) if local else (None, None)
