@@ -21,10 +21,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from dynjax.corpus import tokenized_corpus
+from dynjax.corpus import eos_id, load_tokenizer, tokenized_corpus
 from dynjax.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,43 @@ class TokenizerSpec:
     path: str = ""
     eos_token: str = ""
     cache: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TextCodec:
+    """How a run's text becomes its tokens and back: its ``tokenizer`` (a ``tokenizers``
+    Tokenizer, documents ending in ``eos``) or, without one, UTF-8 bytes, as `load_tokens`
+    reads a text corpus."""
+
+    tokenizer: Any = None
+    eos: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            return list(text.encode("utf-8"))
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``; a byte-level id past 255 (a vocabulary wider than bytes) or a
+        cut UTF-8 sequence reads as U+FFFD."""
+        if self.tokenizer is None:
+            return b"".join(
+                bytes([i]) if i < 256 else "\ufffd".encode() for i in ids
+            ).decode("utf-8", errors="replace")
+        return self.tokenizer.decode(ids)
+
+
+def text_codec(path: str, tokenizer: TokenizerSpec) -> TextCodec:
+    """The `TextCodec` of a run reading ``data.path`` = ``path`` with ``tokenizer``."""
+    if tokenizer.path:
+        tok = load_tokenizer(tokenizer.path)
+        return TextCodec(tok, eos_id(tok, tokenizer.path, tokenizer.eos_token))
+    if Path(path).suffix in (".npy", ".bin"):
+        raise DataError(
+            f"data.path={path!r} holds token ids and data.tokenizer is empty, so nothing says "
+            "how text becomes those ids: set data.tokenizer to the tokenizer.json that made them"
+        )
+    return TextCodec()
 
 
 def embedded_corpus_root() -> Path:

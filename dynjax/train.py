@@ -450,15 +450,24 @@ def write_initial_checkpoint(
         checkpoints.finish()
 
 
+def newest_checkpoint(
+    cfg: ml_collections.ConfigDict, workdir: str | Path, schemes: Schemes = BUILTIN
+) -> tuple[dict[str, Any], Plan, Experiment]:
+    """The parameters of ``workdir``'s newest checkpoint as its runtime holds them (on the
+    run's mesh), its Plan and the run's experiment: what a command that reads a trained model
+    without training needs (its layer options are the experiment's of that Plan)."""
+    with _opened(cfg, workdir, schemes) as (run, checkpoints):
+        if not checkpoints.storage.all_steps():
+            raise ConfigError(f"{workdir} holds no checkpoint: train it first")
+        plan, _, runtime = restore(run, checkpoints)
+        return runtime.checkpoint_state()["params"], plan, run.exp
+
+
 def newest_params(
     cfg: ml_collections.ConfigDict, workdir: str | Path, schemes: Schemes = BUILTIN
 ) -> dict[str, Any]:
     """The parameters of ``workdir``'s newest checkpoint as host arrays (an export's)."""
-    with _opened(cfg, workdir, schemes) as (run, checkpoints):
-        if not checkpoints.storage.all_steps():
-            raise ConfigError(f"{workdir} holds no checkpoint to export: train it first")
-        runtime = restore(run, checkpoints)[2]
-        return jax.device_get(runtime.checkpoint_state()["params"])
+    return jax.device_get(newest_checkpoint(cfg, workdir, schemes)[0])
 
 
 def _already_trained(

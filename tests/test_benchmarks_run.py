@@ -65,6 +65,11 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
         "exits, final buckets",
         False,
     ),
+    "generate": (
+        ["--layers", "3", "--d-model", "32", "--first", "1", "--new", "8", "--rounds", "1"],
+        "early exit",
+        False,
+    ),
     "fsdp_memory": (["--d-model", "32", "--layers", "2", "--data", "1,2"], "FSDP temp", True),
     "kernels": (["--quick"], "block-sparse SpMM", False),
     "mod": (["--steps", "10", "--rounds", "1", *SMALL], "1 (no MoD)", False),

@@ -13,7 +13,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.nn.initializers import Initializer
 
-from dynjax.model.hashed_attention import HashedAttention, hashed_attention
+from dynjax.model.hashed_attention import (
+    HashedAttention,
+    hashed_attention,
+    lsh_buckets,
+    rotations,
+)
 from dynjax.model.moe import ExpertParallel
 from dynjax.model.pruned import SparseLinears, linear
 
@@ -191,11 +196,7 @@ class CausalSelfAttention(nnx.Module):
         else:
             q, k, v = self._split_projection(x, context, sparse)
             key_positions = jnp.arange(context.shape[1])[None, :]
-        if self.qk_norm != "none":
-            q, k = self._normed(self.q_norm, q), self._normed(self.k_norm, k)
-        if self.rope:
-            q = rotary(q, positions, self.positional)
-            k = rotary(k, key_positions, self.positional)
+        q, k = self._positioned(q, positions), self._positioned(k, key_positions, keys=True)
         if self.group > 1:  # each key/value head serves its group of query heads
             k, v = jnp.repeat(k, self.group, axis=2), jnp.repeat(v, self.group, axis=2)
         metrics: dict[str, jax.Array] = {}
@@ -217,6 +218,57 @@ class CausalSelfAttention(nnx.Module):
         y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
         return linear(self.out, y, "attn/out", sparse), metrics
 
+    def _positioned(
+        self, x: jax.Array, positions: jax.Array | None, *, keys: bool = False
+    ) -> jax.Array:
+        """Queries (or ``keys``) [B, S, heads, Dh] as attention compares them: RMS-normalised
+        (``qk_norm``), then rotated to their ``positions`` (RoPE)."""
+        if self.qk_norm != "none":
+            x = self._normed(self.k_norm if keys else self.q_norm, x)
+        return rotary(x, positions, self.positional) if self.rope else x
+
+    def project(
+        self, x: jax.Array, positions: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries [B, S, H, Dh], keys and values [B, S, Hkv, Dh] of ``x`` at ``positions``
+        [B, S], normalised and rotated as `__call__` compares them: what a decoder attends
+        with and keeps in its cache (`dynjax.model.decode`)."""
+        q, k, v = self._heads(self.qkv(x))
+        return self._positioned(q, positions), self._positioned(k, positions, keys=True), v
+
+    def project_keys(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Only the keys and values of `project`: a token that skips the layer still leaves
+        them for the later tokens (early exit's state propagation while decoding)."""
+        k, v = self._keys_values(x)
+        return self._positioned(k, positions, keys=True), v
+
+    def attend(
+        self,
+        q: jax.Array,
+        keys: jax.Array,
+        values: jax.Array,
+        visible: jax.Array,
+        hashed: HashedAttention | None = None,
+    ) -> jax.Array:
+        """The output [B, S, D] of queries ``q`` [B, S, H, Dh] over cached ``keys``, ``values``
+        [B, T, Hkv, Dh], each query seeing the keys ``visible`` [B, S, T] marks; ``hashed``:
+        only those of its own LSH bucket as well, the rule `hashed_attention` computes (a query
+        seeing none gets zeros)."""
+        b, s, h, dh = q.shape
+        keys = jnp.repeat(keys, self.group, axis=2) if self.group > 1 else keys
+        values = jnp.repeat(values, self.group, axis=2) if self.group > 1 else values
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, keys).astype(jnp.float32) * dh**-0.5
+        visible = visible[:, None]
+        if hashed is not None:
+            rot = rotations(hashed, h, dh)
+            q_bucket, k_bucket = lsh_buckets(q, rot), lsh_buckets(keys, rot)  # [B, S|T, H]
+            same = q_bucket.transpose(0, 2, 1)[..., None] == k_bucket.transpose(0, 2, 1)[:, :, None]
+            visible = visible & same
+        logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1) * jnp.any(visible, -1, keepdims=True)
+        y = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(values.dtype), values)
+        return self.out(y.reshape(b, s, h * dh))
+
     def _normed(self, norm: nnx.RMSNorm, x: jax.Array) -> jax.Array:
         """``x`` [B, S, heads, Dh] normalised per head, or over all its heads' features."""
         if self.qk_norm == "head":
@@ -237,8 +289,16 @@ class CausalSelfAttention(nnx.Module):
         # the columns per group (`qkv_per_head`): [D, Hkv, (G q, k, v), Dh]
         w = self.qkv.kernel[...].reshape(d, kv, g + 2, -1)
         q = jnp.einsum("bsd,dhe->bshe", x, w[:, :, :g].reshape(d, h, -1))
-        kv_out = jnp.einsum("btd,dhce->bthce", context, w[:, :, g:])
         if self.qkv.bias is not None:
-            bias = self.qkv.bias[...].reshape(kv, g + 2, -1)
-            q, kv_out = q + bias[:, :g].reshape(h, -1), kv_out + bias[:, g:]
-        return q, kv_out[:, :, :, 0], kv_out[:, :, :, 1]
+            q = q + self.qkv.bias[...].reshape(kv, g + 2, -1)[:, :g].reshape(h, -1)
+        return q, *self._keys_values(context)
+
+    def _keys_values(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [B, T, Hkv, Dh] of ``x`` [B, T, D] from their columns of the fused
+        projection alone (before normalisation and RoPE)."""
+        d, kv, g = x.shape[-1], self.num_kv_heads, self.group
+        w = self.qkv.kernel[...].reshape(d, kv, g + 2, -1)
+        out = jnp.einsum("btd,dhce->bthce", x, w[:, :, g:])
+        if self.qkv.bias is not None:
+            out = out + self.qkv.bias[...].reshape(kv, g + 2, -1)[:, g:]
+        return out[:, :, :, 0], out[:, :, :, 1]

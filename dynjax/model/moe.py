@@ -763,10 +763,7 @@ class MoE(nnx.Module):
             )
         y = fn(*args)
         if hasattr(self, "shared"):
-            shared = self.shared(x)
-            if hasattr(self, "shared_gate"):
-                shared = shared * jax.nn.sigmoid(x @ self.shared_gate[...].astype(x.dtype))
-            y = y + shared
+            y = y + self.shared_output(x)
         z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
         unrouted = jnp.sum(~jnp.any(kept, axis=-1), axis=1).astype(jnp.int32)
         if self.routing == "expert_choice":  # balanced by construction: no balance loss
@@ -777,3 +774,11 @@ class MoE(nnx.Module):
             dropped = jnp.sum(~kept, axis=(1, 2)).astype(jnp.int32)
         stats = MoEStats(loads, dropped, aux, z, router_experts, unrouted, expert_tokens)
         return y, stats
+
+    def shared_output(self, x: jax.Array) -> jax.Array:
+        """The shared expert's output on ``x``, gated when the block has a gate (a block
+        with a shared expert only)."""
+        shared = self.shared(x)
+        if hasattr(self, "shared_gate"):
+            shared = shared * jax.nn.sigmoid(x @ self.shared_gate[...].astype(x.dtype))
+        return shared
