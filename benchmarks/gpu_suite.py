@@ -37,9 +37,11 @@ Sections (timings are medians of several runs after a warm-up, blocking on the r
   stopped once its ``metrics.jsonl`` holds a few logged intervals after the warm-up one and
   after its last Plan swap; medians over those): tokens/s and the logged ``mfu``
   (``train.peak_flops`` from the device kind: 989e12 on H100/H200 in bf16; "n/a" elsewhere) for
-  a GPT-2-small shape (byte vocabulary), a larger dense shape and an MoE of about the small
-  one's active size; plus, in process, the single-program step's blocked time against the
-  host's dispatch time (until the call returns).
+  a GPT-2-small shape (byte vocabulary), the Llama family at its parameter count (RMSNorm,
+  SwiGLU, grouped-query attention; ``vs_gpt``: its tokens/s over GPT's, benchmarks/families.py's
+  pairing), a larger dense shape and an MoE of about the small one's active size; plus, in
+  process, the single-program step's blocked time against the host's dispatch time (until the
+  call returns).
 - ``schemes``: step time of each dynamic scheme against the same model without it, with the
   config overrides that put the model in that state quickly (each record lists them): frozen
   half, 90% block pruning on the sparse path, MoD at capacity 0.125, early exit on the buckets
@@ -74,6 +76,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from families import configs as family_configs
+from families import model_diff, param_count
 from flax import nnx
 from kernels import _timed, causal_block_mask, dpa_attention, hashed_ids
 from sparse_matmul import _with_backward, balanced_block_mask
@@ -568,6 +572,9 @@ def run_train(env: Env, name: str, overrides: list[str], *, log_every: int, inte
     }
 
 
+LLAMA_RUN = "Llama family, GPT-2 small's parameters"
+
+
 def model_overrides(layers: int, d_model: int, heads: int, seq: int, batch: int) -> list[str]:
     return [f"model.num_layers={layers}", f"model.d_model={d_model}", f"model.num_heads={heads}",
             f"model.mlp_dim={4 * d_model}", f"data.seq_len={seq}", f"train.batch_size={batch}",
@@ -586,25 +593,41 @@ def train(env: Env) -> Iterator[dict]:
         shapes = {"GPT-2 small shape": (12, 768, 12, 1024, 16),
                   "large dense": (24, 2048, 16, 2048, 2)}
         intervals, log_every, expert_mlp = 5, 5, 1536
-    runs = {name: model_overrides(*s) for name, s in shapes.items()}
     small = shapes["GPT-2 small shape"]
+    runs = {"GPT-2 small shape": model_overrides(*small)}
+    # Llama's block at GPT-2 small's parameter count (benchmarks/families.py's pairing)
+    pair = family_configs(str(ROOT / "configs/quickstart.py"), str(ROOT / "configs/llama_tiny.py"),
+                          model_overrides(*small))
+    params = {LLAMA_RUN: param_count(pair["llama"]), "GPT-2 small shape": param_count(pair["gpt"])}
+    runs[LLAMA_RUN] = [*model_overrides(*small), *model_diff(pair["gpt"], pair["llama"])]
+    runs["large dense"] = model_overrides(*shapes["large dense"])
     runs["MoE, top-2 of 8 every other layer"] = [
         *model_overrides(*small), "moe.every=2", "moe.num_experts=8", "moe.top_k=2",
         f"moe.expert_mlp_dim={expert_mlp}"]
+    measured: dict[str, float] = {}
     for name, overrides in runs.items():
         shape = shape_of(*shapes.get(name, small))
         if name.startswith("MoE"):
             shape += f", 8 experts x mlp{expert_mlp}, top-2, every 2nd layer"
+        if name == LLAMA_RUN:
+            m = pair["llama"].model
+            shape += f", llama: kv heads {m.num_kv_heads}, SwiGLU mlp{m.mlp_dim}"
         if not env.time_left():
             yield skipped(name, "section budget spent", shapes=shape)
             continue
         run = run_train(env, name, overrides, log_every=log_every, intervals=intervals)
-        yield {"name": name, "status": "ok", "dtype": "bfloat16", "shapes": shape,
-               "tokens_per_sec": run["tokens_per_sec"],
-               "mfu": run["mfu"] if run["mfu"] is not None else "n/a",
-               "compile_s": run["compile_s"], "final_loss": run["final_loss"],
-               "intervals": run["intervals"], "wall_s": run["wall_s"],
-               "overrides": " ".join(overrides)}
+        measured[name] = run["tokens_per_sec"]
+        record = {"name": name, "status": "ok", "dtype": "bfloat16", "shapes": shape,
+                  "tokens_per_sec": run["tokens_per_sec"],
+                  "mfu": run["mfu"] if run["mfu"] is not None else "n/a",
+                  "compile_s": run["compile_s"], "final_loss": run["final_loss"],
+                  "intervals": run["intervals"], "wall_s": run["wall_s"],
+                  "overrides": " ".join(overrides)}
+        if name in params:
+            record["params"] = params[name]
+        if name == LLAMA_RUN and "GPT-2 small shape" in measured:
+            record["vs_gpt"] = run["tokens_per_sec"] / measured["GPT-2 small shape"]
+        yield record
     if env.time_left():
         yield dispatch_vs_device(env, small, steps=6 if env.tiny else 20)
 
@@ -788,7 +811,7 @@ SECTIONS: dict[str, tuple[Callable[[Env], Iterator[dict]], float]] = {
     "attention": (attention, 70),
     "spmm": (spmm, 45),
     "moe": (moe, 45),
-    "train": (train, 120),
+    "train": (train, 150),
     "schemes": (schemes, 110),
     "traces": (traces, 70),
 }

@@ -70,7 +70,18 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
         "early exit",
         False,
     ),
+    "families": (
+        ["--steps", "2", "--rounds", "1", "--set", "model.num_layers=1", "--set",
+         "data.seq_len=32"],
+        "llama/gpt tokens/s",
+        False,
+    ),
     "fsdp_memory": (["--d-model", "32", "--layers", "2", "--data", "1,2"], "FSDP temp", True),
+    "hf_import": (  # sets its own fake device count
+        ["--params", "3e5", "--baseline-params", "1e5", "--shard-gib", "0.0005"],
+        "increment / checkpoint",
+        False,
+    ),
     "kernels": (["--quick"], "block-sparse SpMM", False),
     "mod": (["--steps", "10", "--rounds", "1", *SMALL], "1 (no MoD)", False),
     "mod_eval": (["--steps", "20", "--every", "20", *SMALL], "eval predictor", False),
