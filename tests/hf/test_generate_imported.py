@@ -10,11 +10,11 @@ from dynjax.generate import main as generate_main
 from dynjax.hf.__main__ import main as hf_main
 from dynjax.hf.convert import workdir_config
 from dynjax.model.decode import Decoder
+from dynjax.train import main as train_main
 from dynjax.train import newest_checkpoint
 
+from .test_convert import ALL as NAMES
 from .test_convert import FIXTURES, RUN, corpus, model_dir
-
-NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "logits.npy").exists())
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -43,3 +43,27 @@ def test_the_generate_command_continues_an_imported_model(tmp_path, capsys):
     # timing line
     _, err = capsys.readouterr()
     assert "4 new tokens in" in err and "tokens/s" in err
+
+
+def test_export_then_import_generates_the_same_greedy_text(tmp_path, capsys):
+    """A fine-tuned model exported and imported back continues a prompt as it did before."""
+    source, work = model_dir(tmp_path, "mixtral"), tmp_path / "work"
+    data = f"--config.data.path={corpus(tmp_path)}"
+    assert hf_main(["import", str(source), "--workdir", str(work), data, *RUN]) == 0
+    assert train_main(["--workdir", str(work)]) == 0
+    assert hf_main(["export", "--workdir", str(work), "--out", str(tmp_path / "hf")]) == 0
+    again = tmp_path / "again"
+    assert hf_main(["import", str(tmp_path / "hf"), "--workdir", str(again), data, *RUN]) == 0
+    texts, tokens = [], []
+    for w in (work, again):
+        capsys.readouterr()
+        assert generate_main(["--workdir", str(w), "--prompt", "the dog sat on",
+                              "--max-new-tokens", "6"]) == 0
+        texts.append(capsys.readouterr().out)
+        cfg, schemes = workdir_config(w)  # the new token ids themselves (the text stops at EOS)
+        params, plan, exp = newest_checkpoint(cfg, w, schemes)
+        decoder = Decoder(exp.model_cfg, exp.layer_options(plan))
+        prompt = np.load(FIXTURES / "mixtral" / "tokens.npy")[:1, :5]
+        tokens.append(decoder.generate(jax.device_get(params), prompt, max_new_tokens=6).tokens)
+    assert texts[0] == texts[1]
+    np.testing.assert_array_equal(tokens[0], tokens[1])
