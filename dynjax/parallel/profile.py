@@ -302,9 +302,11 @@ def stage_memory(
         s = stage.index
         if s not in state:
             continue
-        kept = shapes(stage)
-        # A stage input is its activations (tokens) with the carry and targets its wrappers read.
-        inputs = [kept.x, *jax.tree.leaves({k: v for k, v in kept.ctx.items() if k != "readout"})]
+        held = shapes(stage)
+        # A kept stage input is its activations (tokens; past a frozen prefix, the prefix's
+        # output) with the carry and targets its wrappers read.
+        context = {k: v for k, v in held.ctx.items() if k != "readout"}
+        inputs = [held.kept, *jax.tree.leaves(context)]
         x_bytes = sum(
             int(np.prod(a.shape)) * a.dtype.itemsize // a.sharding.num_devices for a in inputs
         )
