@@ -221,10 +221,13 @@ def layer_times(workdir: Path) -> tuple[np.ndarray, np.ndarray]:
     return fwd, bwd
 
 
-def simulated_seconds(fwd, bwd, layout, microbatches: int, schedule: str) -> float:
-    sim = simulate(stage_costs(fwd, layout), stage_costs(bwd, layout), microbatches,
-                   schedule=schedule)
-    return sim.iteration_time
+def simulated_seconds(
+    fwd, bwd, layout, microbatches: int, schedule: str, overhead: float = 0.0
+) -> float:
+    """The simulated step of ``layout`` from per-layer seconds, every task ``overhead`` longer
+    (`task_overhead`)."""
+    f, b = stage_costs(fwd, layout) + overhead, stage_costs(bwd, layout) + overhead
+    return simulate(f, b, microbatches, schedule=schedule).iteration_time
 
 
 def task_overhead(fwd, bwd, layout, microbatches: int, schedule: str, measured: float) -> float:
@@ -232,11 +235,7 @@ def task_overhead(fwd, bwd, layout, microbatches: int, schedule: str, measured: 
     step of ``layout`` take ``measured`` seconds: what a step costs beyond the layers' own
     compute (each task's host dispatch, its transfer to the neighbour process, the update),
     spread over its tasks. Calibrated on one layout, it predicts another (`measure_case`)."""
-    f, b = stage_costs(fwd, layout), stage_costs(bwd, layout)
-
-    def step(o: float) -> float:
-        return simulate(f + o, b + o, microbatches, schedule=schedule).iteration_time
-
+    step = lambda o: simulated_seconds(fwd, bwd, layout, microbatches, schedule, o)  # noqa: E731
     if step(0.0) >= measured:
         return 0.0
     low, high = 0.0, measured
@@ -244,11 +243,6 @@ def task_overhead(fwd, bwd, layout, microbatches: int, schedule: str, measured: 
         mid = (low + high) / 2
         low, high = (mid, high) if step(mid) < measured else (low, mid)
     return (low + high) / 2
-
-
-def with_overhead(fwd, bwd, layout, microbatches: int, schedule: str, o: float) -> float:
-    f, b = stage_costs(fwd, layout) + o, stage_costs(bwd, layout) + o
-    return simulate(f, b, microbatches, schedule=schedule).iteration_time
 
 
 def measure_case(case: str, steps: int, rounds: int, layers: int | None, out: Path) -> dict:
@@ -285,8 +279,8 @@ def measure_case(case: str, steps: int, rounds: int, layers: int | None, out: Pa
     # The simulator with each task's overhead calibrated on the static run predicts the
     # balanced run's step (a layout it never saw): the check of the simulator.
     o = task_overhead(fwd, bwd, static, micro, schedule, tokens_per_step / static_rate)
-    calibrated_static = with_overhead(fwd, bwd, static, micro, schedule, o)
-    calibrated_balanced = with_overhead(fwd, bwd, balanced, micro, schedule, o)
+    calibrated_static = simulated_seconds(fwd, bwd, static, micro, schedule, o)
+    calibrated_balanced = simulated_seconds(fwd, bwd, balanced, micro, schedule, o)
     return {
         "case": case,
         "layers": num_layers,

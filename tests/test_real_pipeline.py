@@ -56,13 +56,13 @@ def test_a_decision_not_swapped_in_by_the_end_is_refused(tmp_path):
 def test_the_task_overhead_calibrated_on_one_layout_reproduces_its_step():
     fwd, bwd = np.array([1.0, 1.0, 3.0, 3.0]), np.array([2.0, 2.0, 6.0, 6.0])
     static, balanced = (2, 2), (3, 1)
-    compute_only = bench.with_overhead(fwd, bwd, static, 4, "1f1b", 0.0)
+    compute_only = bench.simulated_seconds(fwd, bwd, static, 4, "1f1b", 0.0)
     o = bench.task_overhead(fwd, bwd, static, 4, "1f1b", compute_only + 5.0)
     assert o > 0
-    assert math.isclose(bench.with_overhead(fwd, bwd, static, 4, "1f1b", o),
+    assert math.isclose(bench.simulated_seconds(fwd, bwd, static, 4, "1f1b", o),
                         compute_only + 5.0, rel_tol=1e-9)
     # the overhead lengthens every task of the other layout too
-    assert bench.with_overhead(fwd, bwd, balanced, 4, "1f1b", o) > bench.with_overhead(
+    assert bench.simulated_seconds(fwd, bwd, balanced, 4, "1f1b", o) > bench.simulated_seconds(
         fwd, bwd, balanced, 4, "1f1b", 0.0)
     # a measured step the layers alone exceed needs no overhead
     assert bench.task_overhead(fwd, bwd, static, 4, "1f1b", compute_only / 2) == 0.0
