@@ -137,12 +137,9 @@ def overlapped_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
         if _sends(s, task, stages):  # at the same time, a send goes before what it feeds
             events.append((end, 0, s, nxt[s], task, "send"))
         nxt[s] += 1
-    return tuple((s, task, action) for _, _, s, _, task, action in sorted(events, key=_time))
-
-
-def _time(event: tuple) -> tuple:
-    time, rank, stage, index = event[:4]
-    return (time, rank, stage, index)
+    # by (time, send before run, stage, its list's index): a send goes before what it feeds
+    events.sort(key=lambda e: e[:4])
+    return tuple((s, task, action) for _, _, s, _, task, action in events)
 
 
 def _check_own_forward(s: int, task: TaskLike, done) -> None:

@@ -156,7 +156,7 @@ def stage_shapes(
     else:
         outs = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, ctx, batch_in)
         metrics = outs[2]
-        if len(outs) > 3:
+        if frozen_prefix(setup, spec):
             kept = jax.ShapeDtypeStruct(outs[3].shape, outs[3].dtype, sharding=rows)
     metrics = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), metrics
@@ -186,7 +186,7 @@ def lower_stage(
     metrics = sharding(shapes.metrics)
     if kind == "fwd":
         outs = (shapes.y.sharding, sharding(shapes.carry), metrics)
-        outs += (shapes.kept.sharding,) if shapes.kept is not shapes.x else ()
+        outs += (shapes.kept.sharding,) if frozen_prefix(setup, spec) else ()
         jitted = jax.jit(forward_fn(setup, spec, mesh), out_shardings=outs)
         return jitted.lower(shapes.params, shapes.x, shapes.ctx, shapes.batch_in)
     if kind == "bwd":

@@ -157,7 +157,7 @@ class StepRunner:
             readout=self.inputs.send_readout(exe.spec),
         )
 
-    def dispatch(self, run: Run, s: int, task: Any, action: str = "run") -> tuple:
+    def dispatch(self, run: Run, s: int, task: Any, action: str) -> tuple:
         """Dispatch one entry of the step's order (`dispatch`): a task's program (``"run"``)
         or this process's side of the transfer of what it produced (``"send"``); returns
         what a run computed as far as it is on this process (what a timed step watches)."""
