@@ -258,12 +258,6 @@ class Decoder:
         }
         return [empty(i) for i in range(cfg.num_layers)]
 
-    def _embed(self, model: GPT, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        x = model.embed(tokens)
-        if self.cfg.positions == "learned":
-            x = x + model.pos[...][positions].astype(x.dtype)
-        return x
-
     def _layers(
         self, model: GPT, x, positions, cache: list[LayerCache], start, real, last, skip: bool
     ) -> tuple[jax.Array, list[LayerCache], jax.Array]:
@@ -322,7 +316,7 @@ class Decoder:
         positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         real = positions < length
         x, cache, depth = self._layers(
-            model, self._embed(model, tokens, positions), positions, cache, 0, real,
+            model, model.embedded(tokens, positions), positions, cache, 0, real,
             jnp.asarray(length) - 1, skip=False,
         )
         return model.readout(x), cache, depth
@@ -335,7 +329,7 @@ class Decoder:
         b = token.shape[0]
         positions = jnp.full((b, 1), position, jnp.int32)
         x, cache, depth = self._layers(
-            model, self._embed(model, token[:, None], positions), positions, cache, position,
+            model, model.embedded(token[:, None], positions), positions, cache, position,
             jnp.ones((b, 1), bool), 0, skip=True,
         )
         return model.readout(x)[:, 0], cache, depth[:, 0]

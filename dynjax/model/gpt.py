@@ -397,6 +397,15 @@ class GPT(nnx.Module):
         logits, stats, _ = self.forward(tokens, parallel=parallel, options=options, inputs=inputs)
         return logits, stats
 
+    def embedded(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """The embeddings of ``tokens`` [B, S], with the learned positions' at ``positions``
+        [B, S] (default 0..S-1; a decoding step's are further on)."""
+        x = self.embed(tokens)
+        if self.cfg.positions == "learned":
+            pos = self.pos[: tokens.shape[1]] if positions is None else self.pos[...][positions]
+            x = x + pos.astype(x.dtype)
+        return x
+
     def forward(
         self,
         tokens: jax.Array,
@@ -413,12 +422,9 @@ class GPT(nnx.Module):
         ``targets`` [B, S]: the next tokens, for wrappers that take a loss inside the stack;
         ``inference``: run the wrappers as evaluation or sampling does (`LayerContext`);
         ``frozen``: the layers that get no gradient (kept out of trainable layers' scans)."""
-        x = self.embed(tokens)
-        if self.cfg.positions == "learned":
-            x = x + self.pos[: tokens.shape[1]].astype(x.dtype)
         x, stats, metrics = run_layers(
             list(self.layers),
-            x,
+            self.embedded(tokens),
             options=options,
             parallel=parallel,
             inputs=inputs,
