@@ -45,6 +45,24 @@ printed ratio is two cores' step seconds over one core's (ideal: (M + 1) / (2 M)
 balanced stages with M microbatches, 0.625 at M = 4; 1.0: nothing ran in parallel):
 
     PYTHONPATH=. python3 benchmarks/real_pipeline.py --parallel-check
+
+``--schedules`` compares the runtime's schedules on that pipeline (issue 33 §2): the same
+dense model, uniform layouts, 1F1B on 2 stages (8 + 8 layers) against interleaved 1F1B with 2
+chunks per stage (4 logical stages of 4 layers), interleaved rounds. Printed per schedule:
+tokens/s, step seconds, the bubble of a steady profiled step (each process's idle share of
+the step: 1 - the union of its chunks' task intervals over the step's span) and the bubble
+the simulator predicts from that profile's layer times:
+
+    PYTHONPATH=. python3 benchmarks/real_pipeline.py --schedules
+
+``--case NAME --trace FILE`` records the case's trace for ``benchmarks/dynmo_cases.py``
+(issue 33 §4) instead of measuring: one run of the static layout on the pinned pipeline with a
+profile every `TRACE_PROFILE_EVERY` steps, copied into FILE by ``dynmo_cases.py record``; with
+``--dense`` the same run with the case's scheme off (the "x dense" baseline,
+``<case>.dense.jsonl``):
+
+    PYTHONPATH=. python3 benchmarks/real_pipeline.py --case freezing \
+        --trace benchmarks/traces/freezing.jsonl
 """
 
 from __future__ import annotations
@@ -337,25 +355,128 @@ def parallel_check(steps: int, rounds: int, out: Path) -> dict:
     }
 
 
+# The schedules `--schedules` compares: (pipeline.schedule, pipeline.virtual_stages).
+SCHEDULE_RUNS = (("1f1b", 1), ("interleaved_1f1b", 2))
+PROFILED_AT = 40  # the steady profile of a `--schedules` run (steps after it are timed)
+
+
+def measured_bubble(workdir: Path) -> float:
+    """Idle share of the processes over the newest profiled step: per stage sub-mesh, 1 - the
+    union of its (logical) stages' task intervals over the step's span, averaged."""
+    profile = [e for e in read_jsonl(workdir / "events.jsonl") if e.get("event") == "profile"][-1]
+    timeline = profile["timeline"]
+    begin = min(t[2] for stage in timeline for t in stage)
+    end = max(t[3] for stage in timeline for t in stage)
+    idle = []
+    for device in range(STAGES):
+        spans = sorted((t[2], t[3]) for s, stage in enumerate(timeline) for t in stage
+                       if s % STAGES == device)
+        busy, reach = 0.0, begin
+        for start, stop in spans:
+            busy += max(0.0, stop - max(start, reach))
+            reach = max(reach, stop)
+        idle.append(1 - busy / (end - begin))
+    return float(np.mean(idle))
+
+
+def schedule_comparison(steps: int, rounds: int, out: Path) -> dict:
+    """Tokens/s and bubbles of the dense pipeline under each of `SCHEDULE_RUNS`."""
+    config, values = overrides("dense", steps, None, "")
+    values["pipeline.profile_every"] = PROFILED_AT
+    batch = _config_value(config, "train.batch_size") * _config_value(config, "data.seq_len")
+    m = values["train.microbatches"]
+    runs: dict[str, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        for schedule, v in SCHEDULE_RUNS:
+            workdir = out / f"dense-{schedule}-{r}"
+            these = {**values, "pipeline.schedule": schedule, "pipeline.virtual_stages": v}
+            run(train_command(config, these, workdir, pin=True))
+            fwd, bwd = layer_times(workdir)
+            layout = uniform(len(fwd), STAGES * v)
+            sim = simulate(stage_costs(fwd, layout), stage_costs(bwd, layout), m,
+                           schedule=schedule, virtual_stages=v)
+            row = runs.setdefault(schedule, {k: [] for k in
+                                             ("tokens_per_sec", "bubble", "simulated_bubble")})
+            row["tokens_per_sec"].append(steady_tokens_per_sec(workdir))
+            row["bubble"].append(measured_bubble(workdir))
+            row["simulated_bubble"].append(sim.bubble_ratio)
+            print(f"  round {r} {schedule:<17} {row['tokens_per_sec'][-1]:,.0f} tokens/s, "
+                  f"bubble {row['bubble'][-1]:.1%} (simulated {sim.bubble_ratio:.1%})",
+                  flush=True)
+    base = runs["1f1b"]["tokens_per_sec"]
+    return {
+        "microbatches": m,
+        "schedules": {
+            name: {
+                "virtual_stages": v,
+                "tokens_per_sec": statistics.median(runs[name]["tokens_per_sec"]),
+                "step_seconds": batch / statistics.median(runs[name]["tokens_per_sec"]),
+                "speedup_vs_1f1b": statistics.median(
+                    t / b for t, b in zip(runs[name]["tokens_per_sec"], base, strict=True)
+                ),
+                "bubble": statistics.median(runs[name]["bubble"]),
+                "simulated_bubble": statistics.median(runs[name]["simulated_bubble"]),
+                "rounds": runs[name],
+            }
+            for name, v in SCHEDULE_RUNS
+        },
+        "load": os.getloadavg()[0],
+    }
+
+
+TRACE_PROFILE_EVERY = 5
+# Each case's trace name in benchmarks/dynmo_cases.py (the row its trace replaces) and the
+# config section its scheme turns off for a dense baseline.
+TRACE_CASES = {
+    "moe": ("MoE", "moe"), "pruning": ("pruning", "pruning"),
+    "freezing": ("freezing", "freezing"), "early_exit": ("early exit", "early_exit"),
+    "mod": ("MoD", "mod"), "sparse_attention": ("sparse attention", "sparse_attention"),
+}
+
+
+def record_trace(case: str, steps: int, trace: Path, dense: bool, out: Path) -> None:
+    """One static run of ``case`` profiled every `TRACE_PROFILE_EVERY` steps, recorded."""
+    config, values = overrides(case, steps, None, "")
+    values["pipeline.profile_every"] = TRACE_PROFILE_EVERY
+    name, section = TRACE_CASES[case]
+    if dense:
+        values[f"{section}.enabled"] = False
+    workdir = out / f"{case}-trace"
+    command = train_command(config, values, workdir, pin=True)
+    run(command)
+    shown = " ".join(["PYTHONPATH=$PWD python", *command[1:]]).replace(str(out), "/tmp")
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "dynmo_cases.py"), "record", str(workdir),
+         str(trace), "--case", name, "--devices", f"{STAGES} processes pinned to a core each",
+         "--run-command", shown, "--note", f"2-core VM, load {os.getloadavg()[0]:.1f} at the end"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--case", choices=sorted(CASES))
     mode.add_argument("--parallel-check", action="store_true")
+    mode.add_argument("--schedules", action="store_true")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"steps of each run (default {DEFAULT_STEPS}; {CASE_STEPS})")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     parser.add_argument("--layers", type=int, default=None, help="override the 16 layers")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="with --case: record its trace here instead of measuring")
+    parser.add_argument("--dense", action="store_true",
+                        help="with --trace: the case's scheme off (the dense baseline)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here")
     args = parser.parse_args(argv)
     if len(os.sched_getaffinity(0)) < STAGES:
         print(f"error: the benchmark pins {STAGES} processes to a core each; this process may "
               f"use {len(os.sched_getaffinity(0))} core(s)", file=sys.stderr)
         return 2
-    if args.steps is None:
-        args.steps = CASE_STEPS.get(args.case, DEFAULT_STEPS)
+    if args.steps is None:  # --schedules: every step after its steady profile is timed
+        args.steps = 2 * PROFILED_AT - 1 if args.schedules else CASE_STEPS.get(
+            args.case, DEFAULT_STEPS)
     if args.steps < 1 or args.rounds < 1:
         print("error: --steps and --rounds must be >= 1", file=sys.stderr)
         return 2
@@ -364,13 +485,31 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         print(f"load average at start: {os.getloadavg()[0]:.2f} "
               f"({os.cpu_count()} cores)", flush=True)
+        if (args.trace is not None or args.dense) and args.case is None:
+            print("error: --trace and --dense go with --case", file=sys.stderr)
+            return 2
         try:
-            result = (parallel_check(args.steps, args.rounds, out) if args.parallel_check
-                      else measure_case(args.case, args.steps, args.rounds, args.layers, out))
+            if args.trace is not None:
+                record_trace(args.case, args.steps, args.trace, args.dense, out)
+                print(f"recorded {args.trace}")
+                return 0
+            if args.parallel_check:
+                result = parallel_check(args.steps, args.rounds, out)
+            elif args.schedules:
+                result = schedule_comparison(args.steps, args.rounds, out)
+            else:
+                result = measure_case(args.case, args.steps, args.rounds, args.layers, out)
         except RuntimeError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-        if args.parallel_check:
+        if args.schedules:
+            print(f"{'schedule':<17} {'v':>2} {'tokens/s':>9} {'s/step':>7} {'vs 1f1b':>8} "
+                  f"{'bubble':>7} {'simulated':>9}")
+            for name, row in result["schedules"].items():
+                print(f"{name:<17} {row['virtual_stages']:>2} {row['tokens_per_sec']:>9,.0f} "
+                      f"{row['step_seconds']:>7.4f} {row['speedup_vs_1f1b']:>7.3f}x "
+                      f"{row['bubble']:>7.1%} {row['simulated_bubble']:>9.1%}")
+        elif args.parallel_check:
             print(f"two cores {result['two_core_step_seconds']:.4f} s/step, one core "
                   f"{result['one_core_step_seconds']:.4f} s/step: ratio {result['ratio']:.3f} "
                   f"(ideal {result['ideal_ratio']:.3f}, 1.0 = not parallel)")

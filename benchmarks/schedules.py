@@ -5,7 +5,9 @@ stages with a forward of 1, a backward of 2 (for ZB-H1 split into B = 1 and W = 
 input and weight gradients) and ``--comm`` per hop, against 1F1B measured in the same run; the
 interleaved schedule with ``--chunks`` chunks per device of ``1 / chunks`` of its layers each. The
 simulator's bubbles equal the schedules' formulas (tests/balance/test_simulate.py). The runtime
-runs gpipe and 1f1b (`dynjax.parallel.dispatch.RUNTIME_SCHEDULES`); the others are simulated only.
+runs gpipe, 1f1b and interleaved_1f1b (`dynjax.parallel.dispatch.RUNTIME_SCHEDULES`); zb_h1 is
+simulated only. Measured on a pipeline of pinned processes: ``benchmarks/real_pipeline.py
+--schedules``.
 
     PYTHONPATH=. python3 benchmarks/schedules.py --stages 4 --microbatches 8
 """

@@ -19,6 +19,7 @@ from typing import Any
 
 import ml_collections
 
+from dynjax.balance.schedules import INTERLEAVED
 from dynjax.checkpoint.settings import CheckpointSettings
 from dynjax.corpus import eos_id, load_tokenizer
 from dynjax.dynamism import BUILTIN, Schemes
@@ -74,7 +75,8 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # Gradient accumulation steps inside one train step, and the microbatches a pipeline
     # schedule moves through its stages (the same split of the batch). 0 = auto: 1 without a
     # pipeline of 2+ stages, else the largest count <= 2 * mesh.stage that splits the batch
-    # evenly (more microbatches, smaller bubbles: (S-1)/(M+S-1)).
+    # evenly (more microbatches, smaller bubbles: (S-1)/(M+S-1)); interleaved: <= 2 * the
+    # logical stages and a multiple of mesh.stage.
     c.train.microbatches = 0
     # A Hugging Face model directory a fresh run's weights are read from (docs/models.md;
     # `python -m dynjax.hf import` sets it); empty: initialised from seed.
@@ -143,7 +145,11 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # (Megatron-LM); "by_param" = balanced parameter counts (DeepSpeed). No pipeline when
     # mesh.stage = 1 with a named layout ("(4,)" runs the pipeline runtime on one stage).
     c.pipeline.stage_layers = ""
-    c.pipeline.schedule = "1f1b"  # "1f1b" | "gpipe" (the runtime's; the simulator has more)
+    # "1f1b" | "gpipe" | "interleaved_1f1b" (the runtime's; the simulator also has "zb_h1")
+    c.pipeline.schedule = "1f1b"
+    # Chunks of layers per stage (interleaved_1f1b: >= 2, each stage holds non-adjacent
+    # chunks; stage_layers then counts mesh.stage x virtual_stages logical stages).
+    c.pipeline.virtual_stages = 1
     c.pipeline.profile_every = 0  # profile per-layer times and stage memory every n steps; 0 = off
     c.pipeline.profile_on_change = True  # profile the first step of every Plan (seed 000 §3.1)
 
@@ -618,6 +624,35 @@ def _check_two_level(c: CheckpointSettings, facts: ModelFacts) -> None:
         )
 
 
+def _check_interleaving(run: RunSettings) -> None:
+    """pipeline.virtual_stages against the schedule, the microbatches and re-packing."""
+    p, stages = run.pipeline, run.mesh.stage
+    interleaved = p.schedule in INTERLEAVED
+    if p.virtual_stages < 1 or (p.virtual_stages > 1) != interleaved:
+        raise ConfigError(
+            f"pipeline.virtual_stages={p.virtual_stages} with pipeline.schedule={p.schedule!r}: "
+            "interleaved_1f1b needs virtual_stages >= 2 (chunks per stage), the other "
+            "schedules virtual_stages=1"
+        )
+    if not interleaved:
+        return
+    if stages < 2:
+        raise ConfigError(
+            f"pipeline.schedule={p.schedule!r} needs a pipeline: set mesh.stage >= 2"
+        )
+    m = microbatches(run)
+    if m % stages:
+        raise ConfigError(
+            f"pipeline.schedule={p.schedule!r} runs microbatches in groups of one per stage: "
+            f"train.microbatches={m} must be a multiple of mesh.stage={stages}"
+        )
+    if run.balance.repack:
+        raise ConfigError(
+            "balance.repack with pipeline.schedule='interleaved_1f1b': an interleaved pipeline "
+            "keeps every stage (each holds several chunks); turn one of them off"
+        )
+
+
 def _check_pipeline(run: RunSettings) -> None:
     """Stage assignment, schedule and profiling keys; a bad assignment fails before training."""
     p, layers, stages = run.pipeline, run.model.num_layers, run.mesh.stage
@@ -626,12 +661,20 @@ def _check_pipeline(run: RunSettings) -> None:
             f"mesh.stage={stages} exceeds model.num_layers={layers}: every pipeline stage needs "
             "at least one layer; use fewer stages or more layers"
         )
+    _check_interleaving(run)
     named = p.stage_layers.strip() in STATIC_LAYOUTS
     counts = () if named else stage_layers(run)
-    if counts and len(counts) != stages:
+    logical = stages * p.virtual_stages
+    if counts and len(counts) != logical:
+        per = "" if p.virtual_stages == 1 else f" x pipeline.virtual_stages={p.virtual_stages}"
         raise ConfigError(
             f"pipeline.stage_layers={p.stage_layers!r} gives {len(counts)} stages but "
-            f"mesh.stage={stages}: give one layer count per stage"
+            f"mesh.stage={stages}{per}: give one layer count per (logical) stage"
+        )
+    if logical > layers:
+        raise ConfigError(
+            f"mesh.stage={stages} x pipeline.virtual_stages={p.virtual_stages} exceeds "
+            f"model.num_layers={layers}: every chunk needs at least one layer"
         )
     empty = [s for s, n in enumerate(counts) if n < 1]
     if empty:

@@ -250,6 +250,7 @@ class Experiment:
                 layer_sizes(self.abstract_state["params"], self.settings.model.num_layers),
             ),
             schedule=self.settings.pipeline.schedule,
+            virtual_stages=self.settings.pipeline.virtual_stages,
         )
         for plugin in self.plugins:
             plan = plugin.initial_plan(plan)
@@ -360,7 +361,7 @@ class Experiment:
         entries = self.settings.recompile.cache_size * per_plan
         return PipelinePrograms(
             self.stage_setup,
-            Transport(self.mesh),
+            Transport(self.mesh, virtual_stages=self.settings.pipeline.virtual_stages),
             self.abstract_params,
             self.settings.data.seq_len,
             max_entries=entries,

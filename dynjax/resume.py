@@ -34,7 +34,8 @@ PLAN_SOURCES = {
     "microbatches": ("train.microbatches", "mesh."),
     "dtype": ("train.dtype",),
     "schedule": ("pipeline.schedule",),
-    "stage_layers": ("pipeline.stage_layers", "mesh.stage"),
+    "virtual_stages": ("pipeline.virtual_stages",),
+    "stage_layers": ("pipeline.stage_layers", "pipeline.virtual_stages", "mesh.stage"),
 }
 
 

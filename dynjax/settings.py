@@ -123,6 +123,7 @@ class PipelineSettings:
 
     stage_layers: str
     schedule: Literal[SCHEDULES]
+    virtual_stages: int
     profile_every: int
     profile_on_change: bool
 
@@ -215,24 +216,26 @@ def read_run(
 
 
 def num_stages(run: RunSettings) -> int:
-    """Pipeline stages the run has: 0 without a pipeline."""
+    """Logical pipeline stages the run has (mesh.stage x pipeline.virtual_stages): 0 without a
+    pipeline."""
     raw = run.pipeline.stage_layers.strip()
     if raw in STATIC_LAYOUTS:
-        return 0 if run.mesh.stage == 1 else run.mesh.stage
+        return 0 if run.mesh.stage == 1 else run.mesh.stage * run.pipeline.virtual_stages
     return len(stage_layers(run))
 
 
 def stage_layers(run: RunSettings, layer_params: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Layers per pipeline stage from ``pipeline.stage_layers``; () when there is no pipeline.
+    """Layers per logical pipeline stage from ``pipeline.stage_layers`` (mesh.stage x
+    pipeline.virtual_stages of them); () when there is no pipeline.
 
     ``"uniform"`` (or ``""``) splits the layers evenly (Megatron-LM); ``"by_param"`` balances
     ``layer_params``, each layer's parameter count (DeepSpeed ``partition_method='parameters'``).
     """
     raw = run.pipeline.stage_layers.strip()
     if raw in STATIC_LAYOUTS:
-        stages = run.mesh.stage
-        if stages == 1:
+        if run.mesh.stage == 1:
             return ()
+        stages = run.mesh.stage * run.pipeline.virtual_stages
         if raw == "by_param":
             if layer_params is None:
                 raise ValueError("pipeline.stage_layers='by_param' needs the layer_params")
@@ -257,15 +260,18 @@ def stage_layers(run: RunSettings, layer_params: Sequence[int] | None = None) ->
 
 def microbatches(run: RunSettings) -> int:
     """``train.microbatches``, with 0 resolved: 1 without a pipeline of two or more stages,
-    else the largest count up to twice the stages that splits the batch evenly over the devices
-    of a stage."""
+    else the largest count up to twice the (logical) stages that splits the batch evenly over
+    the devices of a stage (interleaved: a multiple of mesh.stage, its groups)."""
     if run.train.microbatches:
         return run.train.microbatches
     stages = num_stages(run)
     if stages < 2:
         return 1
     per_shard = run.train.batch_size // (run.mesh.data * run.mesh.expert)
-    fits = [m for m in range(1, min(2 * stages, per_shard) + 1) if per_shard % m == 0]
+    group = run.mesh.stage if run.pipeline.virtual_stages > 1 else 1
+    fits = [
+        m for m in range(group, min(2 * stages, per_shard) + 1, group) if per_shard % m == 0
+    ]
     return max(fits, default=1)  # no fit: check_run names the batch size to change
 
 

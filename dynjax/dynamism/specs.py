@@ -99,5 +99,6 @@ class ProgramSpecs:
     def pipeline_spec(self, plan: Plan) -> PipelineSpec:
         """The stages of ``plan``'s pipeline and the order its schedule runs their tasks in."""
         stages = stage_specs(plan.stage_layers, **self._shared(plan))
-        tasks = schedule_tasks(plan.schedule, len(stages), plan.microbatches)
+        v = plan.virtual_stages
+        tasks = schedule_tasks(plan.schedule, len(stages) // v, plan.microbatches, v)
         return PipelineSpec(stages, plan.schedule, tasks)

@@ -1,10 +1,13 @@
 """The order in which the host dispatches a schedule's tasks and transfers: pure data, no JAX.
 
-A schedule gives each stage an ordered task list (``dynjax.balance.schedule_tasks``). Devices run
-what they are sent in the order they are sent it, and a task can only be dispatched once the
-arrays it consumes exist (as not-yet-computed futures), so the host merges the per-stage lists
-into one global order that respects every dependency: F(s, m) after F(s-1, m), B(s, m) after
-B(s+1, m), each stage's own list in order. An entry is ``(stage, task, action)``: ``"run"``
+A schedule gives each device (a stage's sub-mesh) an ordered task list
+(``dynjax.balance.schedule_tasks``); a task on chunk ``c`` of device ``d`` runs logical stage
+``c * D + d`` of ``D`` devices (`logical_stage`: one chunk per device, the logical stage is the
+device, unless the schedule interleaves). Devices run what they are sent in the order they are
+sent it, and a task can only be dispatched once the arrays it consumes exist (as
+not-yet-computed futures), so the host merges the per-device lists into one global order that
+respects every dependency: F(s, m) after F(s-1, m), B(s, m) after B(s+1, m) of logical stages,
+each device's own list in order. An entry is ``(logical stage, task, action)``: ``"run"``
 dispatches the task's program, ``"send"`` moves what it produced to the neighbour stage.
 
 Two orders, for two runtimes:
@@ -27,10 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
-# The schedules of `dynjax.balance.SCHEDULES` the pipeline runtime executes: one chunk of layers
-# per stage, one backward task. The balancer's simulator also runs interleaved 1F1B and ZB-H1;
-# the runtime does not run them yet (docs/parallelism.md, "Schedules").
-RUNTIME_SCHEDULES = ("gpipe", "1f1b")
+from dynjax.balance.schedules import logical_stage
+
+# The schedules of `dynjax.balance.SCHEDULES` the pipeline runtime executes (one backward task
+# each). The balancer's simulator also runs ZB-H1, whose split backward the runtime does not
+# have yet (docs/parallelism.md, "Schedules").
+RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 Action = Literal["run", "send"]
 
@@ -38,9 +43,21 @@ Action = Literal["run", "send"]
 class TaskLike(Protocol):
     kind: str  # "F" or "B"
     microbatch: int
+    chunk: int  # which of its device's chunks of layers (0 without interleaving)
 
 
 Order = tuple[tuple[int, TaskLike, Action], ...]
+
+
+def _lanes(tasks: Sequence[Sequence[TaskLike]]) -> tuple[int, int]:
+    """(devices, logical stages) of per-device task lists."""
+    chunks = 1 + max((t.chunk for lane in tasks for t in lane), default=0)
+    return len(tasks), len(tasks) * chunks
+
+
+def _stage(d: int, task: TaskLike, devices: int) -> int:
+    """The logical stage ``task`` on device ``d`` runs (`dynjax.balance.logical_stage`)."""
+    return logical_stage(d, task.chunk, devices)
 
 
 def _needs(s: int, task: TaskLike, stages: int) -> tuple[str, int, int] | None:
@@ -59,23 +76,24 @@ def _sends(s: int, task: TaskLike, stages: int) -> bool:
 
 
 def dispatch_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
-    """A global order for one process: sweep the stages, dispatching each one's ready tasks.
+    """A global order for one process: sweep the devices, dispatching each one's ready tasks.
 
     >>> from collections import namedtuple
-    >>> T = namedtuple("T", "kind microbatch")
+    >>> T = namedtuple("T", "kind microbatch chunk", defaults=(0,))
     >>> one_f_one_b = [[T("F", 0), T("F", 1), T("B", 0), T("B", 1)],  # stage 0
     ...                [T("F", 0), T("B", 0), T("F", 1), T("B", 1)]]  # stage 1
     >>> [f"{s}{t.kind}{t.microbatch}" for s, t, a in dispatch_order(one_f_one_b) if a == "run"]
     ['0F0', '0F1', '1F0', '1B0', '1F1', '1B1', '0B0', '0B1']
     """
-    stages = len(tasks)
+    devices, stages = _lanes(tasks)
     done: set[tuple[str, int, int]] = set()
-    nxt, order = [0] * stages, []
+    nxt, order = [0] * devices, []
     while any(n < len(t) for n, t in zip(nxt, tasks, strict=True)):
         progressed = False
-        for s in range(stages):
-            while nxt[s] < len(tasks[s]):
-                task = tasks[s][nxt[s]]
+        for d in range(devices):
+            while nxt[d] < len(tasks[d]):
+                task = tasks[d][nxt[d]]
+                s = _stage(d, task, devices)
                 _check_own_forward(s, task, done)
                 needs = _needs(s, task, stages)
                 if needs is not None and needs not in done:
@@ -84,7 +102,7 @@ def dispatch_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
                 order.append((s, task, "run"))
                 if _sends(s, task, stages):
                     order.append((s, task, "send"))
-                nxt[s] += 1
+                nxt[d] += 1
                 progressed = True
         if not progressed:
             raise _deadlock()
@@ -100,7 +118,7 @@ def overlapped_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
     """A global order for several processes: the entries of a simulated step by time.
 
     >>> from collections import namedtuple
-    >>> T = namedtuple("T", "kind microbatch")
+    >>> T = namedtuple("T", "kind microbatch chunk", defaults=(0,))
     >>> one_f_one_b = [[T("F", 0), T("F", 1), T("B", 0), T("B", 1)],  # stage 0
     ...                [T("F", 0), T("B", 0), T("F", 1), T("B", 1)]]  # stage 1
     >>> order = overlapped_order(one_f_one_b)
@@ -110,36 +128,37 @@ def overlapped_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
     Stage 1 runs its first microbatch before it takes the second from stage 0, and stage 0
     takes B0's gradient before B1's, so neither waits on a transfer it does not need yet.
     """
-    stages = len(tasks)
+    devices, stages = _lanes(tasks)
     finish: dict[tuple[str, int, int], float] = {}
-    free, nxt = [0.0] * stages, [0] * stages
-    events: list[tuple[float, int, int, int, TaskLike, Action]] = []
+    free, nxt = [0.0] * devices, [0] * devices
+    events: list[tuple[float, int, int, int, int, TaskLike, Action]] = []
     while any(n < len(t) for n, t in zip(nxt, tasks, strict=True)):
         ready = []
-        for s in range(stages):
-            if nxt[s] == len(tasks[s]):
+        for d in range(devices):
+            if nxt[d] == len(tasks[d]):
                 continue
-            task = tasks[s][nxt[s]]
+            task = tasks[d][nxt[d]]
+            s = _stage(d, task, devices)
             _check_own_forward(s, task, finish)
             needs = _needs(s, task, stages)
             if needs is None or needs in finish:
-                ready.append((max(free[s], finish.get(needs, 0.0)), s, task))
+                ready.append((max(free[d], finish.get(needs, 0.0)), d, s, task))
         if not ready:
             raise _deadlock()
-        start, s, task = min(ready, key=lambda r: (r[0], r[1]))
+        start, d, s, task = min(ready, key=lambda r: (r[0], r[1]))
         last = s == stages - 1
         length = {
             ("F", False): _FORWARD, ("B", False): _BACKWARD,
             ("F", True): _LAST_FORWARD, ("B", True): _LAST_BACKWARD,
         }[task.kind, last]
-        end = free[s] = finish[task.kind, s, task.microbatch] = start + length
-        events.append((start, 1, s, nxt[s], task, "run"))
+        end = free[d] = finish[task.kind, s, task.microbatch] = start + length
+        events.append((start, 1, d, nxt[d], s, task, "run"))
         if _sends(s, task, stages):  # at the same time, a send goes before what it feeds
-            events.append((end, 0, s, nxt[s], task, "send"))
-        nxt[s] += 1
-    # by (time, send before run, stage, its list's index): a send goes before what it feeds
+            events.append((end, 0, d, nxt[d], s, task, "send"))
+        nxt[d] += 1
+    # by (time, send before run, device, its list's index): a send goes before what it feeds
     events.sort(key=lambda e: e[:4])
-    return tuple((s, task, action) for _, _, s, _, task, action in events)
+    return tuple((s, task, action) for *_, s, task, action in events)
 
 
 def _check_own_forward(s: int, task: TaskLike, done) -> None:

@@ -314,7 +314,7 @@ def stage_memory(
             "params": per_device_bytes(state[s]["params"]),
             "opt_state": per_device_bytes(state[s]["opt_state"]),
             "grad_accumulator": per_device_bytes(acc[s]),
-            "stage_inputs": peak_in_flight(spec.tasks[s]) * x_bytes,
+            "stage_inputs": peak_in_flight(spec.stage_tasks(s)) * x_bytes,
             "program_temp": temps.get(s, 0),
         }
         record["total"] = sum(record.values())

@@ -88,8 +88,10 @@ class StageSpec:
 class PipelineSpec:
     """The static description of one pipeline step: stages and the schedule's task lists.
 
-    ``tasks[s]`` is stage s's ordered list of tasks (anything with ``kind`` "F"/"B" and
-    ``microbatch``), e.g. ``dynjax.balance.schedule_tasks``: the runtime executes these lists.
+    ``stages`` are the logical stages in model order; ``tasks[d]`` is stage sub-mesh d's
+    ordered list of tasks (anything with ``kind`` "F"/"B", ``microbatch`` and ``chunk``: the
+    task runs logical stage ``chunk * len(tasks) + d``), e.g. ``dynjax.balance.schedule_tasks``:
+    the runtime executes these lists.
     """
 
     stages: tuple[StageSpec, ...]
@@ -103,6 +105,11 @@ class PipelineSpec:
     @property
     def microbatches(self) -> int:
         return self.stages[0].microbatches
+
+    def stage_tasks(self, s: int) -> tuple[Any, ...]:
+        """The tasks of logical stage ``s``, in its sub-mesh's order."""
+        devices = len(self.tasks)
+        return tuple(t for t in self.tasks[s % devices] if t.chunk == s // devices)
 
     def owner(self, layer: int) -> int:
         """The stage holding ``layer``."""

@@ -33,11 +33,18 @@ from jax_private import copy_to
 
 
 class Transport:
-    """Stage-to-stage transfers for one ('stage', 'data', 'expert', 'tensor') mesh."""
+    """Stage-to-stage transfers for one ('stage', 'data', 'expert', 'tensor') mesh.
 
-    def __init__(self, mesh: Mesh) -> None:
+    Stages are logical (`dynjax.parallel.stages.PipelineSpec`): with ``virtual_stages`` v,
+    logical stage ``l`` runs on sub-mesh ``l % S`` of the mesh's S (each sub-mesh holds v
+    non-adjacent chunks, `dynjax.balance.logical_stage`); with v = 1 a stage is a sub-mesh."""
+
+    def __init__(self, mesh: Mesh, virtual_stages: int = 1) -> None:
         self.mesh = mesh
-        self.stage_meshes = tuple(stage_mesh(mesh, s) for s in range(mesh.shape["stage"]))
+        self.devices_of = tuple(
+            s % mesh.shape["stage"] for s in range(mesh.shape["stage"] * virtual_stages)
+        )  # the sub-mesh (index into the mesh's 'stage' axis) of each logical stage
+        self.stage_meshes = tuple(stage_mesh(mesh, d) for d in self.devices_of)
         me = jax.process_index()
         self.local_stages = frozenset(
             s for s, m in enumerate(self.stage_meshes)
@@ -114,7 +121,9 @@ class Transport:
         with self._lock:
             if key in self._exchanges:
                 return self._exchanges[key]
-        grid = np.stack([self.mesh.devices[src], self.mesh.devices[dst]])
+        grid = np.stack(
+            [self.mesh.devices[self.devices_of[src]], self.mesh.devices[self.devices_of[dst]]]
+        )
         mesh = Mesh(grid, ("pair", *STAGE_AXES), axis_types=(AxisType.Auto,) * 4)
         lead = spec[0] if spec else None
         lead = ("pair",) + (() if lead is None else (lead,) if isinstance(lead, str) else lead)

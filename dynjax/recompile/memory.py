@@ -38,11 +38,21 @@ def layer_memory(
 
 
 def stage_capacities(
-    memory_bytes: float, metrics: Metrics, schedule: str, stages: int, microbatches: int
+    memory_bytes: float,
+    metrics: Metrics,
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    virtual_stages: int = 1,
 ) -> np.ndarray:
     """[stages] bytes per device left for layers on each stage of a ``stages``-stage layout:
     ``memory_bytes`` less the stage inputs the schedule keeps there (the largest measured input
-    per microbatch, so the first stage's token inputs are over-counted: the safe side)."""
+    per microbatch, so the first stage's token inputs are over-counted: the safe side). With
+    ``virtual_stages`` v the stages are logical: a device's v chunks share what its schedule
+    leaves, an equal part each."""
     activation = float(np.max(metrics[MICROBATCH_INPUT]))
-    kept = [peak_in_flight(t) for t in schedule_tasks(schedule, stages, microbatches)]
-    return memory_bytes - activation * np.array(kept, dtype=np.float64)
+    devices = stages // virtual_stages
+    tasks = schedule_tasks(schedule, devices, microbatches, virtual_stages)
+    kept = np.array([peak_in_flight(t) for t in tasks], dtype=np.float64)
+    per_device = (memory_bytes - activation * kept) / virtual_stages
+    return np.tile(per_device, virtual_stages)  # logical stage c * devices + d

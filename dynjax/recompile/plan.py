@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynjax.balance import SCHEDULES
+from dynjax.balance.schedules import INTERLEAVED
 from dynjax.parallel.dispatch import RUNTIME_SCHEDULES
 
 DTYPES = ("float32", "bfloat16")
@@ -75,6 +76,10 @@ class Plan:
       embedding is on the first stage, the final norm, head and loss on the last. Empty: no
       pipeline (the single-program step of `dynjax.parallel.step`).
     schedule: the pipeline schedule, one of `SCHEDULES` (seed 003 §A).
+    virtual_stages: the chunks of layers each stage's sub-mesh holds (``interleaved_1f1b``;
+      1 otherwise). ``stage_layers`` then has one entry per *logical* stage, in model order:
+      logical stage ``c * S + d`` is chunk ``c`` of sub-mesh ``d`` of ``S``
+      (`dynjax.balance.logical_stage`).
     frozen_layers: layers that compute no weight gradient and get no optimizer update. Freezing
       layer 0 freezes the token (and position) embedding with it, so a frozen prefix of the model
       runs no backward at all (layer freezing, seed 000 §4.2.3).
@@ -99,6 +104,7 @@ class Plan:
     stage_layers: tuple[int, ...] = ()
     schedule: str = "1f1b"
     frozen_layers: tuple[int, ...] = ()
+    virtual_stages: int = 1
     parts: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     def __post_init__(self) -> None:
@@ -150,6 +156,7 @@ class Plan:
                     "stages: give one layer count per stage, e.g. dynjax.balance.uniform"
                 )
         else:
+            problems += self._interleaving_problems(ctx)
             if len(stages) > ctx.pipeline_stages:
                 problems.append(
                     f"stage_layers = {stages} has {len(stages)} stages but only "
@@ -182,6 +189,33 @@ class Plan:
         if outside:
             problems.append(
                 f"frozen_layers {outside} are not layers of the {ctx.num_layers}-layer model"
+            )
+        return problems
+
+    def _interleaving_problems(self, ctx: PlanContext) -> list[str]:
+        v, stages = self.virtual_stages, len(self.stage_layers)
+        if v < 1:
+            return [f"virtual_stages = {v} must be at least 1"]
+        if (v > 1) != (self.schedule in INTERLEAVED):
+            return [
+                f"schedule = {self.schedule!r} with virtual_stages = {v}: interleaved "
+                "schedules need virtual_stages >= 2, the others 1"
+            ]
+        if v == 1:
+            return []
+        problems = []
+        if stages != ctx.pipeline_stages:
+            problems.append(
+                f"stage_layers = {self.stage_layers} has {stages} logical stages but an "
+                f"interleaved pipeline runs all {ctx.pipeline_stages} (mesh.stage x "
+                "virtual_stages): it does not re-pack"
+            )
+        devices = stages // v
+        if stages % v or self.microbatches % max(devices, 1):
+            problems.append(
+                f"{self.schedule} runs {v} chunks on each of {stages // v or stages} stages in "
+                f"groups of one microbatch per stage: microbatches = {self.microbatches} must "
+                "be a multiple of the stages"
             )
         return problems
 

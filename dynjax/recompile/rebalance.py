@@ -157,7 +157,12 @@ class Rebalance:
             limits = dict(
                 memory=layer_memory(metrics, old, self.layer_state_bytes),
                 capacity=stage_capacities(
-                    self.memory_bytes, metrics, plan.schedule, len(old), plan.microbatches
+                    self.memory_bytes,
+                    metrics,
+                    plan.schedule,
+                    len(old),
+                    plan.microbatches,
+                    plan.virtual_stages,
                 ),
             )
         try:
@@ -232,13 +237,16 @@ def predict_seconds(
     fwd: np.ndarray, bwd: np.ndarray, counts: Sequence[int], plan: Plan, comm: float
 ) -> float:
     """Simulated seconds of one step's forward/backward with layers split as ``counts``, from
-    per-layer times ``fwd``, ``bwd`` (seconds per microbatch) and ``plan``'s schedule."""
+    per-layer times ``fwd``, ``bwd`` (seconds per microbatch) and ``plan``'s schedule (with
+    interleaving, ``counts`` are logical stages and a layer moved between two of them shifts
+    time between two different devices' chunks)."""
     sim = simulate(
         stage_costs(fwd, counts),
         stage_costs(bwd, counts),
         plan.microbatches,
         schedule=plan.schedule,
         comm=comm,
+        virtual_stages=plan.virtual_stages,
     )
     return sim.iteration_time
 

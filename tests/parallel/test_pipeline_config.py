@@ -41,6 +41,54 @@ CTX = PlanContext(batch_size=8, num_layers=4, pipeline_stages=3, batch_shards=2)
             {"mesh__stage": 2, "pipeline__schedule": "zb_h1"},
             r"pipeline.schedule='zb_h1' is simulated .* does not run it yet: use one of",
         ),
+        (
+            {"mesh__stage": 2, "pipeline__virtual_stages": 2},
+            r"pipeline.virtual_stages=2 with pipeline.schedule='1f1b': interleaved_1f1b needs",
+        ),
+        (
+            {"mesh__stage": 2, "pipeline__schedule": "interleaved_1f1b"},
+            r"pipeline.virtual_stages=1 .*interleaved_1f1b needs virtual_stages >= 2",
+        ),
+        (
+            {"pipeline__schedule": "interleaved_1f1b", "pipeline__virtual_stages": 2},
+            r"needs a pipeline: set mesh.stage >= 2",
+        ),
+        (
+            {
+                "mesh__stage": 2,
+                "pipeline__schedule": "interleaved_1f1b",
+                "pipeline__virtual_stages": 2,
+                "train__microbatches": 3,
+                "train__batch_size": 6,
+            },
+            r"train.microbatches=3 must be a multiple of mesh.stage=2",
+        ),
+        (
+            {
+                "mesh__stage": 2,
+                "pipeline__schedule": "interleaved_1f1b",
+                "pipeline__virtual_stages": 2,
+                "pipeline__stage_layers": "(2,2)",
+            },
+            r"gives 2 stages but mesh.stage=2 x pipeline.virtual_stages=2",
+        ),
+        (
+            {
+                "mesh__stage": 2,
+                "pipeline__schedule": "interleaved_1f1b",
+                "pipeline__virtual_stages": 3,
+            },
+            r"mesh.stage=2 x pipeline.virtual_stages=3 exceeds model.num_layers=4",
+        ),
+        (
+            {
+                "mesh__stage": 2,
+                "pipeline__schedule": "interleaved_1f1b",
+                "pipeline__virtual_stages": 2,
+                "balance__repack": True,
+            },
+            r"balance.repack with pipeline.schedule='interleaved_1f1b'",
+        ),
         ({"train__microbatches": -1}, r"train.microbatches=-1 must be >= 0"),
         ({"balance__enabled": True}, r"balance.enabled needs a pipeline"),
         (
@@ -71,6 +119,31 @@ def test_cli_rejects_a_bad_assignment_before_training(capsys, tmp_path):
     assert main(argv) == 2
     assert "stage(s) [1] hold no layers" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_interleaved_pipeline_counts_logical_stages():
+    """mesh.stage x virtual_stages logical stages, uniform over them; the default microbatches
+    are a multiple of mesh.stage (the schedule's groups)."""
+    cfg = tiny_config(
+        model__num_layers=6,
+        mesh__stage=2,
+        mesh__data=2,
+        train__batch_size=12,
+        pipeline__schedule="interleaved_1f1b",
+        pipeline__virtual_stages=2,
+    )
+    run = read_run(cfg)
+    assert num_stages(run) == 4 and stage_layers(run) == (2, 2, 1, 1)
+    assert microbatches(run) == 6  # multiples of 2 up to 8 dividing the 6 rows per shard: 2, 6
+    plan = Experiment.from_config(cfg).initial_plan()
+    assert plan.virtual_stages == 2 and plan.stage_layers == (2, 2, 1, 1)
+    ctx = PlanContext(batch_size=12, num_layers=6, pipeline_stages=4, batch_shards=2)
+    with pytest.raises(PlanError, match="does not re-pack"):
+        plan.replace(stage_layers=(3, 2, 1)).validate(ctx)
+    with pytest.raises(PlanError, match="must be a multiple of the stages"):
+        plan.replace(microbatches=3).validate(ctx)
+    with pytest.raises(PlanError, match="interleaved schedules need virtual_stages >= 2"):
+        plan.replace(virtual_stages=1).validate(ctx)
 
 
 def test_stage_layers_default_to_uniform_and_microbatches_to_twice_the_stages():
