@@ -7,12 +7,9 @@ take them from DynMo's per-case load models (seed 000 §2) and the idleness of i
 cases without a trace. Synthetic speedups test the balancers on plausible load shapes; neither
 kind reproduces the paper's measurements, whose headline numbers are printed beside them.
 
-Today: MoE, pruning, freezing, sparse attention and MoD are recorded (``configs/moe.py``,
-``configs/pruning.py`` with 8 layers at block granularity, ``configs/freezing.py``,
-``configs/sparse_attention.py`` with 8 layers and ``configs/mod.py``, each on a 4-stage x 2-data
-pipeline of 8 fake CPU devices); ``main`` uses every ``traces/<case>.jsonl`` it finds
-(``recorded_case``) and drops that case's synthetic row. Early exit is recorded too
-(``configs/early_exit.py`` on the same 4 x 2 pipeline with its balancer, 2026-11-25).
+Today all six are recorded on the pipeline of ``benchmarks/real_pipeline.py`` (16 layers, 2
+stages that run at the same time, one process pinned to a core each; issue 33 §4); ``main`` uses
+every ``traces/<case>.jsonl`` it finds (``recorded_case``) and drops that case's synthetic row.
 
 The six-case table. Every case's row gives each balancer's iteration time: static uniform
 (Megatron-LM), static by-param (DeepSpeed), partition and diffusion by time, re-packed (and the
@@ -31,22 +28,20 @@ of a resize (`swaps`, `swap_seconds`), over the run's steps. Migration (paid per
 decision (on the Controller's thread) are printed under the table.
 
 Extrapolation to the paper's setting (the "L x S" rows of a recorded case). The paper trains far
-deeper models on 16 (MoE, MoD) or 24 pipeline stages (seed 000 Fig. 3); our runs have 8 layers on
-4. Each recorded case gets two more rows with the synthetic row's depth and stages (MoE and MoD
-32 x 16, the others 96 x 24): every measured layer stands for L / 8 consecutive copies of itself
-(its forward and backward times and its state bytes; the embedding stays with the first copy of
-layer 0 and the norm + head with the last copy of layer 7, as on 4 stages), M = 4 x S
-microbatches and 0.05 dense-layer forwards per hop as the synthetic rows, the memory cap 1.5x a
-dense uniform stage of the deeper model, and every balancer run exactly as for the 4-stage rows.
-This is an extrapolation, not a measurement: the copies of a layer share its measured noise (a
-slow measurement weighs L / 8 times; on 4 stages a stage averages two layers' noise, on 24 it
-sums four copies of one), layers no deeper model would have (eight distinct layers, repeated) and
-the transfers are modelled. Copying each layer in a row also groups layers of one kind: MoE's and
-MoD's layers alternate (MoE or routed every other layer), and their 32 x 16 rows put two copies
-of a heavy layer on one stage and two of a light one on the next, an imbalance (1.8 and 3.3) that
-a real 32-layer model, alternating too, would not have under the uniform split; their speedups
-there (up to 1.45x and 1.71x) are mostly that artifact. ``--tiled`` stacks the whole measured model
-L / 8 times instead (kinds keep alternating); its numbers are under Results.
+deeper models on 16 (MoE, MoD) or 24 pipeline stages (seed 000 Fig. 3); our runs have 16 layers
+on 2. Each recorded case gets more rows with the synthetic row's depth and stages (MoE and MoD
+32 x 16, the others 96 x 24): every measured layer stands for L / n consecutive copies of itself
+(n: the run's layers; its forward and backward times and its state bytes; the embedding stays
+with the first copy of layer 0 and the norm + head with the last copy of the last layer), M = 4
+x S microbatches and 0.05 dense-layer forwards per hop as the synthetic rows, the memory cap
+1.5x a dense uniform stage of the deeper model, and every balancer run exactly as for the
+recorded rows. This is an extrapolation, not a measurement: the copies of a layer share its
+measured noise (a slow measurement weighs L / n times), layers no deeper model would have (n
+distinct layers, repeated) and the transfers are modelled. Copying each layer in a row also
+groups layers of one kind: MoE's and MoD's layers alternate (MoE or routed every other layer),
+and their 32 x 16 rows put two copies of a heavy layer on one stage and two of a light one on the
+next, an imbalance a real 32-layer model, alternating too, would not have under the uniform
+split. ``--tiled`` stacks the whole measured model L / n times instead (kinds keep alternating).
 
 Recorded rows. Each profiled step of the run (every ``pipeline.profile_every`` steps and the first
 step of every Plan) is one sample: its measured per-microbatch forward and backward seconds of every
@@ -66,8 +61,7 @@ Plan (the run's own compile and each freeze, block-sparse switch or budget chang
 and their layout holds from the step after it (no look-ahead). Times are in units of one dense
 layer's forward: the median measured layer forward before the first change. Every layout is
 simulated from the same measured times (a paired comparison), whatever layout the run itself trained
-on (freezing with balancing off; pruning with it on, but every rebalance it decided predicted less
-gain than the move's cost; MoE, MoD and sparse attention moved layers on noisy profiles, see below).
+on (here the static uniform one, balancing off).
 The "Plan medians" row replaces every sample's times by the element-wise median of its Plan's
 samples: how much of the raw row is CPU timing noise. "imbalance" is eq. 2
 (``dynjax.balance.imbalance``) of the stage loads (summed forward + backward of the measured layer
@@ -98,159 +92,27 @@ Per-worker memory capacity is 1.5x a dense uniform stage. "x dense" divides the 
 the model *without* the dynamism under static uniform by partition's: the baseline the paper uses
 for sparse attention and early exit. Synthetic rows take the dense load model; a recorded row
 takes ``traces/<case>.dense.jsonl``, a run of the same command with the plugin off, where one was
-recorded (sparse attention: see below), else the samples before the run's first change. Both are
+recorded (sparse attention), else the samples before the run's first change. Both are
 unpaired (another period of a shared CPU), marked "*". Balancing overhead is not simulated: it
 is the measured "ovh" column.
 
     PYTHONPATH=. python3 benchmarks/dynmo_cases.py
 
-Recording a trace (2026-11-23, one AMD EPYC VM with 2 cores shared with other jobs; 400 steps,
-5.5 min):
+Recording the traces (2026-11-28, the 2-core VM, this session's jobs only; 1-3 min each):
+each case's static uniform run of ``benchmarks/real_pipeline.py`` (16 layers, d_model 128, 2
+stages in 2 processes pinned to a core each, M = 4, the case's dynamism made strong and early as
+there) with a profile every 5 steps, copied by ``record``; sparse attention's dense baseline is
+the same run with the plugin off, 12 steps:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python -m dynjax.train \\
-        --config configs/freezing.py --workdir /tmp/trace_freezing \\
-        --config.mesh.stage=4 --config.mesh.data=2 --config.pipeline.profile_every=20
-    PYTHONPATH=. python3 benchmarks/dynmo_cases.py record /tmp/trace_freezing \\
-        benchmarks/traces/freezing.jsonl --case freezing --devices "4x2 fake CPU devices" \\
-        --note "2 cores shared with other jobs (load ~10)" --run-command "<the command above>"
+    PYTHONPATH=. python3 benchmarks/real_pipeline.py --case freezing \\
+        --trace benchmarks/traces/freezing.jsonl        (likewise pruning, early_exit -> early_exit,
+                                                         moe -> MoE, mod -> MoD, sparse_attention)
+    PYTHONPATH=. python3 benchmarks/real_pipeline.py --case sparse_attention --dense --steps 12 \\
+        --trace benchmarks/traces/sparse_attention.dense.jsonl
 
-Pruning (2026-11-23, the same VM, load 1.7 at the start, 2.4-4.8 during; 300 steps, 88 s). The
-command is ``configs/pruning.py``'s pipeline example with 8 layers instead of 4 (on 4 stages, 4
-layers allow one layout only) at its block-granularity settings (with element granularity a
-layer's time does not change: its matmuls stay dense), and the freezing trace's profile period:
-
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python -m dynjax.train \\
-        --config configs/pruning.py --workdir /tmp/trace_pruning_i11 \\
-        --config.mesh.stage=4 --config.mesh.data=2 --config.balance.enabled=True \\
-        --config.model.num_layers=8 --config.pruning.granularity=block \\
-        --config.pruning.block_size=16 --config.pruning.sparse_below=0.5 \\
-        --config.pipeline.profile_every=20
-    PYTHONPATH=. python3 benchmarks/dynmo_cases.py record /tmp/trace_pruning_i11 \\
-        benchmarks/traces/pruning.jsonl --case pruning --devices "4x2 fake CPU devices" \\
-        --note "2 cores shared with other jobs (load ~2-5)" --run-command "<the command above>"
-
-MoE (2026-11-24, the same kind of VM, load ~2, run at nice 10; 300 steps, 388 s). ``configs/moe.py``
-(8 experts, top-2, MoE in layers 1, 3, 5, 7) with 8 layers on 4 stages, dynamic per-expert
-capacities and the run's own balancer every 20 metrics steps; a profile every 10 steps (unit times
-are measured after each change of the Plan and rescaled by each profiled step's stage timeline in
-between, ``Pipeline.profile_step``):
-
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python -m dynjax.train \\
-        --config configs/moe.py --workdir /tmp/trace_moe --config.model.num_layers=8 \\
-        --config.mesh.stage=4 --config.mesh.data=2 --config.moe.capacity.policy=dynamic \\
-        --config.pipeline.profile_every=10 --config.balance.enabled=True \\
-        --config.balance.every=20 --config.train.steps=300
-    PYTHONPATH=. python3 benchmarks/dynmo_cases.py record /tmp/trace_moe \\
-        benchmarks/traces/MoE.jsonl --case MoE --devices "4x2 fake CPU devices" ...
-
-What the recorded MoE row says. Per-layer forward + backward medians over the run: 37.7 ms for
-layer 0 (with the embedding), 18.6-25.8 ms for the MoE layers (layer 7 with the head), 10.7-11.7
-ms for the dense ones. The uniform split pairs every MoE layer with a dense one, so only stage 0
-(the embedding) is heavier; the layouts that relieve it put two MoE layers on one stage, whose
-expert state (8 experts each: 18% of the model's bytes per MoE layer against 6% per dense one)
-exceeds the benchmark's 1.5x memory cap, so every balancer keeps (2,2,2,2): 1.00x. Without the
-cap partition picks (1,3,2,2): 1.03x (266.0 -> 258.0). The paper's 1.23x comes from routing skew
-between layers; here an MoE layer's time follows its capacities (the expert buffers are static),
-and dynamic capacity gives every MoE layer about the same total (mean factor 1.93-2.0), so layers
-stay alike. The run's own balancer, which has no memory cap on CPU, moved layers three times
-((1,1,4,2) at step 68, (1,1,3,3) at 96, back to (2,2,2,2) at 205) on single profiles whose stage
-imbalance ranged 0.5-2.1 from timing noise alone (the 8 fake devices share 2 cores).
-
-MoD (2026-11-25, the same kind of VM, with the test suite running on the same 2 cores, load
-~3-4, at nice 10; 300 steps, 7.4 min). ``configs/mod.py`` (8 layers, every other block routed at
-capacity 0.125) on 4 stages with the run's own balancer every 20 metrics steps:
-
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python -m dynjax.train \\
-        --config configs/mod.py --workdir /tmp/trace_mod --config.mesh.stage=4 \\
-        --config.mesh.data=2 --config.pipeline.profile_every=10 --config.balance.enabled=True \\
-        --config.balance.every=20 --config.train.steps=300
-    PYTHONPATH=. python3 benchmarks/dynmo_cases.py record /tmp/trace_mod \\
-        benchmarks/traces/MoD.jsonl --case MoD --devices "4x2 fake CPU devices" ...
-
-What the recorded MoD row says. Per-layer forward + backward medians: 69.9 ms for layer 0 (with
-the embedding), 28.6-31.2 ms for the other dense layers, 4.5-15.2 ms for the routed ones (cost
-0.125). The uniform split pairs each routed layer with a dense one, so only stage 0 is heavier;
-relieving it puts three layers, two of them routed (each with its router and predictor), on one
-stage, past the 1.5x memory cap in the raw samples: 1.00x. On the Plan medians partition picks
-(1,3,2,2): 1.02x. The paper's 1.17x is against MoD without balancing where routed layers' loads
-vary; here a routed block computes a static count of tokens, so its time does not change. The
-run's own balancer moved layers twice on single noisy profiles ((1,3,2,2) at step 80, (3,3,1,1)
-at 178).
-
-Sparse attention (2026-11-25, the same kind of VM, load ~5-8 from other jobs, at nice 10; 100
-of the config's 200 steps, 17 min: a step took 7-19 s on the shared cores). The brief's command
-with batch 8 (batch 4 does not split into 2 data x 4 microbatches), and the same command with the
-plugin off, 20 steps, for the dense baseline (``sparse_attention.dense.jsonl``, 4.4 min):
-
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD python -m dynjax.train \\
-        --config configs/sparse_attention.py --workdir /tmp/trace_sa --config.mesh.stage=4 \\
-        --config.mesh.data=2 --config.model.num_layers=8 --config.train.microbatches=4 \\
-        --config.train.batch_size=8 --config.balance.enabled=True \\
-        --config.pipeline.profile_every=10 --config.balance.every=20 --config.train.steps=100
-    PYTHONPATH=. python3 benchmarks/dynmo_cases.py record /tmp/trace_sa \\
-        benchmarks/traces/sparse_attention.jsonl --case "sparse attention" \\
-        --devices "4x2 fake CPU devices" ...
-    (the same with --workdir /tmp/trace_sa_dense --config.pipeline.profile_every=5
-     --config.train.steps=20 --config.sparse_attention.enabled=False, recorded into
-     benchmarks/traces/sparse_attention.dense.jsonl)
-
-What the recorded sparse-attention row says. The run starts every layer at the full budget (16 of
-16 key blocks per query block of 64) and the policy cut it to 8 for layer 0 and 10 for layers 1-3
-at step 11, then to 10 for the rest at steps 22, 28 and 29 (needed blocks: 40-45% of the causal
-pairs, overflow 0); five Plans, each profiled with its units alone once (steps 1, 17, 29, 30, 31;
-the nine periodic profiles are dropped, above). The first samples are therefore hashed attention
-at the full budget, not dense: the same S x S logits as dense masked attention plus the hashing,
-two sorts, the block gathers and the top-k, so "x dense" takes the dense run instead (one
-units-alone profile at its step 0; unpaired, "*"). Forward + backward per layer: dense 184-207
-ms; hashed at budget 16 253-297 ms; at budget 10 242-283 ms and at 8 193 ms (step 31). On CPU at
-1,024 tokens the XLA path's overhead costs about what the skipped blocks save, so a budget barely
-changes a layer's time, the layers stay alike (all at 10 but layer 0), and every sparse layer is
-slower than a dense one: 1.00x on 4 stages (imbalance 0.27, only the embedding and head differ),
-1.04x extrapolated to 96 x 24, and 0.69x against dense. Samples 17, 29 and 30 ran while the next
-budget's Plan compiled in the background on the same 2 cores (budget-16 layers at 350-510 ms, up
-to 1.8x step 1). The run's own balancer moved to (4,1,1,2) at step 28 on the step-22 profile
-(measured stage imbalance 2.06 from that noise) and proposed (2,1,3,2) three times after; no
-further move was applied.
-
-What the recorded freezing row says. The run froze layer 0 at step 122, layers 0-2 at 146 and 0-3 at
-205 (``freezing.max_fraction`` = 0.5; steps as ``metrics.jsonl`` counts them). dynjax's frozen
-layers skip their backward but still run their forward (Egeria caches a frozen prefix's output;
-dynjax does not), so a frozen layer costs about a quarter of a trained one (1.9 ms forward against
-~8 ms forward + backward). With 8 layers on 4 stages, stages 2 and 3 keep two trained layers each
-after the last freeze; the one layout that gives them one each, (5,1,1,1), puts four frozen layers
-and a trained one's state on stage 0, over the 1.5x memory cap, so partition and diffusion settle on
-(4,2,1,1): 1.08x on the samples after step 205 (1.10x for (5,1,1,1) without the cap), 1.03x over the
-run, which is half unfrozen (1.05x on the Plan medians). Re-pack frees no stage: three stages,
-(4,2,2), cost ~8% (over its 5%), two do not fit. by-param balances equal layers: the uniform split.
-Timing noise: the 8 fake devices share 2 cores with other jobs, and single measurements in the raw
-trace are up to 13x their Plan's median (a 133 ms layer backward at step 61); whole periods ran
-~1.7x slower (the median backward of layers 3-6 while trained: 10.1 ms in Plan 2, 5.7-6.7 ms in
-Plans 0, 1 and 3). The layouts are compared on the same samples, so the speedups hold up (1.03x raw,
-1.05x with medians), while the samples before the first freeze against the run's average would not
-(1.74x raw, 1.24x with medians; the paper's baseline here is Egeria, not the unfrozen model). The
-"Plan medians" row decides on medians that include its Plan's later samples (look-ahead inside a
-Plan): it measures the noise, not a balancer.
-
-What the recorded pruning row says. Pruning events at steps 50-250 (targets 0, 0.46, 0.70, 0.79,
-0.80 of the 16 x 16 blocks, ranked over the whole model); after each, the plugin's ``SparsePath``
-policy switched the linears whose busiest block-column keeps at most half its block-rows to the
-block-sparse matmul (new Plans from steps 122, 160, 213 and 259 as ``metrics.jsonl`` counts them,
-each profiled on its first step). The global ranking takes the attn/out and mlp/down matrices first
-(initialised 1/sqrt(2L) smaller): from the event at step 100 on, attn/out keeps no block (K = 0) in
-6 of the 8 layers and mlp/down in 7, so those residual branches output zero and XLA drops the work
-feeding them. Per-Plan median forward + backward per layer: 6.3-6.6 ms dense; in the last Plan
-0.6-0.7 ms for layers 1-3, 5, 6 (both branches gone), 2.9 ms for layer 0 (its MLP kept) and 3.9 and
-4.1 ms for layers 4 and 7 (their attention kept, attn/out at K = 1). The plugin's cost (its density,
-``layer_cost``: 0.64 for layer 0, 0.08-0.18 for the others) does not predict this: layer 4 at
-density 0.17 costs more than layer 0 at 0.64; which matrices survive decides the time, not how many
-weights. The uniform layout already puts the three heavy layers on three stages, and no stage can
-cost less than its heaviest layer (layer 7 with the head), so partition and re-pack only move light
-layers off that stage: 1.02x, imbalance 0.75 -> 0.73; re-pack frees no stage within its 5%. The
-run's own balancer, deciding on the same profiles, proposed
-(3,2,2,1) or (2,2,3,1) at steps 150, 200 and 250 and rejected each (predicted gain over its
-amortisation window 0.2-1.2 s, against a modelled move cost of 10 s). Before this trace, the
-profiler shared one measurement among a stage's layers with the same graph whatever their options
-(``dynjax.parallel.profile.timed_units``): a block-sparse layer reported its stage neighbour's time.
+Each trace's first line holds the exact command that ran. The earlier traces (8 layers on a 4 x 2
+pipeline of 8 fake CPU devices sharing 2 cores, 2026-11-23 to 11-27) are in the git history
+with their analysis.
 
 Overheads (2026-11-27 on the idle VM, one at a time, with one watcher thread per stage kept for
 the pipeline's life and unit times kept across Plans: MoD and MoE ``--steps 6 --rounds 12``, 3 and
@@ -264,262 +126,9 @@ and ran every unit alone after each swap):
     ... --case "early exit" --steps 3 --rounds 6 --record benchmarks/traces/overhead.jsonl
     ... --case "sparse attention" --steps 2 --rounds 3 --record benchmarks/traces/overhead.jsonl
 
-Results (2026-11-26, ``PYTHONPATH=. python3 benchmarks/dynmo_cases.py``, 140 s with the machine
-shared; the overhead columns from the newest line of each case in ``traces/overhead.jsonl``,
-re-run 2026-11-27, 38 s with the test suite beside it):
-
-DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of a dynjax run
-(benchmarks/traces/); synthetic rows: seed 000 §2 load models. Rows named L x S EXTRAPOLATE a
-recorded run to the paper's depth: each measured layer stands for L / 8 consecutive copies, on S
-stages (copies share their layer's measured noise; M = 4 x S and per-hop transfers as the synthetic
-rows).
-
-Time-averaged simulated 1F1B iteration time, unit = one dense layer forward (synthetic: 10,000
-iterations sampled every 200, M = 4 x S; recorded: every profiled step, the run's M; L x S rows: M =
-4 x S):
-
-                            L x S  rebal.  static by-param partition diffusion re-packed GPUs
----------------------------------------------------------------------------------------------
-(recorded: configs/moe.py, 4x2 fake CPU devices)
-MoE                           8x4 on Plan   266.0    266.0     266.0     266.0     266.0  4.0
-  Plan medians                8x4 on Plan   276.5    276.5     276.5     276.5     276.5  4.0
-  32x16                     32x16 on Plan  2705.1   2705.1    2501.2    2527.7    2659.5 15.1
-  32x16, Plan medians       32x16 on Plan  2794.5   2794.5    1925.1    2497.9    1954.7 15.4
-(recorded: configs/pruning.py, 4x2 fake CPU devices)
-pruning                       8x4 on Plan    58.3     58.3      57.1      57.7      57.1  4.0
-  Plan medians                8x4 on Plan    57.8     57.8      56.7      57.0      56.7  4.0
-  96x24                     96x24 on Plan  1510.8   1510.8    1255.5    1324.0    1255.5 24.0
-  96x24, Plan medians       96x24 on Plan  1475.7   1475.7    1213.9    1291.8    1213.9 24.0
-(recorded: configs/freezing.py, 4x2 fake CPU devices)
-freezing                      8x4 on Plan   185.3    185.3     179.5     179.5     179.5  4.0
-  Plan medians                8x4 on Plan   111.3    111.3     105.9     107.9     105.9  4.0
-  96x24                     96x24 on Plan  4425.1   4425.1    4140.2    4048.4    4196.9 22.7
-  96x24, Plan medians       96x24 on Plan  2518.1   2518.1    2113.0    2111.6    2120.9 23.1
-(recorded: configs/sparse_attention.py, 4x2 fake CPU devices)
-sparse attention              8x4 on Plan    68.2     68.2      68.2      68.2      68.2  4.0
-  Plan medians                8x4 on Plan    68.2     68.2      68.2      68.2      68.2  4.0
-  96x24                     96x24 on Plan  2461.3   2461.3    2374.7    2374.7    2381.7 24.0
-  96x24, Plan medians       96x24 on Plan  2461.3   2461.3    2374.7    2374.7    2381.7 24.0
-(recorded: configs/early_exit.py, 4x2 fake CPU devices)
-early exit                    8x4 on Plan    66.1     66.1      66.1      66.1      66.1  4.0
-  Plan medians                8x4 on Plan    62.7     62.7      62.7      62.7      62.7  4.0
-  96x24                     96x24 on Plan  2450.9   2450.9    2453.1    2438.2    2480.6 23.6
-  96x24, Plan medians       96x24 on Plan  2320.6   2320.6    2252.6    2266.8    2288.8 23.4
-(recorded: configs/mod.py, 4x2 fake CPU devices)
-MoD                           8x4 on Plan   206.9    206.9     206.9     206.9     206.9  4.0
-  Plan medians                8x4 on Plan   180.8    180.8     176.8     176.8     176.8  4.0
-  32x16                     32x16 on Plan  5145.6   5145.6    3987.9    3739.2    5322.4 14.8
-  32x16, Plan medians       32x16 on Plan  4729.7   4729.7    2771.8    3074.8    2823.1 15.1
-
-Speedup over the best static layout (uniform or by-param); best = best static / best of partition
-and diffusion (the paper's definition, seed 000 Fig. 3); imbalance (eq. 2) static uniform ->
-partition; ovh = one periodic profile (rescaled from its step's timeline) per the case's cadence,
-cpu = the same in process CPU time, swaps = the profiles after the recorded run's Plan swaps, each
-running alone the units its swap made new, over its steps (benchmarks/balance_overhead.py):
-
-                            x part x diff x repack   best  paper x dense  imbalance  ovh   cpu swaps
-----------------------------------------------------------------------------------------------------
-(recorded: configs/moe.py, 4x2 fake CPU devices)
-MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06  -1% -1.6%  0.7%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17  -1% -1.6%  0.7%
-  32x16                      1.08x  1.07x    1.02x  1.08x  1.23x      -  1.81->1.73  -1% -1.6%  0.7%
-  32x16, Plan medians        1.45x  1.12x    1.43x  1.45x  1.23x      -  1.90->1.11  -1% -1.6%  0.7%
-(recorded: configs/pruning.py, 4x2 fake CPU devices)
-pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -  0.5%
-  Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -  0.5%
-  96x24                      1.20x  1.14x    1.20x  1.20x  3.18x      -  1.34->0.71   0%     -  0.5%
-  96x24, Plan medians        1.22x  1.14x    1.22x  1.22x  3.18x      -  1.26->0.60   0%     -  0.5%
-(recorded: configs/freezing.py, 4x2 fake CPU devices)
-freezing                     1.03x  1.03x    1.03x  1.03x  2.23x      -  1.15->0.92   0%     -  0.2%
-  Plan medians               1.05x  1.03x    1.05x  1.05x  2.23x      -  0.95->0.83   0%     -  0.2%
-  96x24                      1.07x  1.09x    1.05x  1.09x  2.23x      -  1.27->1.02   0%     -  0.2%
-  96x24, Plan medians        1.19x  1.19x    1.19x  1.19x  2.23x      -  1.03->0.59   0%     -  0.2%
-(recorded: configs/sparse_attention.py, 4x2 fake CPU devices)
-sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -3% -2.2%  0.3%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -3% -2.2%  0.3%
-  96x24                      1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -3% -2.2%  0.3%
-  96x24, Plan medians        1.04x  1.04x    1.03x  1.04x  4.02x  0.69x* 0.40->0.36  -3% -2.2%  0.3%
-(recorded: configs/early_exit.py, 4x2 fake CPU devices)
-early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18   0%  0.0%  1.0%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13   0%  0.0%  1.0%
-  96x24                      1.00x  1.01x    0.99x  1.01x  4.52x  0.77x* 0.33->0.35   0%  0.0%  1.0%
-  96x24, Plan medians        1.03x  1.02x    1.01x  1.03x  4.52x  0.84x* 0.30->0.25   0%  0.0%  1.0%
-(recorded: configs/mod.py, 4x2 fake CPU devices)
-MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58   2%  1.4%  0.3%
-  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33   2%  1.4%  0.3%
-  32x16                      1.29x  1.38x    0.97x  1.38x  1.17x      -  3.26->2.41   2%  1.4%  0.3%
-  32x16, Plan medians        1.71x  1.54x    1.68x  1.71x  1.17x      -  3.28->1.76   2%  1.4%  0.3%
-
-The paper's baselines: MoE: static Megatron-LM; pruning: static Megatron-LM; freezing: Egeria, no
-balancing; sparse attention: dense attention; early exit: no early exit; MoD: MoD w/o balancing.
-
-* recorded: the baseline ran at another time of a shared CPU (unpaired): the samples before the
-first change, or a run without the dynamism where traces/<case>.dense.jsonl exists.
-
-MoE: unit = 2.66 ms, 37 profiled steps, M = 8, by-param [2, 2, 2, 2], imbalance of the uniform
-layout from the run's step timeline 1.60; layouts chosen at step 1: (2,2,2,2) all; step 69:
-(2,2,2,2) all; step 95: (2,2,2,2) all; step 96: (2,2,2,2) all; step 121: (2,2,2,2) all; step 142:
-(2,2,2,2) all; step 182: (2,2,2,2) all; step 206: (2,2,2,2) all; step 242: (2,2,2,2) all; step 271:
-(2,2,2,2) all.
-
-MoE, Plan medians: layouts chosen at step 1: (2,2,2,2) all; step 69: (2,2,2,2) all; step 95:
-(2,2,2,2) all; step 96: (2,2,2,2) all; step 121: (2,2,2,2) all; step 142: (2,2,2,2) all; step 182:
-(2,2,2,2) all; step 206: (2,2,2,2) all; step 242: (2,2,2,2) all; step 271: (2,2,2,2) partition+re-
-packed, (2,3,2,1) diffusion.
-
-pruning: unit = 1.70 ms, 22 profiled steps, M = 8, by-param [2, 2, 2, 2], imbalance of the uniform
-layout from the run's step timeline 1.05; layouts chosen at step 1: (2,2,2,2) all; step 122:
-(2,2,3,1) partition+re-packed, (1,3,3,1) diffusion; step 160: (2,3,2,1) partition+re-packed,
-(1,3,3,1) diffusion; step 213: (2,3,2,1) partition+re-packed, (1,3,3,1) diffusion; step 259:
-(2,3,2,1) partition+re-packed, (1,3,3,1) diffusion.
-
-pruning, Plan medians: layouts chosen at step 1: (2,2,2,2) all; step 122: (2,2,3,1) partition+re-
-packed, (1,3,3,1) diffusion; step 160: (2,3,2,1) partition+re-packed, (1,3,3,1) diffusion; step 213:
-(2,2,2,2) partition+re-packed, (1,3,2,2) diffusion; step 259: (2,2,3,1) partition+re-packed,
-(1,3,3,1) diffusion.
-
-freezing: unit = 1.86 ms, 23 profiled steps, M = 8, by-param [2, 2, 2, 2], imbalance of the uniform
-layout from the run's step timeline 1.26; layouts chosen at step 1: (2,2,2,2) all; step 122:
-(2,2,2,2) all; step 146: (3,2,2,1) all; step 205: (4,2,1,1) all.
-
-freezing, Plan medians: layouts chosen at step 1: (2,3,2,1) partition+re-packed, (2,2,2,2)
-diffusion; step 122: (2,2,2,2) all; step 146: (3,2,1,2) all; step 205: (3,2,2,1) partition+re-
-packed, (4,1,2,1) diffusion.
-
-sparse attention: unit = 59.45 ms, 5 profiled steps, M = 4, by-param [2, 2, 2, 2], imbalance of the
-uniform layout from the run's step timeline 0.92; layouts chosen at step 1: (2,2,2,2) all; step 17:
-(2,2,2,2) all; step 29: (2,2,2,2) all; step 30: (2,2,2,2) all; step 31: (2,2,2,2) all.
-
-sparse attention, Plan medians: layouts chosen at step 1: (2,2,2,2) all; step 17: (2,2,2,2) all;
-step 29: (2,2,2,2) all; step 30: (2,2,2,2) all; step 31: (2,2,2,2) all.
-
-early exit: unit = 5.28 ms, 36 profiled steps, M = 4, by-param [2, 2, 2, 2], imbalance of the
-uniform layout from the run's step timeline 0.67; layouts chosen at step 1: (2,2,2,2) all; step 118:
-(2,2,2,2) all; step 170: (2,2,2,2) all; step 205: (2,2,2,2) all; step 206: (2,2,2,2) all; step 229:
-(2,2,2,2) all; step 248: (2,2,2,2) all.
-
-early exit, Plan medians: layouts chosen at step 1: (2,2,2,2) all; step 118: (2,2,2,2) all; step
-170: (2,2,2,2) all; step 205: (2,2,2,2) all; step 206: (2,2,2,2) all; step 229: (2,2,2,2) all; step
-248: (2,2,2,2) all.
-
-MoD: unit = 2.77 ms, 31 profiled steps, M = 4, by-param [2, 2, 2, 2], imbalance of the uniform
-layout from the run's step timeline 2.15; layouts chosen at step 1: (2,2,2,2) all; step 81:
-(2,2,2,2) all; step 179: (2,2,2,2) all.
-
-MoD, Plan medians: layouts chosen at step 1: (1,3,2,2) partition+re-packed, (1,2,3,2) diffusion;
-step 81: (1,3,2,2) all; step 179: (1,2,3,2) all.
-
-pruning overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128;
-medians of 5 rounds of 5 steps): plain step 557.9 ms; extra per profile rescaled from the timeline
-8.9 ms, every unit run alone 197.5 ms; decision 1.28 ms; migration 8 ms per move.
-
-freezing overhead (2026-11-25, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128;
-medians of 5 rounds of 5 steps): plain step 563.9 ms; extra per profile rescaled from the timeline
-38.1 ms, every unit run alone 134.7 ms; decision 1.30 ms; migration 7 ms per move.
-
-MoD overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256; medians
-of 12 rounds of 6 steps, the periodic profile's paired with the round's plain steps): plain step
-423.9 ms; extra per profile rescaled from the timeline 10.4 ms, after a swap (the units it made new
-run alone) 167.9 ms (a move); decision 0.59 ms; migration 8 ms per move; process CPU per plain step
-631.4 ms, extra per periodic profile 8.9 ms; training thread CPU extra per periodic profile 0.53 ms;
-watcher threads' CPU per periodic profile 4.27 ms; stage busy time of the periodic profiles'
-timelines / the waited-for ones: 0.96 0.93 0.95 0.95.
-
-MoE overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=8, batch 16 x 128; medians
-of 12 rounds of 6 steps, the periodic profile's paired with the round's plain steps): plain step
-1334.0 ms; extra per profile rescaled from the timeline -14.5 ms, after a swap (the units it made
-new run alone) 106.3 ms (a move), 204.5 ms (layers 1 resized), 523.0 ms (layers 1,3,5,7 resized),
-438.4 ms (layers 1,3,7 resized), 292.7 ms (layers 1,7 resized), 293.1 ms (layers 3,5 resized), 170.1
-ms (layers 5 resized), 185.0 ms (layers 7 resized); decision 0.61 ms; migration 7 ms per move;
-process CPU per plain step 2012.5 ms, extra per periodic profile -31.4 ms; training thread CPU extra
-per periodic profile -1.54 ms; watcher threads' CPU per periodic profile 9.65 ms; stage busy time of
-the periodic profiles' timelines / the waited-for ones: 1.03 1.03 1.03 1.01.
-
-early exit overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x 256;
-medians of 6 rounds of 3 steps, the periodic profile's paired with the round's plain steps): plain
-step 658.5 ms; extra per profile rescaled from the timeline 23.6 ms, after a swap (the units it made
-new run alone) 199.4 ms (a move), 225.9 ms (layers 2,3 resized), 450.7 ms (layers 2,3,4,5,6,7
-resized), 265.6 ms (layers 4,5 resized), 184.6 ms (layers 6,7 resized), 596.1 ms (every sized layer
-resized); decision 0.62 ms; migration 7 ms per move; process CPU per plain step 1073.5 ms, extra per
-periodic profile 25.3 ms; training thread CPU extra per periodic profile 1.04 ms; watcher threads'
-CPU per periodic profile 5.25 ms; stage busy time of the periodic profiles' timelines / the waited-
-for ones: 1.06 1.10 1.10 1.10.
-
-sparse attention overhead (2026-11-27, 4 stages x 2 data (8 cpu devices), 8 layers, M=4, batch 8 x
-1024; medians of 3 rounds of 2 steps, the periodic profile's paired with the round's plain steps):
-plain step 8701.2 ms; extra per profile rescaled from the timeline -229.9 ms, after a swap (the
-units it made new run alone) 462.7 ms (a move), 1905.4 ms (layers 0,1,2,3 resized), -127.1 ms
-(layers 4 resized), 966.3 ms (layers 5,6 resized), -309.5 ms (layers 7 resized); decision 2.00 ms;
-migration 6 ms per move; process CPU per plain step 15685.5 ms, extra per periodic profile -338.3
-ms; training thread CPU extra per periodic profile -1.56 ms; watcher threads' CPU per periodic
-profile 9.68 ms; stage busy time of the periodic profiles' timelines / the waited-for ones: 1.06
-1.04 1.01 1.00.
-
-With ``--tiled`` (the measured model stacked L / 8 times; the 4-stage rows are the same as above):
-
-                            x part x diff x repack   best  paper x dense  imbalance  ovh   cpu swaps
-----------------------------------------------------------------------------------------------------
-(recorded: configs/moe.py, 4x2 fake CPU devices)
-MoE                          1.00x  1.00x    1.00x  1.00x  1.23x      -  1.06->1.06  -1% -1.6%  0.7%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  1.23x      -  1.17->1.17  -1% -1.6%  0.7%
-  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.23x      -  1.11->1.11  -1% -1.6%  0.7%
-  32x16 tiled, Plan medians  1.00x  1.02x    1.00x  1.02x  1.23x      -  1.22->1.22  -1% -1.6%  0.7%
-(recorded: configs/pruning.py, 4x2 fake CPU devices)
-pruning                      1.02x  1.01x    1.02x  1.02x  3.18x      -  0.75->0.73   0%     -  0.5%
-  Plan medians               1.02x  1.01x    1.02x  1.02x  3.18x      -  0.71->0.65   0%     -  0.5%
-  96x24 tiled                1.04x  1.05x    1.04x  1.05x  3.18x      -  0.49->0.37   0%     -  0.5%
-  96x24 tiled, Plan medians  1.04x  1.05x    1.04x  1.05x  3.18x      -  0.47->0.33   0%     -  0.5%
-(recorded: configs/freezing.py, 4x2 fake CPU devices)
-freezing                     1.03x  1.03x    1.03x  1.03x  2.23x      -  1.15->0.92   0%     -  0.2%
-  Plan medians               1.05x  1.03x    1.05x  1.05x  2.23x      -  0.95->0.83   0%     -  0.2%
-  96x24 tiled                1.11x  1.13x    1.11x  1.13x  2.23x      -  0.87->0.43   0%     -  0.2%
-  96x24 tiled, Plan medians  1.16x  1.15x    1.16x  1.16x  2.23x      -  0.83->0.31   0%     -  0.2%
-(recorded: configs/sparse_attention.py, 4x2 fake CPU devices)
-sparse attention             1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -3% -2.2%  0.3%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.02x  0.69x* 0.27->0.27  -3% -2.2%  0.3%
-  96x24 tiled                1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -3% -2.2%  0.3%
-  96x24 tiled, Plan medians  1.01x  0.97x    1.01x  1.01x  4.02x  0.71x* 0.16->0.14  -3% -2.2%  0.3%
-(recorded: configs/early_exit.py, 4x2 fake CPU devices)
-early exit                   1.00x  1.00x    1.00x  1.00x  4.52x  0.81x* 0.18->0.18   0%  0.0%  1.0%
-  Plan medians               1.00x  1.00x    1.00x  1.00x  4.52x  0.86x* 0.13->0.13   0%  0.0%  1.0%
-  96x24 tiled                1.00x  1.00x    1.00x  1.00x  4.52x  0.80x* 0.09->0.10   0%  0.0%  1.0%
-  96x24 tiled, Plan medians  1.00x  0.99x    1.00x  1.00x  4.52x  0.84x* 0.09->0.09   0%  0.0%  1.0%
-(recorded: configs/mod.py, 4x2 fake CPU devices)
-MoD                          1.00x  1.00x    1.00x  1.00x  1.17x      -  1.58->1.58   2%  1.4%  0.3%
-  Plan medians               1.02x  1.02x    1.02x  1.02x  1.17x      -  1.56->1.33   2%  1.4%  0.3%
-  32x16 tiled                1.00x  1.00x    1.00x  1.00x  1.17x      -  1.63->1.63   2%  1.4%  0.3%
-  32x16 tiled, Plan medians  1.04x  1.04x    1.03x  1.04x  1.17x      -  1.60->1.37   2%  1.4%  0.3%
-
-Gaps to the paper's numbers (seed 000 Fig. 3: MoE 1.23x, pruning 3.18x, freezing 2.23x, sparse
-attention 4.02x, early exit 4.52x, MoD 1.17x). What differs for every case: (1) size: 8 layers of a
-small GPT on 4 stages against models of billions of parameters on 16 or 24; with two layers per
-stage a stage must pair unlike layers, and only 35 layouts exist (the L x S rows put the measured
-shapes on the paper's stage counts, with the caveats above); (2) timing: 8 fake devices on 2 CPU
-cores shared with other jobs, single samples up to 13x their Plan's median, background compiles
-inside profiled steps (the Plan-median rows bound it); (3) static shapes: dynjax compiles expert
-capacities, routed-token counts and attention budgets into the Plan, so a layer's time follows its
-Plan, not the batch's routing: the per-iteration swings DynMo rebalances every iteration for MoE,
-MoD and sparse attention do not exist here; (4) the 1.5x memory cap per worker rules out the
-layouts that would relieve the embedding's stage in MoE and MoD. Per case: MoE 1.00x (1.08x on
-32 x 16 by copies, 1.00x tiled): dynamic capacities give every MoE layer about the same total, and
-the gain of the copied rows is the grouping of MoE copies, not routing skew. Pruning 1.02x (1.20x
-on 96 x 24, 1.05x tiled) against 3.18x: which matrices survive sets a layer's time (three heavy
-layers of eight), and no stage is cheaper than its heaviest layer; the paper's 90% sparsity with
-density-proportional kernels spreads layer costs far more. Freezing 1.03x (1.09x on 96 x 24,
-1.13x tiled) against Egeria's 2.23x: a frozen dynjax layer still runs its forward (a quarter of a
-trained layer; Egeria caches it), at most half the layers freeze (``freezing.max_fraction``) and
-half the run is unfrozen. Sparse attention 1.00x (1.04x, 1.01x tiled) and 0.69x against dense,
-against 4.02x over dense attention: the paper skips blocks in a GPU kernel at long sequences; the
-XLA path on CPU at 1,024 tokens costs about what dense costs even at 10 of 16 key blocks, and the
-policy gives the layers the same budget, so there is little to balance. Early exit 1.00x (1.01x
-on 96 x 24, 1.03x with Plan medians) against 4.52x: the run keeps 49-60% of the tokens in the
-layers after the first exit point, and every stage holds two layers of alike cost after the buckets
-shrink, so the uniform split is already balanced (imbalance 0.18); "x dense" 0.81x is unpaired (the
-samples before exits start at step 100 against the rest of the run on a shared CPU) and includes
-the exit points' LM-head readouts, which the paper's GPU kernels amortise over far wider layers.
-MoD 1.00x (1.38x by copies, 1.00x
-tiled) against 1.17x: a routed block processes a static c x S tokens, so its time never varies;
-the copied rows' gain is the grouping artifact.
+Results: docs/benchmarks.md "DynMo cases" (the traces of 2026-11-28), printed by
+``PYTHONPATH=. python3 benchmarks/dynmo_cases.py``; the overhead columns are the newest line of
+each case in ``traces/overhead.jsonl`` (measured 2026-11-25/27 on the earlier 8-layer models).
 
 Overheads. "ovh" is a periodic profile taken every step at the case's cadence, its unit times
 rescaled from its own step's timeline, which watcher threads take while the training loop
@@ -1271,8 +880,8 @@ def main(deep: bool = True, tiled: bool = False) -> None:
     say("DynMo cases through the pipeline simulator. Recorded rows: measured per-layer times of "
         "a dynjax run (benchmarks/traces/); synthetic rows: seed 000 §2 load models. Rows "
         "named L x S EXTRAPOLATE a recorded run to the paper's depth: each measured layer stands "
-        "for L / 8 consecutive copies, on S stages (copies share their layer's measured noise; "
-        "M = 4 x S and per-hop transfers as the synthetic rows).")
+        "for L / n consecutive copies (n: the run's layers), on S stages (copies share their "
+        "layer's measured noise; M = 4 x S and per-hop transfers as the synthetic rows).")
     say(f"Time-averaged simulated 1F1B iteration time, unit = one dense layer forward "
         f"(synthetic: {ITERATIONS:,} iterations sampled every {SAMPLE_EVERY}, M = 4 x S; "
         "recorded: every profiled step, the run's M; L x S rows: M = 4 x S):")
