@@ -48,10 +48,12 @@ balanced stages with M microbatches, 0.625 at M = 4; 1.0: nothing ran in paralle
 
 ``--schedules`` compares the runtime's schedules on that pipeline (issue 33 §2): the same
 dense model, uniform layouts, 1F1B on 2 stages (8 + 8 layers) against interleaved 1F1B with 2
-chunks per stage (4 logical stages of 4 layers), interleaved rounds. Printed per schedule:
-tokens/s, step seconds, the bubble of a steady profiled step (each process's idle share of
-the step: 1 - the union of its chunks' task intervals over the step's span) and the bubble
-the simulator predicts from that profile's layer times:
+chunks per stage (4 logical stages of 4 layers) and against 1F1B whose backward takes its
+forward's residuals instead of recomputing it (``pipeline.recompute=False``), interleaved
+rounds. Printed per run: tokens/s, step seconds, the bubble of a steady profiled step (each
+process's idle share of the step: 1 - the union of its chunks' task intervals over the step's
+span), the bubble the simulator predicts from that profile's layer times and the first
+compile's seconds (a cold compilation cache):
 
     PYTHONPATH=. python3 benchmarks/real_pipeline.py --schedules
 
@@ -355,8 +357,13 @@ def parallel_check(steps: int, rounds: int, out: Path) -> dict:
     }
 
 
-# The schedules `--schedules` compares: (pipeline.schedule, pipeline.virtual_stages).
-SCHEDULE_RUNS = (("1f1b", 1), ("interleaved_1f1b", 2))
+# The schedules `--schedules` compares: name -> (pipeline.schedule, pipeline.virtual_stages,
+# pipeline.recompute).
+SCHEDULE_RUNS = {
+    "1f1b": ("1f1b", 1, True),
+    "interleaved_1f1b": ("interleaved_1f1b", 2, True),
+    "1f1b, no recompute": ("1f1b", 1, False),
+}
 PROFILED_AT = 40  # the steady profile of a `--schedules` run (steps after it are timed)
 
 
@@ -379,30 +386,39 @@ def measured_bubble(workdir: Path) -> float:
     return float(np.mean(idle))
 
 
-def schedule_comparison(steps: int, rounds: int, out: Path) -> dict:
+def first_compile_seconds(workdir: Path) -> float:
+    """Lower + compile seconds of the run's first Plan (its first ``compile`` event)."""
+    first = next(e for e in read_jsonl(workdir / "events.jsonl") if e.get("event") == "compile")
+    return first["lower_seconds"] + first["compile_seconds"]
+
+
+def schedule_comparison(steps: int, rounds: int, layers: int | None, out: Path) -> dict:
     """Tokens/s and bubbles of the dense pipeline under each of `SCHEDULE_RUNS`."""
-    config, values = overrides("dense", steps, None, "")
+    config, values = overrides("dense", steps, layers, "")
     values["pipeline.profile_every"] = PROFILED_AT
     batch = _config_value(config, "train.batch_size") * _config_value(config, "data.seq_len")
     m = values["train.microbatches"]
     runs: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):
-        for schedule, v in SCHEDULE_RUNS:
-            workdir = out / f"dense-{schedule}-{r}"
-            these = {**values, "pipeline.schedule": schedule, "pipeline.virtual_stages": v}
+        for name, (schedule, v, recompute) in SCHEDULE_RUNS.items():
+            workdir = out / f"dense-{name.replace(', ', '-').replace(' ', '-')}-{r}"
+            these = {**values, "pipeline.schedule": schedule, "pipeline.virtual_stages": v,
+                     "pipeline.recompute": recompute,  # a cold compile: a cache of its own
+                     "recompile.cache_dir": workdir / "compilation_cache"}
             run(train_command(config, these, workdir, pin=True))
             fwd, bwd = layer_times(workdir)
             layout = uniform(len(fwd), STAGES * v)
             sim = simulate(stage_costs(fwd, layout), stage_costs(bwd, layout), m,
                            schedule=schedule, virtual_stages=v)
-            row = runs.setdefault(schedule, {k: [] for k in
-                                             ("tokens_per_sec", "bubble", "simulated_bubble")})
+            row = runs.setdefault(name, {k: [] for k in ("tokens_per_sec", "bubble",
+                                                         "simulated_bubble", "compile_seconds")})
             row["tokens_per_sec"].append(steady_tokens_per_sec(workdir))
             row["bubble"].append(measured_bubble(workdir))
             row["simulated_bubble"].append(sim.bubble_ratio)
-            print(f"  round {r} {schedule:<17} {row['tokens_per_sec'][-1]:,.0f} tokens/s, "
-                  f"bubble {row['bubble'][-1]:.1%} (simulated {sim.bubble_ratio:.1%})",
-                  flush=True)
+            row["compile_seconds"].append(first_compile_seconds(workdir))
+            print(f"  round {r} {name:<18} {row['tokens_per_sec'][-1]:,.0f} tokens/s, "
+                  f"bubble {row['bubble'][-1]:.1%} (simulated {sim.bubble_ratio:.1%}), "
+                  f"compile {row['compile_seconds'][-1]:.1f} s", flush=True)
     base = runs["1f1b"]["tokens_per_sec"]
     return {
         "microbatches": m,
@@ -416,9 +432,11 @@ def schedule_comparison(steps: int, rounds: int, out: Path) -> dict:
                 ),
                 "bubble": statistics.median(runs[name]["bubble"]),
                 "simulated_bubble": statistics.median(runs[name]["simulated_bubble"]),
+                "compile_seconds": statistics.median(runs[name]["compile_seconds"]),
+                "recompute": recompute,
                 "rounds": runs[name],
             }
-            for name, v in SCHEDULE_RUNS
+            for name, (_, v, recompute) in SCHEDULE_RUNS.items()
         },
         "load": os.getloadavg()[0],
     }
@@ -496,19 +514,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.parallel_check:
                 result = parallel_check(args.steps, args.rounds, out)
             elif args.schedules:
-                result = schedule_comparison(args.steps, args.rounds, out)
+                result = schedule_comparison(args.steps, args.rounds, args.layers, out)
             else:
                 result = measure_case(args.case, args.steps, args.rounds, args.layers, out)
         except RuntimeError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
         if args.schedules:
-            print(f"{'schedule':<17} {'v':>2} {'tokens/s':>9} {'s/step':>7} {'vs 1f1b':>8} "
-                  f"{'bubble':>7} {'simulated':>9}")
+            print(f"{'schedule':<18} {'v':>2} {'tokens/s':>9} {'s/step':>7} {'vs 1f1b':>8} "
+                  f"{'bubble':>7} {'simulated':>9} {'compile s':>9}")
             for name, row in result["schedules"].items():
-                print(f"{name:<17} {row['virtual_stages']:>2} {row['tokens_per_sec']:>9,.0f} "
+                print(f"{name:<18} {row['virtual_stages']:>2} {row['tokens_per_sec']:>9,.0f} "
                       f"{row['step_seconds']:>7.4f} {row['speedup_vs_1f1b']:>7.3f}x "
-                      f"{row['bubble']:>7.1%} {row['simulated_bubble']:>9.1%}")
+                      f"{row['bubble']:>7.1%} {row['simulated_bubble']:>9.1%} "
+                      f"{row['compile_seconds']:>9.1f}")
         elif args.parallel_check:
             print(f"two cores {result['two_core_step_seconds']:.4f} s/step, one core "
                   f"{result['one_core_step_seconds']:.4f} s/step: ratio {result['ratio']:.3f} "

@@ -150,6 +150,11 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # Chunks of layers per stage (interleaved_1f1b: >= 2, each stage holds non-adjacent
     # chunks; stage_layers then counts mesh.stage x virtual_stages logical stages).
     c.pipeline.virtual_stages = 1
+    # A stage's backward recomputes its forward from the stored stage input (one input kept per
+    # microbatch in flight); False: the forward keeps what the backward reads instead (every
+    # layer's activations per microbatch in flight, no second forward; mesh.expert = mesh.tensor
+    # = 1).
+    c.pipeline.recompute = True
     c.pipeline.profile_every = 0  # profile per-layer times and stage memory every n steps; 0 = off
     c.pipeline.profile_on_change = True  # profile the first step of every Plan (seed 000 §3.1)
 
@@ -695,6 +700,12 @@ def _check_pipeline(run: RunSettings) -> None:
         )
     if p.profile_every < 0:
         raise ConfigError(f"pipeline.profile_every={p.profile_every} must be >= 0 (0 = off)")
+    if not p.recompute and (run.mesh.expert > 1 or run.mesh.tensor > 1):
+        raise ConfigError(
+            "pipeline.recompute=False keeps a stage's activations split over its data devices "
+            f"only: it needs mesh.expert=1 and mesh.tensor=1 (got {run.mesh.expert} and "
+            f"{run.mesh.tensor}); keep pipeline.recompute=True"
+        )
     b = run.balance
     if b.enabled or b.repack:
         _check_balance_costs(b)

@@ -294,6 +294,7 @@ class Experiment:
             grad_clip=t.grad_clip,
             fsdp=self.settings.parallel.fsdp,
             skip_nonfinite=t.nonfinite == "skip",
+            recompute=self.settings.pipeline.recompute,
         )
 
     @functools.cached_property

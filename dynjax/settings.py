@@ -124,6 +124,7 @@ class PipelineSettings:
     stage_layers: str
     schedule: Literal[SCHEDULES]
     virtual_stages: int
+    recompute: bool
     profile_every: int
     profile_on_change: bool
 

@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dynjax import config as config_lib
-from dynjax.checkpoint.errors import NoSpaceError
+from dynjax.checkpoint.errors import CheckpointError, NoSpaceError
 from dynjax.checkpoint.rows import PartialRows
 from dynjax.checkpoint.settings import CheckpointSettings
 from dynjax.checkpoint.snapshot import InjectedFault
@@ -996,6 +996,11 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(cfg, workdir, progress=progress, schemes=schemes)
     except (ConfigError, NonFiniteError, NoSpaceError) as err:  # bad input, diverged, disk full
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except CheckpointError as err:  # e.g. no checkpoint of the workdir could be restored
+        print(f"error: {err}", file=sys.stderr)
+        if joined():
+            fail()  # a peer may wait for this process in a collective: do not wait for it
         return 2
     except Exception as err:
         if "RESOURCE_EXHAUSTED" in str(err):  # where the backend could not tell beforehand

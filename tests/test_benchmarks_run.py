@@ -121,6 +121,7 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
         "Table 3",
         False,
     ),
+    "stage_compile": (["--layers", "2", "--repeats", "1"], "target: a stage's forward", False),
     "sparse_attention": (
         ["--seq", "256", "--block", "64", "--rounds", "1", "--steps", "0"],
         "dense causal",

@@ -81,6 +81,36 @@ def test_layer_times_fold_the_embedding_and_head_into_the_end_layers(tmp_path):
     np.testing.assert_array_equal(bwd, [2.25, 2.0, 2.0, 8.0])
 
 
+def test_the_measured_bubble_is_each_processs_idle_share_of_the_step(tmp_path):
+    """Logical stages 0 and 2 share process 0 (interleaved): their overlapping tasks count once."""
+    timeline = [
+        [["F", 0, 0.0, 1.0], ["B", 0, 2.0, 3.0]],  # stage 0, process 0
+        [["F", 0, 1.0, 4.0]],  # stage 1, process 1
+        [["F", 0, 0.5, 1.5]],  # stage 2, process 0 again
+        [["F", 0, 1.0, 2.0]],  # stage 3, process 1 (inside stage 1's task)
+    ]
+    write(tmp_path, [{**PROFILE, "timeline": timeline}], {})
+    # process 0 busy 0-1.5 and 2-3 of 0-4 (idle 37.5%), process 1 busy 1-4 (idle 25%)
+    assert bench.measured_bubble(tmp_path) == pytest.approx((0.375 + 0.25) / 2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins 2 processes to a core each")
+def test_the_schedules_run_on_two_pinned_processes(tmp_path):
+    out = tmp_path / "schedules.json"
+    cmd = [sys.executable, "benchmarks/real_pipeline.py", "--schedules", "--layers", "4",
+           "--steps", "8", "--rounds", "1", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())["schedules"]
+    assert set(result) == set(bench.SCHEDULE_RUNS)
+    for row in result.values():
+        assert row["tokens_per_sec"] > 0 and 0 <= row["bubble"] < 1 and row["compile_seconds"] > 0
+    assert result["1f1b"]["speedup_vs_1f1b"] == 1.0
+    assert "interleaved_1f1b" in done.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins 2 processes to a core each")
 def test_one_case_runs_on_two_pinned_processes(tmp_path):

@@ -126,6 +126,18 @@ def test_the_cli_refuses_a_changed_model_with_exit_2(tmp_path, capsys):
     assert code == 2 and err.startswith("error: ") and "model.d_model: 32 -> 64" in err
 
 
+def test_the_cli_says_no_checkpoint_could_be_restored_with_exit_2(tmp_path, capsys):
+    """Every checkpoint of the workdir corrupt: an error naming where they were set aside, not
+    a traceback, and nothing deleted."""
+    train(tiny_config(train__steps=4, train__checkpoint_every=4), tmp_path, progress=False)
+    corrupt(tmp_path / "checkpoints" / "4")
+    code = main(["--config=tests/tiny.py", f"--workdir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "could be restored" in err
+    assert "Traceback" not in err
+    assert (tmp_path / "checkpoints" / "corrupt").is_dir()
+
+
 @pytest.mark.slow
 def test_step_options_that_changed_are_applied_and_recorded(tmp_path):
     base = {"moe__every": 2, "train__checkpoint_every": 4, "train__eval_every": 1000}

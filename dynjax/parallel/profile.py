@@ -231,10 +231,16 @@ def _time_unit(
     zeros = lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding)
     acc, racc = jax.tree.map(zeros, s.acc), jax.tree.map(zeros, s.racc)
     bwd = get("bwd", one)
+    # With ``recompute`` off the backward takes its forward's residuals (and donates them):
+    # one forward's worth for each call, made before the timing.
+    stored = [
+        get(forward_kind, one)(params, x, ctx, None)[3] for _ in range(repeats + 1)
+    ] if s.residual_layout is not None else []
 
     def backward():
         nonlocal acc, racc
-        out = bwd(params, acc, racc, x, ctx, seed, None)
+        residuals = (stored.pop(),) if s.residual_layout is not None else ()
+        out = bwd(params, acc, racc, x, ctx, *residuals, seed, None)
         acc, racc = out[0], out[2]
         return out
 
@@ -304,9 +310,10 @@ def stage_memory(
             continue
         held = shapes(stage)
         # A kept stage input is its activations (tokens; past a frozen prefix, the prefix's
-        # output) with the carry and targets its wrappers read.
+        # output) with the carry and targets its wrappers read, and with ``recompute`` off the
+        # residuals its forward keeps for the backward.
         context = {k: v for k, v in held.ctx.items() if k != "readout"}
-        inputs = [held.kept, *jax.tree.leaves(context)]
+        inputs = [held.kept, *jax.tree.leaves(context), *held.residuals]
         x_bytes = sum(
             int(np.prod(a.shape)) * a.dtype.itemsize // a.sharding.num_devices for a in inputs
         )

@@ -67,6 +67,10 @@ class StageSetup:
     # ``train.nonfinite="skip"``: a step whose global gradient norm is not finite keeps the
     # parameters and optimizer state it had (`update_fn`), and says so in ``skipped``.
     skip_nonfinite: bool = False
+    # ``pipeline.recompute``: a pipeline stage's backward recomputes its forward from the
+    # stored stage input; False: its forward keeps the VJP's residuals for it instead
+    # (`dynjax.parallel.residuals`).
+    recompute: bool = True
 
 
 def cast_floats(tree, dtype, hooks: Hooks):
@@ -210,8 +214,9 @@ def frozen_prefix(setup: StageSetup, spec: StageSpec) -> int:
 
     0 where it does not apply: a stage whose layers pass a carry, read step or batch inputs,
     the readout or a stage loss (their values or rows would have to be cut at the prefix), the
-    last stage (its backward returns every layer's metrics) and a stage without backward."""
-    if spec.last or spec.input_grads or spec.needs_readout or spec.carry:
+    last stage (its backward returns every layer's metrics), a stage without backward, and a
+    run whose forward keeps the VJP's residuals (``recompute`` off: nothing is recomputed)."""
+    if not setup.recompute or spec.last or spec.input_grads or spec.needs_readout or spec.carry:
         return 0
     if (spec.first and not spec.embed_frozen) or spec.step_inputs or spec.batch_inputs:
         return 0
@@ -234,42 +239,65 @@ def backward_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | N
     with the loss, and it returns the microbatch's metrics; the others are seeded with the next
     stage's input gradient. Frozen units are constants: XLA keeps no backward for a frozen
     prefix at all."""
-    trainable_units = spec.trainable(setup.parts.learned_positions)
     start = frozen_prefix(setup, spec)  # x: the frozen prefix's output (`frozen_prefix`)
 
     def bwd(params, acc, racc, x, ctx, seed, batch_in):
         if spec.last:
             ctx = {**ctx, "targets": seed}
-
-        def f(trainable, readout, x):
-            out, _, local, metrics, _ = forward_loss(
-                setup,
-                spec,
-                parallel,
-                overlay(params, trainable),
-                x,
-                {**ctx, **readout},
-                batch_in,
-                start=start,
-            )
-            return (local if spec.last else (out, local)), metrics
-
-        readout = {"readout": ctx["readout"]} if spec.needs_readout else {}
-        args = (select(params, trainable_units), readout, x)
-        argnums = (0, 1, 2) if spec.input_grads else (0, 1)
-        fixed = lambda *a: f(*a, *args[len(argnums) :])
-        _, vjp, metrics = jax.vjp(fixed, *args[: len(argnums)], has_aux=True)
+        _, vjp, (metrics, _) = stage_vjp(
+            setup, spec, parallel, params, x, ctx, batch_in, start=start
+        )
         one = jnp.ones((), jnp.float32)
-        grads = vjp(one if spec.last else (seed, one))
-        add = lambda a, g: a + g.astype(jnp.float32)
-        acc = jax.tree.map(add, acc, grads[0])
-        racc = jax.tree.map(add, racc, grads[1].get("readout", {}))
-        # Without an input gradient, a scalar that is ready with the backward: something to
-        # wait on that the stage's next backward does not donate (`Pipeline.timed_step`).
-        g_x = grads[2] if spec.input_grads else _done(acc)
+        acc, g_x, racc = accumulate(spec, acc, racc, vjp(one if spec.last else (seed, one)))
         return (acc, g_x, racc) + ((metrics,) if spec.last else ())
 
     return bwd
+
+
+def stage_vjp(
+    setup: StageSetup,
+    spec: StageSpec,
+    parallel: ExpertParallel | None,
+    params,
+    x,
+    ctx,
+    batch_in,
+    *,
+    start: int = 0,
+):
+    """``jax.vjp`` of the stage's differentiated outputs (its loss terms on the last stage,
+    else its output and loss terms) in the trainable units, the read readout and, where an
+    earlier stage needs it, the input: returns (outputs, vjp, (metrics, carry))."""
+
+    def f(trainable, readout, x):
+        out, carry, local, metrics, _ = forward_loss(
+            setup,
+            spec,
+            parallel,
+            overlay(params, trainable),
+            x,
+            {**ctx, **readout},
+            batch_in,
+            start=start,
+        )
+        return (local if spec.last else (out, local)), (metrics, carry)
+
+    readout = {"readout": ctx["readout"]} if spec.needs_readout else {}
+    args = (select(params, spec.trainable(setup.parts.learned_positions)), readout, x)
+    argnums = (0, 1, 2) if spec.input_grads else (0, 1)
+    fixed = lambda *a: f(*a, *args[len(argnums) :])
+    return jax.vjp(fixed, *args[: len(argnums)], has_aux=True)
+
+
+def accumulate(spec: StageSpec, acc: Any, racc: Any, grads: tuple) -> tuple[Any, Any, Any]:
+    """(acc, g_x, racc) after a backward's ``grads`` of `stage_vjp`: the weight gradients added
+    in float32, the input gradient (or, without one, a scalar that is ready with the backward:
+    something to wait on that the stage's next backward does not donate,
+    `Pipeline.timed_step`)."""
+    add = lambda a, g: a + g.astype(jnp.float32)
+    acc = jax.tree.map(add, acc, grads[0])
+    racc = jax.tree.map(add, racc, grads[1].get("readout", {}))
+    return acc, (grads[2] if spec.input_grads else _done(acc)), racc
 
 
 def _done(acc: Any) -> jax.Array:

@@ -5,14 +5,17 @@ compiled per stage on the stage's own (data, expert) sub-mesh: data parallel ove
 and expert parallel over ``'expert'`` exactly as the single-program step. The schedule runs the
 microbatch loop (`dynjax.parallel.step_run`):
 
-* ``fwd(params, x, ctx, batch_in) -> (y, carry, metrics, [kept])``: `stage.forward_loss` on
-  one microbatch; ``kept``, the output of a frozen prefix (`stage.frozen_prefix`), where the
-  stage has one. The last stage has no forward program: its forward output only feeds its own
-  backward.
+* ``fwd(params, x, ctx, batch_in) -> (y, carry, metrics, [kept | residuals])``:
+  `stage.forward_loss` on one microbatch; ``kept``, the output of a frozen prefix
+  (`stage.frozen_prefix`), where the stage has one; ``residuals``, what its backward reads,
+  with ``pipeline.recompute`` off (`dynjax.parallel.residuals`). The last stage has no forward
+  program: its forward output only feeds its own backward.
 * ``bwd(params, acc, racc, x, ctx, seed, batch_in) -> (acc, g_x, racc, [metrics])``:
   `stage.backward_fn`, recomputing the forward from the stored stage input (activation
   checkpointing at stage boundaries: a stage keeps one input per microbatch in flight, not
-  every intermediate), or from ``kept`` past a frozen prefix.
+  every intermediate), or from ``kept`` past a frozen prefix; with ``recompute`` off,
+  ``bwd(params, acc, racc, x, ctx, residuals, seed, batch_in) -> (acc, g_x, racc)`` runs the
+  pullback on the forward's residuals alone.
 * ``sqnorm(acc) -> [1]``: this stage's squared gradient norm; `Transport.gather` brings every
   stage's to every stage.
 * ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
@@ -40,6 +43,13 @@ from jax.sharding import PartitionSpec as P
 from dynjax.parallel.layout import select
 from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
 from dynjax.parallel.metrics import fold_microbatches
+from dynjax.parallel.residuals import (
+    ResidualLayout,
+    keeps_residuals,
+    residual_backward_fn,
+    residual_forward_fn,
+    residual_shapes,
+)
 from dynjax.parallel.stage import (
     DTYPES,
     READOUT_UNITS,
@@ -55,8 +65,12 @@ from dynjax.parallel.stage import (
 from dynjax.parallel.stages import StageSpec
 
 
-def forward_fn(setup: StageSetup, spec: StageSpec, mesh: Mesh):
+def forward_fn(
+    setup: StageSetup, spec: StageSpec, mesh: Mesh, traced: list[ResidualLayout] | None = None
+):
     parallel = expert_parallel(mesh)
+    if keeps_residuals(setup, spec):
+        return residual_forward_fn(setup, spec, parallel, traced)
     keep = frozen_prefix(setup, spec)
 
     def fwd(params, x, ctx, batch_in):
@@ -99,6 +113,10 @@ class StageShapes:
     ctx: dict[str, Any]  # what the stage's wrappers read beside x (module docstring)
     carry: dict[str, jax.ShapeDtypeStruct]  # the carry the stage outputs (empty on the last)
     racc: dict[str, Any]  # the readout-gradient accumulator (empty unless needs_readout)
+    # What the forward keeps for the backward with ``recompute`` off (else empty), and how its
+    # VJP flattens (`dynjax.parallel.residuals`).
+    residuals: tuple[jax.ShapeDtypeStruct, ...]
+    residual_layout: ResidualLayout | None
     targets: jax.ShapeDtypeStruct
     batch_in: dict[str, jax.ShapeDtypeStruct] | None  # the batch inputs of a microbatch
     metrics: Metrics  # of one microbatch
@@ -149,15 +167,17 @@ def stage_shapes(
     if spec.needs_readout:
         ctx["readout"] = with_sharding(select(full_params, READOUT_UNITS))
         racc = ctx["readout"]
-    kept = x
+    kept, residuals, traced = x, (), []
     if spec.last:
         fn = backward_fn(setup, spec, expert_parallel(mesh))
         metrics = jax.eval_shape(fn, params, acc, racc, x, ctx, tokens, batch_in)[3]
     else:
-        outs = jax.eval_shape(forward_fn(setup, spec, mesh), params, x, ctx, batch_in)
+        outs = jax.eval_shape(forward_fn(setup, spec, mesh, traced), params, x, ctx, batch_in)
         metrics = outs[2]
         if frozen_prefix(setup, spec):
             kept = jax.ShapeDtypeStruct(outs[3].shape, outs[3].dtype, sharding=rows)
+        if keeps_residuals(setup, spec):
+            residuals = residual_shapes(outs[3], mesh, b)
     metrics = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), metrics
     )
@@ -171,6 +191,8 @@ def stage_shapes(
         ctx=ctx,
         carry={} if spec.last else carry,
         racc=racc,
+        residuals=residuals,
+        residual_layout=traced[0] if keeps_residuals(setup, spec) else None,
         targets=tokens,
         batch_in=batch_in,
         metrics=metrics,
@@ -187,8 +209,28 @@ def lower_stage(
     if kind == "fwd":
         outs = (shapes.y.sharding, sharding(shapes.carry), metrics)
         outs += (shapes.kept.sharding,) if frozen_prefix(setup, spec) else ()
-        jitted = jax.jit(forward_fn(setup, spec, mesh), out_shardings=outs)
-        return jitted.lower(shapes.params, shapes.x, shapes.ctx, shapes.batch_in)
+        residuals = keeps_residuals(setup, spec)
+        outs += (sharding(shapes.residuals),) if residuals else ()
+        traced: list[ResidualLayout] = []
+        jitted = jax.jit(forward_fn(setup, spec, mesh, traced), out_shardings=outs)
+        lowered = jitted.lower(shapes.params, shapes.x, shapes.ctx, shapes.batch_in)
+        if residuals and traced[0].sources != shapes.residual_layout.sources:
+            raise RuntimeError(  # the backward is lowered with the layout `stage_shapes` traced
+                f"stage {spec.index}: its forward's VJP flattened differently in two traces"
+            )
+        return lowered
+    if kind == "bwd" and keeps_residuals(setup, spec):
+        outs = (sharding(shapes.acc), shapes.x.sharding if spec.input_grads else replicated,
+                sharding(shapes.racc))
+        jitted = jax.jit(
+            residual_backward_fn(spec, shapes.residual_layout),
+            out_shardings=outs,
+            donate_argnums=(1, 2),
+        )
+        return jitted.lower(
+            shapes.params, shapes.acc, shapes.racc, shapes.x, shapes.ctx, shapes.residuals,
+            shapes.y, shapes.batch_in,
+        )
     if kind == "bwd":
         g_x = shapes.x.sharding if spec.input_grads else replicated
         outs = (sharding(shapes.acc), g_x, sharding(shapes.racc))

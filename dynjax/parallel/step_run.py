@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from dynjax.parallel.executable import PipelineExecutable
 from dynjax.parallel.feed import place_microbatches
 from dynjax.parallel.mesh import TOKEN_AXES
+from dynjax.parallel.residuals import keeps_residuals
 from dynjax.parallel.stage_inputs import StageInputs
 from dynjax.parallel.stage_programs import add_readout_grads
 from dynjax.parallel.stage_state import StageState
@@ -46,6 +47,8 @@ class Run:
     # [stage][microbatch] -> (stage input, its context), kept for the backward
     stage_in: list[dict[int, Any]]
     grad_in: list[dict[int, Any]]  # [stage][microbatch] -> gradient of the stage output
+    # [stage][microbatch] -> what the forward kept for the backward (``recompute`` off)
+    residuals: list[dict[int, Any]]
     metrics: list[list[Any]]  # [stage][microbatch] -> metrics of that forward
     # (kind, stage, microbatch) -> what a task produced for a neighbour, until its send
     outbox: dict[tuple[str, int, int], Any]
@@ -152,6 +155,7 @@ class StepRunner:
             routes=BatchRows(exe.spec, batch_in, self.transport),
             stage_in=[{} for _ in stages],
             grad_in=[{} for _ in stages],
+            residuals=[{} for _ in stages],
             metrics=[[None] * exe.spec.microbatches for _ in stages],
             outbox={},
             readout=self.inputs.send_readout(exe.spec),
@@ -168,6 +172,7 @@ class StepRunner:
         stage, m, m_count = spec.stages[s], task.microbatch, spec.microbatches
         programs, local = run.exe.programs, self.transport.is_local(s)
         params = self.stages.state[s]["params"] if local else None
+        residual = keeps_residuals(self.stages.programs.setup, stage)
         if task.kind == "F":
             if local and stage.first:
                 x = run.place("inputs", m, m_count, self.inputs.rows(s))
@@ -178,7 +183,9 @@ class StepRunner:
             y, carry, run.metrics[s][m], *kept = programs["fwd", s](
                 params, x, {**ctx, **run.readout_of(s)}, run.routes(s, m)
             )
-            if kept:  # the backward recomputes from a frozen prefix's output (`frozen_prefix`)
+            if kept and residual:  # the backward's residuals (`residuals`)
+                run.residuals[s][m] = kept[0]
+            elif kept:  # the backward recomputes from a frozen prefix's output (`frozen_prefix`)
                 run.stage_in[s][m] = (kept[0], ctx)
             run.outbox["F", s, m] = (y, carry)
             return present(y, carry)
@@ -190,9 +197,9 @@ class StepRunner:
         else:
             seed = run.take(run.grad_in, s, m, pop=True)
         acc, racc = self.stages.acc, self.stages.racc
-        out = programs["bwd", s](
-            params, acc[s], racc[s], x, {**ctx, **run.readout_of(s)}, seed, run.routes(s, m)
-        )
+        ctx = {**ctx, **run.readout_of(s)}
+        stored = (run.residuals[s].pop(m),) if residual else ()
+        out = programs["bwd", s](params, acc[s], racc[s], x, ctx, *stored, seed, run.routes(s, m))
         acc[s], racc[s] = out[0], out[2]
         if stage.last:
             run.metrics[s][m] = out[3]
