@@ -24,8 +24,7 @@ from .test_pipeline_runtime import (
     CLIP,
     B,
     M,
-    batches,
-    host_metrics,
+    assert_matches_one_device,
     initial_state,
     optimizer,
 )
@@ -70,22 +69,7 @@ def test_logical_stages_share_sub_meshes_round_robin(interleaved):
 
 
 def test_interleaved_pipeline_matches_one_device(interleaved):
-    from .test_pipeline_runtime import reference_run
-
-    ref_metrics, ref_state = reference_run(CFG)
-    programs, template = interleaved
-    spec = interleaved_spec()
-    exe = programs.lower(spec).compile()
-    pipeline = Pipeline(programs, template)
-    pipeline.place(initial_state(), spec)
-    assert ref_metrics[0]["grad_norm"] > CLIP and ref_metrics[0]["moe/dropped"].sum() > 0
-    for step, batch in enumerate(batches()):
-        metrics = host_metrics(jax.device_get(pipeline.step(exe, **batch)))
-        ref = ref_metrics[step]
-        for key in ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction"):
-            np.testing.assert_allclose(metrics[key], ref[key], rtol=1e-5, err_msg=key)
-        np.testing.assert_array_equal(metrics["moe/dropped"], ref["moe/dropped"])
-    assert_close(ref_state, pipeline.host_state(), 1e-5)
+    assert_matches_one_device(*interleaved, interleaved_spec())
 
 
 def test_a_layer_moves_between_chunks_of_two_sub_meshes_exactly(interleaved):

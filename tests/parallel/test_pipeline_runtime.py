@@ -124,6 +124,23 @@ def reference_run(cfg):
     return metrics, jax.device_get({"params": p, "opt_state": s})
 
 
+def assert_matches_one_device(programs, template, spec) -> None:
+    """``spec``'s pipeline trains the test batches as the single program does (`reference_run`):
+    losses, MoE drops and clipped gradient norms step by step, then the final state."""
+    ref_metrics, ref_state = reference_run(CFG)
+    exe = programs.lower(spec).compile()
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), spec)
+    assert ref_metrics[0]["grad_norm"] > CLIP and ref_metrics[0]["moe/dropped"].sum() > 0
+    for step, batch in enumerate(batches()):
+        metrics = host_metrics(jax.device_get(pipeline.step(exe, **batch)))
+        ref = ref_metrics[step]
+        for key in ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction"):
+            np.testing.assert_allclose(metrics[key], ref[key], rtol=1e-5, err_msg=key)
+        np.testing.assert_array_equal(metrics["moe/dropped"], ref["moe/dropped"])
+    assert_close(ref_state, pipeline.host_state(), 1e-5)
+
+
 def pipeline_setup(mesh_shape=(4, 2, 1), opt=optimizer, cfg=CFG):
     setup = StageSetup(parts=ModelParts.of(cfg), optimizer=opt(), grad_clip=CLIP)
     abstract = jax.tree.map(

@@ -5,7 +5,6 @@ single program, and its backward no longer runs the forward again (issue 33 §3)
 layers (a frozen prefix: its residuals are constants, nothing of it is kept)."""
 
 import jax
-import numpy as np
 import pytest
 
 from dynjax.model import ModelParts
@@ -21,12 +20,11 @@ from .test_pipeline_runtime import (
     CFG,
     CLIP,
     FROZEN,
+    assert_matches_one_device,
     batches,
     frozen_reference,
-    host_metrics,
     initial_state,
     optimizer,
-    reference_run,
     spec_for,
 )
 
@@ -46,20 +44,7 @@ def kept():
 
 
 def test_a_pipeline_on_residuals_matches_one_device(kept):
-    ref_metrics, ref_state = reference_run(CFG)
-    programs, template = kept
-    spec = spec_for(ASSIGNMENT, "1f1b")
-    exe = programs.lower(spec).compile()
-    pipeline = Pipeline(programs, template)
-    pipeline.place(initial_state(), spec)
-    assert ref_metrics[0]["grad_norm"] > CLIP and ref_metrics[0]["moe/dropped"].sum() > 0
-    for step, batch in enumerate(batches()):
-        metrics = host_metrics(jax.device_get(pipeline.step(exe, **batch)))
-        ref = ref_metrics[step]
-        for key in ("loss", "aux_loss", "z_loss", "grad_norm", "dropped_fraction"):
-            np.testing.assert_allclose(metrics[key], ref[key], rtol=1e-5, err_msg=key)
-        np.testing.assert_array_equal(metrics["moe/dropped"], ref["moe/dropped"])
-    assert_close(ref_state, pipeline.host_state(), 1e-5)
+    assert_matches_one_device(*kept, spec_for(ASSIGNMENT, "1f1b"))
 
 
 def test_frozen_layers_on_residuals_match_one_device(kept):
