@@ -218,6 +218,10 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
     steps = 900
     run = {
         **OVERRIDES,
+        # Dense: the one-stage program rounds a few results an ulp apart from the two-stage one,
+        # and an MoE capacity drop can flip on such an ulp (seen with the swap at steps 16 and
+        # 17: equal to step 70, then apart), after which 900 steps part further.
+        "moe.every": 0,
         "pipeline.profile_on_change": True,
         "balance.repack": True,
         "balance.repack_every": 5,
