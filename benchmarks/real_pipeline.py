@@ -103,8 +103,9 @@ COMMON = {
     "train.checkpoint_every": 100_000,
     "pipeline.profile_on_change": True,
     "balance.enabled": False,
-    # The end-of-run checkpoint saved in the foreground: a background save of two processes
-    # sometimes never finishes (one waits in Orbax's commit for a signal the other never sends).
+    # The end-of-run checkpoint saved in the foreground, as for the recorded results: a
+    # background save of two processes sometimes never finished then (Orbax's directory
+    # signals, shared by the processes; `dynjax.checkpoint.manager` no longer uses them).
     "checkpoint.async_save": False,
 }
 RUN_TIMEOUT = 1800  # seconds one training run may take before the benchmark gives up

@@ -110,6 +110,15 @@ class Checkpointer:
                     barrier_sync_key_prefix=f"part_{part}",
                 )
                 extra, handlers = {"multiprocessing_options": alone}, part_handlers(alone)
+                # Orbax's asynchronous directory creation signals its completion under a key
+                # of the save's operation id alone (`awaitable_signals_contract_<id>/...` in
+                # the shared coordination service), and each process's saves count ids from
+                # 1: two processes saving their parts share the keys, and the first to finish
+                # deletes them while the other may still wait on them, forever (the hang of a
+                # two-process run at its end). Created before the save starts, nothing waits.
+                extra["async_options"] = ocp.options.AsyncOptions(
+                    create_directories_asynchronously=False
+                )
                 registry = None
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
