@@ -293,13 +293,12 @@ def measure_case(case: str, steps: int, rounds: int, layers: int | None, out: Pa
     sim_static = simulated_seconds(fwd, bwd, static, micro, schedule)
     sim_balanced = simulated_seconds(fwd, bwd, balanced, micro, schedule)
     loads = stage_costs(fwd + bwd, static)
-    tokens_per_step = values.get("train.batch_size", 0) or _config_value(config, "train.batch_size")
-    tokens_per_step *= values.get("data.seq_len", 0) or _config_value(config, "data.seq_len")
+    tokens = tokens_per_step(config, values)
     static_rate = statistics.median(r["static"] for r in rows)
     balanced_rate = statistics.median(r["balanced"] for r in rows)
     # The simulator with each task's overhead calibrated on the static run predicts the
     # balanced run's step (a layout it never saw): the check of the simulator.
-    o = task_overhead(fwd, bwd, static, micro, schedule, tokens_per_step / static_rate)
+    o = task_overhead(fwd, bwd, static, micro, schedule, tokens / static_rate)
     calibrated_static = simulated_seconds(fwd, bwd, static, micro, schedule, o)
     calibrated_balanced = simulated_seconds(fwd, bwd, balanced, micro, schedule, o)
     return {
@@ -315,13 +314,20 @@ def measure_case(case: str, steps: int, rounds: int, layers: int | None, out: Pa
         "bound_speedup": float(loads.max() / (loads.sum() / STAGES)),
         "predicted_static_step_seconds": sim_static,
         "predicted_balanced_step_seconds": sim_balanced,
-        "measured_static_step_seconds": tokens_per_step / static_rate,
-        "measured_balanced_step_seconds": tokens_per_step / balanced_rate,
+        "measured_static_step_seconds": tokens / static_rate,
+        "measured_balanced_step_seconds": tokens / balanced_rate,
         "task_overhead_seconds": o,
         "calibrated_balanced_step_seconds": calibrated_balanced,
         "calibrated_speedup": calibrated_static / calibrated_balanced,
         "load": os.getloadavg()[0],
     }
+
+
+def tokens_per_step(config: str, values: dict) -> int:
+    """Batch rows x sequence length of a run of ``config`` with the overrides ``values``."""
+    keys = ("train.batch_size", "data.seq_len")
+    rows, length = (values.get(k) or _config_value(config, k) for k in keys)
+    return int(rows) * int(length)
 
 
 def _config_value(config: str, dotted: str) -> int:
@@ -337,7 +343,7 @@ def _config_value(config: str, dotted: str) -> int:
 def parallel_check(steps: int, rounds: int, out: Path) -> dict:
     """Step seconds of the balanced dense pipeline on two pinned cores and on one core."""
     config, values = overrides("dense", steps, None, "")
-    batch = _config_value(config, "train.batch_size") * _config_value(config, "data.seq_len")
+    batch = tokens_per_step(config, values)
     seconds: dict[str, list[float]] = {"two cores": [], "one core": []}
     for r in range(rounds):
         for name in seconds:
@@ -397,7 +403,7 @@ def schedule_comparison(steps: int, rounds: int, layers: int | None, out: Path) 
     """Tokens/s and bubbles of the dense pipeline under each of `SCHEDULE_RUNS`."""
     config, values = overrides("dense", steps, layers, "")
     values["pipeline.profile_every"] = PROFILED_AT
-    batch = _config_value(config, "train.batch_size") * _config_value(config, "data.seq_len")
+    batch = tokens_per_step(config, values)
     m = values["train.microbatches"]
     runs: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):

@@ -55,11 +55,6 @@ def _lanes(tasks: Sequence[Sequence[TaskLike]]) -> tuple[int, int]:
     return len(tasks), len(tasks) * chunks
 
 
-def _stage(d: int, task: TaskLike, devices: int) -> int:
-    """The logical stage ``task`` on device ``d`` runs (`dynjax.balance.logical_stage`)."""
-    return logical_stage(d, task.chunk, devices)
-
-
 def _needs(s: int, task: TaskLike, stages: int) -> tuple[str, int, int] | None:
     """The task (kind, stage, microbatch) whose output ``task`` on stage ``s`` consumes."""
     if task.kind == "F":
@@ -93,7 +88,7 @@ def dispatch_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
         for d in range(devices):
             while nxt[d] < len(tasks[d]):
                 task = tasks[d][nxt[d]]
-                s = _stage(d, task, devices)
+                s = logical_stage(d, task.chunk, devices)
                 _check_own_forward(s, task, done)
                 needs = _needs(s, task, stages)
                 if needs is not None and needs not in done:
@@ -138,7 +133,7 @@ def overlapped_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
             if nxt[d] == len(tasks[d]):
                 continue
             task = tasks[d][nxt[d]]
-            s = _stage(d, task, devices)
+            s = logical_stage(d, task.chunk, devices)
             _check_own_forward(s, task, finish)
             needs = _needs(s, task, stages)
             if needs is None or needs in finish:

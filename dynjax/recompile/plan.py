@@ -210,12 +210,16 @@ class Plan:
                 f"interleaved pipeline runs all {ctx.pipeline_stages} (mesh.stage x "
                 "virtual_stages): it does not re-pack"
             )
-        devices = stages // v
-        if stages % v or self.microbatches % max(devices, 1):
+        if stages % v:
             problems.append(
-                f"{self.schedule} runs {v} chunks on each of {stages // v or stages} stages in "
-                f"groups of one microbatch per stage: microbatches = {self.microbatches} must "
-                "be a multiple of the stages"
+                f"stage_layers = {self.stage_layers} has {stages} logical stages: not "
+                f"{v} chunks on each stage (virtual_stages = {v})"
+            )
+        elif self.microbatches % (stages // v):
+            problems.append(
+                f"{self.schedule} runs {v} chunks on each of {stages // v} stages in groups of "
+                f"one microbatch per stage: microbatches = {self.microbatches} must be a "
+                "multiple of the stages"
             )
         return problems
 
