@@ -49,11 +49,12 @@ balanced stages with M microbatches, 0.625 at M = 4; 1.0: nothing ran in paralle
 ``--schedules`` compares the runtime's schedules on that pipeline (issue 33 §2): the same
 dense model, uniform layouts, 1F1B on 2 stages (8 + 8 layers) against interleaved 1F1B with 2
 chunks per stage (4 logical stages of 4 layers) and against 1F1B whose backward takes its
-forward's residuals instead of recomputing it (``pipeline.recompute=False``), interleaved
-rounds. Printed per run: tokens/s, step seconds, the bubble of a steady profiled step (each
-process's idle share of the step: 1 - the union of its chunks' task intervals over the step's
-span), the bubble the simulator predicts from that profile's layer times and the first
-compile's seconds (a cold compilation cache):
+forward's residuals instead of recomputing it (``pipeline.recompute=False``), and ZB-H1
+(recomputing and on residuals), interleaved rounds (``--run NAME`` picks some of them). Printed
+per run: tokens/s, step seconds, the bubble of a steady profiled step (each process's idle
+share of the step: 1 - the union of its chunks' task intervals over the step's span), the bubble
+the simulator predicts from that profile's layer times and the first compile's seconds (a cold
+compilation cache):
 
     PYTHONPATH=. python3 benchmarks/real_pipeline.py --schedules
 
@@ -370,6 +371,8 @@ SCHEDULE_RUNS = {
     "1f1b": ("1f1b", 1, True),
     "interleaved_1f1b": ("interleaved_1f1b", 2, True),
     "1f1b, no recompute": ("1f1b", 1, False),
+    "zb_h1": ("zb_h1", 1, True),
+    "zb_h1, no recompute": ("zb_h1", 1, False),
 }
 PROFILED_AT = 40  # the steady profile of a `--schedules` run (steps after it are timed)
 
@@ -399,15 +402,19 @@ def first_compile_seconds(workdir: Path) -> float:
     return first["lower_seconds"] + first["compile_seconds"]
 
 
-def schedule_comparison(steps: int, rounds: int, layers: int | None, out: Path) -> dict:
-    """Tokens/s and bubbles of the dense pipeline under each of `SCHEDULE_RUNS`."""
+def schedule_comparison(
+    steps: int, rounds: int, layers: int | None, out: Path, names: list[str]
+) -> dict:
+    """Tokens/s and bubbles of the dense pipeline under ``names`` of `SCHEDULE_RUNS` (1F1B, the
+    baseline, first)."""
+    chosen = {n: SCHEDULE_RUNS[n] for n in ["1f1b", *(n for n in names if n != "1f1b")]}
     config, values = overrides("dense", steps, layers, "")
     values["pipeline.profile_every"] = PROFILED_AT
     batch = tokens_per_step(config, values)
     m = values["train.microbatches"]
     runs: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):
-        for name, (schedule, v, recompute) in SCHEDULE_RUNS.items():
+        for name, (schedule, v, recompute) in chosen.items():
             workdir = out / f"dense-{name.replace(', ', '-').replace(' ', '-')}-{r}"
             these = {**values, "pipeline.schedule": schedule, "pipeline.virtual_stages": v,
                      "pipeline.recompute": recompute,  # a cold compile: a cache of its own
@@ -443,7 +450,7 @@ def schedule_comparison(steps: int, rounds: int, layers: int | None, out: Path) 
                 "recompute": recompute,
                 "rounds": runs[name],
             }
-            for name, (_, v, recompute) in SCHEDULE_RUNS.items()
+            for name, (_, v, recompute) in chosen.items()
         },
         "load": os.getloadavg()[0],
     }
@@ -494,7 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense", action="store_true",
                         help="with --trace: the case's scheme off (the dense baseline)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here")
+    parser.add_argument("--run", action="append", choices=list(SCHEDULE_RUNS), default=None,
+                        help="with --schedules: one of them (repeatable; default all; 1f1b, "
+                        "the baseline, always)")
     args = parser.parse_args(argv)
+    runs = args.run or list(SCHEDULE_RUNS)
     if len(os.sched_getaffinity(0)) < STAGES:
         print(f"error: the benchmark pins {STAGES} processes to a core each; this process may "
               f"use {len(os.sched_getaffinity(0))} core(s)", file=sys.stderr)
@@ -521,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.parallel_check:
                 result = parallel_check(args.steps, args.rounds, out)
             elif args.schedules:
-                result = schedule_comparison(args.steps, args.rounds, args.layers, out)
+                result = schedule_comparison(args.steps, args.rounds, args.layers, out, runs)
             else:
                 result = measure_case(args.case, args.steps, args.rounds, args.layers, out)
         except RuntimeError as err:

@@ -5,8 +5,7 @@ stages with a forward of 1, a backward of 2 (for ZB-H1 split into B = 1 and W = 
 input and weight gradients) and ``--comm`` per hop, against 1F1B measured in the same run; the
 interleaved schedule with ``--chunks`` chunks per device of ``1 / chunks`` of its layers each. The
 simulator's bubbles equal the schedules' formulas (tests/balance/test_simulate.py). The runtime
-runs gpipe, 1f1b and interleaved_1f1b (`dynjax.parallel.dispatch.RUNTIME_SCHEDULES`); zb_h1 is
-simulated only. Measured on a pipeline of pinned processes: ``benchmarks/real_pipeline.py
+runs every one of them. Measured on a pipeline of pinned processes: ``benchmarks/real_pipeline.py
 --schedules``.
 
     PYTHONPATH=. python3 benchmarks/schedules.py --stages 4 --microbatches 8
@@ -17,7 +16,6 @@ from __future__ import annotations
 import argparse
 
 from dynjax.balance import SCHEDULES, simulate
-from dynjax.parallel.dispatch import RUNTIME_SCHEDULES
 
 
 def main() -> None:
@@ -38,11 +36,10 @@ def main() -> None:
     base = rows["1f1b"].iteration_time
     print(f"{s} stages, {m} microbatches, F=1 B=2 (ZB-H1: B=1 W=1), comm {args.comm:g} per hop; "
           "peak in flight counts stored stage inputs (interleaved: of 1/chunks of the layers)")
-    print(f"{'schedule':18s} {'runtime':>7s} {'iteration':>9s} {'vs 1f1b':>7s} {'bubble':>6s} "
+    print(f"{'schedule':18s} {'iteration':>9s} {'vs 1f1b':>7s} {'bubble':>6s} "
           f"{'peak in flight':>14s}")
     for name, sim in rows.items():
-        print(f"{name:18s} {'yes' if name in RUNTIME_SCHEDULES else 'no':>7s} "
-              f"{sim.iteration_time:9.2f} {base / sim.iteration_time:6.2f}x "
+        print(f"{name:18s} {sim.iteration_time:9.2f} {base / sim.iteration_time:6.2f}x "
               f"{sim.bubble_ratio:6.1%} {max(sim.peak_in_flight):14d}")
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from dynjax.balance.schedules import INTERLEAVED
+from dynjax.balance.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD
 from dynjax.checkpoint.settings import CheckpointSettings
 from dynjax.corpus import eos_id, load_tokenizer
 from dynjax.dynamism import BUILTIN, Schemes
@@ -28,7 +28,6 @@ from dynjax.errors import ConfigError, at_least
 from dynjax.model.attention import Rope
 from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import GPTConfig
-from dynjax.parallel.dispatch import RUNTIME_SCHEDULES
 from dynjax.settings import (
     STATIC_LAYOUTS,
     BalanceSettings,
@@ -145,7 +144,9 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # (Megatron-LM); "by_param" = balanced parameter counts (DeepSpeed). No pipeline when
     # mesh.stage = 1 with a named layout ("(4,)" runs the pipeline runtime on one stage).
     c.pipeline.stage_layers = ""
-    # "1f1b" | "gpipe" | "interleaved_1f1b" (the runtime's; the simulator also has "zb_h1")
+    # "1f1b" | "gpipe" | "interleaved_1f1b" | "zb_h1" (each backward cut into its input-gradient
+    # part B and its weight-gradient part W, W deferred into the bubbles; mesh.expert =
+    # mesh.tensor = 1)
     c.pipeline.schedule = "1f1b"
     # Chunks of layers per stage (interleaved_1f1b: >= 2, each stage holds non-adjacent
     # chunks; stage_layers then counts mesh.stage x virtual_stages logical stages).
@@ -692,14 +693,16 @@ def _check_pipeline(run: RunSettings) -> None:
             f"pipeline.stage_layers={p.stage_layers!r} sums to {sum(counts)} layers but "
             f"model.num_layers={layers}: the counts must add up to the number of layers"
         )
-    if p.schedule not in RUNTIME_SCHEDULES:
-        raise ConfigError(
-            f"pipeline.schedule={p.schedule!r} is simulated by the balancer "
-            "(dynjax.balance.simulate) but the pipeline runtime does not run it yet: use one of "
-            f"{RUNTIME_SCHEDULES}"
-        )
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={p.schedule!r} is unknown: use one of {SCHEDULES}")
     if p.profile_every < 0:
         raise ConfigError(f"pipeline.profile_every={p.profile_every} must be >= 0 (0 = off)")
+    if p.schedule in SPLIT_BACKWARD and (run.mesh.expert > 1 or run.mesh.tensor > 1):
+        raise ConfigError(
+            f"pipeline.schedule={p.schedule!r} keeps what a backward's B computes for its W "
+            "split over a stage's data devices only: it needs mesh.expert=1 and mesh.tensor=1 "
+            f"(got {run.mesh.expert} and {run.mesh.tensor}); use pipeline.schedule='1f1b'"
+        )
     if not p.recompute and (run.mesh.expert > 1 or run.mesh.tensor > 1):
         raise ConfigError(
             "pipeline.recompute=False keeps a stage's activations split over its data devices "

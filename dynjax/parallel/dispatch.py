@@ -32,16 +32,11 @@ from typing import Literal, Protocol
 
 from dynjax.balance.schedules import logical_stage
 
-# The schedules of `dynjax.balance.SCHEDULES` the pipeline runtime executes (one backward task
-# each). The balancer's simulator also runs ZB-H1, whose split backward the runtime does not
-# have yet (docs/parallelism.md, "Schedules").
-RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-
 Action = Literal["run", "send"]
 
 
 class TaskLike(Protocol):
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or, where the schedule splits the backward, "W"
     microbatch: int
     chunk: int  # which of its device's chunks of layers (0 without interleaving)
 
@@ -61,13 +56,15 @@ def _needs(s: int, task: TaskLike, stages: int) -> tuple[str, int, int] | None:
         return ("F", s - 1, task.microbatch) if s > 0 else None
     if task.kind == "B":
         return ("B", s + 1, task.microbatch) if s < stages - 1 else None
+    if task.kind == "W":  # its own stage's B, earlier in the same list (`_check_own_forward`)
+        return None
     raise ValueError(f"unknown task kind {task.kind!r} on stage {s}")
 
 
 def _sends(s: int, task: TaskLike, stages: int) -> bool:
     """Whether ``task`` produces something a neighbour consumes (the last stage's forward runs
     inside its backward; the first stage's backward sends nothing)."""
-    return s < stages - 1 if task.kind == "F" else s > 0
+    return s < stages - 1 if task.kind == "F" else s > 0 and task.kind == "B"
 
 
 def dispatch_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
@@ -104,9 +101,15 @@ def dispatch_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
     return tuple(order)
 
 
-# Simulated task lengths of `overlapped_order`: the forward and backward of a middle stage and
-# the last stage's fused forward and backward (its forward task is empty).
-_FORWARD, _BACKWARD, _LAST_FORWARD, _LAST_BACKWARD = 1.0, 2.0, 0.0, 3.0
+# Simulated task lengths of `overlapped_order` (task kind, last stage, split backward): the
+# last stage's backward holds its forward (its forward task is empty); a split backward is
+# half B, half W.
+_LENGTHS = {
+    ("F", False, False): 1.0, ("B", False, False): 2.0,
+    ("F", True, False): 0.0, ("B", True, False): 3.0,
+    ("F", False, True): 1.0, ("B", False, True): 1.0, ("W", False, True): 1.0,
+    ("F", True, True): 0.0, ("B", True, True): 2.0, ("W", True, True): 1.0,
+}
 
 
 def overlapped_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
@@ -124,6 +127,7 @@ def overlapped_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
     takes B0's gradient before B1's, so neither waits on a transfer it does not need yet.
     """
     devices, stages = _lanes(tasks)
+    split = any(t.kind == "W" for lane in tasks for t in lane)
     finish: dict[tuple[str, int, int], float] = {}
     free, nxt = [0.0] * devices, [0] * devices
     events: list[tuple[float, int, int, int, int, TaskLike, Action]] = []
@@ -141,11 +145,7 @@ def overlapped_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
         if not ready:
             raise _deadlock()
         start, d, s, task = min(ready, key=lambda r: (r[0], r[1]))
-        last = s == stages - 1
-        length = {
-            ("F", False): _FORWARD, ("B", False): _BACKWARD,
-            ("F", True): _LAST_FORWARD, ("B", True): _LAST_BACKWARD,
-        }[task.kind, last]
+        length = _LENGTHS[task.kind, s == stages - 1, split]
         end = free[d] = finish[task.kind, s, task.microbatch] = start + length
         events.append((start, 1, d, nxt[d], s, task, "run"))
         if _sends(s, task, stages):  # at the same time, a send goes before what it feeds
@@ -157,8 +157,9 @@ def overlapped_order(tasks: Sequence[Sequence[TaskLike]]) -> Order:
 
 
 def _check_own_forward(s: int, task: TaskLike, done) -> None:
-    if task.kind == "B" and ("F", s, task.microbatch) not in done:
-        raise ValueError(f"stage {s} runs B{task.microbatch} before its forward")
+    before = {"B": "F", "W": "B"}.get(task.kind)
+    if before and (before, s, task.microbatch) not in done:
+        raise ValueError(f"stage {s} runs {task.kind}{task.microbatch} before its {before}")
 
 
 def _deadlock() -> ValueError:

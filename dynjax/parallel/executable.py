@@ -16,11 +16,13 @@ from typing import Any
 
 import jax
 
+from dynjax.balance.schedules import SPLIT_BACKWARD
 from dynjax.model.hooks import Hooks
 from dynjax.parallel.dispatch import Order, dispatch_order, overlapped_order
 from dynjax.parallel.profile import unit_programs
+from dynjax.parallel.split_backward import StageSplit
 from dynjax.parallel.stage import StageSetup
-from dynjax.parallel.stage_programs import StageShapes, lower_stage, stage_shapes
+from dynjax.parallel.stage_programs import StageShapes, lower_stage, stage_shapes, stage_split
 from dynjax.parallel.stages import PipelineSpec, StageSpec
 from dynjax.parallel.transport import Transport
 
@@ -28,10 +30,12 @@ ProgramKey = tuple[str, int]  # (kind, stage)
 UnitKey = tuple[str, StageSpec]  # (kind, one-unit spec): a profiling program
 
 
-def program_kinds(spec: StageSpec) -> tuple[str, ...]:
-    """The training programs one stage needs."""
+def program_kinds(spec: StageSpec, split_backward: bool = False) -> tuple[str, ...]:
+    """The training programs one stage needs (``split_backward``: its backward as ``B`` and
+    ``W``, `dynjax.parallel.split_backward`)."""
     kinds = () if spec.last else ("fwd",)
-    kinds += ("bwd",) if spec.has_backward else ()
+    backward = ("bwd_b", "bwd_w") if split_backward else ("bwd",)
+    kinds += backward if spec.has_backward else ()
     return kinds + ("sqnorm", "update")
 
 
@@ -113,6 +117,7 @@ class PipelinePrograms:
         self.max_entries = max_entries
         self._compiled: OrderedDict[tuple[str, StageSpec], Any] = OrderedDict()
         self._shapes: dict[StageSpec, StageShapes] = {}
+        self._splits: dict[StageSpec, StageSplit] = {}
         self._lock = threading.Lock()
 
     def shapes(self, spec: StageSpec) -> StageShapes:
@@ -132,7 +137,7 @@ class PipelinePrograms:
         for stage in spec.stages:
             if not self.transport.is_local(stage.index):
                 continue
-            for kind in program_kinds(stage):
+            for kind in program_kinds(stage, spec.schedule in SPLIT_BACKWARD):
                 hit = self._cached(kind, stage)
                 if hit is not None:
                     ready[kind, stage.index] = hit
@@ -160,9 +165,19 @@ class PipelinePrograms:
                 self._compiled.move_to_end(key)
         return hit
 
+    def split(self, spec: StageSpec) -> StageSplit:
+        """The stage's backward cut for ZB-H1 (`stage_split`), traced once per spec."""
+        hit = self._splits.get(spec)
+        if hit is None:
+            mesh = self.transport.stage_meshes[spec.index]
+            hit = stage_split(self.setup, spec, mesh, self.shapes(spec))
+            hit = self._splits.setdefault(spec, hit)
+        return hit
+
     def lower_one(self, kind: str, stage: StageSpec) -> jax.stages.Lowered:
         mesh = self.transport.stage_meshes[stage.index]
-        return lower_stage(kind, self.setup, stage, mesh, self.shapes(stage))
+        split = self.split(stage) if kind in ("bwd_b", "bwd_w") else None
+        return lower_stage(kind, self.setup, stage, mesh, self.shapes(stage), split)
 
     def store(self, kind: str, stage: StageSpec, compiled: Any) -> Any:
         key = program_key(kind, stage, self.setup.parts.cfg.hooks)
@@ -180,6 +195,7 @@ class PipelinePrograms:
             for key in [k for k in self._compiled if k[1].index in gone]:
                 del self._compiled[key]
             self._shapes = {k: v for k, v in self._shapes.items() if k.index not in gone}
+            self._splits = {k: v for k, v in self._splits.items() if k.index not in gone}
 
     def get(self, kind: str, stage: StageSpec) -> Any:
         """A compiled program, compiling it now if needed (evaluation programs)."""

@@ -462,9 +462,14 @@ class Profile:
         return bubble_ratio(self.timeline)
 
     def stage_seconds(self, kind: str) -> np.ndarray:
-        """[stages] mean measured seconds of one microbatch's ``kind`` ("F"/"B") task."""
+        """[stages] mean measured seconds of one microbatch's ``kind`` ("F"/"B") task; "B"
+        with its "W" where the schedule splits the backward."""
+        kinds = ("B", "W") if kind == "B" else (kind,)
         return np.array([
-            np.mean([t.end - t.start for t in stage if t.kind == kind]) for stage in self.timeline
+            sum(t.end - t.start for t in stage if t.kind in kinds)
+            / sum(t.kind == kind for t in stage) if any(t.kind == kind for t in stage)
+            else np.nan
+            for stage in self.timeline
         ])
 
     def metrics(self) -> dict[str, np.ndarray]:

@@ -75,15 +75,27 @@ def residual_backward_fn(spec: StageSpec, layout: ResidualLayout):
     """``bwd(params, acc, racc, x, ctx, residuals, seed, batch_in) -> (acc, g_x, racc)``: the
     pullback of `residual_forward_fn`'s VJP (traced as ``layout``) on the next stage's input
     gradient ``seed``, accumulated as `stage.backward_fn` does."""
+    gradients = residual_gradients_fn(layout)
 
     def bwd(params, acc, racc, x, ctx, residuals, seed, batch_in):
+        grads, _ = gradients(params, x, ctx, residuals, seed, batch_in)
+        return accumulate(spec, acc, racc, grads)
+
+    return bwd
+
+
+def residual_gradients_fn(layout: ResidualLayout):
+    """``grads(params, x, ctx, residuals, seed, batch_in) -> (gradients, None)``: the pullback
+    of `residual_backward_fn` before accumulating (no metrics: not the last stage)."""
+
+    def grads(params, x, ctx, residuals, seed, batch_in):
         inputs = jax.tree.leaves((params, x, ctx, batch_in))
         stored = iter(residuals)
         leaves = [next(stored) if src is None else inputs[src] for src in layout.sources]
         vjp = jax.tree.unflatten(layout.treedef, leaves)
-        return accumulate(spec, acc, racc, vjp((seed, jnp.ones((), jnp.float32))))
+        return vjp((seed, jnp.ones((), jnp.float32))), None
 
-    return bwd
+    return grads
 
 
 def residual_shapes(

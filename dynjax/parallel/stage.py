@@ -239,19 +239,31 @@ def backward_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | N
     with the loss, and it returns the microbatch's metrics; the others are seeded with the next
     stage's input gradient. Frozen units are constants: XLA keeps no backward for a frozen
     prefix at all."""
-    start = frozen_prefix(setup, spec)  # x: the frozen prefix's output (`frozen_prefix`)
+    gradients = gradients_fn(setup, spec, parallel)
 
     def bwd(params, acc, racc, x, ctx, seed, batch_in):
+        grads, metrics = gradients(params, x, ctx, seed, batch_in)
+        acc, g_x, racc = accumulate(spec, acc, racc, grads)
+        return (acc, g_x, racc) + ((metrics,) if spec.last else ())
+
+    return bwd
+
+
+def gradients_fn(setup: StageSetup, spec: StageSpec, parallel: ExpertParallel | None):
+    """``grads(params, x, ctx, seed, batch_in) -> (gradients, metrics)``: `backward_fn` before
+    accumulating (the gradients of `stage_vjp`; the metrics on the last stage, else None)."""
+    start = frozen_prefix(setup, spec)  # x: the frozen prefix's output (`frozen_prefix`)
+
+    def grads(params, x, ctx, seed, batch_in):
         if spec.last:
             ctx = {**ctx, "targets": seed}
         _, vjp, (metrics, _) = stage_vjp(
             setup, spec, parallel, params, x, ctx, batch_in, start=start
         )
         one = jnp.ones((), jnp.float32)
-        acc, g_x, racc = accumulate(spec, acc, racc, vjp(one if spec.last else (seed, one)))
-        return (acc, g_x, racc) + ((metrics,) if spec.last else ())
+        return vjp(one if spec.last else (seed, one)), (metrics if spec.last else None)
 
-    return bwd
+    return grads
 
 
 def stage_vjp(
@@ -294,13 +306,18 @@ def accumulate(spec: StageSpec, acc: Any, racc: Any, grads: tuple) -> tuple[Any,
     in float32, the input gradient (or, without one, a scalar that is ready with the backward:
     something to wait on that the stage's next backward does not donate,
     `Pipeline.timed_step`)."""
+    acc, racc = add_weight_grads(acc, racc, grads[:2])
+    return acc, (grads[2] if spec.input_grads else done_with(acc)), racc
+
+
+def add_weight_grads(acc: Any, racc: Any, grads: tuple) -> tuple[Any, Any]:
+    """(acc, racc) with the units' and the read readout's gradients (``grads[:2]`` of
+    `stage_vjp`) added in float32."""
     add = lambda a, g: a + g.astype(jnp.float32)
-    acc = jax.tree.map(add, acc, grads[0])
-    racc = jax.tree.map(add, racc, grads[1].get("readout", {}))
-    return acc, (grads[2] if spec.input_grads else _done(acc)), racc
+    return jax.tree.map(add, acc, grads[0]), jax.tree.map(add, racc, grads[1].get("readout", {}))
 
 
-def _done(acc: Any) -> jax.Array:
+def done_with(acc: Any) -> jax.Array:
     """A float32 zero computed from the accumulator, so it is ready only when it is."""
     leaves = jax.tree.leaves(acc)
     return leaves[0].reshape(-1)[0] * 0 if leaves else jnp.zeros((), jnp.float32)

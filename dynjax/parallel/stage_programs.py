@@ -16,6 +16,11 @@ microbatch loop (`dynjax.parallel.step_run`):
   every intermediate), or from ``kept`` past a frozen prefix; with ``recompute`` off,
   ``bwd(params, acc, racc, x, ctx, residuals, seed, batch_in) -> (acc, g_x, racc)`` runs the
   pullback on the forward's residuals alone.
+* ``bwd_b(params, x, ctx, stored, seed, batch_in) -> (g_x, boundary, [metrics])`` and
+  ``bwd_w(params, acc, racc, x, ctx, stored, seed, batch_in, boundary) -> (acc, done, racc)``:
+  under ZB-H1 (``pipeline.schedule="zb_h1"``), that backward cut in two
+  (`dynjax.parallel.split_backward`); ``stored`` is the forward's residuals with ``recompute``
+  off, else ``()``.
 * ``sqnorm(acc) -> [1]``: this stage's squared gradient norm; `Transport.gather` brings every
   stage's to every stage.
 * ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
@@ -48,7 +53,14 @@ from dynjax.parallel.residuals import (
     keeps_residuals,
     residual_backward_fn,
     residual_forward_fn,
+    residual_gradients_fn,
     residual_shapes,
+)
+from dynjax.parallel.split_backward import (
+    StageSplit,
+    input_grad_fn,
+    split_stage,
+    weight_grad_fn,
 )
 from dynjax.parallel.stage import (
     DTYPES,
@@ -59,6 +71,7 @@ from dynjax.parallel.stage import (
     evaluate_fn,
     forward_loss,
     frozen_prefix,
+    gradients_fn,
     sqnorm_fn,
     update_fn,
 )
@@ -199,13 +212,50 @@ def stage_shapes(
     )
 
 
+def stage_split(
+    setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes: StageShapes
+) -> StageSplit:
+    """The stage's backward cut into ``B`` and ``W`` (`split_backward.split_stage`): the
+    pullback on the forward's residuals with ``recompute`` off, else the recomputing
+    backward."""
+    if keeps_residuals(setup, spec):
+        gradients = residual_gradients_fn(shapes.residual_layout)
+    else:
+        recomputing = gradients_fn(setup, spec, expert_parallel(mesh))
+        gradients = lambda p, x, ctx, _, seed, b: recomputing(p, x, ctx, seed, b)  # noqa: E731
+    seed = shapes.targets if spec.last else shapes.y
+    args = (shapes.params, shapes.kept, shapes.ctx, shapes.residuals, seed, shapes.batch_in)
+    return split_stage(spec, gradients, args, mesh)
+
+
 def lower_stage(
-    kind: str, setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes: StageShapes
+    kind: str,
+    setup: StageSetup,
+    spec: StageSpec,
+    mesh: Mesh,
+    shapes: StageShapes,
+    split: StageSplit | None = None,
 ) -> jax.stages.Lowered:
-    """Trace and lower one program of a stage from abstract values."""
+    """Trace and lower one program of a stage from abstract values (``split``: the stage's
+    `stage_split`, for ``bwd_b`` and ``bwd_w``)."""
     sharding = lambda tree: jax.tree.map(lambda a: a.sharding, tree)
     replicated = NamedSharding(mesh, P())
     metrics = sharding(shapes.metrics)
+    if kind in ("bwd_b", "bwd_w"):
+        if split is None:
+            raise ValueError(f"stage program {kind!r} needs the stage's split backward")
+        seed = shapes.targets if spec.last else shapes.y
+        stored = (shapes.kept, shapes.ctx, shapes.residuals, seed, shapes.batch_in)
+        if kind == "bwd_b":
+            g_x = shapes.x.sharding if spec.input_grads else replicated
+            outs = (g_x, sharding(split.boundary)) + ((metrics,) if spec.last else ())
+            jitted = jax.jit(input_grad_fn(spec, split), out_shardings=outs)
+            return jitted.lower(shapes.params, *stored)
+        outs = (sharding(shapes.acc), replicated, sharding(shapes.racc))
+        jitted = jax.jit(weight_grad_fn(split), out_shardings=outs, donate_argnums=(1, 2))
+        return jitted.lower(
+            shapes.params, shapes.acc, shapes.racc, *stored, split.boundary
+        )
     if kind == "fwd":
         outs = (shapes.y.sharding, sharding(shapes.carry), metrics)
         outs += (shapes.kept.sharding,) if frozen_prefix(setup, spec) else ()

@@ -49,6 +49,8 @@ class Run:
     grad_in: list[dict[int, Any]]  # [stage][microbatch] -> gradient of the stage output
     # [stage][microbatch] -> what the forward kept for the backward (``recompute`` off)
     residuals: list[dict[int, Any]]
+    # [stage][microbatch] -> the inputs of a split backward's ``W`` task, from its ``B``
+    weight_work: list[dict[int, tuple]]
     metrics: list[list[Any]]  # [stage][microbatch] -> metrics of that forward
     # (kind, stage, microbatch) -> what a task produced for a neighbour, until its send
     outbox: dict[tuple[str, int, int], Any]
@@ -156,6 +158,7 @@ class StepRunner:
             stage_in=[{} for _ in stages],
             grad_in=[{} for _ in stages],
             residuals=[{} for _ in stages],
+            weight_work=[{} for _ in stages],
             metrics=[[None] * exe.spec.microbatches for _ in stages],
             outbox={},
             readout=self.inputs.send_readout(exe.spec),
@@ -189,6 +192,14 @@ class StepRunner:
                 run.stage_in[s][m] = (kept[0], ctx)
             run.outbox["F", s, m] = (y, carry)
             return present(y, carry)
+        acc, racc = self.stages.acc, self.stages.racc
+        if task.kind == "W":  # the weight gradients of a split backward (ZB-H1)
+            if not (local and stage.has_backward):
+                return ()
+            acc[s], done, racc[s] = programs["bwd_w", s](
+                params, acc[s], racc[s], *run.weight_work[s].pop(m)
+            )
+            return present(done)
         x, ctx = run.take(run.stage_in, s, m, pop=True) if local else (None, None)
         if not (local and stage.has_backward):
             return ()
@@ -196,11 +207,19 @@ class StepRunner:
             seed = run.place("targets", m, m_count, self.inputs.rows(s))
         else:
             seed = run.take(run.grad_in, s, m, pop=True)
-        acc, racc = self.stages.acc, self.stages.racc
         ctx = {**ctx, **run.readout_of(s)}
-        stored = (run.residuals[s].pop(m),) if residual else ()
-        out = programs["bwd", s](params, acc[s], racc[s], x, ctx, *stored, seed, run.routes(s, m))
-        acc[s], racc[s] = out[0], out[2]
+        stored = run.residuals[s].pop(m) if residual else ()
+        if ("bwd_b", s) in programs:  # B now, its W later (`split_backward`)
+            inputs = (x, ctx, stored, seed, run.routes(s, m))
+            g_x, boundary, *metrics = programs["bwd_b", s](params, *inputs)
+            run.weight_work[s][m] = (*inputs, boundary)
+            out = (None, g_x, None, *metrics)
+        else:
+            out = programs["bwd", s](
+                params, acc[s], racc[s], x, ctx, *((stored,) if residual else ()), seed,
+                run.routes(s, m),
+            )
+            acc[s], racc[s] = out[0], out[2]
         if stage.last:
             run.metrics[s][m] = out[3]
         if stage.input_grads:

@@ -114,7 +114,8 @@ def _timeline(seen: Mapping[int, list[Seen]], start: float) -> dict[int, tuple[T
                 free = max(free, arrived)
                 continue
             m = task.microbatch
-            source = ("F", s - 1, m) if task.kind == "F" else ("B", s + 1, m)
+            # W reads its own stage's B, which ended before it on the same device
+            source = {"F": ("F", s - 1, m), "B": ("B", s + 1, m)}.get(task.kind)
             computed = ends.get(source, start)
             begin = max(dispatched, free, arrived, computed if computed <= end else start)
             free = max(end, begin)

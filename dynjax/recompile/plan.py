@@ -15,7 +15,6 @@ from typing import Any
 
 from dynjax.balance import SCHEDULES
 from dynjax.balance.schedules import INTERLEAVED
-from dynjax.parallel.dispatch import RUNTIME_SCHEDULES
 
 DTYPES = ("float32", "bfloat16")
 
@@ -174,11 +173,8 @@ class Plan:
                     f"stage_layers = {stages} sums to {sum(stages)} layers but the model has "
                     f"{ctx.num_layers}: the counts must add up to model.num_layers"
                 )
-            if self.schedule not in RUNTIME_SCHEDULES:
-                known = "is unknown" if self.schedule not in SCHEDULES else "does not run yet"
-                problems.append(
-                    f"schedule = {self.schedule!r} {known}: use one of {RUNTIME_SCHEDULES}"
-                )
+            if self.schedule not in SCHEDULES:
+                problems.append(f"schedule = {self.schedule!r} is unknown: use one of {SCHEDULES}")
             rows = ctx.batch_size // max(self.microbatches, 1)
             if rows % ctx.batch_shards:
                 problems.append(

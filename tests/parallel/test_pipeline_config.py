@@ -38,8 +38,9 @@ CTX = PlanContext(batch_size=8, num_layers=4, pipeline_stages=3, batch_shards=2)
         ({"mesh__stage": 2, "pipeline__stage_layers": "(1,x)"}, r"tuple of layer counts"),
         ({"mesh__stage": 2, "pipeline__schedule": "zb"}, r"pipeline.schedule='zb'"),
         (
-            {"mesh__stage": 2, "pipeline__schedule": "zb_h1"},
-            r"pipeline.schedule='zb_h1' is simulated .* does not run it yet: use one of",
+            {"mesh__stage": 2, "mesh__tensor": 2, "pipeline__schedule": "zb_h1"},
+            r"pipeline.schedule='zb_h1' keeps .* needs mesh.expert=1 and mesh.tensor=1 "
+            r"\(got 1 and 2\)",
         ),
         (
             {"mesh__stage": 2, "pipeline__virtual_stages": 2},

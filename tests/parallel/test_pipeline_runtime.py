@@ -255,7 +255,7 @@ def test_a_step_is_dispatched_without_waiting_for_the_device(programs, monkeypat
 
 @pytest.mark.parametrize("make_order", [dispatch_order, overlapped_order])
 def test_dispatch_orders_respect_dependencies(make_order):
-    for name in ("gpipe", "1f1b"):
+    for name in ("gpipe", "1f1b", "zb_h1"):
         tasks = schedule_tasks(name, 4, 3)
         order = make_order(tasks)
         ran, sent = set(), set()
@@ -269,6 +269,8 @@ def test_dispatch_orders_respect_dependencies(make_order):
                 assert ("F", s - 1, t.microbatch) in sent
             if t.kind == "B" and s < 3:
                 assert ("B", s + 1, t.microbatch) in sent
+            if t.kind == "W":  # after its own B; a W sends nothing
+                assert ("B", s, t.microbatch) in ran
             ran.add(key)
         for s in range(4):  # each stage's own list, in its own order
             assert [t for st, t, a in order if st == s and a == "run"] == list(tasks[s])

@@ -148,11 +148,9 @@ def test_an_impossible_context_is_refused():
         PlanContext(batch_size=0)
 
 
-@pytest.mark.parametrize(
-    ("schedule", "words"), [("zb_h1", "does not run yet"), ("chimera", "is unknown")]
-)
-def test_a_schedule_the_runtime_does_not_run_is_refused(schedule, words):
+def test_an_unknown_schedule_is_refused():
     ctx = PlanContext(batch_size=8, num_layers=2, pipeline_stages=2)
-    Plan(stage_layers=(1, 1), schedule="gpipe").validate(ctx)
-    with pytest.raises(PlanError, match=f"schedule = '{schedule}' {words}: use one of"):
+    for schedule in ("gpipe", "zb_h1"):
         Plan(stage_layers=(1, 1), schedule=schedule).validate(ctx)
+    with pytest.raises(PlanError, match="schedule = 'chimera' is unknown: use one of"):
+        Plan(stage_layers=(1, 1), schedule="chimera").validate(ctx)
