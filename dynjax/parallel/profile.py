@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dynjax.balance import peak_in_flight
+from dynjax.balance import peak_in_flight, peak_pending_weights
 from dynjax.model import ModelParts
 from dynjax.parallel.layout import Unit, select
 from dynjax.parallel.stages import PipelineSpec, StageSpec
@@ -299,10 +299,13 @@ def stage_memory(
     acc: Mapping[int, Any],
     temps: Mapping[int, int],
     shapes: Shapes,
+    boundary: Callable[[StageSpec], Sequence[jax.ShapeDtypeStruct]],
 ) -> dict[int, dict[str, int]]:
     """Per-device bytes of each stage in ``state`` (this process's): live state, kept stage
-    inputs, program temporaries (``temps``: `program_temp_bytes`), their ``total``, and
-    ``microbatch_input``, the bytes of one kept stage input."""
+    inputs, what a split backward's B passes keep for their W (``boundary``: a stage's, per
+    microbatch; `dynjax.parallel.split_backward`), program temporaries (``temps``:
+    `program_temp_bytes`), their ``total``, and ``microbatch_input``, the bytes of one kept
+    stage input."""
     out = {}
     for stage in spec.stages:
         s = stage.index
@@ -314,20 +317,25 @@ def stage_memory(
         # residuals its forward keeps for the backward.
         context = {k: v for k, v in held.ctx.items() if k != "readout"}
         inputs = [held.kept, *jax.tree.leaves(context), *held.residuals]
-        x_bytes = sum(
-            int(np.prod(a.shape)) * a.dtype.itemsize // a.sharding.num_devices for a in inputs
-        )
+        x_bytes = _device_bytes(inputs)
+        pending = peak_pending_weights(spec.stage_tasks(s))
         record = {
             "params": per_device_bytes(state[s]["params"]),
             "opt_state": per_device_bytes(state[s]["opt_state"]),
             "grad_accumulator": per_device_bytes(acc[s]),
             "stage_inputs": peak_in_flight(spec.stage_tasks(s)) * x_bytes,
+            "weight_work": pending * _device_bytes(boundary(stage)) if pending else 0,
             "program_temp": temps.get(s, 0),
         }
         record["total"] = sum(record.values())
         record["microbatch_input"] = x_bytes  # one kept stage input (a part of stage_inputs)
         out[s] = record
     return out
+
+
+def _device_bytes(arrays: Sequence[jax.ShapeDtypeStruct]) -> int:
+    """Bytes one device holds of ``arrays`` (sharded evenly)."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize // a.sharding.num_devices for a in arrays)
 
 
 Timeline = Sequence[Sequence[TaskTime]]  # [stages][tasks in execution order]

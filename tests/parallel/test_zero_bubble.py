@@ -130,8 +130,10 @@ def test_b_and_w_together_cost_the_backward(programs):
 
 
 def test_a_zb_h1_run_trains_as_1f1b_does_and_profiles_its_w_tasks(tmp_path):
-    """Through `dynjax.train` (2 stages x 2 data devices, MoE): the same losses as 1F1B, and
-    the profiled step's timeline holds each stage's B and W in ZB-H1's order."""
+    """Through `dynjax.train` (2 stages x 2 data devices, MoE): the same losses as 1F1B; the
+    profiled step's timeline holds each stage's B and W in ZB-H1's order, and the memory
+    profile counts what B keeps for W where a stage keeps anything (the first stage's B is
+    empty: it passes no gradient back)."""
     runs = {}
     for schedule in ("1f1b", ZB):
         cfg = tiny_config(
@@ -150,3 +152,5 @@ def test_a_zb_h1_run_trains_as_1f1b_does_and_profiles_its_w_tasks(tmp_path):
     for profile in timed:
         rows = [[(k, m) for k, m, _, _ in row] for row in profile["timeline"]]
         assert rows == [[(t.kind, t.microbatch) for t in lane] for lane in tasks]
+    memory = profiles[0]["stage_memory_bytes"]
+    assert memory[0]["weight_work"] == 0 and memory[1]["weight_work"] > 0
