@@ -703,6 +703,12 @@ def _check_pipeline(run: RunSettings) -> None:
             "split over a stage's data devices only: it needs mesh.expert=1 and mesh.tensor=1 "
             f"(got {run.mesh.expert} and {run.mesh.tensor}); use pipeline.schedule='1f1b'"
         )
+    if p.schedule in SPLIT_BACKWARD and run.model.scan_layers:
+        raise ConfigError(
+            f"pipeline.schedule={p.schedule!r} with model.scan_layers=True: a scanned stack's "
+            "backward is one loop computing input and weight gradients together, so nothing "
+            "of it could wait for W; set model.scan_layers=False or use pipeline.schedule='1f1b'"
+        )
     if not p.recompute and (run.mesh.expert > 1 or run.mesh.tensor > 1):
         raise ConfigError(
             "pipeline.recompute=False keeps a stage's activations split over its data devices "

@@ -16,13 +16,7 @@ from dynjax.balance.errors import InfeasibleError
 from dynjax.balance.metrics import imbalance, stage_costs
 from dynjax.balance.partition import partition
 from dynjax.balance.repack import repack
-from dynjax.balance.schedules import (
-    SCHEDULES,
-    Task,
-    peak_in_flight,
-    peak_pending_weights,
-    schedule_tasks,
-)
+from dynjax.balance.schedules import SCHEDULES, Task, peak_in_flight, schedule_tasks
 from dynjax.balance.simulate import Event, Simulation, simulate
 
 __all__ = [
@@ -38,7 +32,6 @@ __all__ = [
     "imbalance",
     "partition",
     "peak_in_flight",
-    "peak_pending_weights",
     "repack",
     "schedule_tasks",
     "simulate",

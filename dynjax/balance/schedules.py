@@ -161,18 +161,6 @@ def has_split_backward(schedule: Schedule) -> bool:
     return any(t.kind == "W" for tasks in schedule for t in tasks)
 
 
-def peak_pending_weights(tasks: tuple[Task, ...]) -> int:
-    """Most microbatches whose ``B`` ran and whose ``W`` has not (0 where the backward is not
-    split): what a stage keeps of its ``B`` passes for their ``W``."""
-    if not any(t.kind == "W" for t in tasks):
-        return 0
-    live = peak = 0
-    for task in tasks:
-        live += 1 if task.kind == "B" else -1 if task.kind == "W" else 0
-        peak = max(peak, live)
-    return peak
-
-
 def peak_in_flight(tasks: tuple[Task, ...]) -> int:
     """Most microbatches whose forward ran and whose backward (its W, where split) has not: the
     activations a stage stores."""

@@ -34,8 +34,10 @@ def program_kinds(spec: StageSpec, split_backward: bool = False) -> tuple[str, .
     """The training programs one stage needs (``split_backward``: its backward as ``B`` and
     ``W``, `dynjax.parallel.split_backward`)."""
     kinds = () if spec.last else ("fwd",)
-    backward = ("bwd_b", "bwd_w") if split_backward else ("bwd",)
-    kinds += backward if spec.has_backward else ()
+    if spec.has_backward and not split_backward:
+        kinds += ("bwd",)
+    elif spec.has_backward:  # B only where it computes something (`split_backward`)
+        kinds += ("bwd_b", "bwd_w") if spec.input_grads or spec.last else ("bwd_w",)
     return kinds + ("sqnorm", "update")
 
 
@@ -65,6 +67,8 @@ class PipelineExecutable:
     # `profile.unit_programs` of this process's stages (none: it has none); None: lowered
     # without them
     profiling: Mapping[UnitKey, Any] | None
+    # stage -> its backward's cut, where the schedule splits it (`split_backward`)
+    splits: Mapping[int, StageSplit]
 
 
 @dataclasses.dataclass
@@ -77,6 +81,7 @@ class LoweredPipeline:
     lowered: dict[ProgramKey, tuple[StageSpec, jax.stages.Lowered]]
     profiling_ready: dict[UnitKey, Any] | None  # None: lowered without the one-unit programs
     profiling_lowered: dict[UnitKey, jax.stages.Lowered]
+    splits: dict[int, StageSplit]
 
     def compile(self) -> PipelineExecutable:
         programs = dict(self.ready)
@@ -93,6 +98,7 @@ class LoweredPipeline:
                 self.spec.tasks
             ),
             profiling,
+            self.splits,
         )
 
 
@@ -133,11 +139,14 @@ class PipelinePrograms:
     def lower(self, spec: PipelineSpec, *, profiling: bool = False) -> LoweredPipeline:
         """The programs of this process's stages: cached ones ready, the others lowered; with
         ``profiling``, the one-unit programs that profile the spec's step too."""
-        ready, lowered = {}, {}
+        ready, lowered, splits = {}, {}, {}
+        split = spec.schedule in SPLIT_BACKWARD
         for stage in spec.stages:
             if not self.transport.is_local(stage.index):
                 continue
-            for kind in program_kinds(stage, spec.schedule in SPLIT_BACKWARD):
+            if split and stage.has_backward:
+                splits[stage.index] = self.split(stage)
+            for kind in program_kinds(stage, split):
                 hit = self._cached(kind, stage)
                 if hit is not None:
                     ready[kind, stage.index] = hit
@@ -153,7 +162,7 @@ class PipelinePrograms:
             else:
                 units_lowered[kind, one] = self.lower_one(kind, one)
         return LoweredPipeline(
-            spec, self, ready, lowered, units_ready if profiling else None, units_lowered
+            spec, self, ready, lowered, units_ready if profiling else None, units_lowered, splits
         )
 
     def _cached(self, kind: str, stage: StageSpec) -> Any:
@@ -166,7 +175,8 @@ class PipelinePrograms:
         return hit
 
     def split(self, spec: StageSpec) -> StageSplit:
-        """The stage's backward cut for ZB-H1 (`stage_split`), traced once per spec."""
+        """The stage's backward cut for ZB-H1 (`stage_split`), traced once per spec (while its
+        programs are cached)."""
         hit = self._splits.get(spec)
         if hit is None:
             mesh = self.transport.stage_meshes[spec.index]
@@ -184,8 +194,12 @@ class PipelinePrograms:
         with self._lock:
             self._compiled[key] = compiled
             self._compiled.move_to_end(key)
-            while len(self._compiled) > self.max_entries:
-                self._compiled.popitem(last=False)
+            if len(self._compiled) > self.max_entries:
+                while len(self._compiled) > self.max_entries:
+                    self._compiled.popitem(last=False)
+                # cuts of backwards no longer cached (an executable keeps its own: `splits`)
+                cached = {key[1] for key in self._compiled if key[0] in ("bwd_b", "bwd_w")}
+                self._splits = {k: v for k, v in self._splits.items() if k in cached}
         return compiled
 
     def release(self, stages: Iterable[int]) -> None:

@@ -24,7 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dynjax.balance import peak_in_flight, peak_pending_weights
+from dynjax.balance import peak_in_flight
+from dynjax.balance.schedules import SPLIT_BACKWARD
 from dynjax.model import ModelParts
 from dynjax.parallel.layout import Unit, select
 from dynjax.parallel.stages import PipelineSpec, StageSpec
@@ -38,7 +39,7 @@ Shapes = Callable[[StageSpec], Any]  # spec -> stage_programs.StageShapes
 class TaskTime:
     """A task as it ran in `Pipeline.timed_step`: seconds from the start of the step."""
 
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or, where the schedule splits the backward, "W"
     microbatch: int
     start: float
     end: float
@@ -302,10 +303,9 @@ def stage_memory(
     boundary: Callable[[StageSpec], Sequence[jax.ShapeDtypeStruct]],
 ) -> dict[int, dict[str, int]]:
     """Per-device bytes of each stage in ``state`` (this process's): live state, kept stage
-    inputs, what a split backward's B passes keep for their W (``boundary``: a stage's, per
-    microbatch; `dynjax.parallel.split_backward`), program temporaries (``temps``:
-    `program_temp_bytes`), their ``total``, and ``microbatch_input``, the bytes of one kept
-    stage input."""
+    inputs, program temporaries (``temps``: `program_temp_bytes`), their ``total``, and
+    ``microbatch_input``, the bytes of one kept stage input (``boundary``: what a split
+    backward's B keeps of a microbatch for its W, `dynjax.parallel.split_backward`)."""
     out = {}
     for stage in spec.stages:
         s = stage.index
@@ -314,17 +314,18 @@ def stage_memory(
         held = shapes(stage)
         # A kept stage input is its activations (tokens; past a frozen prefix, the prefix's
         # output) with the carry and targets its wrappers read, and with ``recompute`` off the
-        # residuals its forward keeps for the backward.
+        # residuals its forward keeps for the backward; where the backward is split, what B
+        # keeps for W too (counted from F to W, the safe side: it exists from B on).
         context = {k: v for k, v in held.ctx.items() if k != "readout"}
         inputs = [held.kept, *jax.tree.leaves(context), *held.residuals]
+        if stage.has_backward and spec.schedule in SPLIT_BACKWARD:
+            inputs += boundary(stage)
         x_bytes = _device_bytes(inputs)
-        pending = peak_pending_weights(spec.stage_tasks(s))
         record = {
             "params": per_device_bytes(state[s]["params"]),
             "opt_state": per_device_bytes(state[s]["opt_state"]),
             "grad_accumulator": per_device_bytes(acc[s]),
             "stage_inputs": peak_in_flight(spec.stage_tasks(s)) * x_bytes,
-            "weight_work": pending * _device_bytes(boundary(stage)) if pending else 0,
             "program_temp": temps.get(s, 0),
         }
         record["total"] = sum(record.values())
@@ -473,12 +474,7 @@ class Profile:
         """[stages] mean measured seconds of one microbatch's ``kind`` ("F"/"B") task; "B"
         with its "W" where the schedule splits the backward."""
         kinds = ("B", "W") if kind == "B" else (kind,)
-        return np.array([
-            sum(t.end - t.start for t in stage if t.kind in kinds)
-            / sum(t.kind == kind for t in stage) if any(t.kind == kind for t in stage)
-            else np.nan
-            for stage in self.timeline
-        ])
+        return np.array([_per_task(stage, kind, kinds) for stage in self.timeline])
 
     def metrics(self) -> dict[str, np.ndarray]:
         """What policies read from the Monitor (host arrays, added to the step's metrics)."""
@@ -522,3 +518,9 @@ class Profile:
                 [[t.kind, t.microbatch, t.start, t.end] for t in stage] for stage in self.timeline
             ] if self.timeline_measured else None,
         }
+
+
+def _per_task(tasks: Sequence[TaskTime], kind: str, kinds: Sequence[str]) -> float:
+    """Seconds of ``kinds`` tasks per ``kind`` task (NaN without one)."""
+    count = sum(t.kind == kind for t in tasks)
+    return sum(t.end - t.start for t in tasks if t.kind in kinds) / count if count else np.nan

@@ -191,9 +191,10 @@ class Profiler:
         (walking every shard takes milliseconds: a share of the step at a per-step cadence)."""
         if self._memory_of is None or self._memory_of[0] is not exe:
             temps, held = program_temp_bytes(exe.programs), self.stages
-            programs = held.programs
-            boundary = lambda stage: programs.split(stage).boundary  # noqa: E731
-            memory = stage_memory(exe.spec, held.state, held.acc, temps, programs.shapes, boundary)
+            boundary = lambda stage: exe.splits[stage.index].boundary  # noqa: E731
+            memory = stage_memory(
+                exe.spec, held.state, held.acc, temps, held.programs.shapes, boundary
+            )
             self._memory_of = (exe, memory)
         return self._memory_of[1]
 

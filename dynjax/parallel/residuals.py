@@ -85,8 +85,8 @@ def residual_backward_fn(spec: StageSpec, layout: ResidualLayout):
 
 
 def residual_gradients_fn(layout: ResidualLayout):
-    """``grads(params, x, ctx, residuals, seed, batch_in) -> (gradients, None)``: the pullback
-    of `residual_backward_fn` before accumulating (no metrics: not the last stage)."""
+    """``grads(params, x, ctx, residuals, seed, batch_in) -> (gradients, None)``:
+    `residual_backward_fn` before accumulating (no metrics: not the last stage)."""
 
     def grads(params, x, ctx, residuals, seed, batch_in):
         inputs = jax.tree.leaves((params, x, ctx, batch_in))

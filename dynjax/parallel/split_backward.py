@@ -36,13 +36,13 @@ from dynjax.parallel.stages import StageSpec
 @dataclasses.dataclass(frozen=True, eq=False)
 class SplitBackward:
     """A function of flat inputs cut in two: ``b(*inputs) -> (b_outputs, boundary)`` and
-    ``w(*inputs, *boundary) -> w_outputs`` (flat lists), with the boundary's abstract values."""
+    ``w(*read, *boundary) -> w_outputs`` (flat lists), where ``read`` are the inputs at the
+    indices ``w_reads`` (what W reads of them: the rest can be freed once B ran)."""
 
     b: Callable[..., tuple[list[Any], list[Any]]]
     w: Callable[..., list[Any]]
+    w_reads: tuple[int, ...]
     boundary: tuple[jax.ShapeDtypeStruct, ...]
-    b_equations: int
-    w_equations: int
 
 
 def split_backward(
@@ -63,22 +63,19 @@ def _cut(closed: jcore.ClosedJaxpr, outs_b: Sequence[bool]) -> SplitBackward:
     eqns = jaxpr.eqns
     b_out = [v for v, b in zip(jaxpr.outvars, outs_b, strict=True) if b]
     w_out = [v for v, b in zip(jaxpr.outvars, outs_b, strict=True) if not b]
-    in_b = _needed(eqns, b_out, keep_effects=True)
-    in_w = [w and not b for w, b in zip(_needed(eqns, w_out), in_b, strict=True)]
-    made_in_b = {v for e, b in zip(eqns, in_b, strict=True) if b for v in e.outvars}
-    boundary: dict[jcore.Var, None] = {}  # ordered: by first use in W
-    for e, w in zip(eqns, in_w, strict=True):
-        for v in e.invars if w else ():
-            if isinstance(v, jcore.Var) and v in made_in_b:
-                boundary.setdefault(v)
-    for v in w_out:
-        if isinstance(v, jcore.Var) and v in made_in_b:
-            boundary.setdefault(v)
-    cut = list(boundary)
-    b_eqns = [e for e, b in zip(eqns, in_b, strict=True) if b]
+    # Effects run once: in B, or in W where B computes nothing (a stage passing nothing back).
+    in_b = _needed(eqns, b_out, keep_effects=bool(b_out))
+    for_w = _needed(eqns, w_out, keep_effects=not b_out)
+    in_w = [w and not b for w, b in zip(for_w, in_b, strict=True)]
     w_eqns = [e for e, w in zip(eqns, in_w, strict=True) if w]
+    read = _read(w_eqns, w_out)  # every variable W reads, in order of first use
+    made_in_b = {v for e, b in zip(eqns, in_b, strict=True) if b for v in e.outvars}
+    cut = [v for v in read if v in made_in_b]
+    w_reads = tuple(i for i, v in enumerate(jaxpr.invars) if v in read)
+    b_eqns = [e for e, b in zip(eqns, in_b, strict=True) if b]
     b_jaxpr = _jaxpr("B", jaxpr.constvars, jaxpr.invars, b_out + cut, b_eqns)
-    w_jaxpr = _jaxpr("W", jaxpr.constvars, [*jaxpr.invars, *cut], w_out, w_eqns)
+    w_in = [jaxpr.invars[i] for i in w_reads] + cut
+    w_jaxpr = _jaxpr("W", jaxpr.constvars, w_in, w_out, w_eqns)
     run_b = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(b_jaxpr, closed.consts))
     run_w = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(w_jaxpr, closed.consts))
 
@@ -90,14 +87,22 @@ def _cut(closed: jcore.ClosedJaxpr, outs_b: Sequence[bool]) -> SplitBackward:
         return list(run_w(*inputs))
 
     shapes = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in cut)
-    return SplitBackward(b, w, shapes, len(b_eqns), len(w_eqns))
+    return SplitBackward(b, w, w_reads, shapes)
+
+
+def _read(eqns: Sequence[jcore.JaxprEqn], outs: Sequence[Any]) -> dict[jcore.Var, None]:
+    """The variables ``eqns`` and ``outs`` read (ordered: first use first)."""
+    read: dict[jcore.Var, None] = {}
+    for v in [*(v for e in eqns for v in e.invars), *outs]:
+        if isinstance(v, jcore.Var):
+            read.setdefault(v)
+    return read
 
 
 def _needed(
-    eqns: Sequence[jcore.JaxprEqn], outs: Sequence[Any], keep_effects: bool = False
+    eqns: Sequence[jcore.JaxprEqn], outs: Sequence[Any], keep_effects: bool
 ) -> list[bool]:
-    """Per equation, whether ``outs`` depend on it (with ``keep_effects``, or it has effects:
-    they run once, in ``B``)."""
+    """Per equation, whether ``outs`` depend on it or (with ``keep_effects``) it has effects."""
     need = {v for v in outs if isinstance(v, jcore.Var)}
     keep = [False] * len(eqns)
     for i in range(len(eqns) - 1, -1, -1):
@@ -110,7 +115,13 @@ def _needed(
     return keep
 
 
-def _jaxpr(part: str, constvars, invars, outvars, eqns) -> jcore.Jaxpr:
+def _jaxpr(
+    part: str,
+    constvars: Sequence[jcore.Var],
+    invars: Sequence[jcore.Var],
+    outvars: Sequence[Any],
+    eqns: Sequence[jcore.JaxprEqn],
+) -> jcore.Jaxpr:
     effects = frozenset().union(*(e.effects for e in eqns))
     info = jcore.DebugInfo("split_backward", part, None, None)
     return jcore.Jaxpr(constvars, invars, outvars, eqns, effects, info)
@@ -118,13 +129,22 @@ def _jaxpr(part: str, constvars, invars, outvars, eqns) -> jcore.Jaxpr:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StageSplit:
-    """A stage's backward cut for ZB-H1: the cut, the trees of its two parts' outputs, and the
-    boundary ``B`` keeps for ``W`` with the shardings ``B`` returns it in."""
+    """A stage's backward cut for ZB-H1: the cut, the trees of its two parts' outputs, the
+    boundary ``B`` keeps for ``W`` with the shardings ``B`` returns it in, and how many of the
+    cut's flat inputs are parameters (the rest are a microbatch's: `kept_for_w`)."""
 
     cut: SplitBackward
     weights: Any  # treedef of W's outputs: (the units' gradients, the read readout's)
     inputs: Any  # treedef of B's outputs: (the input gradient or None, the metrics or None)
     boundary: tuple[jax.ShapeDtypeStruct, ...]
+    params_leaves: int
+
+    def kept_for_w(self, microbatch: tuple) -> tuple:
+        """The leaves of a microbatch's backward inputs ``(x, ctx, stored, seed, batch_in)``
+        that ``W`` reads: all a stage keeps of them (with the boundary) after its ``B``."""
+        leaves = jax.tree.leaves(microbatch)
+        return tuple(leaves[i - self.params_leaves] for i in self.cut.w_reads
+                     if i >= self.params_leaves)
 
 
 def split_stage(
@@ -143,31 +163,36 @@ def split_stage(
     cut, out = split_backward(parts, args, for_b)
     rows = args[1].shape[0]  # the stage input's microbatch rows
     boundary = residual_shapes(cut.boundary, mesh, rows)
-    return StageSplit(cut, jax.tree.structure(out[0]), jax.tree.structure(out[1]), boundary)
+    return StageSplit(
+        cut, jax.tree.structure(out[0]), jax.tree.structure(out[1]), boundary,
+        len(jax.tree.leaves(args[0])),
+    )
 
 
 def input_grad_fn(spec: StageSpec, split: StageSplit):
     """``bwd_b(params, x, ctx, stored, seed, batch_in) -> (g_x, boundary, [metrics])``: ``B``,
-    the input gradient (a scalar on a stage that passes none back) and the last stage's
-    metrics, and what ``W`` reads of its work."""
+    the input gradient and the last stage's metrics, and what ``W`` reads of its work. A stage
+    that passes no gradient back and is not the last has no ``B`` program (its ``W`` is its
+    whole backward)."""
 
     def bwd_b(params, x, ctx, stored, seed, batch_in):
         outs, boundary = split.cut.b(*jax.tree.leaves((params, x, ctx, stored, seed, batch_in)))
         g_x, metrics = jax.tree.unflatten(split.inputs, outs)
-        g_x = jnp.zeros((), jnp.float32) if g_x is None else g_x
+        g_x = jnp.zeros((), jnp.float32) if g_x is None else g_x  # nothing passed back
         return (g_x, tuple(boundary)) + ((metrics,) if spec.last else ())
 
     return bwd_b
 
 
 def weight_grad_fn(split: StageSplit):
-    """``bwd_w(params, acc, racc, x, ctx, stored, seed, batch_in, boundary) -> (acc, done,
-    racc)``: ``W``, the weight gradients added to the accumulators (``done``: a scalar ready
-    with them, `stage.done_with`)."""
+    """``bwd_w(params, acc, racc, kept, boundary) -> (acc, done, racc)``: ``W``, the weight
+    gradients added to the accumulators (``kept``: `StageSplit.kept_for_w` of the microbatch;
+    ``done``: a scalar ready with them, `stage.done_with`)."""
 
-    def bwd_w(params, acc, racc, x, ctx, stored, seed, batch_in, boundary):
-        flat = jax.tree.leaves((params, x, ctx, stored, seed, batch_in))
-        grads = jax.tree.unflatten(split.weights, split.cut.w(*flat, *boundary))
+    def bwd_w(params, acc, racc, kept, boundary):
+        flat, held = jax.tree.leaves(params), iter(kept)
+        reads = [flat[i] if i < split.params_leaves else next(held) for i in split.cut.w_reads]
+        grads = jax.tree.unflatten(split.weights, split.cut.w(*reads, *boundary))
         acc, racc = add_weight_grads(acc, racc, grads)
         return acc, done_with(acc), racc
 

@@ -17,10 +17,11 @@ microbatch loop (`dynjax.parallel.step_run`):
   ``bwd(params, acc, racc, x, ctx, residuals, seed, batch_in) -> (acc, g_x, racc)`` runs the
   pullback on the forward's residuals alone.
 * ``bwd_b(params, x, ctx, stored, seed, batch_in) -> (g_x, boundary, [metrics])`` and
-  ``bwd_w(params, acc, racc, x, ctx, stored, seed, batch_in, boundary) -> (acc, done, racc)``:
-  under ZB-H1 (``pipeline.schedule="zb_h1"``), that backward cut in two
-  (`dynjax.parallel.split_backward`); ``stored`` is the forward's residuals with ``recompute``
-  off, else ``()``.
+  ``bwd_w(params, acc, racc, kept, boundary) -> (acc, done, racc)``: under ZB-H1
+  (``pipeline.schedule="zb_h1"``), that backward cut in two (`dynjax.parallel.split_backward`);
+  ``stored`` is the forward's residuals with ``recompute`` off, else ``()``; ``kept``, what W
+  reads of a microbatch's inputs. A stage that passes no gradient back and is not the last has
+  no ``bwd_b``.
 * ``sqnorm(acc) -> [1]``: this stage's squared gradient norm; `Transport.gather` brings every
   stage's to every stage.
 * ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
@@ -245,17 +246,16 @@ def lower_stage(
         if split is None:
             raise ValueError(f"stage program {kind!r} needs the stage's split backward")
         seed = shapes.targets if spec.last else shapes.y
-        stored = (shapes.kept, shapes.ctx, shapes.residuals, seed, shapes.batch_in)
+        microbatch = (shapes.kept, shapes.ctx, shapes.residuals, seed, shapes.batch_in)
         if kind == "bwd_b":
             g_x = shapes.x.sharding if spec.input_grads else replicated
             outs = (g_x, sharding(split.boundary)) + ((metrics,) if spec.last else ())
             jitted = jax.jit(input_grad_fn(spec, split), out_shardings=outs)
-            return jitted.lower(shapes.params, *stored)
+            return jitted.lower(shapes.params, *microbatch)
         outs = (sharding(shapes.acc), replicated, sharding(shapes.racc))
         jitted = jax.jit(weight_grad_fn(split), out_shardings=outs, donate_argnums=(1, 2))
-        return jitted.lower(
-            shapes.params, shapes.acc, shapes.racc, *stored, split.boundary
-        )
+        kept = split.kept_for_w(microbatch)
+        return jitted.lower(shapes.params, shapes.acc, shapes.racc, kept, split.boundary)
     if kind == "fwd":
         outs = (shapes.y.sharding, sharding(shapes.carry), metrics)
         outs += (shapes.kept.sharding,) if frozen_prefix(setup, spec) else ()

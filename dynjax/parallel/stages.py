@@ -89,7 +89,7 @@ class PipelineSpec:
     """The static description of one pipeline step: stages and the schedule's task lists.
 
     ``stages`` are the logical stages in model order; ``tasks[d]`` is stage sub-mesh d's
-    ordered list of tasks (anything with ``kind`` "F"/"B", ``microbatch`` and ``chunk``: the
+    ordered list of tasks (anything with ``kind`` "F"/"B"/"W", ``microbatch`` and ``chunk``: the
     task runs logical stage ``chunk * len(tasks) + d``), e.g. ``dynjax.balance.schedule_tasks``:
     the runtime executes these lists.
     """

@@ -209,10 +209,14 @@ class StepRunner:
             seed = run.take(run.grad_in, s, m, pop=True)
         ctx = {**ctx, **run.readout_of(s)}
         stored = run.residuals[s].pop(m) if residual else ()
-        if ("bwd_b", s) in programs:  # B now, its W later (`split_backward`)
-            inputs = (x, ctx, stored, seed, run.routes(s, m))
-            g_x, boundary, *metrics = programs["bwd_b", s](params, *inputs)
-            run.weight_work[s][m] = (*inputs, boundary)
+        if ("bwd_w", s) in programs:  # B now, its W later (`split_backward`)
+            split = run.exe.splits[s]
+            microbatch = (x, ctx, stored, seed, run.routes(s, m))
+            if ("bwd_b", s) not in programs:  # nothing to pass back: W is the whole backward
+                run.weight_work[s][m] = (split.kept_for_w(microbatch), ())
+                return ()
+            g_x, boundary, *metrics = programs["bwd_b", s](params, *microbatch)
+            run.weight_work[s][m] = (split.kept_for_w(microbatch), boundary)
             out = (None, g_x, None, *metrics)
         else:
             out = programs["bwd", s](

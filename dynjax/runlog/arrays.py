@@ -98,7 +98,7 @@ def stage_load(run: Run) -> StageLoad | None:
             continue
         steps.append(int(e["step"]) + 1)  # loop step s is metrics step s + 1
         fwd.append([_busy(s, "F") for s in timeline])
-        bwd.append([_busy(s, "B") for s in timeline])
+        bwd.append([_busy(s, "B") + _busy(s, "W") for s in timeline])  # W: a split backward
         bubble.append(float(e["bubble_ratio"]) if is_number(e.get("bubble_ratio")) else np.nan)
         it = e.get("iteration_seconds")
         iteration.append(float(it) if is_number(it) else np.nan)

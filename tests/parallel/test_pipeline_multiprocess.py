@@ -28,13 +28,14 @@ OVERRIDES = {
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
-    config = dotted_config(OVERRIDES)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_two_processes_match_one(tmp_path, schedule):
+    run = {**OVERRIDES, "pipeline.schedule": schedule}
     single = tmp_path / "single"
-    train(config, single, progress=False)
+    train(dotted_config(run), single, progress=False)
 
     multi = tmp_path / "multi"
-    out = two_processes(multi, OVERRIDES, devices=1)
+    out = two_processes(multi, run, devices=1)
     assert "[0] dynjax run summary" in out and "[1] dynjax run summary" in out
     want = losses(single)
     assert sorted(want) == [1, 2, 3, 4]

@@ -635,6 +635,6 @@ def test_a_periodic_profile_is_taken_while_later_steps_run(programs):
                for s, busy in enumerate(stage_busy_seconds(light.timeline))}
     assert light.units == UnitTimes.of(rescaled_units(full.units.by_unit(), exe.spec, factors))
     temps = program_temp_bytes(exe.programs)
-    boundary = lambda stage: programs.split(stage).boundary  # noqa: E731
+    boundary = lambda stage: exe.splits[stage.index].boundary  # noqa: E731
     fresh = stage_memory(exe.spec, profiled.state, profiled.acc, temps, programs.shapes, boundary)
     assert light.memory == full.memory == tuple(fresh[s] for s in range(len(ASSIGNMENT)))

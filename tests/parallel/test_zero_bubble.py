@@ -62,18 +62,44 @@ def test_the_cut_is_exact_and_puts_the_weight_matmuls_in_w():
     split, _ = split_backward(mlp_gradients, (ws, x), lambda out: [False] * 3 + [True])
     flat = jax.tree.leaves((ws, x))
     b_out, boundary = split.b(*flat)
-    w_out = split.w(*flat, *boundary)
+    reads = [flat[i] for i in split.w_reads]  # the input x (the first matmul's activation)
+    assert split.w_reads == (3,)
+    w_out = split.w(*reads, *boundary)
     for got, want in zip(w_out + b_out, jax.tree.leaves(mlp_gradients(ws, x)), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     # B: the three forward matmuls and the input-gradient chain (dy @ W^T; the first layer's
     # is the input gradient itself), W: one x^T dy per weight. Six and three: none twice.
     in_b = dots(lambda *a: split.b(*a), *flat)
-    in_w = dots(lambda *a: split.w(*a), *flat, *boundary)
+    in_w = dots(lambda *a: split.w(*a), *reads, *boundary)
     assert len(in_b) == 6 and len(in_w) == 3
     whole = dots(mlp_gradients, ws, x)
     assert sorted(in_b + in_w) == sorted(whole)
     # each W matmul contracts the 4 rows of the batch: an activation against a cotangent
     assert all(a[0] == 4 and b[0] == 4 for a, b in in_w)
+
+
+def test_the_cut_handles_inputs_repeats_literals_constants_and_effects():
+    """Outputs that are inputs, repeated, literal or made in B for W; a closed-over constant;
+    an effect, which runs once per backward (in B); W reads only what it needs."""
+    const = jnp.arange(1.0, 5.0)
+    calls = []
+
+    def fn(w, x):
+        jax.debug.callback(lambda v: calls.append(float(v)), jnp.sum(x))
+        h = jnp.tanh(x * const)
+        grad = w * h
+        return (grad, grad, w, h, jnp.zeros(())), (h, x)
+
+    w, x = jnp.full((4,), 0.5), jnp.arange(4.0)
+    split, _ = split_backward(fn, (w, x), lambda out: [False] * 5 + [True] * 2)
+    assert split.w_reads == (0,)  # w; not x: h crosses as the boundary
+    b_out, boundary = split.b(w, x)
+    assert len(calls) == 1 and len(boundary) == 1
+    w_out = split.w(w, *boundary)
+    assert len(calls) == 1
+    want = jax.tree.leaves(fn(w, x))
+    for got, ref in zip(w_out + b_out, want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +139,12 @@ def test_a_layer_migrates_exactly_under_zb_h1(programs):
     assert_close(ref_state, pipeline.host_state(), 1e-5)
 
 
-def test_b_and_w_together_cost_the_backward(programs):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_b_and_w_together_cost_the_backward(programs, recompute):
     """Compute does not grow: a middle stage's B and W together count no more FLOPs than its
-    fused backward (3% fewer here: XLA counts the two programs' fusions apart), and W holds a
-    real share of them (the weight matmuls)."""
-    programs, _ = programs
+    fused backward (3% fewer here, recomputing: XLA counts the two programs' fusions apart),
+    and W holds a real share of them (the weight matmuls), recomputing or on residuals."""
+    programs, _ = programs if recompute else programs_for(recompute=False)
     stage = spec_for(ASSIGNMENT, ZB).stages[1]  # layers 1 and 2 (the MoE layer)
 
     def flops(kind):
@@ -132,8 +159,8 @@ def test_b_and_w_together_cost_the_backward(programs):
 def test_a_zb_h1_run_trains_as_1f1b_does_and_profiles_its_w_tasks(tmp_path):
     """Through `dynjax.train` (2 stages x 2 data devices, MoE): the same losses as 1F1B; the
     profiled step's timeline holds each stage's B and W in ZB-H1's order, and the memory
-    profile counts what B keeps for W where a stage keeps anything (the first stage's B is
-    empty: it passes no gradient back)."""
+    profile counts what B keeps for W in a microbatch's kept bytes where a stage keeps
+    anything (the first stage has no B: it passes no gradient back)."""
     runs = {}
     for schedule in ("1f1b", ZB):
         cfg = tiny_config(
@@ -152,5 +179,10 @@ def test_a_zb_h1_run_trains_as_1f1b_does_and_profiles_its_w_tasks(tmp_path):
     for profile in timed:
         rows = [[(k, m) for k, m, _, _ in row] for row in profile["timeline"]]
         assert rows == [[(t.kind, t.microbatch) for t in lane] for lane in tasks]
-    memory = profiles[0]["stage_memory_bytes"]
-    assert memory[0]["weight_work"] == 0 and memory[1]["weight_work"] > 0
+    kept = {
+        schedule: [m["microbatch_input"] for m in next(
+            e for e in read_jsonl(runs[schedule] / "events.jsonl") if e["event"] == "profile"
+        )["stage_memory_bytes"]]
+        for schedule in runs
+    }
+    assert kept[ZB][0] == kept["1f1b"][0] and kept[ZB][1] > kept["1f1b"][1]
