@@ -374,6 +374,19 @@ def frozen_reference(cfg=CFG):
     return jax.device_get({"params": p, "opt_state": s})
 
 
+def assert_frozen_matches_one_device(programs, template, schedule: str):
+    """``schedule``'s pipeline with the `FROZEN` units trains the test batches to the state of
+    `frozen_reference`."""
+    spec = spec_for(ASSIGNMENT, schedule, frozen=FROZEN)
+    exe = programs.lower(spec).compile()
+    pipeline = Pipeline(programs, template)
+    pipeline.place(initial_state(), spec)
+    for batch in batches():
+        pipeline.step(exe, **batch)
+    assert_close(frozen_reference(), pipeline.host_state(), 1e-5)
+    return exe
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_frozen_layers_get_no_gradient_and_a_frozen_prefix_no_backward(programs, family):

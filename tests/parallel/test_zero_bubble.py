@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from dynjax.balance import schedule_tasks
-from dynjax.parallel.pipeline import Pipeline
 from dynjax.parallel.split_backward import split_backward
 from dynjax.train import train
 from dynjax.writers import read_jsonl
@@ -22,11 +21,8 @@ from ..tiny import tiny_config
 from .test_pipeline_runtime import (
     ASSIGNMENT,
     CFG,
-    FROZEN,
+    assert_frozen_matches_one_device,
     assert_matches_one_device,
-    batches,
-    frozen_reference,
-    initial_state,
     pipeline_setup,
     reference_run,
     spec_for,
@@ -118,14 +114,7 @@ def test_zb_h1_on_residuals_matches_one_device():
 
 
 def test_zb_h1_with_frozen_layers_matches_one_device(programs):
-    programs, template = programs
-    spec = spec_for(ASSIGNMENT, ZB, frozen=FROZEN)
-    exe = programs.lower(spec).compile()
-    pipeline = Pipeline(programs, template)
-    pipeline.place(initial_state(), spec)
-    for batch in batches():
-        pipeline.step(exe, **batch)
-    assert_close(frozen_reference(), pipeline.host_state(), 1e-5)
+    assert_frozen_matches_one_device(*programs, ZB)
 
 
 def test_a_layer_migrates_exactly_under_zb_h1(programs):
