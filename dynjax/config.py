@@ -697,23 +697,24 @@ def _check_pipeline(run: RunSettings) -> None:
         raise ConfigError(f"pipeline.schedule={p.schedule!r} is unknown: use one of {SCHEDULES}")
     if p.profile_every < 0:
         raise ConfigError(f"pipeline.profile_every={p.profile_every} must be >= 0 (0 = off)")
-    if p.schedule in SPLIT_BACKWARD and (run.mesh.expert > 1 or run.mesh.tensor > 1):
+    # Values one stage program keeps for another (a forward's residuals, B's work for W) are
+    # placed split over a stage's data devices only (`residuals.residual_shapes`).
+    keeping = [key for key, on in (
+        ("pipeline.recompute=False", not p.recompute),
+        (f"pipeline.schedule={p.schedule!r}", p.schedule in SPLIT_BACKWARD),
+    ) if on]
+    if keeping and (run.mesh.expert > 1 or run.mesh.tensor > 1):
         raise ConfigError(
-            f"pipeline.schedule={p.schedule!r} keeps what a backward's B computes for its W "
-            "split over a stage's data devices only: it needs mesh.expert=1 and mesh.tensor=1 "
-            f"(got {run.mesh.expert} and {run.mesh.tensor}); use pipeline.schedule='1f1b'"
+            f"{' with '.join(keeping)} keeps what a stage's backward reads between two programs, "
+            "split over the stage's data devices only: it needs mesh.expert=1 and "
+            f"mesh.tensor=1 (got {run.mesh.expert} and {run.mesh.tensor}); set them to 1 or "
+            "use pipeline.recompute=True and pipeline.schedule='1f1b'"
         )
     if p.schedule in SPLIT_BACKWARD and run.model.scan_layers:
         raise ConfigError(
             f"pipeline.schedule={p.schedule!r} with model.scan_layers=True: a scanned stack's "
             "backward is one loop computing input and weight gradients together, so nothing "
             "of it could wait for W; set model.scan_layers=False or use pipeline.schedule='1f1b'"
-        )
-    if not p.recompute and (run.mesh.expert > 1 or run.mesh.tensor > 1):
-        raise ConfigError(
-            "pipeline.recompute=False keeps a stage's activations split over its data devices "
-            f"only: it needs mesh.expert=1 and mesh.tensor=1 (got {run.mesh.expert} and "
-            f"{run.mesh.tensor}); keep pipeline.recompute=True"
         )
     b = run.balance
     if b.enabled or b.repack:

@@ -232,16 +232,13 @@ def _time_unit(
     zeros = lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding)
     acc, racc = jax.tree.map(zeros, s.acc), jax.tree.map(zeros, s.racc)
     bwd = get("bwd", one)
-    # With ``recompute`` off the backward takes its forward's residuals (and donates them):
-    # one forward's worth for each call, made before the timing.
-    stored = [
-        get(forward_kind, one)(params, x, ctx, None)[3] for _ in range(repeats + 1)
-    ] if s.residual_layout is not None else []
+    # With ``recompute`` off the backward takes its forward's residuals (made before timing).
+    keeps = s.residual_layout is not None
+    stored = get(forward_kind, one)(params, x, ctx, None)[3] if keeps else ()
 
     def backward():
         nonlocal acc, racc
-        residuals = (stored.pop(),) if s.residual_layout is not None else ()
-        out = bwd(params, acc, racc, x, ctx, *residuals, seed, None)
+        out = bwd(params, acc, racc, x, ctx, stored, seed, None)
         acc, racc = out[0], out[2]
         return out
 

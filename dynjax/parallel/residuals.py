@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.model import ExpertParallel
 from dynjax.parallel.mesh import TOKEN_AXES
-from dynjax.parallel.stage import StageSetup, accumulate, stage_vjp
+from dynjax.parallel.stage import StageSetup, stage_vjp
 from dynjax.parallel.stages import StageSpec
 
 
@@ -71,22 +71,10 @@ def residual_forward_fn(
     return fwd
 
 
-def residual_backward_fn(spec: StageSpec, layout: ResidualLayout):
-    """``bwd(params, acc, racc, x, ctx, residuals, seed, batch_in) -> (acc, g_x, racc)``: the
-    pullback of `residual_forward_fn`'s VJP (traced as ``layout``) on the next stage's input
-    gradient ``seed``, accumulated as `stage.backward_fn` does."""
-    gradients = residual_gradients_fn(layout)
-
-    def bwd(params, acc, racc, x, ctx, residuals, seed, batch_in):
-        grads, _ = gradients(params, x, ctx, residuals, seed, batch_in)
-        return accumulate(spec, acc, racc, grads)
-
-    return bwd
-
-
 def residual_gradients_fn(layout: ResidualLayout):
-    """``grads(params, x, ctx, residuals, seed, batch_in) -> (gradients, None)``:
-    `residual_backward_fn` before accumulating (no metrics: not the last stage)."""
+    """``grads(params, x, ctx, residuals, seed, batch_in) -> (gradients, None)``: the pullback
+    of `residual_forward_fn`'s VJP (traced as ``layout``) on the next stage's input gradient
+    ``seed``, before accumulating (no metrics: not the last stage)."""
 
     def grads(params, x, ctx, residuals, seed, batch_in):
         inputs = jax.tree.leaves((params, x, ctx, batch_in))

@@ -10,16 +10,15 @@ microbatch loop (`dynjax.parallel.step_run`):
   (`stage.frozen_prefix`), where the stage has one; ``residuals``, what its backward reads,
   with ``pipeline.recompute`` off (`dynjax.parallel.residuals`). The last stage has no forward
   program: its forward output only feeds its own backward.
-* ``bwd(params, acc, racc, x, ctx, seed, batch_in) -> (acc, g_x, racc, [metrics])``:
+* ``bwd(params, acc, racc, x, ctx, stored, seed, batch_in) -> (acc, g_x, racc, [metrics])``:
   `stage.backward_fn`, recomputing the forward from the stored stage input (activation
   checkpointing at stage boundaries: a stage keeps one input per microbatch in flight, not
-  every intermediate), or from ``kept`` past a frozen prefix; with ``recompute`` off,
-  ``bwd(params, acc, racc, x, ctx, residuals, seed, batch_in) -> (acc, g_x, racc)`` runs the
-  pullback on the forward's residuals alone.
+  every intermediate), or from ``kept`` past a frozen prefix (``stored``: ``()``); with
+  ``recompute`` off, the pullback on the forward's residuals alone (``stored``: them).
 * ``bwd_b(params, x, ctx, stored, seed, batch_in) -> (g_x, boundary, [metrics])`` and
   ``bwd_w(params, acc, racc, kept, boundary) -> (acc, done, racc)``: under ZB-H1
   (``pipeline.schedule="zb_h1"``), that backward cut in two (`dynjax.parallel.split_backward`);
-  ``stored`` is the forward's residuals with ``recompute`` off, else ``()``; ``kept``, what W
+  ``kept``, what W
   reads of a microbatch's inputs. A stage that passes no gradient back and is not the last has
   no ``bwd_b``.
 * ``sqnorm(acc) -> [1]``: this stage's squared gradient norm; `Transport.gather` brings every
@@ -52,7 +51,6 @@ from dynjax.parallel.metrics import fold_microbatches
 from dynjax.parallel.residuals import (
     ResidualLayout,
     keeps_residuals,
-    residual_backward_fn,
     residual_forward_fn,
     residual_gradients_fn,
     residual_shapes,
@@ -68,6 +66,7 @@ from dynjax.parallel.stage import (
     READOUT_UNITS,
     Metrics,
     StageSetup,
+    accumulate,
     backward_fn,
     evaluate_fn,
     forward_loss,
@@ -213,20 +212,41 @@ def stage_shapes(
     )
 
 
+def stage_gradients(setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes: StageShapes):
+    """``grads(params, x, ctx, stored, seed, batch_in) -> (gradients, metrics)``: the stage's
+    backward before accumulating, on its forward's residuals with ``recompute`` off
+    (``stored``: them, `residuals`), else recomputing its forward (``stored``: ``()``)."""
+    if keeps_residuals(setup, spec):
+        return residual_gradients_fn(shapes.residual_layout)
+    recomputing = gradients_fn(setup, spec, expert_parallel(mesh))
+    return lambda p, x, ctx, _, seed, b: recomputing(p, x, ctx, seed, b)  # noqa: E731
+
+
+def pipeline_backward_fn(spec: StageSpec, gradients):
+    """``bwd(params, acc, racc, x, ctx, stored, seed, batch_in) -> (acc, g_x, racc,
+    [metrics])``: ``gradients`` (`stage_gradients`) accumulated as `stage.backward_fn` does."""
+
+    def bwd(params, acc, racc, x, ctx, stored, seed, batch_in):
+        grads, metrics = gradients(params, x, ctx, stored, seed, batch_in)
+        acc, g_x, racc = accumulate(spec, acc, racc, grads)
+        return (acc, g_x, racc) + ((metrics,) if spec.last else ())
+
+    return bwd
+
+
 def stage_split(
     setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes: StageShapes
 ) -> StageSplit:
-    """The stage's backward cut into ``B`` and ``W`` (`split_backward.split_stage`): the
-    pullback on the forward's residuals with ``recompute`` off, else the recomputing
-    backward."""
-    if keeps_residuals(setup, spec):
-        gradients = residual_gradients_fn(shapes.residual_layout)
-    else:
-        recomputing = gradients_fn(setup, spec, expert_parallel(mesh))
-        gradients = lambda p, x, ctx, _, seed, b: recomputing(p, x, ctx, seed, b)  # noqa: E731
+    """The stage's backward (`stage_gradients`) cut into ``B`` and ``W``
+    (`split_backward.split_stage`)."""
+    return split_stage(spec, stage_gradients(setup, spec, mesh, shapes), _microbatch(spec, shapes),
+                       mesh)
+
+
+def _microbatch(spec: StageSpec, shapes: StageShapes) -> tuple:
+    """The abstract ``(params, x, ctx, stored, seed, batch_in)`` a backward takes."""
     seed = shapes.targets if spec.last else shapes.y
-    args = (shapes.params, shapes.kept, shapes.ctx, shapes.residuals, seed, shapes.batch_in)
-    return split_stage(spec, gradients, args, mesh)
+    return (shapes.params, shapes.kept, shapes.ctx, shapes.residuals, seed, shapes.batch_in)
 
 
 def lower_stage(
@@ -242,20 +262,19 @@ def lower_stage(
     sharding = lambda tree: jax.tree.map(lambda a: a.sharding, tree)
     replicated = NamedSharding(mesh, P())
     metrics = sharding(shapes.metrics)
+    params, *microbatch = _microbatch(spec, shapes)
+    g_x = shapes.x.sharding if spec.input_grads else replicated
     if kind in ("bwd_b", "bwd_w"):
         if split is None:
             raise ValueError(f"stage program {kind!r} needs the stage's split backward")
-        seed = shapes.targets if spec.last else shapes.y
-        microbatch = (shapes.kept, shapes.ctx, shapes.residuals, seed, shapes.batch_in)
         if kind == "bwd_b":
-            g_x = shapes.x.sharding if spec.input_grads else replicated
             outs = (g_x, sharding(split.boundary)) + ((metrics,) if spec.last else ())
             jitted = jax.jit(input_grad_fn(spec, split), out_shardings=outs)
-            return jitted.lower(shapes.params, *microbatch)
+            return jitted.lower(params, *microbatch)
         outs = (sharding(shapes.acc), replicated, sharding(shapes.racc))
         jitted = jax.jit(weight_grad_fn(split), out_shardings=outs, donate_argnums=(1, 2))
-        kept = split.kept_for_w(microbatch)
-        return jitted.lower(shapes.params, shapes.acc, shapes.racc, kept, split.boundary)
+        kept = split.kept_for_w(tuple(microbatch))
+        return jitted.lower(params, shapes.acc, shapes.racc, kept, split.boundary)
     if kind == "fwd":
         outs = (shapes.y.sharding, sharding(shapes.carry), metrics)
         outs += (shapes.kept.sharding,) if frozen_prefix(setup, spec) else ()
@@ -269,31 +288,12 @@ def lower_stage(
                 f"stage {spec.index}: its forward's VJP flattened differently in two traces"
             )
         return lowered
-    if kind == "bwd" and keeps_residuals(setup, spec):
-        outs = (sharding(shapes.acc), shapes.x.sharding if spec.input_grads else replicated,
-                sharding(shapes.racc))
-        jitted = jax.jit(
-            residual_backward_fn(spec, shapes.residual_layout),
-            out_shardings=outs,
-            donate_argnums=(1, 2),
-        )
-        return jitted.lower(
-            shapes.params, shapes.acc, shapes.racc, shapes.x, shapes.ctx, shapes.residuals,
-            shapes.y, shapes.batch_in,
-        )
     if kind == "bwd":
-        g_x = shapes.x.sharding if spec.input_grads else replicated
         outs = (sharding(shapes.acc), g_x, sharding(shapes.racc))
         outs += (metrics,) if spec.last else ()
-        jitted = jax.jit(
-            backward_fn(setup, spec, expert_parallel(mesh)),
-            out_shardings=outs,
-            donate_argnums=(1, 2),
-        )
-        seed = shapes.targets if spec.last else shapes.y
-        return jitted.lower(
-            shapes.params, shapes.acc, shapes.racc, shapes.kept, shapes.ctx, seed, shapes.batch_in
-        )
+        bwd = pipeline_backward_fn(spec, stage_gradients(setup, spec, mesh, shapes))
+        jitted = jax.jit(bwd, out_shardings=outs, donate_argnums=(1, 2))
+        return jitted.lower(params, shapes.acc, shapes.racc, *microbatch)
     if kind == "sqnorm":
         return jax.jit(sqnorm_fn(spec), out_shardings=replicated).lower(shapes.acc)
     if kind == "update":

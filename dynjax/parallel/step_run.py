@@ -209,9 +209,9 @@ class StepRunner:
             seed = run.take(run.grad_in, s, m, pop=True)
         ctx = {**ctx, **run.readout_of(s)}
         stored = run.residuals[s].pop(m) if residual else ()
-        if ("bwd_w", s) in programs:  # B now, its W later (`split_backward`)
-            split = run.exe.splits[s]
-            microbatch = (x, ctx, stored, seed, run.routes(s, m))
+        microbatch = (x, ctx, stored, seed, run.routes(s, m))
+        split = run.exe.splits.get(s)
+        if split is not None:  # B now, its W later (`split_backward`)
             if ("bwd_b", s) not in programs:  # nothing to pass back: W is the whole backward
                 run.weight_work[s][m] = (split.kept_for_w(microbatch), ())
                 return ()
@@ -219,10 +219,7 @@ class StepRunner:
             run.weight_work[s][m] = (split.kept_for_w(microbatch), boundary)
             out = (None, g_x, None, *metrics)
         else:
-            out = programs["bwd", s](
-                params, acc[s], racc[s], x, ctx, *((stored,) if residual else ()), seed,
-                run.routes(s, m),
-            )
+            out = programs["bwd", s](params, acc[s], racc[s], *microbatch)
             acc[s], racc[s] = out[0], out[2]
         if stage.last:
             run.metrics[s][m] = out[3]
