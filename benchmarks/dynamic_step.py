@@ -187,9 +187,9 @@ def pruned_blocks(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Pl
     one global selection of blocks over the whole model, ranked as the config's
     ``pruning.scale`` says (`pruning.prune` with `pruning.ranking_scales`, the event a run's
     `before_step` makes; weights zeroed, masks and Adam moments in the optimizer state), then
-    the Plan its `SparsePath` policy proposes from the busiest block-columns that the plugin's
-    weight hook (`pruning.zero_pattern`) reports: block-sparse matmuls for the linears at or
-    below ``pruning.sparse_below``."""
+    the Plan its `SparsePath` policy proposes from the block-column counts that the plugin's
+    weight hook (`pruning.zero_pattern`) reports: block-sparse matmuls, their columns cut into
+    ``pruning.column_groups`` widths, for the linears at or below ``pruning.sparse_below``."""
     p = exp.cfg.pruning
     if not (p.enabled and p.granularity == "block" and p.sparse_below > 0):
         raise NotApplicable(
@@ -213,8 +213,8 @@ def pruned_blocks(exp: Experiment, plan: Plan, host: dict[str, Any]) -> tuple[Pl
     columns = []
     for i, record in enumerate(plugin.records(plan)):
         layer = {path: weights[f"layers/{i}/{path}"] for path in record.paths}
-        columns.append(np.asarray(pruning.zero_pattern(layer, record)[1][pruning.COLUMN_BLOCKS]))
-    proposal = policy.propose(History.of([(0, {pruning.COLUMN_BLOCKS: np.stack(columns)})]), plan)
+        columns.append(np.asarray(pruning.zero_pattern(layer, record)[1][pruning.COLUMN_COUNTS]))
+    proposal = policy.propose(History.of([(0, {pruning.COLUMN_COUNTS: np.stack(columns)})]), plan)
     return (plan if proposal is None else proposal.plan), host
 
 
@@ -269,8 +269,8 @@ def describe(plan: Plan) -> str:
     """The Plan part that makes a variant, for the table's notes."""
     sparse = plan.part(pruning.NAME).get("sparse", ())
     if sparse:
-        return "block-sparse (layer, linear, K): " + ", ".join(
-            f"({i}, {lin}, {k})" for i, lin, k in sparse
+        return "block-sparse (layer, linear, widths K x columns): " + ", ".join(
+            f"({i}, {lin}, " + "+".join(f"{k}x{n}" for k, n in w) + ")" for i, lin, w in sparse
         )
     if plan.frozen_layers:
         return f"frozen layers {plan.frozen_layers}"

@@ -44,8 +44,8 @@ from dynjax.model import GPTConfig, fresh_params
 from dynjax.model.facts import ModelFacts
 from dynjax.model.gpt import init_std
 from dynjax.model.hooks import HookSet
-from dynjax.model.pruned import LINEARS, SparseLinears, column_blocks
-from dynjax.model.sparse_linear import bucket_blocks
+from dynjax.model.pruned import LINEARS, SparseLinears, column_counts
+from dynjax.model.sparse_linear import Widths, group_blocks, group_widths
 from dynjax.parallel.peers import ALONE, Rounds
 from dynjax.recompile import History, Proposal
 
@@ -55,7 +55,9 @@ if TYPE_CHECKING:
 
 NAME = "pruning"
 DENSITY = "pruning/density"  # [L] per step: each layer's (FLOP-weighted) fraction of kept weights
-COLUMN_BLOCKS = "pruning/column_blocks"  # [L, 5]: busiest block-column's blocks, per `LINEARS`
+# [L, len(LINEARS), C]: per dense linear, its block-columns' present blocks, descending (-1 pads
+# to the widest linear's C; all -1: not pruned).
+COLUMN_COUNTS = "pruning/column_counts"
 GRANULARITIES = ("element", "block")
 SCALES = ("init", "none")
 
@@ -179,12 +181,13 @@ class PrunedLayer(SparseLinears):
 
     paths: tuple[str, ...] = ()
     flops: tuple[float, ...] = ()
+    columns: int = 0  # the length of each linear's `COLUMN_COUNTS` row: the most block-columns
 
 
 def zero_pattern(weights: dict[str, jax.Array], record: PrunedLayer):
     """The weight hook: each prunable matrix as ``w * stop_gradient(w != 0)`` (the same values;
     pruned entries get a zero gradient), and the layer's FLOP-weighted density. With blocks,
-    also the most present blocks of any block-column of each of `LINEARS` (-1: not pruned)."""
+    also each of `LINEARS`' block-column counts, descending (`COLUMN_COUNTS`)."""
     replaced, density = {}, jnp.float32(0.0)
     for path, flops in zip(record.paths, record.flops, strict=True):
         w = weights[path]
@@ -193,16 +196,16 @@ def zero_pattern(weights: dict[str, jax.Array], record: PrunedLayer):
         density += flops / sum(record.flops) * jnp.mean(live, dtype=jnp.float32)
     metrics = {DENSITY: density if record.paths else jnp.float32(1.0)}
     if record.block_size:
-        metrics[COLUMN_BLOCKS] = jnp.stack([
-            column_blocks(weights[f"{lin}/kernel"], record.block_size)
-            if f"{lin}/kernel" in record.paths else jnp.int32(-1)
+        metrics[COLUMN_COUNTS] = jnp.stack([
+            column_counts(weights[f"{lin}/kernel"], record.block_size, record.columns)
+            if f"{lin}/kernel" in record.paths else jnp.full(record.columns, -1, jnp.int32)
             for lin in LINEARS
         ])
     return replaced, metrics
 
 
 HOOKS = HookSet(
-    NAME, weight=zero_pattern, reductions=((DENSITY, "mean"), (COLUMN_BLOCKS, "mean"))
+    NAME, weight=zero_pattern, reductions=((DENSITY, "mean"), (COLUMN_COUNTS, "mean"))
 )
 
 
@@ -212,14 +215,17 @@ def layer_records(
     top_k: int,
     num_experts: int,
     block_size: int = 0,
-    sparse: Sequence[tuple[int, str, int]] = (),
+    sparse: Sequence[tuple[int, str, Widths | int]] = (),
     loop: bool = True,
 ):
     """One `PrunedLayer` per layer of a full parameter tree (shapes suffice); ``sparse``: the
-    (layer, linear, K) that multiply block-sparsely (the Plan part); ``loop``: `SparseLinears`'
-    (False: the block-sparse matmuls as one batched step, for ``cost_analysis``)."""
+    (layer, linear, widths) that multiply block-sparsely (the Plan part; a single K, as Plans
+    saved before column groups hold, is one group of every column); ``loop``: `SparseLinears`'
+    (False: the block-sparse matmuls as one batched step a group, for ``cost_analysis``)."""
     records = []
     prunable = pm.prunable_leaves(abstract_params, include)
+    columns = linear_block_shapes(abstract_params, block_size or 1)
+    most = max((c for layer in columns for _, c in layer), default=0) if block_size else 0
     for i in range(len(abstract_params["layers"])):
         prefix = f"layers/{i}/"
         mine = [(n[len(prefix) :], w) for n, w in prunable.items() if n.startswith(prefix)]
@@ -227,7 +233,10 @@ def layer_records(
             math.prod(w.shape) * (top_k / num_experts if _is_expert(n, w) else 1.0)
             for n, w in mine
         )
-        widths = tuple((lin, int(k)) for layer, lin, k in sparse if layer == i)
+        widths = tuple(
+            (lin, _widths(w, columns[i][LINEARS.index(lin)][1]))
+            for layer, lin, w in sparse if layer == i
+        )
         records.append(
             PrunedLayer(
                 block_size=block_size,
@@ -235,9 +244,17 @@ def layer_records(
                 loop=loop,
                 paths=tuple(n for n, _ in mine),
                 flops=flops,
+                columns=most,
             )
         )
     return tuple(records)
+
+
+def _widths(widths: Widths | int, n_cols: int) -> Widths:
+    """A Plan entry's widths as ``((K, n), ...)``: an int K is one group of all ``n_cols``."""
+    if isinstance(widths, int | np.integer):
+        return ((int(widths), n_cols),)
+    return tuple((int(k), int(n)) for k, n in widths)
 
 
 def _is_expert(path: str, w: Any) -> bool:
@@ -279,6 +296,7 @@ class PruningSettings:
     include: str
     scale: Literal[SCALES]
     sparse_below: float
+    column_groups: int
 
 
 class PruningPlugin(Plugin):
@@ -306,10 +324,14 @@ class PruningPlugin(Plugin):
         # "init": |w| / the std its matrix was initialised with (module docstring).
         c.scale = "none"
         # Block granularity: a dense block's linear (attn/qkv, attn/out, mlp/up, mlp/down and
-        # the llama family's mlp/gate) multiplies block-sparsely once its busiest block-column
-        # keeps at most this fraction of its block-rows (K / (in / block_size), K bucketed);
-        # 0 = always dense.
+        # the llama family's mlp/gate) multiplies block-sparsely once the blocks it would compute
+        # (its block-columns cut into column_groups widths) are at most this fraction of its
+        # dense blocks; 0 = always dense.
         c.sparse_below = 0.0
+        # The most groups of block-columns a block-sparse linear cuts its columns into, each
+        # group with its own width (docs/schemes/pruning.md): more pad less, but compile one
+        # more loop each.
+        c.column_groups = 4
         return c
 
     @classmethod
@@ -317,7 +339,10 @@ class PruningPlugin(Plugin):
         if not p.enabled:
             return
         at_least({"pruning.start_step": p.start_step}, 0)
-        at_least({"pruning.every": p.every, "pruning.steps": p.steps}, 1)
+        at_least(
+            {"pruning.every": p.every, "pruning.steps": p.steps,
+             "pruning.column_groups": p.column_groups}, 1
+        )
         if not 0.0 <= p.initial_sparsity <= p.final_sparsity < 1.0:
             raise ConfigError(
                 f"pruning needs 0 <= pruning.initial_sparsity <= pruning.final_sparsity < 1, got "
@@ -393,8 +418,10 @@ class PruningPlugin(Plugin):
         p = self.settings
         if p.granularity != "block" or not p.sparse_below:
             return []
-        rows = linear_block_rows(self.abstract_params, p.block_size)
-        return [SparsePath(block_rows=rows, sparse_below=p.sparse_below)]
+        shapes = linear_block_shapes(self.abstract_params, p.block_size)
+        return [
+            SparsePath(shapes=shapes, sparse_below=p.sparse_below, max_groups=p.column_groups)
+        ]
 
     def metric_costs(self, metrics: Mapping[str, Any]) -> Sequence[float] | None:
         """Seed 000 §2.2: a layer's load is its retained fraction of the dense cost."""
@@ -437,9 +464,11 @@ class PruningPlugin(Plugin):
         ]
 
 
-def linear_block_rows(abstract_params: Any, block_size: int) -> tuple[tuple[int, ...], ...]:
-    """``[L][len(LINEARS)]`` block-rows (``in // block_size``) of each layer's dense linears
-    (0 where a layer has none, e.g. ``mlp/*`` of an MoE layer)."""
+def linear_block_shapes(
+    abstract_params: Any, block_size: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """``[L][len(LINEARS)]`` (block-rows, block-columns) of each layer's dense linears
+    (``(0, 0)`` where a layer has none, e.g. ``mlp/*`` of an MoE layer)."""
     out = []
     layers = abstract_params["layers"]
     for layer in (layers[i] for i in sorted(layers)):
@@ -448,52 +477,82 @@ def linear_block_rows(abstract_params: Any, block_size: int) -> tuple[tuple[int,
             node = layer
             for key in (*lin.split("/"), "kernel"):
                 node = node.get(key, {}) if isinstance(node, dict) else {}
-            row.append(node.shape[0] // block_size if hasattr(node, "shape") else 0)
+            shape = getattr(node, "shape", (0, 0))
+            row.append((shape[0] // block_size, shape[1] // block_size))
         out.append(tuple(row))
     return tuple(out)
 
 
 class SparsePath:
-    """Switch a linear to the block-sparse matmul once few of its blocks remain (a Plan change,
-    compiled in the background): K = `bucket_blocks` of its busiest block-column's present
-    blocks (``pruning/column_blocks``), block-sparse when ``K / block_rows <= sparse_below``.
+    """Switch a linear to the block-sparse matmul once few of its blocks remain, and re-cut its
+    column groups as pruning goes on (a Plan change each, compiled in the background).
 
-    Seed 000 §4.2.2: a sparse kernel pays off only at high sparsity. Pruning only removes
-    blocks, so a K counted at some step bounds every later step's. Pure: the same newest
-    metrics give the same Plan.
+    From each linear's block-column counts (``pruning/column_counts``): the fewest-blocks cut
+    into at most ``max_groups`` widths (`group_widths`); block-sparse once those blocks are at
+    most ``sparse_below`` of the dense ones. A sparse linear keeps its widths until a new cut
+    computes at most ``REGROUP`` of their blocks (each Plan change recompiles its stage) or they
+    no longer cover its columns. Seed 000 §4.2.2: a sparse kernel pays off only at high
+    sparsity. Pruning only removes blocks, so widths counted at some step bound every later
+    step's. Pure: the same newest metrics give the same Plan.
     """
 
     name = "pruning"
+    REGROUP = 0.8
 
-    def __init__(self, *, block_rows: Sequence[Sequence[int]], sparse_below: float) -> None:
-        self.block_rows, self.sparse_below = block_rows, sparse_below
+    def __init__(
+        self, *, shapes: Sequence[Sequence[tuple[int, int]]], sparse_below: float,
+        max_groups: int,
+    ) -> None:
+        self.shapes, self.sparse_below, self.max_groups = shapes, sparse_below, max_groups
 
-    def widths(self, column_blocks: np.ndarray) -> tuple[tuple[int, str, int], ...]:
-        """The (layer, linear, K) that should multiply block-sparsely."""
+    def widths(
+        self, counts: np.ndarray, current: Sequence[tuple[int, str, Any]] = ()
+    ) -> tuple[tuple[int, str, Widths], ...]:
+        """The (layer, linear, widths) that should multiply block-sparsely, given the
+        ``[L, len(LINEARS), C]`` counts and the Plan's present entries."""
+        have = {
+            (layer, lin): _widths(w, self.shapes[layer][LINEARS.index(lin)][1])
+            for layer, lin, w in current
+        }
         out = []
-        for layer, (counts, rows) in enumerate(zip(column_blocks, self.block_rows, strict=True)):
-            for lin, count, n_rows in zip(LINEARS, counts, rows, strict=True):
-                if count < 0 or not n_rows:
-                    continue
-                k = bucket_blocks(int(round(float(count))), n_rows)
-                if k / n_rows <= self.sparse_below:
-                    out.append((layer, lin, k))
+        for layer, (rows, shapes) in enumerate(zip(counts, self.shapes, strict=True)):
+            for lin, row, (n_rows, n_cols) in zip(LINEARS, rows, shapes, strict=True):
+                col = np.rint(np.asarray(row, np.float64)).astype(np.int64)[:n_cols]
+                if not n_rows or col.size < n_cols or (col < 0).any():
+                    continue  # no such linear, or not pruned
+                want = group_widths(col, self.max_groups)
+                old = have.get((layer, lin))
+                if old is not None and _covers(old, col) and (
+                    group_blocks(want) > self.REGROUP * group_blocks(old)
+                ):
+                    out.append((layer, lin, old))
+                elif group_blocks(want) <= self.sparse_below * n_rows * n_cols:
+                    out.append((layer, lin, want))
         return tuple(out)
 
     def propose(self, history: History, plan: Plan) -> Proposal | None:
-        latest = history.values(COLUMN_BLOCKS, 1)
+        latest = history.values(COLUMN_COUNTS, 1)
         if not latest:
             return None
-        want = self.widths(np.asarray(latest[0]))
         have = tuple(tuple(w) for w in plan.part(NAME).get("sparse", ()))
-        if want == have:
+        want = self.widths(np.asarray(latest[0]), have)
+        if want == tuple((i, lin, _widths(w, self.shapes[i][LINEARS.index(lin)][1]))
+                         for i, lin, w in have):
             return None
-        record = {"event": "sparse_path", "sparse": [list(w) for w in want]}
+        record = {"event": "sparse_path", "sparse": [[i, lin, [list(g) for g in w]]
+                                                     for i, lin, w in want]}
+        blocks = sum(group_blocks(w) for _, _, w in want)
         return Proposal(
             plan.with_part(NAME, sparse=want),
-            f"{len(want)} linears block-sparse (was {len(have)})",
+            f"{len(want)} linears block-sparse (was {len(have)}), {blocks} blocks a block-row",
             records=(record,),
         )
+
+
+def _covers(widths: Widths, counts: np.ndarray) -> bool:
+    """Whether ``widths`` bound the descending ``counts`` position by position."""
+    bound = np.repeat([k for k, _ in widths], [n for _, n in widths])
+    return bound.size == counts.size and bool((np.sort(counts)[::-1] <= bound).all())
 
 
 def ranking_scales(

@@ -292,39 +292,83 @@ def test_block_sizes_are_checked_against_the_real_matrices():
 # --- block granularity: the block-sparse matmul the Plan switches to -------------------------
 
 
+def _counts(*rows_of_layers, size=8):
+    """``[L, 5, size]`` column counts as the weight hook reports them (descending, -1 pads)."""
+    out = np.full((len(rows_of_layers), 5, size), -1.0)
+    for i, rows in enumerate(rows_of_layers):
+        for j, row in enumerate(rows):
+            out[i, j, : len(row)] = sorted(row, reverse=True)
+    return out
+
+
 def test_the_sparse_path_policy_picks_linears_below_the_crossover():
     from dynjax.dynamism.pruning import SparsePath
     from dynjax.recompile import History, Plan
 
-    # columns: `LINEARS` (attn/qkv, attn/out, mlp/up, mlp/down, mlp/gate: GPT has no gate)
-    policy = SparsePath(block_rows=((8, 8, 8, 32, 0), (8, 8, 0, 0, 0)), sparse_below=0.5)
-    counts = np.array([[8, 3, 5, 9, -1], [4, 5, -1, -1, -1]])  # layer 1 is MoE: no mlp/*
-    assert policy.widths(counts) == ((0, "attn/out", 3), (0, "mlp/down", 12), (1, "attn/qkv", 4))
-    history = History.of([(7, {"pruning/column_blocks": counts})])
+    # `LINEARS` (attn/qkv, attn/out, mlp/up, mlp/down, mlp/gate: GPT has no gate); (rows, cols)
+    shapes = (((8, 6), (8, 2), (8, 4), (32, 2), (0, 0)), ((8, 6), (8, 2), (0, 0), (0, 0), (0, 0)))
+    policy = SparsePath(shapes=shapes, sparse_below=0.5, max_groups=2)
+    counts = _counts(
+        ([8, 8, 8, 8, 8, 8], [3, 1], [5, 5, 5, 2], [9, 2]),
+        ([8, 3, 2, 1, 1, 0], [5, 5]),  # layer 1 is MoE: no mlp/*
+    )
+    # attn/out: 3 + 1 of 16 blocks; mlp/up: 3 x 5 + 2 of 32 (not below half); mlp/down: 11 of
+    # 64; layer 1's qkv at two nonzero widths: 8 + 4 x 3 = 20 of 48 blocks.
+    assert policy.widths(counts) == (
+        (0, "attn/out", ((3, 1), (1, 1))), (0, "mlp/down", ((9, 1), (2, 1))),
+        (1, "attn/qkv", ((8, 1), (3, 4), (0, 1))),
+    )
+    history = History.of([(7, {"pruning/column_counts": counts})])
     proposal = policy.propose(history, Plan())
     assert proposal.plan.part("pruning")["sparse"] == policy.widths(counts)
     assert policy.propose(history, proposal.plan) is None  # nothing new
     assert policy.propose(History(), Plan()) is None
 
 
-def test_present_index_is_the_column_index_of_the_zero_pattern():
-    from dynjax.model.pruned import present_index
-    from dynjax.model.sparse_linear import column_block_index
+def test_the_sparse_path_policy_recuts_groups_only_when_it_saves_a_fifth():
+    from dynjax.dynamism.pruning import SparsePath
+    from dynjax.recompile import History, Plan
+
+    policy = SparsePath(shapes=(((8, 4),) + ((0, 0),) * 4,), sparse_below=1.0, max_groups=1)
+    plan = policy.propose(History.of([(0, {"pruning/column_counts": _counts(([5, 5, 5, 5],))})]),
+                          Plan()).plan
+    assert plan.part("pruning")["sparse"] == ((0, "attn/qkv", ((5, 4),)),)
+    fewer = lambda *row: History.of([(1, {"pruning/column_counts": _counts((list(row),))})])
+    assert policy.propose(fewer(5, 4, 4, 4), plan) is None  # 20 -> 20 blocks
+    assert policy.propose(fewer(5, 5, 5, 4), plan) is None  # still 20
+    recut = policy.propose(fewer(4, 4, 4, 4), plan)  # 16 <= 0.8 x 20
+    assert recut.plan.part("pruning")["sparse"] == ((0, "attn/qkv", ((4, 4),)),)
+    # A legacy single K (Plans saved before groups) that no longer covers is re-cut at once.
+    legacy = Plan().with_part("pruning", sparse=((0, "attn/qkv", 4),))
+    assert policy.propose(fewer(4, 4, 4, 4), legacy) is None  # the same widths as ((4, 4),)
+    assert policy.propose(fewer(5, 4, 4, 4), legacy).plan.part("pruning")["sparse"] == (
+        (0, "attn/qkv", ((5, 4),)),)
+
+
+def test_present_groups_are_the_column_groups_of_the_zero_pattern():
+    from dynjax.model.pruned import column_counts, present_groups
+    from dynjax.model.sparse_linear import column_groups, group_widths
 
     rng = np.random.default_rng(3)
-    mask = rng.random((6, 5)) < 0.4
-    w = rng.normal(size=(24, 20)).astype(np.float32) * np.kron(mask, np.ones((4, 4)))
-    k = int(mask.sum(0).max()) + 1  # one padding slot at least
-    np.testing.assert_array_equal(
-        np.asarray(present_index(w, 4, k)), column_block_index(mask, k)
-    )
+    mask = rng.random((6, 9)) < 0.4
+    mask[:, 4] = False  # an empty column
+    w = rng.normal(size=(24, 36)).astype(np.float32) * np.kron(mask, np.ones((4, 4)))
+    counts = np.asarray(column_counts(w, 4, 11))
+    np.testing.assert_array_equal(counts, [*sorted(mask.sum(0), reverse=True), -1, -1])
+    for groups in (1, 3):
+        widths = group_widths(counts[:9], groups)
+        for (c, r), (hc, hr) in zip(present_groups(w, 4, widths), column_groups(mask, widths),
+                                    strict=True):
+            np.testing.assert_array_equal(np.asarray(c), np.asarray(hc))
+            np.testing.assert_array_equal(np.asarray(r), np.asarray(hr))
 
 
 @pytest.mark.slow
 def test_block_sparse_linears_equal_dense_ones_at_fewer_flops():
     import dataclasses
 
-    from dynjax.dynamism.pruning import COLUMN_BLOCKS, SparsePath, linear_block_rows
+    from dynjax.dynamism.pruning import COLUMN_COUNTS, SparsePath, linear_block_shapes
+    from dynjax.model.sparse_linear import group_blocks
     from dynjax.parallel import expert_parallel, make_train_step
 
     cfg = tiny_config(
@@ -346,10 +390,12 @@ def test_block_sparse_linears_equal_dense_ones_at_fewer_flops():
     pruned = jax.device_get(runtime.state)
     dense_exe = exp.lower_train_step(dense).compile()
     metrics = jax.device_get(runtime.step(dense_exe, exp.order.batch(0), None))
-    policy = SparsePath(block_rows=linear_block_rows(exp.abstract_params, 8), sparse_below=1.0)
-    widths = policy.widths(metrics[COLUMN_BLOCKS])
-    assert len(widths) == 8 and all(0 < k for _, _, k in widths)
-    assert sum(k for _, _, k in widths) < 0.9 * (3 * 8 + 8 + 8 + 16)  # blocks skipped
+    policy = SparsePath(shapes=linear_block_shapes(exp.abstract_params, 8), sparse_below=1.0,
+                        max_groups=3)
+    widths = policy.widths(metrics[COLUMN_COUNTS])
+    assert len(widths) == 8 and all(len(w) > 1 for _, _, w in widths)  # several widths each
+    dense_blocks = 2 * (8 * 24 + 8 * 8 + 8 * 16 + 16 * 8)
+    assert sum(group_blocks(w) for _, _, w in widths) < 0.45 * dense_blocks  # blocks skipped
     sparse = dense.with_part("pruning", sparse=widths)
 
     def step_flops(plan):  # the sparse loop as one step: cost_analysis counts a loop body once
@@ -393,7 +439,7 @@ def test_a_plan_without_the_sparse_loop_counts_its_flops_in_full():
     plugin = next(p for p in exp.plugins if isinstance(p, PruningPlugin))
     assert [r.loop for r in plugin.records(looped)] == [True, True]
     assert [r.loop for r in plugin.records(unrolled)] == [False, False]
-    assert [r.widths for r in plugin.records(unrolled)] == [(("mlp/up", 4),), ()]
+    assert [r.widths for r in plugin.records(unrolled)] == [(("mlp/up", ((4, 16),)),), ()]
     flops = {
         name: exp.lower_train_step(plan).compile().cost_analysis()["flops"]
         for name, plan in (("dense", exp.initial_plan()), ("loop", looped), ("one", unrolled))

@@ -16,7 +16,8 @@ from dynjax.flops import model_flops_per_token
 from dynjax.model import GPT, Block, GPTConfig, MoE, route
 from dynjax.model.attention import CausalSelfAttention, Rope, qkv_per_head, rotary
 from dynjax.model.mlp import SwiGLU
-from dynjax.model.pruned import SparseLinears, column_blocks
+from dynjax.model.pruned import SparseLinears, column_counts
+from dynjax.model.sparse_linear import group_widths
 
 D, HEADS, KV, MLP, S, B = 32, 4, 2, 48, 8, 2
 LLAMA = GPTConfig(
@@ -260,7 +261,8 @@ def test_a_block_pruned_swiglu_multiplies_block_sparsely_as_it_does_densely():
         kernel = getattr(mlp, name).kernel
         mask = rng.random((kernel.shape[0] // 8, kernel.shape[1] // 8)) < 0.5
         kernel[...] = kernel[...] * jnp.asarray(np.kron(mask, np.ones((8, 8))), jnp.float32)
-        widths.append((f"mlp/{name}", int(column_blocks(kernel[...], 8))))
+        counts = np.asarray(column_counts(kernel[...], 8, kernel.shape[1] // 8))
+        widths.append((f"mlp/{name}", group_widths(counts, 2)))
     x = jax.random.normal(jax.random.key(3), (B, S, D))
     sparse = SparseLinears(block_size=8, widths=tuple(widths))
     np.testing.assert_allclose(

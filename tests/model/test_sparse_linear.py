@@ -18,6 +18,9 @@ from dynjax.model.sparse_linear import (
     block_pruned_matmul,
     bucket_blocks,
     column_block_index,
+    column_groups,
+    group_blocks,
+    group_widths,
 )
 
 BS = 8
@@ -69,9 +72,13 @@ def _assert_close(actual, expected, name, tol=1e-5):
     assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
 
 
-def _check(lead, d_in, d_out, density, seed, dtype=jnp.float32, tol=1e-5, **kw):
+def _check(lead, d_in, d_out, density, seed, dtype=jnp.float32, tol=1e-5, groups=0, **kw):
+    """``groups``: 0 for one index of every column, else `group_widths`' most groups."""
     x, w, dy, mask = _problem(lead, d_in, d_out, density, seed, dtype)
-    index = jnp.asarray(column_block_index(mask))
+    if groups:
+        index = column_groups(mask, group_widths(mask.sum(axis=0), groups))
+    else:
+        index = jnp.asarray(column_block_index(mask))
     got = _run(x, w, dy, index, **kw)
     for name, a, b in zip(("y", "dx", "dw"), got, _reference(x, w, dy, mask), strict=True):
         assert a.shape == b.shape and a.dtype == dtype, name
@@ -88,21 +95,34 @@ def test_matches_masked_dense(density, seed, lead):
     _check(lead, 64, 48, density, seed)
 
 
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(density=st.sampled_from([0.1, 0.3, 0.7]), seed=st.integers(0, 2**16),
+       groups=st.integers(1, 4), loop=st.booleans())
+def test_column_groups_match_masked_dense(density, seed, groups, loop):
+    """Columns sorted into groups of their own widths (an empty column's group computes
+    nothing) give the masked dense product and its gradients, looped or batched."""
+    _check((24,), 64, 80, density, seed, groups=groups, loop=loop)
+
+
+def test_pallas_path_matches_with_groups():
+    _check((16,), 32, 48, 0.5, seed=4, groups=3, impl="pallas")
+
+
 def test_bf16_accumulates_in_fp32():
     """dx sums one product per block-column: 128 of them here, too many for bf16 sums."""
     _check((16,), 32, 1024, 0.9, seed=5, dtype=jnp.bfloat16, tol=1e-2)
 
 
 def test_unrolled_loop_with_a_remainder_matches():
-    """11 block-columns of small slabs unroll 8 to a body: the last body holds 3 columns."""
-    assert sparse_linear._unroll(11, 1 << 10) == 8
-    _check((24,), 64, 11 * BS, 0.4, seed=11)
+    """35 block-columns of small slabs unroll 8 to a body: the last body holds 3 columns."""
+    assert sparse_linear._unroll(35, 1 << 10) == 8
+    _check((24,), 64, 35 * BS, 0.4, seed=11)
 
 
 def test_unroll_bounds_the_gathered_slabs_in_flight():
     assert [sparse_linear._unroll(128, mib << 20) for mib in (0, 1, 2, 4, 8, 64)] == [
         8, 8, 4, 2, 1, 1]
-    assert sparse_linear._unroll(3, 1) == 3
+    assert [sparse_linear._unroll(n, 1) for n in (3, 8, 13)] == [1, 2, 3]  # a quarter at most
 
 
 def test_scatter_blocks_places_each_block_and_zeros_the_rest():
@@ -110,7 +130,8 @@ def test_scatter_blocks_places_each_block_and_zeros_the_rest():
     mask = _mask(5, 4, 0.5, seed=2)
     index = column_block_index(mask)  # sentinel-padded: column 0 is empty
     blocks = rng.standard_normal((4, index.shape[1], BS, BS)).astype(np.float32)
-    dense = np.asarray(sparse_linear._scatter_blocks(jnp.asarray(blocks), jnp.asarray(index), 5))
+    groups = ((jnp.arange(4, dtype=jnp.int32), jnp.asarray(index)),)
+    dense = np.asarray(sparse_linear._scatter_blocks([jnp.asarray(blocks)], groups, 5, 4))
     expected = np.zeros((5 * BS, 4 * BS), np.float32)
     for j, t in np.ndindex(index.shape):
         if index[j, t] < 5:
@@ -186,6 +207,57 @@ def test_cost_analysis_flops_scale_with_k(k):
     assert flops(sparse) / flops(jnp.matmul) == pytest.approx(k / (d_in // bs), rel=0.05)
     assert flops(grad(sparse)) / flops(grad(jnp.matmul)) == pytest.approx(k / (d_in // bs),
                                                                            rel=0.05)
+
+
+def test_cost_analysis_flops_follow_the_groups():
+    """Compiled FLOPs are the groups' blocks over the dense blocks: each column's own width,
+    not the busiest column's."""
+    d_in, bs = 256, 32
+    counts = np.array([8, 6, 2, 2, 1, 1, 0, 0])  # of 8 block-rows, 8 block-columns
+    mask = np.arange(8)[:, None] < counts[None, :]
+    widths = group_widths(counts, 3)
+    assert widths == ((8, 1), (6, 1), (2, 4), (0, 2)) and group_blocks(widths) == 22
+    x, w = jnp.ones((64, d_in)), jnp.ones((d_in, d_in))
+    groups = column_groups(mask, widths)
+    sparse = lambda x, w: block_pruned_matmul(x, w, groups, block_size=bs, loop=False)
+    flops = lambda f: jax.jit(f).lower(x, w).compile().cost_analysis()["flops"]
+    grad = lambda f: jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))
+    assert flops(sparse) / flops(jnp.matmul) == pytest.approx(22 / 64, rel=0.05)
+    assert flops(grad(sparse)) / flops(grad(jnp.matmul)) == pytest.approx(22 / 64, rel=0.05)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(counts=st.lists(st.integers(0, 6), min_size=1, max_size=7), groups=st.integers(1, 3))
+def test_group_widths_are_the_fewest_blocks(counts, groups):
+    """Against every cut of the sorted columns into at most ``groups`` nonzero runs."""
+    import itertools
+
+    widths = group_widths(counts, groups)
+    c = sorted(counts, reverse=True)
+    assert sum(n for _, n in widths) == len(c) and len([k for k, _ in widths if k]) <= groups
+    start = 0
+    for k, n in widths:  # each group is as wide as its busiest column
+        assert n > 0 and (k == c[start] if k else not any(c[start:start + n]))
+        start += n
+    nonzero = [v for v in c if v]
+    best = group_blocks(((0, 0),))
+    if nonzero:
+        best = min(
+            sum(nonzero[i] * (j - i) for i, j in itertools.pairwise((0, *cuts, len(nonzero))))
+            for r in range(min(groups, len(nonzero)))
+            for cuts in itertools.combinations(range(1, len(nonzero)), r)
+        )
+    assert group_blocks(widths) == best
+
+
+def test_column_groups_reject_a_column_wider_than_its_group():
+    mask = np.array([[1, 1, 0], [1, 0, 0], [1, 0, 0]], bool)  # counts 3, 1, 0
+    cols, rows = column_groups(mask, ((3, 1), (1, 2)))[1]
+    assert cols.tolist() == [1, 2] and rows.tolist() == [[0], [3]]
+    with pytest.raises(ValueError, match="more than k=2"):
+        column_groups(mask, ((2, 1), (1, 2)))
+    with pytest.raises(ValueError, match="sum to 3"):
+        column_groups(mask, ((3, 1), (1, 1)))
 
 
 def test_column_block_index_matches_numpy_loop():
