@@ -45,13 +45,13 @@ def program_key(kind: str, spec: StageSpec, hooks: Hooks) -> tuple[str, StageSpe
     """The part of a stage's spec one of its programs depends on: its compile-cache key.
 
     The gradient norm and the update see parameters, gradients and metrics, whose shapes do
-    not depend on the per-layer inputs nor on what of the layers' records only the forward
-    reads (`HookSet.update_record`): a change of those recompiles only the forward and
-    backward of the stages it touches.
+    not depend on the per-layer inputs, on what of the layers' records only the forward
+    reads (`HookSet.update_record`) nor on the layers' rematerialisation: a change of those
+    recompiles only the forward and backward of the stages it touches.
     """
     if kind in ("sqnorm", "update"):
         options = hooks.update_options(spec.options)
-        return kind, replace(spec, step_inputs=(), batch_inputs=(), options=options)
+        return kind, replace(spec, step_inputs=(), batch_inputs=(), options=options, remat=())
     return kind, spec
 
 
