@@ -9,7 +9,7 @@ costs the training loop no wait: its `Profile` is built when asked for (seed 000
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -26,9 +26,11 @@ from dynjax.parallel.profile import (
     program_temp_bytes,
     rescaled_units,
     stage_memory,
+    timed_units,
     unit_seconds,
     units_busy_seconds,
 )
+from dynjax.parallel.residuals import kept_bytes
 from dynjax.parallel.stages import PipelineSpec
 from dynjax.parallel.step_inputs import BatchInputs
 from dynjax.parallel.timeline import PendingTimeline, TimedSteps
@@ -65,7 +67,9 @@ class Profiler:
         # units it made new run alone.
         self._unit_times: dict[tuple, tuple[float, float]] = {}
         # The newest executable's `stage_memory` (`_memory`).
-        self._memory_of: tuple[PipelineExecutable, dict[int, dict[str, int]]] | None = None
+        self._memory_of: tuple[PipelineExecutable, dict[int, dict[str, Any]]] | None = None
+        # Each layer's kept activation bytes by its timing signature (`_layer_activations`).
+        self._activations: dict[tuple, int] = {}
 
     def start(
         self,
@@ -195,8 +199,29 @@ class Profiler:
             memory = stage_memory(
                 exe.spec, held.state, held.acc, temps, held.programs.shapes, boundary
             )
+            for s, kept in self._layer_activations(exe.spec, memory.keys()).items():
+                memory[s]["layer_activations"] = kept
             self._memory_of = (exe, memory)
         return self._memory_of[1]
+
+    def _layer_activations(
+        self, spec: PipelineSpec, stages: Collection[int]
+    ) -> dict[int, tuple[int, ...]]:
+        """Per stage of ``stages``, what each of its layers' forward keeps for its backward
+        (`kept_bytes` of the layer as a one-unit stage: its rematerialisation policy's), traced
+        once per timing signature (layers of one graph, records and policy share it)."""
+        programs = self.stages.programs
+        out: dict[int, list[int]] = {s: [] for s in stages}
+        for unit, one, signature in timed_units(spec, programs.setup.parts):
+            if unit[0] != "layers" or one.index not in out:
+                continue
+            if signature not in self._activations:
+                mesh = programs.transport.stage_meshes[one.index]
+                self._activations[signature] = kept_bytes(
+                    programs.setup, one, mesh, programs.shapes(one)
+                )
+            out[one.index].append(self._activations[signature])
+        return {s: tuple(kept) for s, kept in out.items()}
 
 
 def _all_watched(pending: PendingTimeline) -> bool:
