@@ -30,7 +30,6 @@ from dynjax.parallel.profile import (
     unit_seconds,
     units_busy_seconds,
 )
-from dynjax.parallel.residuals import kept_bytes
 from dynjax.parallel.stages import PipelineSpec
 from dynjax.parallel.step_inputs import BatchInputs
 from dynjax.parallel.timeline import PendingTimeline, TimedSteps
@@ -68,8 +67,6 @@ class Profiler:
         self._unit_times: dict[tuple, tuple[float, float]] = {}
         # The newest executable's `stage_memory` (`_memory`).
         self._memory_of: tuple[PipelineExecutable, dict[int, dict[str, Any]]] | None = None
-        # Each layer's kept activation bytes by its timing signature (`_layer_activations`).
-        self._activations: dict[tuple, int] = {}
 
     def start(
         self,
@@ -208,19 +205,13 @@ class Profiler:
         self, spec: PipelineSpec, stages: Collection[int]
     ) -> dict[int, tuple[int, ...]]:
         """Per stage of ``stages``, what each of its layers' forward keeps for its backward
-        (`kept_bytes` of the layer as a one-unit stage: its rematerialisation policy's), traced
-        once per timing signature (layers of one graph, records and policy share it)."""
+        (`PipelinePrograms.kept_bytes`: its rematerialisation policy's; traced with the Plan's
+        profiling programs, so nothing is traced here)."""
         programs = self.stages.programs
         out: dict[int, list[int]] = {s: [] for s in stages}
         for unit, one, signature in timed_units(spec, programs.setup.parts):
-            if unit[0] != "layers" or one.index not in out:
-                continue
-            if signature not in self._activations:
-                mesh = programs.transport.stage_meshes[one.index]
-                self._activations[signature] = kept_bytes(
-                    programs.setup, one, mesh, programs.shapes(one)
-                )
-            out[one.index].append(self._activations[signature])
+            if unit[0] == "layers" and one.index in out:
+                out[one.index].append(programs.kept_bytes(one, signature))
         return {s: tuple(kept) for s, kept in out.items()}
 
 
