@@ -41,7 +41,9 @@ Sections (timings are medians of several runs after a warm-up, blocking on the r
   SwiGLU, grouped-query attention; ``vs_gpt``: its tokens/s over GPT's, benchmarks/families.py's
   pairing), a larger dense shape and an MoE of about the small one's active size; plus, in
   process, the single-program step's blocked time against the host's dispatch time (until the
-  call returns).
+  call returns), and each ``model.remat`` policy's step (``remat <policy>``: step ms, tokens/s,
+  ``vs_none``, and the compiled step's ``peak_bytes`` and ``temp_bytes`` from
+  ``memory_analysis()``; ``offload_proj`` skipped where the device's memory is host memory).
 - ``schemes``: step time of each dynamic scheme against the same model without it, with the
   config overrides that put the model in that state quickly (each record lists them): frozen
   half, 90% block pruning on the sparse path, MoD at capacity 0.125, early exit on the buckets
@@ -81,6 +83,7 @@ from families import model_diff, param_count
 from flax import nnx
 from kernels import _timed, causal_block_mask, dpa_attention, hashed_ids
 from sparse_matmul import _with_backward, balanced_block_mask
+from step_throughput import remat_rows
 
 from dynjax.model.moe import MoE, RaggedCapacities, SlotLayout, assign_slots, grouped_ffn, route
 from dynjax.model.sparse_linear import block_mask_of, block_pruned_matmul, column_block_index
@@ -630,6 +633,27 @@ def train(env: Env) -> Iterator[dict]:
         yield record
     if env.time_left():
         yield dispatch_vs_device(env, small, steps=6 if env.tiny else 20)
+    yield from remat_policies(env, small)
+
+
+def remat_policies(env: Env, shape: tuple) -> Iterator[dict]:
+    """Each `model.remat` policy on the small shape's single-program step, scanned layers, in
+    bf16 (step_throughput.py's `remat_rows`: step ms, tokens/s, its ratio to "none", and the
+    compiled step's peak and temporary bytes from ``memory_analysis()``)."""
+    from dynjax.config import load_config
+    from dynjax.experiment import Experiment
+
+    if not env.time_left():
+        yield skipped("remat policies", "section budget spent", shapes=shape_of(*shape))
+        return
+    cfg = load_config(ROOT / "configs/quickstart.py", [
+        *model_overrides(*shape), "train.dtype=bfloat16", "model.scan_layers=True",
+        "data.prefetch=0",
+    ])
+    rows = remat_rows(Experiment.from_config(cfg), steps=3 if env.tiny else 10, rounds=3)
+    for row in rows:
+        yield {"name": f"remat {row.pop('remat')}", "dtype": "bfloat16",
+               "shapes": shape_of(*shape) + ", scanned", **row}
 
 
 def dispatch_vs_device(env: Env, shape: tuple, steps: int) -> dict:
@@ -805,13 +829,13 @@ def traces(env: Env) -> Iterator[dict]:
 
 # -- the driver ---------------------------------------------------------------------------------
 
-# name -> (function, budget seconds on one H100; the full suite's sum stays within 8 minutes)
+# name -> (function, budget seconds on one H100; the full suite's sum stays within 10 minutes)
 SECTIONS: dict[str, tuple[Callable[[Env], Iterator[dict]], float]] = {
     "kernels": (kernels, 25),
     "attention": (attention, 70),
     "spmm": (spmm, 45),
     "moe": (moe, 45),
-    "train": (train, 150),
+    "train": (train, 210),
     "schemes": (schemes, 110),
     "traces": (traces, 70),
 }

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_collections
 
 from dynjax.balance.schedules import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD
@@ -28,6 +29,7 @@ from dynjax.errors import ConfigError, at_least
 from dynjax.model.attention import Rope
 from dynjax.model.facts import ModelFacts, moe_layer_indices
 from dynjax.model.gpt import GPTConfig
+from dynjax.model.remat import host_offload_available
 from dynjax.settings import (
     STATIC_LAYOUTS,
     BalanceSettings,
@@ -126,6 +128,11 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # seconds about flat in depth (`dynjax.model.gpt.run_layers`, benchmarks/scan_compile.py);
     # off by default: at a few layers the scan compiles slower than the unrolled loop.
     c.model.scan_layers = False
+    # What each block keeps for its backward (docs/models.md#activation-memory): "none" (every
+    # activation); "full" (its input only: the backward recomputes its forward); "save_proj"
+    # (its linear projections' outputs: the backward recomputes what lies between them);
+    # "offload_proj" (those, in pinned host memory: GPU/TPU only). The Plan holds one per layer.
+    c.model.remat = "none"
 
 
     c.mesh = ml_collections.ConfigDict()
@@ -445,6 +452,7 @@ def check_run(
             f"{m.d_model // m.num_heads}: change model.d_model or model.num_heads"
         )
     _check_family(m)
+    _check_remat(m)
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if d.tokenizer:
@@ -530,6 +538,17 @@ def _check_family(m: ModelSettings) -> None:
                 "< high (Llama 3.1: 1 and 4)"
             )
         at_least({"model.rope_original_max_len": m.rope_original_max_len}, 1)
+
+
+def _check_remat(m: ModelSettings) -> None:
+    """Offloading needs host memory apart from the device's (`host_offload_available`)."""
+    if m.remat == "offload_proj" and not host_offload_available():
+        raise ConfigError(
+            f"model.remat='offload_proj' offloads the projections' outputs to pinned host "
+            f"memory, but on the {jax.default_backend()} backend device memory is host memory "
+            "(nothing would move): use model.remat='save_proj', which keeps the same tensors "
+            "in place, or 'full' to keep fewer"
+        )
 
 
 def _check_optimizer(t: TrainSettings) -> None:

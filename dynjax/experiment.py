@@ -251,6 +251,7 @@ class Experiment:
             ),
             schedule=self.settings.pipeline.schedule,
             virtual_stages=self.settings.pipeline.virtual_stages,
+            remat=(self.settings.model.remat,) * self.settings.model.num_layers,
         )
         for plugin in self.plugins:
             plan = plugin.initial_plan(plan)

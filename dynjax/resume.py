@@ -24,8 +24,9 @@ from dynjax.recompile import Plan
 # step t sees (the batch at step t is a pure function of seed, data and batch size); each
 # dynamism plugin adds its own (`Plugin.fixed_on_resume`).
 FIXED_ON_RESUME = ("seed", "data.", "model.", "train.batch_size")
-# Keys under those that decide only how the same batches are read, not which.
-READING_ONLY = ("data.prefetch", "data.token_cache")
+# Keys under those that decide only how the step runs, not what it computes: how the same
+# batches are read (not which), what a block keeps for its backward.
+RUNNING_ONLY = ("data.prefetch", "data.token_cache", "model.remat")
 
 # The config keys each core Plan field comes from. A resumed run keeps the saved value (what
 # the policies made of it) unless one of its keys changed; then the new config's value applies.
@@ -36,6 +37,7 @@ PLAN_SOURCES = {
     "schedule": ("pipeline.schedule",),
     "virtual_stages": ("pipeline.virtual_stages",),
     "stage_layers": ("pipeline.stage_layers", "pipeline.virtual_stages", "mesh.stage"),
+    "remat": ("model.remat",),
 }
 
 
@@ -68,7 +70,7 @@ def check_resumable(
 ) -> None:
     """Raise ConfigError naming every changed key the saved state cannot follow."""
     keys = FIXED_ON_RESUME + schemes.fixed_on_resume()
-    fixed = {k: v for k, v in changes.items() if _matches(k, keys) and k not in READING_ONLY}
+    fixed = {k: v for k, v in changes.items() if _matches(k, keys) and k not in RUNNING_ONLY}
     if fixed:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in fixed.items())
         raise ConfigError(

@@ -31,6 +31,7 @@ from dynjax.dynamism.base import read_settings
 from dynjax.errors import ConfigError
 from dynjax.model.attention import QK_NORMS, ROPE_SCALINGS
 from dynjax.model.gpt import FAMILIES
+from dynjax.model.remat import REMAT
 from dynjax.optim import OptimizerSettings
 
 DTYPES = ("float32", "bfloat16")  # train.dtype
@@ -98,6 +99,7 @@ class ModelSettings:
     qkv_bias: bool
     qk_norm: Literal[QK_NORMS]
     scan_layers: bool
+    remat: Literal[REMAT]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,6 +58,11 @@ def test_training_sections(tmp_path):
     data = run_suite(tmp_path, "train,schemes,traces")
     names = {r["name"] for r in data["records"] if r["section"] == "train"}
     assert {"GPT-2 small shape", "dispatch vs device"} <= names
+    remat = {r["name"]: r for r in data["records"] if r["name"].startswith("remat ")}
+    assert set(remat) == {"remat none", "remat full", "remat save_proj", "remat offload_proj"}
+    assert remat["remat offload_proj"]["status"] == "skipped"  # CPU: no memory apart from host
+    assert remat["remat none"]["vs_none"] == 1.0
+    assert remat["remat full"]["temp_bytes"] < remat["remat none"]["temp_bytes"]
     assert all(r["mfu"] == "n/a" for r in data["records"] if "mfu" in r)
     traces = [r for r in data["records"] if r["section"] == "traces"]
     assert len(traces) == 6

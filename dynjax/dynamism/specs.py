@@ -90,6 +90,7 @@ class ProgramSpecs:
             "hooks": self.hooks,
             "step_inputs": self.step_input_signatures(plan),
             "batch_inputs": self.batch_input_signatures(plan),
+            "remat": plan.remat,
         }
 
     def step_spec(self, plan: Plan) -> StageSpec:

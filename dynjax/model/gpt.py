@@ -27,6 +27,7 @@ from dynjax.model.mlp import MLP, SwiGLU
 from dynjax.model.moe import MOE, MOE_HOOKS, MoE, MoEStats
 from dynjax.model.moe import layer_metrics as moe_layer_metrics
 from dynjax.model.pruned import sparse_linears
+from dynjax.model.remat import rematerialised
 
 # The block families (`GPTConfig.family`): "gpt", the pre-norm GPT-2 block (LayerNorm, GELU MLP,
 # biases); "llama", Llama's (RMSNorm, SwiGLU MLP and SwiGLU experts, no biases). Both lay their
@@ -210,32 +211,56 @@ def scan_runs(
     options: Sequence[LayerOptions],
     inputs: Sequence[Mapping[str, jax.Array]],
     frozen: Sequence[bool],
+    remat: Sequence[str],
 ) -> tuple[tuple[int, int], ...]:
     """The runs of ``blocks`` that `run_layers` scans (one `layer_runs` key per block, below;
     ``inputs``: each block's per-layer inputs)."""
-    keys = [_static_key(*args) for args in zip(blocks, options, inputs, frozen, strict=True)]
+    keys = [
+        _static_key(*args) for args in zip(blocks, options, inputs, frozen, remat, strict=True)
+    ]
     return layer_runs(keys)
 
 
 def _static_key(
-    block: Block, options: LayerOptions, inputs: Mapping[str, jax.Array], frozen: bool
+    block: Block,
+    options: LayerOptions,
+    inputs: Mapping[str, jax.Array],
+    frozen: bool,
+    remat: str,
 ) -> Hashable:
     """Everything a block's traced body depends on beside its array values: its graph, its
     parameters' shapes and dtypes, its plugin records (e.g. MoE capacities, or the ragged
-    path's static buffer), the names, shapes and dtypes of its per-layer inputs and whether it
+    path's static buffer), the names, shapes and dtypes of its per-layer inputs, whether it
     is frozen (a frozen layer stacked with trainable ones would get a weight gradient and a
-    backward it does not need)."""
+    backward it does not need) and its rematerialisation policy (one scan body has one)."""
     graphdef, state = nnx.split(block)
     shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(state))
     held = tuple(sorted((k, v.shape, str(v.dtype)) for k, v in inputs.items()))
-    return graphdef, shapes, options, held, frozen
+    return graphdef, shapes, options, held, frozen, remat
 
 
-def _run_block(block, x, inputs, opts, parallel, context):
-    """One layer: its weight hooks, then the block. (output, MoE stats or None, metrics)."""
-    block, weight_metrics = block.hooks.apply_weight_hooks(block, opts)
-    x, stats, metrics = block(x, parallel=parallel, inputs=inputs, options=opts, context=context)
-    return x, stats, {**weight_metrics, **metrics}
+def _run_block(block, x, inputs, opts, parallel, context, remat="none", *, in_loop=False):
+    """One layer: its weight hooks, then the block, under its rematerialisation policy
+    ``remat`` (`dynjax.model.remat`; ``in_loop``: the body of a scan). (output, MoE stats or
+    None, metrics).
+
+    The checkpointed function is pure: the block's state, input, per-layer inputs and the
+    wrappers' carry go in, its outputs and the carry come out (a wrapper writes the carry of
+    ``context``, which must not hold values traced inside the checkpoint)."""
+    graphdef, state = nnx.split(block)
+
+    def layer(state, x, inputs, carry):
+        inner = dataclasses.replace(context, carry=dict(carry))
+        block = nnx.merge(graphdef, state)
+        block, weight_metrics = block.hooks.apply_weight_hooks(block, opts)
+        x, stats, metrics = block(x, parallel=parallel, inputs=inputs, options=opts, context=inner)
+        return x, stats, {**weight_metrics, **metrics}, inner.carry
+
+    x, stats, metrics, carry = rematerialised(layer, remat, in_loop=in_loop)(
+        state, x, inputs, dict(context.carry)
+    )
+    context.carry = carry
+    return x, stats, metrics
 
 
 def _layer_indices(n: int) -> tuple[jax.Array, ...]:
@@ -279,8 +304,9 @@ def _stack_bwd(index, g):
 _stack.defvjp(_stack_fwd, _stack_bwd)
 
 
-def _scan_blocks(blocks, x, inputs, opts, parallel, context):
-    """`_run_block` over ``blocks`` (equal `_static_key`) as one ``jax.lax.scan``: their
+def _scan_blocks(blocks, x, inputs, opts, parallel, context, remat):
+    """`_run_block` over ``blocks`` (equal `_static_key`, so one policy ``remat``) as one
+    ``jax.lax.scan``: their
     parameters and per-layer inputs stacked on a leading axis; the activations and the
     wrappers' carry flow through it. Returns per-layer stats and metrics, as unrolled.
 
@@ -297,7 +323,7 @@ def _scan_blocks(blocks, x, inputs, opts, parallel, context):
         state, held = xs
         inner = dataclasses.replace(context, carry=dict(wrapper_carry))
         x, stats, metrics = _run_block(
-            nnx.merge(graphdef, state), x, held, opts, parallel, inner
+            nnx.merge(graphdef, state), x, held, opts, parallel, inner, remat, in_loop=True
         )
         return (x, inner.carry), (stats, metrics)
 
@@ -319,6 +345,7 @@ def run_layers(
     context: LayerContext | None = None,
     scan: bool = False,
     frozen: Sequence[bool] | None = None,
+    remat: Sequence[str] | None = None,
 ) -> tuple[jax.Array, tuple[MoEStats, ...], tuple[dict[str, jax.Array], ...]]:
     """The one layer loop of the model and of every pipeline stage.
 
@@ -332,13 +359,18 @@ def run_layers(
     program holds one body per run rather than one per layer (MaxText's ``scan_layers`` idea,
     kept per run so that layers whose options diverge still run as they are). The wrappers'
     declared carry starts filled (`Hooks.initial_carry`), as a scan's carry keeps its keys.
+
+    ``remat``: each block's rematerialisation policy (`dynjax.model.remat.REMAT`; None: "none"
+    for all), applied around the block (around the scan body for a scanned run: consecutive
+    layers of different policies run as different runs).
     """
     context = context if context is not None else LayerContext()
     options = options if options is not None else ((),) * len(blocks)
     inputs = inputs if inputs is not None else ({},) * len(blocks)
     frozen = frozen if frozen is not None else (False,) * len(blocks)
+    remat = remat if remat is not None else ("none",) * len(blocks)
     if scan:
-        runs = scan_runs(blocks, options, inputs, frozen)
+        runs = scan_runs(blocks, options, inputs, frozen, remat)
         hooks = blocks[0].hooks if blocks else NO_HOOKS  # one model's blocks share theirs
         fill = hooks.initial_carry(hooks.carrying_wrappers(options), x.shape[:2])
         context.carry = {**fill, **context.carry}
@@ -348,7 +380,7 @@ def run_layers(
     for start, stop in runs:
         if stop - start == 1:
             x, s, m = _run_block(
-                blocks[start], x, inputs[start], options[start], parallel, context
+                blocks[start], x, inputs[start], options[start], parallel, context, remat[start]
             )
             s, m = [s], [m]
         else:
@@ -359,6 +391,7 @@ def run_layers(
                 options[start],
                 parallel,
                 context,
+                remat[start],
             )
         stats.extend(one for one in s if one is not None)
         metrics.extend(m)
@@ -416,12 +449,14 @@ class GPT(nnx.Module):
         targets: jax.Array | None = None,
         inference: bool = False,
         frozen: Sequence[int] = (),
+        remat: Sequence[str] | None = None,
     ):
         """`__call__` with each layer's options: also returns each layer's hook metrics.
         ``inputs``: each layer's per-layer inputs (`run_layers`);
         ``targets`` [B, S]: the next tokens, for wrappers that take a loss inside the stack;
         ``inference``: run the wrappers as evaluation or sampling does (`LayerContext`);
-        ``frozen``: the layers that get no gradient (kept out of trainable layers' scans)."""
+        ``frozen``: the layers that get no gradient (kept out of trainable layers' scans);
+        ``remat``: each layer's rematerialisation policy (`run_layers`)."""
         x, stats, metrics = run_layers(
             list(self.layers),
             self.embedded(tokens),
@@ -431,6 +466,7 @@ class GPT(nnx.Module):
             context=LayerContext(readout=self.readout, targets=targets, inference=inference),
             scan=self.cfg.scan_layers,
             frozen=[i in frozen for i in range(len(self.layers))],
+            remat=remat,
         )
         return self.readout(x), stats, metrics
 

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dynjax.model.sparse_linear import Groups, Widths, block_pruned_matmul
 
@@ -86,11 +87,12 @@ def column_counts(w: jax.Array, block_size: int, size: int) -> jax.Array:
 
 
 def linear(module: nnx.Linear, x: jax.Array, path: str, sparse: SparseLinears | None):
-    """``module(x)``, block-sparse when ``sparse`` gives ``path`` a width."""
+    """``module(x)``, block-sparse when ``sparse`` gives ``path`` widths; its output named
+    ``path`` for a rematerialisation policy that keeps projections (`dynjax.model.remat`)."""
     widths = sparse.width(path) if sparse is not None else None
     if widths is None:
-        return module(x)
+        return checkpoint_name(module(x), path)
     w = module.kernel[...]
     groups = present_groups(w, sparse.block_size, widths)
     y = block_pruned_matmul(x, w, groups, block_size=sparse.block_size, loop=sparse.loop)
-    return y + module.bias[...] if module.bias is not None else y
+    return checkpoint_name(y + module.bias[...] if module.bias is not None else y, path)

@@ -19,7 +19,8 @@ import jax
 from dynjax.balance.schedules import SPLIT_BACKWARD
 from dynjax.model.hooks import Hooks
 from dynjax.parallel.dispatch import Order, dispatch_order, overlapped_order
-from dynjax.parallel.profile import unit_programs
+from dynjax.parallel.profile import timed_units, unit_programs
+from dynjax.parallel.residuals import kept_bytes
 from dynjax.parallel.split_backward import StageSplit
 from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stage_programs import StageShapes, lower_stage, stage_shapes, stage_split
@@ -45,13 +46,13 @@ def program_key(kind: str, spec: StageSpec, hooks: Hooks) -> tuple[str, StageSpe
     """The part of a stage's spec one of its programs depends on: its compile-cache key.
 
     The gradient norm and the update see parameters, gradients and metrics, whose shapes do
-    not depend on the per-layer inputs nor on what of the layers' records only the forward
-    reads (`HookSet.update_record`): a change of those recompiles only the forward and
-    backward of the stages it touches.
+    not depend on the per-layer inputs, on what of the layers' records only the forward
+    reads (`HookSet.update_record`) nor on the layers' rematerialisation: a change of those
+    recompiles only the forward and backward of the stages it touches.
     """
     if kind in ("sqnorm", "update"):
         options = hooks.update_options(spec.options)
-        return kind, replace(spec, step_inputs=(), batch_inputs=(), options=options)
+        return kind, replace(spec, step_inputs=(), batch_inputs=(), options=options, remat=())
     return kind, spec
 
 
@@ -124,6 +125,7 @@ class PipelinePrograms:
         self._compiled: OrderedDict[tuple[str, StageSpec], Any] = OrderedDict()
         self._shapes: dict[StageSpec, StageShapes] = {}
         self._splits: dict[StageSpec, StageSplit] = {}
+        self._kept: dict[tuple, int] = {}  # `kept_bytes` by timing signature
         self._lock = threading.Lock()
 
     def shapes(self, spec: StageSpec) -> StageShapes:
@@ -153,6 +155,9 @@ class PipelinePrograms:
                 else:
                     lowered[kind, stage.index] = (stage, self.lower_one(kind, stage))
         units_ready, units_lowered = {}, {}
+        for unit, one, signature in timed_units(spec, self.setup.parts) if profiling else ():
+            if unit[0] == "layers" and self.transport.is_local(one.index):
+                self.kept_bytes(one, signature)  # traced here, not on the training thread
         for kind, one in unit_programs(spec, self.setup.parts) if profiling else ():
             if not self.transport.is_local(one.index):
                 continue
@@ -184,6 +189,17 @@ class PipelinePrograms:
             hit = self._splits.setdefault(spec, hit)
         return hit
 
+    def kept_bytes(self, one: StageSpec, signature: tuple) -> int:
+        """What the one-unit layer spec ``one``'s forward keeps for its backward
+        (`residuals.kept_bytes`), traced once per timing signature (`timed_units`): with the
+        Plan's profiling programs (`lower`), so a profile reads it without tracing."""
+        hit = self._kept.get(signature)
+        if hit is None:
+            mesh = self.transport.stage_meshes[one.index]
+            hit = kept_bytes(self.setup, one, mesh, self.shapes(one))
+            hit = self._kept.setdefault(signature, hit)
+        return hit
+
     def lower_one(self, kind: str, stage: StageSpec) -> jax.stages.Lowered:
         mesh = self.transport.stage_meshes[stage.index]
         split = self.split(stage) if kind in ("bwd_b", "bwd_w") else None
@@ -210,6 +226,7 @@ class PipelinePrograms:
                 del self._compiled[key]
             self._shapes = {k: v for k, v in self._shapes.items() if k.index not in gone}
             self._splits = {k: v for k, v in self._splits.items() if k.index not in gone}
+            self._kept = {k: v for k, v in self._kept.items() if k[3].index not in gone}
 
     def get(self, kind: str, stage: StageSpec) -> Any:
         """A compiled program, compiling it now if needed (evaluation programs)."""

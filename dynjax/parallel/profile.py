@@ -89,6 +89,7 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
     one = dataclasses.replace(
         stage, first=False, last=False, layers=(), frozen=(), options=(), needs=(),
         embed_frozen=False, input_grads=trainable_before, step_inputs=(), batch_inputs=(),
+        remat=(),
     )
     if unit == ("embed",):
         return dataclasses.replace(one, first=True, embed_frozen=stage.embed_frozen)
@@ -105,6 +106,8 @@ def unit_spec(stage: StageSpec, unit: tuple, *, trainable_before: bool = True) -
         options=options,
         needs=needs,
         step_inputs=restrict(stage.step_inputs, (i,)),
+        # what its backward recomputes and keeps: its time and memory
+        remat=(stage.remat[at],) if stage.remat else (),
     )
 
 
@@ -401,7 +404,7 @@ class ProfilePart:
     multi-process run every process's part is exchanged and `merged` into the `Profile`."""
 
     units: Mapping[Unit, tuple[float, float]]  # its stages' units (`unit_seconds`)
-    memory: Mapping[int, dict[str, int]]  # its stages' `stage_memory`
+    memory: Mapping[int, dict[str, Any]]  # its stages' `Profile.memory` records
     timeline: Mapping[int, tuple[TaskTime, ...]]  # its stages' tasks, from its step's start
     units_measured: bool  # its units' times are as measured alone, not rescaled (`Profile`)
     # Its timeline measured every stage of it (`PendingTimeline.watched`; `Profile`).
@@ -452,7 +455,9 @@ class Profile:
     """
 
     units: UnitTimes
-    memory: tuple[dict[str, int], ...]  # [stages] per-device bytes by kind (`stage_memory`)
+    # [stages] per-device bytes by kind (`stage_memory`) and the ``layer_activations``, per
+    # layer, its forward keeps for its backward per microbatch (`residuals.kept_bytes`)
+    memory: tuple[dict[str, Any], ...]
     timeline: tuple[tuple[TaskTime, ...], ...]  # [stages][tasks in execution order]
     stage_layers: tuple[int, ...]  # layers per stage of the layout that ran
     units_measured: bool = True
@@ -484,6 +489,11 @@ class Profile:
             "profile/stage_input_bytes": np.array([m["stage_inputs"] for m in self.memory]),
             "profile/microbatch_input_bytes": np.array(
                 [m["microbatch_input"] for m in self.memory]
+            ),
+            "profile/stage_temp_bytes": np.array([m["program_temp"] for m in self.memory]),
+            # What each layer's forward keeps for its backward: its share of the temporaries.
+            "profile/layer_activation_bytes": np.array(
+                [b for m in self.memory for b in m["layer_activations"]], np.int64
             ),
             # The layout that ran, so a policy tells a profile of the current Plan from an older.
             "profile/stage_layers": np.array(self.stage_layers),

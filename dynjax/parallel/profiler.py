@@ -9,7 +9,7 @@ costs the training loop no wait: its `Profile` is built when asked for (seed 000
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from dynjax.parallel.profile import (
     program_temp_bytes,
     rescaled_units,
     stage_memory,
+    timed_units,
     unit_seconds,
     units_busy_seconds,
 )
@@ -65,7 +66,7 @@ class Profiler:
         # units it made new run alone.
         self._unit_times: dict[tuple, tuple[float, float]] = {}
         # The newest executable's `stage_memory` (`_memory`).
-        self._memory_of: tuple[PipelineExecutable, dict[int, dict[str, int]]] | None = None
+        self._memory_of: tuple[PipelineExecutable, dict[int, dict[str, Any]]] | None = None
 
     def start(
         self,
@@ -195,8 +196,23 @@ class Profiler:
             memory = stage_memory(
                 exe.spec, held.state, held.acc, temps, held.programs.shapes, boundary
             )
+            for s, kept in self._layer_activations(exe.spec, memory.keys()).items():
+                memory[s]["layer_activations"] = kept
             self._memory_of = (exe, memory)
         return self._memory_of[1]
+
+    def _layer_activations(
+        self, spec: PipelineSpec, stages: Collection[int]
+    ) -> dict[int, tuple[int, ...]]:
+        """Per stage of ``stages``, what each of its layers' forward keeps for its backward
+        (`PipelinePrograms.kept_bytes`: its rematerialisation policy's; traced with the Plan's
+        profiling programs, so nothing is traced here)."""
+        programs = self.stages.programs
+        out: dict[int, list[int]] = {s: [] for s in stages}
+        for unit, one, signature in timed_units(spec, programs.setup.parts):
+            if unit[0] == "layers" and one.index in out:
+                out[one.index].append(programs.kept_bytes(one, signature))
+        return {s: tuple(kept) for s, kept in out.items()}
 
 
 def _all_watched(pending: PendingTimeline) -> bool:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynjax.model import ExpertParallel
-from dynjax.parallel.mesh import TOKEN_AXES
+from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel
 from dynjax.parallel.stage import StageSetup, stage_vjp
 from dynjax.parallel.stages import StageSpec
 
@@ -84,6 +84,24 @@ def residual_gradients_fn(layout: ResidualLayout):
         return vjp((seed, jnp.ones((), jnp.float32))), None
 
     return grads
+
+
+def kept_bytes(setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes: Any) -> int:
+    """Per-device bytes of the activations one microbatch's forward of ``spec`` keeps for its
+    backward (its VJP's residuals, with the stage input where the backward reads it), under its
+    layers' rematerialisation policies; 0 for a stage without a backward. ``shapes``: its
+    `StageShapes`. Traced, never compiled: what a profile weighs a layer's share of its stage's
+    program temporaries by (`dynjax.recompile.memory.layer_memory`), whether the forward
+    returns them (``recompute`` off) or the backward program recomputes and holds them (on)."""
+    if not spec.has_backward:
+        return 0
+    traced: list[ResidualLayout] = []
+    fwd = residual_forward_fn(setup, spec, expert_parallel(mesh), traced)
+    outs = jax.eval_shape(fwd, shapes.params, shapes.x, shapes.ctx, shapes.batch_in)
+    kept = list(residual_shapes(outs[3], mesh, spec.microbatch_size))
+    if len(jax.tree.leaves(shapes.params)) in traced[0].sources:  # the leaf of x
+        kept.append(shapes.x)
+    return sum(a.size * a.dtype.itemsize // a.sharding.num_devices for a in kept)
 
 
 def residual_shapes(

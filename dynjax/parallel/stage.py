@@ -144,6 +144,7 @@ def apply_stage(
         one.update(more)
     blocks = [nnx.merge(parts.layers[i], p["layers"][i]) for i in spec.layers]
     options, frozen = spec.layer_options(), [i in spec.frozen for i in spec.layers]
+    remat = spec.layer_remat()
 
     def layers(a: int, b: int, x: jax.Array) -> tuple[jax.Array, tuple]:
         x, _, metrics = run_layers(
@@ -155,6 +156,7 @@ def apply_stage(
             context=context,
             scan=parts.cfg.scan_layers,
             frozen=frozen[a:b],
+            remat=remat[a:b],
         )
         return x, metrics
 

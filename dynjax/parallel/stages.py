@@ -47,10 +47,17 @@ class StageSpec:
     # The batch inputs its layers read (`Plugin.batch_inputs`): per
     # microbatch, each name [its layers, b, ...]; none in evaluation.
     batch_inputs: tuple[InputSignature, ...] = ()
+    # Each layer's rematerialisation policy (`dynjax.model.remat.REMAT`; empty: "none" for
+    # all): what its forward keeps for the backward, so what its programs hold in memory.
+    remat: tuple[str, ...] = ()
 
     def layer_options(self) -> tuple[LayerOptions, ...]:
         """One `LayerOptions` per layer of the stage."""
         return self.options or ((),) * len(self.layers)
+
+    def layer_remat(self) -> tuple[str, ...]:
+        """One rematerialisation policy per layer of the stage."""
+        return self.remat or ("none",) * len(self.layers)
 
     def units(self, learned_positions: bool) -> tuple[Unit, ...]:
         """The parameter units this stage holds, in model order."""
@@ -127,6 +134,7 @@ def stage_specs(
     hooks: Hooks = NO_HOOKS,
     step_inputs: Sequence[InputSignature] = (),
     batch_inputs: Sequence[InputSignature] = (),
+    remat: Sequence[str] = (),
 ) -> tuple[StageSpec, ...]:
     """Split the model into consecutive stages of ``stage_layers[s]`` layers each.
 
@@ -136,6 +144,8 @@ def stage_specs(
     only stages whose records change compile anew; ``hooks`` is what the records run (what
     the stages' wrappers read and carry). ``step_inputs`` and ``batch_inputs``: the per-layer
     inputs of the model (`dynjax.parallel.step_inputs`); a stage reads its layers' rows.
+    ``remat``: each model layer's rematerialisation policy (empty: "none" for all); a stage
+    carries its layers', so a policy change recompiles the stages holding the layers it changed.
     """
     frozen = set(frozen_layers)
     embed_frozen = 0 in frozen
@@ -165,7 +175,14 @@ def stage_specs(
                 needs=tuple(needs[start : start + count]) if any(needs) else (),
                 step_inputs=restrict(step_inputs, layers),
                 batch_inputs=restrict(batch_inputs, layers),
+                remat=_policies(remat[start : start + count]),
             )
         )
         start += count
     return tuple(specs)
+
+
+def _policies(remat: Sequence[str]) -> tuple[str, ...]:
+    """A stage's `StageSpec.remat`: empty where every layer's is "none", so its spec (and its
+    programs) stay those of a Plan without remat."""
+    return tuple(remat) if any(r != "none" for r in remat) else ()

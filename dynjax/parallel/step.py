@@ -46,6 +46,7 @@ def whole_model(
     hooks: Hooks = NO_HOOKS,
     step_inputs: Sequence[InputSignature] = (),
     batch_inputs: Sequence[InputSignature] = (),
+    remat: Sequence[str] = (),
 ) -> StageSpec:
     """The single program's spec: one stage holding every layer (`stages.stage_specs`)."""
     (spec,) = stage_specs(
@@ -58,6 +59,7 @@ def whole_model(
         hooks=hooks,
         step_inputs=step_inputs,
         batch_inputs=batch_inputs,
+        remat=remat,
     )
     return spec
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from dynjax.balance import SCHEDULES
 from dynjax.balance.schedules import INTERLEAVED
+from dynjax.model.remat import REMAT
 
 DTYPES = ("float32", "bfloat16")
 
@@ -82,6 +83,9 @@ class Plan:
     frozen_layers: layers that compute no weight gradient and get no optimizer update. Freezing
       layer 0 freezes the token (and position) embedding with it, so a frozen prefix of the model
       runs no backward at all (layer freezing, seed 000 §4.2.3).
+    remat: each layer's rematerialisation policy, one of `REMAT` per layer
+      (`dynjax.model.remat`; `model.remat` gives every layer the same). Empty: "none" for all;
+      a tuple of only "none" is stored empty, so the two are one Plan.
     parts: each dynamism plugin's part of the Plan (docs/plugins.md), as sorted
       ``(plugin name, part)`` pairs; a part is ``(field, value)`` pairs of JSON data (numbers,
       strings, bools and nested tuples), read with `part` and changed with `with_part`. Tables
@@ -105,6 +109,7 @@ class Plan:
     frozen_layers: tuple[int, ...] = ()
     virtual_stages: int = 1
     parts: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    remat: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -115,6 +120,8 @@ class Plan:
         # A set of layers: one order, so equal sets are equal Plans.
         frozen = tuple(sorted({int(i) for i in self.frozen_layers}))
         object.__setattr__(self, "frozen_layers", frozen)
+        remat = tuple(str(r) for r in self.remat)
+        object.__setattr__(self, "remat", remat if any(r != "none" for r in remat) else ())
 
     def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)
@@ -186,6 +193,14 @@ class Plan:
             problems.append(
                 f"frozen_layers {outside} are not layers of the {ctx.num_layers}-layer model"
             )
+        if self.remat and len(self.remat) != ctx.num_layers:
+            problems.append(
+                f"remat = {self.remat} has {len(self.remat)} policies but the model has "
+                f"{ctx.num_layers} layers: give one per layer (or none: no remat)"
+            )
+        unknown = sorted(set(self.remat) - set(REMAT))
+        if unknown:
+            problems.append(f"remat policies {unknown} are unknown: use those of {REMAT}")
         return problems
 
     def _interleaving_problems(self, ctx: PlanContext) -> list[str]:

@@ -117,6 +117,10 @@ def test_profiled_steps_report_layers_memory_and_a_timeline(tmp_path):
     )
     assert metrics["profile/stage_memory_bytes"].tolist() == [m["total"] for m in memory]
     assert metrics["profile/stage_input_bytes"].tolist() == [m["stage_inputs"] for m in memory]
+    # what each of the 3 layers keeps for its backward: the memory model's share of temporaries
+    kept = [b for m in memory for b in m["layer_activations"]]
+    assert metrics["profile/layer_activation_bytes"].tolist() == kept and min(kept) > 0
+    assert len(kept) == 3
     assert "loss" in metrics
     if event["timeline"] is not None:
         assert metrics["profile/stage_backward_seconds"].shape == (2,)
@@ -245,8 +249,8 @@ def test_a_watcher_that_finds_its_stage_done_measures_nothing_and_the_profile_sa
     units = {("embed",): (0.1, 0.2), ("layers", 0): (1.0, 2.0), ("layers", 1): (1.0, 2.0),
              ("head",): (0.1, 0.2)}
     part = ProfilePart(units,
-                       {0: {"total": 1, "stage_inputs": 0, "microbatch_input": 0},
-                        1: {"total": 1, "stage_inputs": 0, "microbatch_input": 0}},
+                       {s: {"total": 1, "stage_inputs": 0, "microbatch_input": 0,
+                            "program_temp": 0, "layer_activations": (0,)} for s in (0, 1)},
                        rows, units_measured=True)
     measured = merged([part], (1, 1), seconds=0.0)
     unmeasured = merged([dataclasses.replace(part, timeline_measured=False)], (1, 1), seconds=0.0)

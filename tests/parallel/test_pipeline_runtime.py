@@ -30,8 +30,10 @@ from dynjax.parallel.profile import (
     rescaled_units,
     stage_busy_seconds,
     stage_memory,
+    timed_units,
     units_busy_seconds,
 )
+from dynjax.parallel.residuals import kept_bytes
 from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stages import PipelineSpec, stage_specs
 from dynjax.parallel.transport import Transport
@@ -650,4 +652,10 @@ def test_a_periodic_profile_is_taken_while_later_steps_run(programs):
     temps = program_temp_bytes(exe.programs)
     boundary = lambda stage: exe.splits[stage.index].boundary  # noqa: E731
     fresh = stage_memory(exe.spec, profiled.state, profiled.acc, temps, programs.shapes, boundary)
-    assert light.memory == full.memory == tuple(fresh[s] for s in range(len(ASSIGNMENT)))
+    # with what each stage's layers keep for their backward (the memory model's shares)
+    kept = [tuple(kept_bytes(programs.setup, one, programs.transport.stage_meshes[one.index],
+                             programs.shapes(one))
+                  for unit, one, _ in timed_units(exe.spec, programs.setup.parts)
+                  if unit[0] == "layers" and one.index == s) for s in range(len(ASSIGNMENT))]
+    expected = tuple({**fresh[s], "layer_activations": kept[s]} for s in range(len(ASSIGNMENT)))
+    assert light.memory == full.memory == expected

@@ -82,15 +82,20 @@ def test_layer_runs_are_maximal_runs_of_equal_keys():
     assert layer_runs([1, 1, 1, 1]) == ((0, 4),)
 
 
-def test_scan_runs_split_on_kind_capacities_options_and_freezing():
+def test_scan_runs_split_on_kind_capacities_options_freezing_and_remat():
     cfg = dataclasses.replace(MOE, num_layers=8, moe_layers=(2, 3, 4))
     blocks = list(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))).layers)
     caps = ((2, 2, 2, 2), (2, 2, 2, 2), (1, 2, 3, 4))
     options = moe_options(cfg, caps, base=[()] * 7 + [(("some_plugin", 1),)])
     frozen = [True] + [False] * 7
     # frozen 0 | dense 1 | MoE 2-3 (same capacities) | MoE 4 | dense 5-6 | dense 7 with a record
-    assert scan_runs(blocks, options, [{}] * 8, frozen) == (
+    assert scan_runs(blocks, options, [{}] * 8, frozen, ["none"] * 8) == (
         (0, 1), (1, 2), (2, 4), (4, 5), (5, 7), (7, 8)
+    )
+    # dense 5 and 6 under different rematerialisation policies: two scan bodies
+    remat = ["none"] * 6 + ["full"] * 2
+    assert scan_runs(blocks, options, [{}] * 8, frozen, remat) == (
+        (0, 1), (1, 2), (2, 4), (4, 5), (5, 6), (6, 7), (7, 8)
     )
 
 

@@ -8,7 +8,13 @@ import pytest
 from dynjax.balance import simulate
 from dynjax.recompile import History, Plan, Rebalance, moved_layers
 from dynjax.recompile import rebalance as rebalance_module
-from dynjax.recompile.memory import MICROBATCH_INPUT, STAGE_INPUTS, STAGE_MEMORY
+from dynjax.recompile.memory import (
+    LAYER_ACTIVATIONS,
+    MICROBATCH_INPUT,
+    STAGE_INPUTS,
+    STAGE_MEMORY,
+    STAGE_TEMP,
+)
 
 from ..helpers import profile
 
@@ -178,6 +184,8 @@ def test_a_faster_layout_that_overflows_memory_is_not_proposed():
     metrics[STAGE_MEMORY] = np.array([32.0, 51.0])
     metrics[STAGE_INPUTS] = np.array([2.0, 1.0])
     metrics[MICROBATCH_INPUT] = np.array([1.0, 1.0])
+    metrics[STAGE_TEMP] = np.zeros(2)  # every byte shared by state
+    metrics[LAYER_ACTIVATIONS] = np.zeros(4)
     entries = History.of([(0, metrics), (10, {"loss": 1.0})])
     state = [1.0, 1.0, 1.0, 5.0]
     # (2, 2) would put 10 + 50 bytes and 1 kept input on stage 1: over a 55-byte device.

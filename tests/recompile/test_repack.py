@@ -6,9 +6,11 @@ import pytest
 from dynjax.balance import simulate
 from dynjax.recompile import History, Plan, Repack
 from dynjax.recompile.memory import (
+    LAYER_ACTIVATIONS,
     MICROBATCH_INPUT,
     STAGE_INPUTS,
     STAGE_MEMORY,
+    STAGE_TEMP,
     layer_memory,
 )
 from dynjax.recompile.rebalance import (
@@ -24,9 +26,11 @@ PLAN = Plan(stage_layers=(2, 2, 2, 2), microbatches=M)
 FROZEN_FRONT = [0.01] * 4 + [1.0] * 4  # layer freezing: the first half does (almost) nothing
 
 
-def profile(fwd, counts, *, layer_bytes=10.0, input_bytes=1.0):
+def profile(fwd, counts, *, layer_bytes=10.0, input_bytes=1.0, temp=0.0, activations=None):
     """Profile metrics of a 1F1B step that ran ``counts``; backward = 2 x forward; every layer
-    holds ``layer_bytes``, stage s keeps min(M, S - s) stage inputs of ``input_bytes``."""
+    holds ``layer_bytes``, stage s keeps min(M, S - s) stage inputs of ``input_bytes``; of a
+    stage's bytes ``temp`` are its programs' temporaries, shared by ``activations`` [L] (the
+    layers' kept activations; default: none)."""
     fwd = np.asarray(fwd, dtype=float)
     bounds = np.concatenate(([0], np.cumsum(counts)))[:-1]
     kept = np.array([min(M, len(counts) - s) for s in range(len(counts))]) * input_bytes
@@ -40,6 +44,8 @@ def profile(fwd, counts, *, layer_bytes=10.0, input_bytes=1.0):
         STAGE_MEMORY: np.array(counts) * layer_bytes + kept,
         STAGE_INPUTS: kept,
         MICROBATCH_INPUT: np.full(len(counts), input_bytes),
+        STAGE_TEMP: np.full(len(counts), temp),
+        LAYER_ACTIVATIONS: np.zeros(len(fwd)) if activations is None else np.array(activations),
     }
 
 
@@ -104,6 +110,17 @@ def test_layer_memory_shares_a_stage_by_state_bytes():
     weights = [1.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     shares = layer_memory(metrics, (2, 2, 2, 2), np.array(weights))
     np.testing.assert_allclose(shares, [5, 15, 10, 10, 10, 10, 10, 10])
+
+
+def test_layer_memory_shares_temporaries_by_kept_activations():
+    """A layer that recomputes its forward (`model.remat`) keeps less for its backward: its
+    share of the stage's program temporaries is smaller, whatever its state bytes."""
+    # Each stage holds 20 bytes: 8 of temporaries and 12 of state, over two equal-state layers;
+    # layer 0 keeps 3 bytes of activations (rematerialised), layer 1 keeps 1 (more so), ...
+    kept = [3.0, 1.0, 1.0, 1.0, 0.0, 0.0, 2.0, 6.0]
+    metrics = profile(FROZEN_FRONT, (2, 2, 2, 2), temp=8.0, activations=kept)
+    shares = layer_memory(metrics, (2, 2, 2, 2), np.ones(8))
+    np.testing.assert_allclose(shares, [12, 8, 10, 10, 10, 10, 8, 12])
 
 
 def test_target_asks_for_a_stage_count_and_device_seconds_must_not_grow():
