@@ -13,7 +13,12 @@ sparse/dense ratio of XLA's ``cost_analysis`` with the sparse loop compiled as o
 at 10%.
 
     PYTHONPATH=. python benchmarks/sparse_matmul.py [--tokens 2048] [--repeats 15] \\
-        [--shapes 512x2048,1024x4096] [--densities 0.5,0.25,0.1]
+        [--shapes 512x2048,1024x4096] [--densities 0.5,0.25,0.1] [--skewed GROUPS]
+
+``--skewed GROUPS``: masks whose block-columns differ in density (`skewed_block_mask`, as a
+global ranking leaves them), each timed with one width for all columns (the busiest's) and with
+its columns cut into at most GROUPS groups (`group_widths`); ``one_width`` and ``groups`` are the
+blocks each computes over the dense blocks, ``kept`` the mask's density.
 
 Measured 2026-11-23 on the 2-core CPU box shared with other jobs (load average 4.0 to 4.2 during
 the run; jax 0.10.2, defaults):
@@ -56,7 +61,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynjax.model.sparse_linear import block_pruned_matmul, column_block_index
+from dynjax.model.sparse_linear import (
+    block_pruned_matmul,
+    column_block_index,
+    column_groups,
+    group_blocks,
+    group_widths,
+)
 
 SHAPES = ((512, 2048), (1024, 4096))
 DENSITIES = (0.5, 0.25, 0.1)
@@ -71,6 +82,15 @@ def balanced_block_mask(n_rows: int, n_cols: int, density: float, seed: int) -> 
     for j in range(n_cols):
         mask[rng.choice(n_rows, keep, replace=False), j] = True
     return mask
+
+
+def skewed_block_mask(n_rows: int, n_cols: int, density: float, seed: int) -> np.ndarray:
+    """Block-columns of unequal density, as one global ranking leaves them: each column keeps
+    its blocks with a probability drawn from an exponential distribution of mean ``density``
+    (capped at 1), so some columns keep several times the mean and many keep none."""
+    rng = np.random.default_rng(seed)
+    keep = np.minimum(rng.exponential(density, n_cols), 1.0)
+    return rng.random((n_rows, n_cols)) < keep[None, :]
 
 
 def _with_backward(matmul: Callable) -> Callable:
@@ -112,6 +132,45 @@ def _row(x, w, g, index, backward: bool, repeats: int) -> dict:
         cpu_speedup=cpu_dense / cpu_sparse,
         flops=_flops(one_step, *args) / _flops(dense, *args), ideal=k / (d_in // BLOCK),
     )
+
+
+def _skewed_row(x, w, g, mask, groups: int, backward: bool, repeats: int) -> dict:
+    """One width for every column (the busiest's) against ``groups`` column groups, both
+    against dense, timed alternately."""
+    wrap = _with_backward if backward else (lambda f: f)
+    args = (x, w, g) if backward else (x, w)
+    counts = mask.sum(axis=0)
+    one = ((int(counts.max()), mask.shape[1]),)
+    cut = group_widths(counts, groups)
+    fns = [jax.jit(wrap(jnp.matmul))] + [
+        jax.jit(wrap(functools.partial(_sparse, index=column_groups(mask, widths), loop=True)))
+        for widths in (one, cut)
+    ]
+    times = interleaved_medians([functools.partial(f, *args) for f in fns], repeats)
+    (t_dense, _), (t_one, _), (t_groups, _) = times
+    dense_blocks = mask.size
+    return dict(
+        weight=f"{w.shape[0]}x{w.shape[1]}", kept=f"{mask.mean():.3f}",
+        one_width=f"{group_blocks(one) / dense_blocks:.3f}",
+        groups_=f"{group_blocks(cut) / dense_blocks:.3f}", pass_="fwd+bwd" if backward else "fwd",
+        dense_ms=1e3 * t_dense, one_ms=1e3 * t_one, groups_ms=1e3 * t_groups,
+        one_speedup=t_dense / t_one, groups_speedup=t_dense / t_groups,
+    )
+
+
+def bench_skewed(tokens: int, repeats: int, shapes, densities, groups: int) -> list[dict]:
+    rows = []
+    for d_in, d_out in shapes:
+        keys = jax.random.split(jax.random.key(d_in), 3)
+        x = jax.random.normal(keys[0], (tokens, d_in), jnp.float32)
+        w = jax.random.normal(keys[1], (d_in, d_out), jnp.float32)
+        g = jax.random.normal(keys[2], (tokens, d_out), jnp.float32)
+        for density in densities:
+            mask = skewed_block_mask(d_in // BLOCK, d_out // BLOCK, density, seed=d_out)
+            for backward in (False, True):
+                rows.append(_skewed_row(x, w, g, mask, groups, backward, repeats))
+                print(_table(rows[-1:], header=len(rows) == 1), flush=True)
+    return rows
 
 
 def _sparse(x, w, index, loop):
@@ -158,13 +217,20 @@ def main() -> None:
     parser.add_argument(
         "--densities", default=",".join(map(str, DENSITIES)), help="block densities, D,..."
     )
+    parser.add_argument(
+        "--skewed", type=int, default=0, metavar="GROUPS",
+        help="columns of unequal density: one width against GROUPS column groups",
+    )
     args = parser.parse_args()
     shapes = tuple(tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(","))
     densities = tuple(float(d) for d in args.densities.split(","))
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, fp32, "
           f"block {BLOCK}, {args.tokens} tokens, median of {args.repeats} (interleaved)\n")
-    bench(args.tokens, args.repeats, shapes, densities)
+    if args.skewed:
+        bench_skewed(args.tokens, args.repeats, shapes, densities, args.skewed)
+    else:
+        bench(args.tokens, args.repeats, shapes, densities)
 
 
 if __name__ == "__main__":

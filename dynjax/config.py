@@ -132,6 +132,8 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # activation); "full" (its input only: the backward recomputes its forward); "save_proj"
     # (its linear projections' outputs: the backward recomputes what lies between them);
     # "offload_proj" (those, in pinned host memory: GPU/TPU only). The Plan holds one per layer.
+    # On CPU only a scanned stack (model.scan_layers) shows the saving: XLA:CPU schedules an
+    # unrolled block's recomputation beside its forward, so the peak stays that of "none".
     c.model.remat = "none"
 
 

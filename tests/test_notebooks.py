@@ -29,6 +29,7 @@ TINY = {
         EXPERT_MLP_DIM=64,
         CAPACITY_WINDOW=4,
         EVAL_EVERY=20,
+        DTYPE="float32",  # what its parameter cell says to set on a CPU (the default: bf16)
     ),
     "dynamic_pipeline": dict(
         TINY_MODEL,

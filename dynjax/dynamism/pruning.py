@@ -504,12 +504,17 @@ class SparsePath:
         max_groups: int,
     ) -> None:
         self.shapes, self.sparse_below, self.max_groups = shapes, sparse_below, max_groups
+        # The counts change at pruning events only; the policy runs every round.
+        self._last: tuple[bytes, tuple, tuple] | None = None  # (counts, current, widths)
 
     def widths(
         self, counts: np.ndarray, current: Sequence[tuple[int, str, Any]] = ()
     ) -> tuple[tuple[int, str, Widths], ...]:
         """The (layer, linear, widths) that should multiply block-sparsely, given the
         ``[L, len(LINEARS), C]`` counts and the Plan's present entries."""
+        key = (np.asarray(counts, np.float64).tobytes(), tuple(map(tuple, current)))
+        if self._last is not None and self._last[:2] == key:
+            return self._last[2]
         have = {
             (layer, lin): _widths(w, self.shapes[layer][LINEARS.index(lin)][1])
             for layer, lin, w in current
@@ -528,6 +533,7 @@ class SparsePath:
                     out.append((layer, lin, old))
                 elif group_blocks(want) <= self.sparse_below * n_rows * n_cols:
                     out.append((layer, lin, want))
+        self._last = (*key, tuple(out))
         return tuple(out)
 
     def propose(self, history: History, plan: Plan) -> Proposal | None:

@@ -97,16 +97,18 @@ def group_widths(counts: Sequence[int], max_groups: int) -> Widths:
         raise ValueError(f"counts must be non-negative, got {c[-1]}")
     z = int(np.count_nonzero(c))
     groups = min(max_groups, z)
-    # best[g][j]: the fewest blocks covering columns [0, j) with g groups; cut[g][j] its last start.
-    best = np.full((groups + 1, z + 1), np.iinfo(np.int64).max // 4)
+    # best[g][j]: the fewest blocks covering columns [0, j) with g groups; cut[g][j] its last
+    # group's start. cost[i, j]: best[g - 1][i] plus a group of columns [i, j) as wide as c[i].
+    never = np.iinfo(np.int64).max // 4  # no such cut (twice it still fits in int64)
+    best = np.full((groups + 1, z + 1), never)
     cut = np.zeros((groups + 1, z + 1), np.int64)
     best[0, 0] = 0
-    starts = np.arange(z)
+    start, stop = np.arange(z)[:, None], np.arange(z + 1)[None, :]
+    width = np.where(start < stop, (stop - start) * c[:z, None], never)
     for g in range(1, groups + 1):
-        for j in range(1, z + 1):
-            cost = best[g - 1, :j] + (j - starts[:j]) * c[:j]
-            cut[g, j] = int(np.argmin(cost))
-            best[g, j] = cost[cut[g, j]]
+        cost = np.minimum(best[g - 1, :z, None] + width, never)
+        cut[g] = np.argmin(cost, axis=0)
+        best[g, 1:] = cost[cut[g, 1:], np.arange(1, z + 1)]
     g = int(np.argmin(best[1:, z])) + 1 if z else 0
     out, j = [], z
     while g:

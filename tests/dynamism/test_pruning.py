@@ -343,6 +343,9 @@ def test_the_sparse_path_policy_recuts_groups_only_when_it_saves_a_fifth():
     assert policy.propose(fewer(4, 4, 4, 4), legacy) is None  # the same widths as ((4, 4),)
     assert policy.propose(fewer(5, 4, 4, 4), legacy).plan.part("pruning")["sparse"] == (
         (0, "attn/qkv", ((5, 4),)),)
+    # Widths that no longer cover, and a new cut above sparse_below: the linear goes dense.
+    strict = SparsePath(shapes=policy.shapes, sparse_below=0.5, max_groups=1)
+    assert strict.propose(fewer(5, 4, 4, 4), legacy).plan.part("pruning")["sparse"] == ()
 
 
 def test_present_groups_are_the_column_groups_of_the_zero_pattern():
