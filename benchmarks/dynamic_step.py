@@ -17,8 +17,8 @@ and noisy) and the table reports medians. Variants so far:
   the plugin's pruning event does it (`pruning.prune` with `pruning.ranking_scales`: one global
   ranking of the ``block_size`` blocks of every prunable matrix, 90% of them zeroed, the keep
   masks and zeroed Adam moments in the optimizer state), and the Plan the plugin's `SparsePath`
-  policy proposes for them: the linears whose busiest block-column keeps at most
-  ``sparse_below`` of its block-rows multiply block-sparsely with width K
+  policy proposes for them: the linears whose block-columns, cut into ``pruning.column_groups``
+  widths, compute at most ``sparse_below`` of the dense blocks multiply block-sparsely
   (`dynjax.model.sparse_linear`), the others stay dense (masked). Run it with
   ``pruning.scale=init``: ranked raw (the default), every ``attn/out`` and ``mlp/down`` block
   goes first, the residual branches then output zero and XLA drops their work, and the step
@@ -71,7 +71,10 @@ single-program step) differs by the noise between rounds. The pipeline's step be
 the single-program one despite more FLOPs is probably a CPU effect (programs of different fake
 devices run on both cores at once), not measured here.
 
-Pruning, measured 2026-11-23 on the same 2-core VM (load average 1.6-3.1, mostly this run;
+Pruning, measured 2026-11-23 on the same 2-core VM, before column groups (every block-column of
+a linear computed the busiest column's K blocks; since 2026-12-01 the columns fall into groups of
+their own width: docs/benchmarks.md "Block-sparse path" has the step measured with them, 1.08x
+at a FLOP ratio of 0.158 on the 4x-wider model below) (load average 1.6-3.1, mostly this run;
 jax 0.10.2, 8 fake CPU devices). configs/pruning.py (4 layers, vocab 256, batch 16 x 128 tokens,
 float32) at block granularity with the plugin's block size (32); "none" is the dense model: the
 same weights, the pruning plugin enabled but nothing pruned (masks all True, every linear
@@ -123,9 +126,9 @@ ratio of 0.525.
 What the pruning rows say. The 90%-pruned model is not faster on this CPU, at either width,
 although its compiled step has a third of the FLOPs:
 
-* K is the *busiest* block-column's count (bucketed), and every column computes K blocks: at 10%
-  overall density the busiest columns keep 25-37% of their block-rows (6 of 16), so the sparse
-  matmuls run at 25-37% of the dense FLOPs, not 10%.
+* K was the *busiest* block-column's count (bucketed), and every column computed K blocks: at
+  10% overall density the busiest columns keep 25-37% of their block-rows (6 of 16), so the
+  sparse matmuls ran at 25-37% of the dense FLOPs, not 10% (what column groups fix).
 * At those widths the XLA block-sparse path is about as fast as the dense matmul on CPU
   (`benchmarks/sparse_matmul.py`: 0.84-0.96x at 50%, 1.3-1.8x at 25% for MLP-sized weights in
   isolation; at d_model 128 a matrix has 4 block-rows and K = 1-2 of 4, where the forward is
