@@ -158,13 +158,20 @@ def _skewed_row(x, w, g, mask, groups: int, backward: bool, repeats: int) -> dic
     )
 
 
+def _operands(tokens: int, d_in: int, d_out: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Random fp32 ``x [tokens, d_in]``, ``w [d_in, d_out]`` and output cotangent ``g``."""
+    keys = jax.random.split(jax.random.key(d_in), 3)
+    return (
+        jax.random.normal(keys[0], (tokens, d_in), jnp.float32),
+        jax.random.normal(keys[1], (d_in, d_out), jnp.float32),
+        jax.random.normal(keys[2], (tokens, d_out), jnp.float32),
+    )
+
+
 def bench_skewed(tokens: int, repeats: int, shapes, densities, groups: int) -> list[dict]:
     rows = []
     for d_in, d_out in shapes:
-        keys = jax.random.split(jax.random.key(d_in), 3)
-        x = jax.random.normal(keys[0], (tokens, d_in), jnp.float32)
-        w = jax.random.normal(keys[1], (d_in, d_out), jnp.float32)
-        g = jax.random.normal(keys[2], (tokens, d_out), jnp.float32)
+        x, w, g = _operands(tokens, d_in, d_out)
         for density in densities:
             mask = skewed_block_mask(d_in // BLOCK, d_out // BLOCK, density, seed=d_out)
             for backward in (False, True):
@@ -185,10 +192,7 @@ def bench(
 ) -> list[dict]:
     rows = []
     for d_in, d_out in shapes:
-        keys = jax.random.split(jax.random.key(d_in), 3)
-        x = jax.random.normal(keys[0], (tokens, d_in), jnp.float32)
-        w = jax.random.normal(keys[1], (d_in, d_out), jnp.float32)
-        g = jax.random.normal(keys[2], (tokens, d_out), jnp.float32)
+        x, w, g = _operands(tokens, d_in, d_out)
         for density in densities:
             mask = balanced_block_mask(d_in // BLOCK, d_out // BLOCK, density, seed=d_out)
             index = jnp.asarray(column_block_index(mask))

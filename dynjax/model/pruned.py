@@ -74,6 +74,9 @@ def present_groups(w: jax.Array, block_size: int, widths: Widths) -> Groups:
     for k, n in widths:
         cols = order[start : start + n]
         start += n
+        if k == 0:  # the empty columns' group: no rows to rank
+            out.append((cols, jnp.zeros((n, 0), jnp.int32)))
+            continue
         vals, rows = jax.lax.top_k(score[cols], k)
         out.append((cols, jnp.where(vals > 0, rows, n_rows).astype(jnp.int32)))
     return tuple(out)
