@@ -29,7 +29,9 @@ Sections (timings are medians of several runs after a warm-up, blocking on the r
   (query, key) pair (dense: the causal triangle; block-sparse: computed blocks x block^2) over
   the time; ``vs_cudnn``: cuDNN's time over this one's (> 1: faster than cuDNN dense).
 - ``spmm``: ``block_pruned_matmul`` (both paths, ``pallas`` and ``xla``) against ``jnp.dot`` for
-  MLP weights at block densities 50/25/10%, forward and forward+backward, bf16.
+  MLP weights at block densities 50/25/10%, forward and forward+backward, bf16; and the Pallas
+  path on columns of unequal density cut into 4 groups (``computed``: the blocks it computes
+  over the dense ones), as pruning's sparse path runs it.
 - ``moe``: one MoE layer forward+backward in bf16, top-2, capacity factor 1.25: the ragged path
   (``ragged_dot``), the static per-expert path and a dense one-hot (GShard einsum) dispatch of
   the same slots; ``tokamax.ragged_dot`` against ``jax.lax.ragged_dot`` where importable.
@@ -82,11 +84,18 @@ from families import configs as family_configs
 from families import model_diff, param_count
 from flax import nnx
 from kernels import _timed, causal_block_mask, dpa_attention, hashed_ids
-from sparse_matmul import _with_backward, balanced_block_mask
+from sparse_matmul import _with_backward, balanced_block_mask, skewed_block_mask
 from step_throughput import remat_rows
 
 from dynjax.model.moe import MoE, RaggedCapacities, SlotLayout, assign_slots, grouped_ffn, route
-from dynjax.model.sparse_linear import block_mask_of, block_pruned_matmul, column_block_index
+from dynjax.model.sparse_linear import (
+    block_mask_of,
+    block_pruned_matmul,
+    column_block_index,
+    column_groups,
+    group_blocks,
+    group_widths,
+)
 from dynjax.writers import read_jsonl
 from pallas_kernels import (
     BlockSparseMatrix,
@@ -393,6 +402,26 @@ def spmm(env: Env) -> Iterator[dict]:
                     seconds = run(lambda x, w, fn=fn: fn(x, w))
                     yield {**row, "status": "ok", "ms": 1e3 * seconds,
                            "vs_dense": dense_s / seconds}
+            yield from _skewed_spmm(env, run, base, how, dense_s, d_in, d_out, block, densities)
+
+
+def _skewed_spmm(env: Env, run, base: dict, how: str, dense_s: float, d_in: int, d_out: int,
+                 block: int, densities: tuple[float, ...]) -> Iterator[dict]:
+    """The Pallas path on columns of unequal density (as a global ranking leaves them) at the
+    lowest density, its columns cut into 4 groups as pruning's policy cuts them."""
+    density = min(densities)
+    mask = skewed_block_mask(d_in // block, d_out // block, density, seed=d_out)
+    widths = group_widths(mask.sum(axis=0), 4)
+    row = {"name": "block_pruned_matmul pallas, skewed columns in 4 groups", **base, "pass": how,
+           "density": round(float(mask.mean()), 3),
+           "computed": round(group_blocks(widths) / mask.size, 3)}
+    if not env.time_left():
+        yield skipped(row.pop("name"), "section budget spent", **row)
+        return
+    fn = functools.partial(block_pruned_matmul, index=column_groups(mask, widths),
+                           block_size=block, impl="pallas")
+    seconds = run(lambda x, w: fn(x, w))
+    yield {**row, "status": "ok", "ms": 1e3 * seconds, "vs_dense": dense_s / seconds}
 
 
 # -- moe ----------------------------------------------------------------------------------------
