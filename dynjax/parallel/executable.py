@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -182,22 +182,21 @@ class PipelinePrograms:
     def split(self, spec: StageSpec) -> StageSplit:
         """The stage's backward cut for ZB-H1 (`stage_split`), traced once per spec (while its
         programs are cached)."""
-        hit = self._splits.get(spec)
-        if hit is None:
-            mesh = self.transport.stage_meshes[spec.index]
-            hit = stage_split(self.setup, spec, mesh, self.shapes(spec))
-            hit = self._splits.setdefault(spec, hit)
-        return hit
+        return self._traced_once(self._splits, spec, spec, stage_split)
 
     def kept_bytes(self, one: StageSpec, signature: tuple) -> int:
         """What the one-unit layer spec ``one``'s forward keeps for its backward
         (`residuals.kept_bytes`), traced once per timing signature (`timed_units`): with the
         Plan's profiling programs (`lower`), so a profile reads it without tracing."""
-        hit = self._kept.get(signature)
+        return self._traced_once(self._kept, signature, one, kept_bytes)
+
+    def _traced_once(self, cache: dict, key: Any, spec: StageSpec, trace: Callable) -> Any:
+        """``trace(setup, spec, mesh, shapes)`` under ``key`` in ``cache``, traced on a miss
+        only (the first of two racing threads' results is kept)."""
+        hit = cache.get(key)
         if hit is None:
-            mesh = self.transport.stage_meshes[one.index]
-            hit = kept_bytes(self.setup, one, mesh, self.shapes(one))
-            hit = self._kept.setdefault(signature, hit)
+            mesh = self.transport.stage_meshes[spec.index]
+            hit = cache.setdefault(key, trace(self.setup, spec, mesh, self.shapes(spec)))
         return hit
 
     def lower_one(self, kind: str, stage: StageSpec) -> jax.stages.Lowered:
