@@ -214,6 +214,9 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     c.recompile.budget.window_steps = 100  # ... within any this many steps
     c.recompile.cache_size = 8  # compiled executables kept in memory (LRU)
     c.recompile.cache_dir = ""  # JAX persistent compilation cache; "" = ~/.cache/dynjax/jax
+    # True: each step waits for the policies and a pending compile, so Plans swap in at the same
+    # steps on any machine (reproducible runs); each recompile then stalls training
+    c.recompile.blocking = False
     for name, section in schemes.sections().items():  # with each scheme's own defaults
         c[name] = section
     c.lock()

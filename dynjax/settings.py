@@ -169,6 +169,7 @@ class RecompileSettings:
     budget: BudgetSettings
     cache_size: int
     cache_dir: str
+    blocking: bool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -602,6 +602,7 @@ class _Loop:
             # Processes run up to Δ + 1 steps apart: a survivor logs every step a dead peer
             # finished.
             lag=self.settings.recompile.delta_launch + 1,
+            blocking=self.settings.recompile.blocking,
         )
 
     def release_unused(self, step: int, reason: str) -> None:

@@ -12,6 +12,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION_FIELDS = ("device", "platform", "jax", "jaxlib", "flax", "tiny")
+LLAMA_RUN = "Llama family, GPT-2 small's parameters"  # gpu_suite.LLAMA_RUN
+
+
+def skipped_as_tiny(record: dict) -> bool:
+    """Recorded as skipped by a tiny run: the same code path as a run it keeps (TINY_SKIPS)."""
+    return record["status"] == "skipped" and record["reason"].startswith("tiny: the same code")
 
 
 def run_suite(out: Path, only: str) -> dict:
@@ -52,21 +58,34 @@ def test_kernels_spmm_moe_attention(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_sections(tmp_path):
-    """train, schemes and traces through dynjax.train subprocesses; the traces are in the
-    format benchmarks/dynmo_cases.py reads (one sample per profiled step)."""
-    data = run_suite(tmp_path, "train,schemes,traces")
-    names = {r["name"] for r in data["records"] if r["section"] == "train"}
-    assert {"GPT-2 small shape", "dispatch vs device"} <= names
-    remat = {r["name"]: r for r in data["records"] if r["name"].startswith("remat ")}
+def test_train_section(tmp_path):
+    """The train section's dynjax.train subprocesses and its in-process rows (dispatch, remat)."""
+    data = run_suite(tmp_path, "train")
+    records = {r["name"]: r for r in data["records"] if r["section"] == "train"}
+    assert {"GPT-2 small shape", "dispatch vs device", LLAMA_RUN} <= set(records)
+    assert skipped_as_tiny(records["large dense"])  # the small shape's path
+    remat = {n: r for n, r in records.items() if n.startswith("remat ")}
     assert set(remat) == {"remat none", "remat full", "remat save_proj", "remat offload_proj"}
     assert remat["remat offload_proj"]["status"] == "skipped"  # CPU: no memory apart from host
     assert remat["remat none"]["vs_none"] == 1.0
     assert remat["remat full"]["temp_bytes"] < remat["remat none"]["temp_bytes"]
-    assert all(r["mfu"] == "n/a" for r in data["records"] if "mfu" in r)
-    traces = [r for r in data["records"] if r["section"] == "traces"]
+    assert all(r["mfu"] == "n/a" for r in records.values() if "mfu" in r)
+
+
+@pytest.mark.slow
+def test_schemes_and_traces_sections(tmp_path):
+    """Every scheme's run, and traces in the format benchmarks/dynmo_cases.py reads (one sample
+    per profiled step) from a case that swaps its Plan (freezing) and one that does not (MoE)."""
+    data = run_suite(tmp_path, "schemes,traces")
+    schemes = [r for r in data["records"] if r["section"] == "schemes"]
+    assert all(r["status"] == "ok" for r in schemes) and len(schemes) == 8  # 7 runs, the stall
+    traces = {r["name"]: r for r in data["records"] if r["section"] == "traces"}
     assert len(traces) == 6
-    for r in traces:
-        lines = (tmp_path / r["trace"]).read_text().splitlines()
+    kept = {n for n, r in traces.items() if r["status"] == "ok"}
+    assert kept == {"freezing", "MoE"}
+    assert all(skipped_as_tiny(traces[n]) for n in set(traces) - kept)
+    assert traces["freezing"]["swaps"] >= 1
+    for name in kept:
+        lines = (tmp_path / traces[name]["trace"]).read_text().splitlines()
         meta, sample = json.loads(lines[0]), json.loads(lines[1])
         assert meta["num_layers"] == len(sample["layer_forward_seconds"])

@@ -5,9 +5,11 @@ the device trains with the current graph, and a new graph takes effect at the la
 Here `observe` feeds host metrics (already Δ steps old, see `Monitor`) to a policy thread; an
 accepted proposal is lowered there and compiled on the `Compiler`'s worker; the training loop's
 `poll` returns a `Swap` at the first step boundary where the executable is ready, and training
-never waits for a decision. In a multi-process run (``peers``) only the leader's policies
-decide, and a Plan swaps in at the first boundary where every process holds its executable
-(`dynjax.recompile.agreement`). Events (dicts, one JSON line each) record every decision:
+never waits for a decision (unless ``blocking``: then each boundary waits for the policies and a
+pending compile, so a Plan swaps in at the same step on any machine). In a multi-process run
+(``peers``) only the leader's policies decide, and a Plan swaps in at the first boundary where
+every process holds its executable (`dynjax.recompile.agreement`). Events (dicts, one JSON line
+each) record every decision:
 
 - `recompile`: step (training step when proposed), metrics_step, swap_step, reason, policy,
   plan_diff, plan, lower_seconds, compile_seconds, cache_hit, steps_during_compile,
@@ -27,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +104,11 @@ class Controller:
     reads every process's of ``lag`` boundaries before: process 0 runs the policies and
     announces what it accepts, the others compile the announced Plan on their own thread, and
     all swap at the same boundary.
+
+    With ``blocking``, `poll` first waits until the policies have seen every observation, an
+    announced Plan is submitted and a pending compile has finished: which steps a Plan is
+    decided and swapped at no longer depends on the machine's speed (reproducible runs, and
+    tests that need a swap within a few steps); each recompile stalls training by its compile.
     """
 
     def __init__(
@@ -116,6 +123,7 @@ class Controller:
         history_size: int = 1000,
         peers: Peers | None = None,
         lag: int = 1,
+        blocking: bool = False,
     ) -> None:
         self._plan = plan
         self._compiler = compiler
@@ -132,6 +140,8 @@ class Controller:
         self._pending: _Pending | None = None
         self._observed = 0
         self._processed = 0
+        self._busy = False  # the policy thread is running a round or submitting a compile
+        self._blocking = blocking
         self._stopping = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -200,10 +210,10 @@ class Controller:
     def poll(self, step: int, stop: str | None = None) -> Swap | None:
         """At the boundary before `step`: a `Swap` if a pending executable is ready, else None.
 
-        Never blocks on a compile (in a multi-process run it waits only for the other
-        processes to reach this boundary). After a Swap, the caller migrates state, switches to
-        `swap.executable` and calls `swap_done(swap)`, which emits the `recompile` event with
-        the stall measured from this call.
+        Never blocks on a compile unless ``blocking`` (in a multi-process run it waits for the
+        other processes to reach this boundary). After a Swap, the caller migrates state,
+        switches to `swap.executable` and calls `swap_done(swap)`, which emits the `recompile`
+        event with the stall measured from this call.
 
         ``stop``: the signal that asked this process to stop (`StopRequest`). Once every
         process is to stop at this boundary, `preempted_by` names it: at once in one process,
@@ -214,6 +224,8 @@ class Controller:
         self._raise_error()
         if self._unfinished is not None:
             raise RuntimeError("poll() before swap_done() of the previous Swap")
+        if self._blocking:  # before the launch step moves on: the round proposes at step - 1
+            self._wait_for_work()
         self._launch_step = step
         with self._cond:
             pending = self._pending
@@ -223,6 +235,17 @@ class Controller:
         if pending is None or not pending.future.done():
             return None
         return self._take(pending, step, found_at)
+
+    def _wait_for_work(self) -> None:
+        """``blocking``: wait for the policies to see every observation (and submit what they
+        accept) or for an announced Plan's submission, then for a pending compile to end."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or (
+                self._processed >= self._observed and self._adopt is None and not self._busy))
+            pending = self._pending
+        self._raise_error()
+        if pending is not None:
+            wait([pending.future])  # its error, if any, is reported where it is taken
 
     def _agree(
         self, step: int, pending: _Pending | None, found_at: float, stop: str | None
@@ -346,6 +369,7 @@ class Controller:
                 idle = self._pending is None
                 plan = self._plan
                 adopt, self._adopt = self._adopt, None
+                self._busy = True
             try:
                 if adopt is not None:
                     self._compile_announced(adopt)
@@ -354,10 +378,12 @@ class Controller:
             except BaseException as e:  # surfaced on the training thread by poll()
                 with self._cond:
                     self._error = e
+                    self._busy = False
                     self._cond.notify_all()
                 return
             with self._cond:
                 self._processed = max(self._processed, target)
+                self._busy = False
                 self._cond.notify_all()
 
     def _compile_announced(self, announced: Announcement) -> None:

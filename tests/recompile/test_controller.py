@@ -65,6 +65,7 @@ def train(
     step_seconds: float = 0.005,
     validate=lambda p: p.validate(CTX),
     emit=None,
+    blocking: bool = False,
 ) -> Run:
     """A toy training loop wired as the lead's loop will be."""
     run = Run()
@@ -79,6 +80,7 @@ def train(
         emit=emit or run.events.append,
         validate=validate,
         budget=budget,
+        blocking=blocking,
     )
     monitor = Monitor(delta=2)
     controller.start()
@@ -131,6 +133,22 @@ def test_slow_compile_overlaps_training_and_swaps_at_a_boundary():
     assert event["metrics_step"] <= proposed - 2  # the policy saw metrics Δ = 2 steps old
     # lowering ran on the policy thread, not on the training thread
     assert lowerer.lower_threads[-1] == "dynjax-controller"
+
+
+@pytest.mark.parametrize("compile_delay, step_seconds", [(0.3, 0.0), (0.0, 0.02)])
+def test_blocking_swaps_at_the_step_the_metrics_decide_whatever_the_timing(
+    compile_delay, step_seconds
+):
+    """recompile.blocking: the step after the policy's metrics arrive waits for the round and
+    the compile, on a slow compile and on a slow step alike."""
+    lowerer = ToyLowerer(compile_delay=compile_delay)
+    run = train([SetMicrobatches(2, after=3)], steps=12, lowerer=lowerer,
+                step_seconds=step_seconds, blocking=True)
+    (event,) = run.of("recompile")
+    # step 3's metrics are observed after step 5 (delta 2): the boundary before step 6 waits
+    assert (event["metrics_step"], event["step"], event["swap_step"]) == (3, 5, 6)
+    assert event["swap_stall_seconds"] >= compile_delay
+    assert run.outputs == [1.0] * 6 + [2.0] * 6
 
 
 def test_invalid_proposal_is_rejected_and_training_goes_on():
