@@ -18,7 +18,6 @@ import pytest
 import tensorstore as ts
 
 from dynjax.checkpoint import layout
-from dynjax.experiment import Experiment
 from dynjax.model import ModelParts
 from dynjax.model.hashed_attention import lsh_buckets, rotations
 from dynjax.model.moe import static_options
@@ -81,17 +80,6 @@ def train_with_warm_cache(cfg, tmp_path):
     train(cfg, tmp_path / "warm", progress=False)
     summary = train(cfg, tmp_path / "run", progress=False)
     return tmp_path / "run", summary
-
-
-def warm_layouts(config, layouts):
-    """Compile the train step of each stage layout of ``config``, with its profiling programs,
-    into JAX's persistent compilation cache (enabled by an earlier `train` in this process), so
-    that a policy's background compile of one of them is ready within a few steps even on a
-    busy machine."""
-    exp = Experiment.from_config(config)
-    for stage_layers in layouts:
-        plan = exp.initial_plan().replace(stage_layers=stage_layers)
-        exp.lower_train_step(plan, profiling=True).compile()
 
 
 def layer_moves(old, new):

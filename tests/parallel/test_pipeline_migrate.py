@@ -29,9 +29,10 @@ class MoveLayerOne:
 @pytest.mark.slow
 def test_controller_policy_migrates_a_layer_during_training(tmp_path):
     config = dict(
-        model__num_layers=4, mesh__stage=3, mesh__data=2, train__steps=120,
-        train__microbatches=2, train__log_every=1, train__eval_every=120,
-        train__checkpoint_every=120, recompile__delta_launch=1,
+        model__num_layers=4, mesh__stage=3, mesh__data=2, train__steps=30,
+        train__microbatches=2, train__log_every=1, train__eval_every=30,
+        train__checkpoint_every=30, recompile__delta_launch=1,
+        recompile__blocking=True,  # the swap lands within a few steps on any machine
         # The moved layer 1 is an MoE layer whose router sends every token to both of its
         # experts (top_k = num_experts; capacity factor 1.25 >= 1, so none is dropped): routing
         # then has no discontinuity. The two layouts' programs sum in different orders (~1e-7
@@ -41,8 +42,7 @@ def test_controller_policy_migrates_a_layer_during_training(tmp_path):
         # whole run while a migration that lost or misplaced any state would break it.
         moe__every=2, moe__num_experts=2, moe__top_k=2,
     )
-    # Never changes its assignment; also fills JAX's persistent compilation cache with the
-    # programs of (1, 2, 1), so the policy's compile is ready within a few steps below.
+    # Never changes its assignment.
     reference = tmp_path / "reference"
     train(tiny_config(**config, pipeline__stage_layers="(1,2,1)"), reference, progress=False)
     changed = tmp_path / "changed"
@@ -63,7 +63,7 @@ def test_controller_policy_migrates_a_layer_during_training(tmp_path):
     assert migrate[0]["recompiled_stages"] == [0, 1] and migrate[0]["seconds"] > 0  # measured
     recompile = next(e for e in events if e["event"] == "recompile")
     assert recompile["plan_diff"] == {"stage_layers": [[2, 1, 1], [1, 2, 1]]}
-    assert recompile["swap_step"] == migrate[0]["step"] < 120
+    assert recompile["swap_step"] == migrate[0]["step"] < 30
     # The first step of each Plan is profiled (seed 000 §3.1): the new layout's costs.
     profiles = [e for e in events if e["event"] == "profile"]
     assert [e["step"] for e in profiles] == [0, migrate[0]["step"]]

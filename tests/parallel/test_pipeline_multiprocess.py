@@ -63,10 +63,11 @@ def test_the_balancer_decides_from_every_process_stages_and_moves_layers_between
         "balance.every": 5,
         "balance.amortize_steps": 10**9,
         "recompile.delta_launch": 1,
-        # Steps enough for both processes to compile the new layout in the background: it was
-        # decided at step 2 (on step 0's profile) and swapped in at step 43 in one run.
-        "train.steps": 200,
-        "train.eval_every": 200,
+        # Decided at step 2 (on step 0's profile); the swap waits for both processes' compile
+        # (in the background it landed at step 43 in one run, later on a loaded machine).
+        "recompile.blocking": True,
+        "train.steps": 30,
+        "train.eval_every": 30,
         "train.log_every": 10,
     }
     workdir = tmp_path / "multi"
@@ -96,7 +97,7 @@ def test_the_balancer_decides_from_every_process_stages_and_moves_layers_between
     print("migrations per process:", migrations)
     assert migrations[0] == migrations[1]
     step, moves = migrations[0][0]
-    assert moves == layer_moves([4, 1], first["new"]) and 0 < step < 200
+    assert moves == layer_moves([4, 1], first["new"]) and 0 < step < 30
     assert losses(workdir) == losses(workdir / "process_1")
 
 
@@ -216,12 +217,12 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
     processes move process 1's layers to process 0 at the same step, process 1 gives its
     device back through the release hook and keeps taking part (its metrics, the profiles and
     its empty part of each checkpoint), and the losses stay those of the two-stage run."""
-    steps = 900
+    steps, every = 40, 10
     run = {
         **OVERRIDES,
         # Dense: the one-stage program rounds a few results an ulp apart from the two-stage one,
         # and an MoE capacity drop can flip on such an ulp (seen with the swap at steps 16 and
-        # 17: equal to step 70, then apart), after which 900 steps part further.
+        # 17: equal to step 70, then apart), after which the runs part further.
         "moe.every": 0,
         "pipeline.profile_on_change": True,
         "balance.repack": True,
@@ -231,16 +232,15 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
         "balance.memory_bytes": 1e12,
         "balance.release_hook": "dynjax.launch.release:append_to_file",
         "recompile.delta_launch": 1,
-        # Steps enough for the one-stage program to compile in the background from a cold
-        # cache on a loaded machine (swapped at step 38 warm, 175 cold and 224 cold beside the
-        # fast suite, of 15 a second; after step 300 in one CI run). The swap step depends on
-        # the machine's load, so a checkpoint every 50 steps, all kept, leaves one after it
-        # to resume from.
+        # The swap waits for the one-stage program's compile: it lands at the same step on any
+        # machine (in the background it took from 38 to over 300 steps); a checkpoint every 10
+        # steps, all kept, leaves one after it to resume from.
+        "recompile.blocking": True,
         "train.steps": steps,
         "train.log_every": 10,
         "train.eval_every": steps,
-        "train.checkpoint_every": 50,
-        "train.keep_checkpoints": steps // 50,
+        "train.checkpoint_every": every,
+        "train.keep_checkpoints": steps // every,
     }
     released = tmp_path / "released.jsonl"
     monkeypatch.setenv("DYNJAX_RELEASED_FILE", str(released))
@@ -283,11 +283,11 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
 
     # Resumed from the first checkpoint after the swap, the run stays packed: process 1 is
     # released again at once, and the steps after it repeat the first run's losses.
-    packed = next((s for s in range(50, steps, 50) if s > migrate["step"]), None)
+    packed = next((s for s in range(every, steps, every) if s > migrate["step"]), None)
     assert packed is not None, f"swapped at step {migrate['step']}: no packed step to resume from"
     first = losses(workdir)
     for p in range(2):
-        for step in range(packed + 50, steps + 50, 50):
+        for step in range(packed + every, steps + every, every):
             shutil.rmtree(workdir / "checkpoints" / f"process_{p}" / str(step))
     two_processes(workdir, run, devices=1)
     for w in (workdir, workdir / "process_1"):
@@ -336,6 +336,7 @@ def test_the_routing_cache_switches_on_in_every_process_at_the_same_step(
         "train.eval_every": 300,
         "train.log_every": 1,
         "recompile.delta_launch": 1,
+        "recompile.blocking": True,
     }
     single, workdir = one_and_two(tmp_path, run, devices)
     workdirs = (workdir, workdir / "process_1")
