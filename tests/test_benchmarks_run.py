@@ -113,7 +113,8 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
         False,
     ),
     "repack_freezing": (
-        ["--steps", "20", "--freeze-at", "4", "--workdir", "{tmp}"],
+        ["--steps", "12", "--freeze-at", "2", "--layers", "4", "--microbatches", "4",
+         "--workdir", "{tmp}"],
         "freeze + re-pack",
         True,
     ),
