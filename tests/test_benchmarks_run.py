@@ -120,7 +120,8 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
     ),
     "schedules": (["--stages", "2", "--microbatches", "4"], "zb_h1", False),
     "scan_compile": (
-        ["--layers", "2", "--repeats", "1", "--steps", "1", "--models", "dense"],
+        ["--layers", "2", "--repeats", "1", "--steps", "1", "--models", "dense", "--step-layers",
+         "2"],
         "Table 3",
         False,
     ),
