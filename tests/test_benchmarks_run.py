@@ -55,7 +55,7 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
     "data_pipeline": (["--steps", "5", "--rounds", "1"], "after, prefetch 2", False),
     "dynamic_step": (
         ["--rounds", "1", "--steps", "1", "--pipeline-steps", "1", "--stages", "2", "--data",
-         "1"],
+         "1", *SMALL],
         "pipeline step",
         False,
     ),
