@@ -94,7 +94,7 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
     ),
     "moe_routing": (["--steps", "10", "--rates", "1e-2"], "| expert choice |", False),
     "moe_skewed_capacity": (
-        ["--steps", "10", "--workdir", "{tmp}", "--dispatch", "ragged"],
+        ["--steps", "6", "--workdir", "{tmp}", "--dispatch", "ragged"],
         "dynamic, ragged",
         False,
     ),
