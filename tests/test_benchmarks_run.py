@@ -88,7 +88,7 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
     "moe_chunks": (["--rounds", "1", "--quick"], "Alg. 1", False),
     "moe_ragged": (
         ["--rounds", "1", "--steps", "2", "--sim-steps", "10", "--experts", "8", "--layers",
-         "2"],
+         "1"],
         "ragged recompiles",
         False,
     ),
