@@ -34,6 +34,12 @@ clock, and other load on the cores changes step times and compile times.
     python benchmarks/recompile.py --only pipeline  # Table 4 alone (about 2 min)
     python benchmarks/recompile.py --only capacity --quick --aux-loss 0  # Table 2, skewed loads
     python benchmarks/recompile.py --only dispatch --steps 300  # Table 5 alone (not by default)
+    python benchmarks/recompile.py --quick --only caching --cache-steps 8 --time-rounds 1 \\
+        --time-steps 2 --set model.num_layers=2 --set data.seq_len=64  # the code runs, tiny
+
+``--set KEY=VALUE`` overrides configs/moe.py in every run and timing (a smaller model: the
+numbers then say nothing about the defaults); ``--time-rounds`` and ``--time-steps`` size the
+interleaved timings in one process (Tables 2 and 3).
 
 The default took 33 and 50 min on two shared cores under a load average of ~4 (0.3-0.65 s per
 step); at the ~0.15 s per step of two idle cores it would be about 12 min.
@@ -361,7 +367,7 @@ def analyse_plans(
     from dynjax.experiment import Experiment
     from dynjax.recompile import Plan
 
-    cfg = load_config(CONFIG, _common(steps, args.aux_loss))
+    cfg = load_config(CONFIG, _common(args, steps, args.aux_loss))
     exp = Experiment.from_config(cfg)
     ctx = moe_context(exp.facts)
     ones = {"capacities": [[1] * ctx.num_experts for _ in range(ctx.num_moe_layers)]}
@@ -468,9 +474,11 @@ def time_caching(args, common: list[str]) -> dict[str, float]:
     return interleaved(state, execs, args)
 
 
-def _common(steps: int, aux_loss: float | None = None) -> list[str]:
+def _common(args, steps: int, aux_loss: float | None = None) -> list[str]:
+    """Every run's overrides: ``--set``'s, then the run length and cadence (and balance loss)."""
     balance = [] if aux_loss is None else [f"moe.aux_loss_weight={aux_loss!r}"]
     return [
+        *args.set,
         f"train.steps={steps}",
         "train.log_every=1",
         f"train.eval_every={steps}",
@@ -481,7 +489,7 @@ def _common(steps: int, aux_loss: float | None = None) -> list[str]:
 
 def capacity_benchmark(args) -> tuple[str, dict, list[dict]]:
     steps = args.steps
-    common = _common(steps, args.aux_loss)
+    common = _common(args, steps, args.aux_loss)
     _say(f"capacity: dynamic and static runs of {steps} steps")
     dyn = run_training(args, "dynamic", [*common, "moe.capacity.policy=dynamic"], True)
     statics = {}
@@ -629,7 +637,7 @@ def capacity_benchmark(args) -> tuple[str, dict, list[dict]]:
 def dispatch_benchmark(args) -> tuple[str, dict, list[dict]]:
     """Dynamic capacity on the static and the ragged dispatch path, one real run each."""
     steps = args.steps
-    common = [*_common(steps, args.aux_loss), "moe.capacity.policy=dynamic"]
+    common = [*_common(args, steps, args.aux_loss), "moe.capacity.policy=dynamic"]
     _say(f"dispatch: dynamic-capacity runs of {steps} steps, static and ragged")
     per = 1000 / steps
     rows, summary, runs = [], {}, []
@@ -666,7 +674,7 @@ def dispatch_benchmark(args) -> tuple[str, dict, list[dict]]:
 
 def caching_benchmark(args) -> tuple[str, dict, list[dict]]:
     steps = args.cache_steps
-    common = [*_common(steps), f"data.max_tokens={CACHING_MAX_TOKENS}"]
+    common = [*_common(args, steps), f"data.max_tokens={CACHING_MAX_TOKENS}"]
     _say(f"caching: on and off, {steps} steps, data.max_tokens={CACHING_MAX_TOKENS}")
     on = run_training(args, "cache_on", [*common, "moe.caching.enabled=True"])
     off = run_training(args, "cache_off", [*common, "moe.caching.enabled=False"])
@@ -718,7 +726,8 @@ def caching_benchmark(args) -> tuple[str, dict, list[dict]]:
     cached_med = statistics.median(
         [d for s, d in window_stats(on)[0].items() if cached[s]] or [float("nan")]
     )
-    last = lambda s: float(np.mean([s[k]["loss"] for k in range(steps - 20, steps)]))
+    tail = min(20, steps)  # the final loss: the mean of the last 20 steps (all, if fewer)
+    last = lambda s: float(np.mean([s[k]["loss"] for k in range(steps - tail, steps)]))
     evs = recompiles(on)
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"
     notes = [
@@ -729,7 +738,7 @@ def caching_benchmark(args) -> tuple[str, dict, list[dict]]:
             f"step {e['swap_step']} {'on' if moe_view(e['plan'])['cached_routing'] else 'off'}"
             for e in evs
         ),
-        f"final loss (mean of last 20 steps): on {last(s_on):.4f}, off {last(s_off):.4f} "
+        f"final loss (mean of last {tail} steps): on {last(s_on):.4f}, off {last(s_off):.4f} "
         f"(diff {last(s_on) - last(s_off):+.4f}); eval loss: on {fmt(on['eval_loss'])}, off "
         f"{fmt(off['eval_loss'])}"
         + (
@@ -877,7 +886,7 @@ def pipeline_worker(cfg, spec: dict[str, Any]) -> None:
 def pipeline_benchmark(args) -> tuple[str, dict, list[dict]]:
     steps, every = args.pipeline_steps, args.pipeline_every
     _say(f"pipeline: capacity changes every {every} steps in a 4-stage pipeline, {steps} steps")
-    overrides = [*_common(steps), *PIPELINE_OVERRIDES]
+    overrides = [*_common(args, steps), *PIPELINE_OVERRIDES]
     run = run_training(args, "pipeline", overrides, pipeline_swaps=True, every=every)
     intervals, _, _ = window_stats(run)
     events = recompiles(run)
@@ -949,6 +958,16 @@ def main() -> None:
         "--pipeline-every", type=int, default=10, help="steps between Table 4's capacity changes"
     )
     parser.add_argument(
+        "--time-rounds", type=int, help="timed rounds of the interleaved timings (5; quick 3)"
+    )
+    parser.add_argument(
+        "--time-steps", type=int, help="steps per round of the interleaved timings (8; quick 4)"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="config override of every run and timing (before each table's own overrides)",
+    )
+    parser.add_argument(
         "--reuse", action="store_true", help="with --workdir: read finished runs, do not rerun"
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -958,7 +977,8 @@ def main() -> None:
         return
     args.steps = args.steps or (150 if args.quick else 600)
     args.cache_steps = args.cache_steps or 400
-    args.time_rounds, args.time_steps = (3, 4) if args.quick else (5, 8)
+    rounds, steps = (3, 4) if args.quick else (5, 8)
+    args.time_rounds, args.time_steps = args.time_rounds or rounds, args.time_steps or steps
     args.buckets = 8 if args.quick else 10
     began = time.perf_counter()
     args.all_runs = []

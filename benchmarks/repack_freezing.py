@@ -1,6 +1,7 @@
 """Layer freezing, then re-packing (seed 000 §3.4, §4.2.3), on the real pipeline runtime.
 
-Two runs of the same model and data on a (stage, data) = (4, 2) mesh with 8 layers (2 per stage):
+Two runs of the same model and data on a (stage, data) = (4, 2) mesh with 8 layers (2 per stage;
+``--layers``):
 a policy freezes the first half of the layers once metrics step ``--freeze-at`` is seen (a frozen
 prefix runs no backward), and in the second run the `Repack` policy, with its default
 ``balance.repack_max_slowdown = 0``, may then merge stages whose merging the simulator says costs
@@ -14,7 +15,12 @@ with another stage's and the measured times say nothing about a GPU cluster; per
 are what re-packing is for (seed 000 Fig. 4: throughput / number of GPUs).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
-        python3 benchmarks/repack_freezing.py [--steps 160] [--freeze-at 30] [--workdir DIR]
+        python3 benchmarks/repack_freezing.py [--steps 160] [--freeze-at 30] [--workdir DIR] \\
+        [--layers 8] [--microbatches 8]
+
+``--layers 4 --microbatches 4 --steps 12 --freeze-at 2`` runs the code on a smaller pipeline (a
+layer per stage, 4 microbatches), for a smoke test: the re-pack is decided at metrics step 10,
+after the freeze's swap, and its Plan lands after the last step.
 """
 
 from __future__ import annotations
@@ -49,9 +55,10 @@ class FreezePrefix:
         return None
 
 
-def run(workdir: Path, steps: int, freeze_at: int, repack: bool) -> list[dict]:
+def run(workdir: Path, args: argparse.Namespace, repack: bool) -> list[dict]:
+    steps = args.steps
     overrides = [
-        f"model.num_layers={LAYERS}",
+        f"model.num_layers={args.layers}",
         f"mesh.stage={STAGES}",
         f"mesh.data={DATA}",
         f"train.steps={steps}",
@@ -59,11 +66,12 @@ def run(workdir: Path, steps: int, freeze_at: int, repack: bool) -> list[dict]:
         f"train.eval_every={steps}",
         f"train.checkpoint_every={steps}",
         "recompile.delta_launch=1",
+        *([f"train.microbatches={args.microbatches}"] if args.microbatches else []),
     ]
     if repack:
         overrides += ["balance.repack=True", "balance.repack_every=10", "balance.memory_bytes=8e9"]
     cfg = load_config("configs/quickstart.py", overrides)
-    train(cfg, workdir, policies=[FreezePrefix(freeze_at, LAYERS // 2)], progress=False)
+    train(cfg, workdir, policies=[FreezePrefix(args.freeze_at, args.layers // 2)], progress=False)
     return read_jsonl(workdir / "events.jsonl")
 
 
@@ -112,17 +120,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--freeze-at", type=int, default=30)
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temp dir)")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="layers (the first half freeze)")
+    parser.add_argument(
+        "--microbatches", type=int, help="1F1B microbatches (default: twice the stages)"
+    )
     args = parser.parse_args()
-    micro = 2 * STAGES  # train.microbatches = 0 resolves to twice the stages
+    micro = args.microbatches or 2 * STAGES  # train.microbatches = 0: twice the stages
     root = args.workdir or Path(tempfile.mkdtemp(prefix="repack_freezing_"))
     results = {}
     for name, repack in (("freeze only", False), ("freeze + re-pack", True)):
         workdir = root / name.replace(" ", "_").replace("+", "and")
-        events = run(workdir, args.steps, args.freeze_at, repack)
+        events = run(workdir, args, repack)
         results[name] = (workdir, phases(workdir, events, args.steps, micro), events)
-    print(f"{LAYERS} layers of configs/quickstart.py on a ({STAGES}, {DATA}) mesh, M = {micro} "
-          f"1F1B microbatches; first {LAYERS // 2} layers frozen from metrics step "
-          f"{args.freeze_at}. Workdirs under {root}.")
+    print(f"{args.layers} layers of configs/quickstart.py on a ({STAGES}, {DATA}) mesh, "
+          f"M = {micro} 1F1B microbatches; first {args.layers // 2} layers frozen from metrics "
+          f"step {args.freeze_at}. Workdirs under {root}.")
     header = (f"{'run':<17}{'steps':>9} {'layout':<14}{'frozen':>7}{'devices':>8}{'tok/s':>9}"
               f"{'tok/s/dev':>10}{'iter s':>8}{'dev-s':>7}{'pred s':>8}{'pred dev-s':>11}")
     print(header)

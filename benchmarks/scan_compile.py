@@ -8,10 +8,12 @@ layers, dense and MoE (every layer an MoE block), small widths on CPU, median of
 ``--repeats`` fresh lowerings with the persistent compilation cache off; target (issue 15
 §3): with scan, 48 layers <= 2x the 4-layer time. Table 2 (``--step``): the same for the
 whole single-program train step, whose per-parameter optimizer update is not scanned.
-Table 3: the median step time of the single-program 16-layer step, scan against unrolled.
+Table 3: the median step time of the single-program 16-layer step (``--step-layers``), scan
+against unrolled.
 
     python benchmarks/scan_compile.py               # about 5 min on two shared cores
     python benchmarks/scan_compile.py --layers 4 16 --repeats 1 --step --models moe
+    python benchmarks/scan_compile.py --layers 2 --repeats 1 --steps 1 --step-layers 2  # tiny
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 48])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps at 16 layers")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of table 3")
+    parser.add_argument("--step-layers", type=int, default=16, help="layers of table 3's model")
     parser.add_argument("--step", action="store_true", help="also table 2 (slow unrolled)")
     parser.add_argument("--models", nargs="+", choices=("dense", "moe"), default=["dense", "moe"])
     args = parser.parse_args()
@@ -140,11 +143,14 @@ def main() -> None:
             args,
             step,
         )
-    print(f"Table 3: seconds per single-program step at 16 layers, median of {args.steps}")
+    print(
+        f"Table 3: seconds per single-program step at {args.step_layers} layers, median of "
+        f"{args.steps}"
+    )
     for moe in args.moe:
         times = {}
         for scan in (False, True):
-            exp = experiment(16, moe, scan)
+            exp = experiment(args.step_layers, moe, scan)
             times[scan] = step_seconds(exp, compile_seconds(exp)[1], args.steps)
         print(
             f"{'MoE' if moe else 'dense':6} unrolled {times[False]:.4f}  scan {times[True]:.4f}  "

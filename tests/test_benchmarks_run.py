@@ -55,7 +55,7 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
     "data_pipeline": (["--steps", "5", "--rounds", "1"], "after, prefetch 2", False),
     "dynamic_step": (
         ["--rounds", "1", "--steps", "1", "--pipeline-steps", "1", "--stages", "2", "--data",
-         "1"],
+         "1", *SMALL],
         "pipeline step",
         False,
     ),
@@ -88,13 +88,13 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
     "moe_chunks": (["--rounds", "1", "--quick"], "Alg. 1", False),
     "moe_ragged": (
         ["--rounds", "1", "--steps", "2", "--sim-steps", "10", "--experts", "8", "--layers",
-         "2"],
+         "1"],
         "ragged recompiles",
         False,
     ),
     "moe_routing": (["--steps", "10", "--rates", "1e-2"], "| expert choice |", False),
     "moe_skewed_capacity": (
-        ["--steps", "10", "--workdir", "{tmp}", "--dispatch", "ragged"],
+        ["--steps", "6", "--workdir", "{tmp}", "--dispatch", "ragged"],
         "dynamic, ragged",
         False,
     ),
@@ -103,21 +103,25 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
         "1-stage pipeline",
         True,
     ),
-    # One table, caching's (two training runs; its final loss is the mean of the last 20 steps):
-    # the capacity table's five runs and the pipeline's 4-stage run are too long for the suite.
+    # One table, caching's (two training runs of a 2-layer model, then one round of two steps of
+    # each interleaved timing): the capacity table's five runs and the pipeline's 4-stage run are
+    # too long for the suite.
     "recompile": (
-        ["--quick", "--only", "caching", "--cache-steps", "20", "--workdir", "{tmp}"],
+        ["--quick", "--only", "caching", "--cache-steps", "8", "--time-rounds", "1",
+         "--time-steps", "2", *SMALL, "--workdir", "{tmp}"],
         "Table 3",
         False,
     ),
     "repack_freezing": (
-        ["--steps", "20", "--freeze-at", "4", "--workdir", "{tmp}"],
+        ["--steps", "12", "--freeze-at", "2", "--layers", "4", "--microbatches", "4",
+         "--workdir", "{tmp}"],
         "freeze + re-pack",
         True,
     ),
     "schedules": (["--stages", "2", "--microbatches", "4"], "zb_h1", False),
     "scan_compile": (
-        ["--layers", "2", "--repeats", "1", "--steps", "1", "--models", "dense"],
+        ["--layers", "2", "--repeats", "1", "--steps", "1", "--models", "dense", "--step-layers",
+         "2"],
         "Table 3",
         False,
     ),
