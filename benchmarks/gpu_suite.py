@@ -611,7 +611,16 @@ LLAMA_RUN = "Llama family, GPT-2 small's parameters"
 # dense shape is the small one's path; traces: freezing swaps and MoE does not, as the others).
 TINY_SKIPS = {"large dense", "trace pruning", "trace MoD", "trace early exit",
               "trace sparse attention"}
-TINY_SKIP_REASON = "tiny: the same code path as a run kept (TINY_SKIPS)"
+
+
+def skip_reason(env: Env, name: str) -> str | None:
+    """Why the run ``name`` is recorded as skipped (its section's budget is spent, or a tiny run
+    keeps another of its code path), or None: it runs."""
+    if not env.time_left():
+        return "section budget spent"
+    if env.tiny and name in TINY_SKIPS:
+        return "tiny: the same code path as a run kept (TINY_SKIPS)"
+    return None
 
 
 def model_overrides(layers: int, d_model: int, heads: int, seq: int, batch: int) -> list[str]:
@@ -651,9 +660,8 @@ def train(env: Env) -> Iterator[dict]:
         if name == LLAMA_RUN:
             m = pair["llama"].model
             shape += f", llama: kv heads {m.num_kv_heads}, SwiGLU mlp{m.mlp_dim}"
-        if not env.time_left() or (env.tiny and name in TINY_SKIPS):
-            yield skipped(name, TINY_SKIP_REASON if env.time_left() else "section budget spent",
-                          shapes=shape)
+        if reason := skip_reason(env, name):
+            yield skipped(name, reason, shapes=shape)
             continue
         run = run_train(env, name, overrides, log_every=log_every, intervals=intervals)
         measured[name] = run["tokens_per_sec"]
@@ -785,8 +793,8 @@ def schemes(env: Env) -> Iterator[dict]:
     for shape, group in groups:
         baseline = None
         for name, overrides in group.items():
-            if not env.time_left():
-                yield skipped(name, "section budget spent", shapes=shape_of(*shape))
+            if reason := skip_reason(env, name):
+                yield skipped(name, reason, shapes=shape_of(*shape))
                 continue
             run = run_train(env, name, [*model_overrides(*shape), *overrides],
                             log_every=s["log_every"], intervals=s["intervals"],
@@ -846,9 +854,8 @@ def traces(env: Env) -> Iterator[dict]:
         overrides = [*model_overrides(*shape), *(s["schemes"][scheme] if scheme else extra[case]),
                      f"pipeline.stage_layers=({layers},)",
                      f"pipeline.profile_every={s['log_every']}"]
-        if not env.time_left() or (env.tiny and f"trace {case}" in TINY_SKIPS):
-            yield skipped(case, TINY_SKIP_REASON if env.time_left() else "section budget spent",
-                          shapes=shape_of(*shape))
+        if reason := skip_reason(env, f"trace {case}"):
+            yield skipped(case, reason, shapes=shape_of(*shape))
             continue
         run = run_train(env, f"trace {case}", overrides, log_every=s["log_every"],
                         intervals=s["intervals"], swaps=int(scheme in SWAPPING),

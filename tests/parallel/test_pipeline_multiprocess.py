@@ -306,8 +306,8 @@ def test_a_re_pack_moves_every_layer_off_process_1_and_releases_its_devices(
         # each process routes its own stage's MoE layers from its cache; bit for bit
         ({}, 1, 0.0),
         # one program over both processes: the Monitor gathers the global assignments, and
-        # each process places the rows its device holds from its cache; the data shard of a
-        # device a process adds up across processes in another order (float32 rounding)
+        # each process places the rows its device holds from its cache; the two processes'
+        # shards add up across processes in another order (float32 rounding)
         ({"mesh.stage": 1, "mesh.data": 2, "train.microbatches": 1}, 1, 1e-6),
     ],
     ids=["stage-per-process", "one-program"],
