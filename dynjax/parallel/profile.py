@@ -172,34 +172,39 @@ def unit_seconds(
     whose signature a Plan change left as it was is not run again, so the profile after a swap
     costs what the swap changed (a record's change re-times the layers holding it only; a move, the
     layers moved): DynMo rebalances every iteration because that costs little (seed 000
-    §3.3.1). Returns the units' times and their times by signature (the next ``known``).
+    §3.3.1). One known unit, the longest, runs again (the anchor), and every known time is
+    scaled by how much it changed: times measured minutes apart on a shared machine drift
+    (one layer's unit measured 27 and 18 ms at the start of two identical runs on a pinned
+    2-core VM), and the balancer compares new units with kept ones and one process's with
+    another's. Returns the units' times and their times by signature (the next ``known``).
     """
+    local = _local_units(spec, parts, stages)
     by_signature: dict[tuple, tuple[float, float]] = {}
+
+    def timed(one: StageSpec) -> tuple[float, float]:
+        unit_params = select(params[one.index], one.units(parts.learned_positions))
+        return _time_unit(one, unit_params, get, shapes, repeats)
+
+    kept: dict[tuple, StageSpec] = {}  # each known signature's first unit (its program's)
+    for _, one, signature in local:
+        if signature in known:
+            kept.setdefault(signature, one)
+    drift = 1.0
+    if kept:
+        anchor = max(kept, key=lambda signature: sum(known[signature]))
+        by_signature[anchor] = timed(kept[anchor])
+        then = sum(known[anchor])
+        drift = sum(by_signature[anchor]) / then if then > 0 else 1.0
     out = {}
-    for unit, one, signature in _local_units(spec, parts, stages):
+    for unit, one, signature in local:
         if signature not in by_signature:
             if signature in known:
-                by_signature[signature] = known[signature]
+                f, b = known[signature]
+                by_signature[signature] = (f * drift, b * drift)
             else:
-                unit_params = select(params[one.index], one.units(parts.learned_positions))
-                by_signature[signature] = _time_unit(one, unit_params, get, shapes, repeats)
+                by_signature[signature] = timed(one)
         out[unit] = by_signature[signature]
     return out, by_signature
-
-
-def known_unit_seconds(
-    spec: PipelineSpec,
-    parts: ModelParts,
-    *,
-    stages: Collection[int],
-    known: Mapping[tuple, tuple[float, float]],
-) -> dict[Unit, tuple[float, float]] | None:
-    """The times of the units of ``stages`` from ``known`` (`unit_seconds`), or None where one
-    of them has a signature not measured yet (it must run alone)."""
-    local = _local_units(spec, parts, stages)
-    if any(signature not in known for *_, signature in local):
-        return None
-    return {unit: known[signature] for unit, _, signature in local}
 
 
 def _local_units(

@@ -1,7 +1,8 @@
 """Profiled pipeline steps: a timed step, then each unit's time and each stage's memory.
 
 Seed 000 §3.1: the step after a change is profiled. On a layout not profiled yet, the units a
-Plan change made new run alone (`unit_seconds`); the others keep their times. A later profile
+Plan change made new run alone (`unit_seconds`); the others keep their times, corrected for the
+machine's drift by one of them run again. A later profile
 of the layout rescales the measured times by its own step's timeline (`rescaled_units`) and
 costs the training loop no wait: its `Profile` is built when asked for (seed 000 §3.3.1).
 """
@@ -21,7 +22,6 @@ from dynjax.parallel.profile import (
     ProfilePart,
     UnitSeconds,
     busy_seconds,
-    known_unit_seconds,
     merged,
     program_temp_bytes,
     rescaled_units,
@@ -81,15 +81,15 @@ class Profiler:
         """A timed step, then each unit's forward and backward time and each stage's memory
         (seed 000 §3.1: the step after a change is profiled).
 
-        On a layout not profiled yet (the first profile after a swap), units whose timing
-        signature no earlier measurement holds (a Plan change made them new: `unit_seconds`)
-        then run alone, the step waited for; the others keep their times (with none new, this
-        returns at once). A later profile of the layout rescales its units' times by its own
-        step's timeline (`rescaled_units`) and returns as soon as the step is dispatched: the
-        `Profile` is built when asked for, once the watchers are done, so a periodic profile
-        costs the training loop no wait (seed 000 §3.3.1). Memory is computed once per
-        executable. The one-unit programs come with ``exe`` (lowered with ``profiling``):
-        nothing compiles here, on the training thread.
+        On a layout not profiled yet (the first profile after a swap), units whose timing signature
+        no earlier measurement holds (a Plan change made them new: `unit_seconds`) then run alone,
+        the step waited for; the others keep their times, scaled by how much one of them, run again,
+        changed (`unit_seconds`' anchor). A later profile of the layout rescales its units' times by
+        its own step's timeline (`rescaled_units`) and returns as soon as the step is dispatched:
+        the `Profile` is built when asked for, once the watchers are done, so a periodic profile
+        costs the training loop no wait (seed 000 §3.3.1). Memory is computed once per executable.
+        The one-unit programs come with ``exe`` (lowered with ``profiling``): nothing compiles here,
+        on the training thread.
 
         Each process measures its own stages; over several processes (``profiles``) every process
         must profile the same steps and ask for their `Profile`s in the same order: each then
@@ -104,26 +104,9 @@ class Profiler:
             self.stages.require_every_stage("profiling without the other processes (profiles)")
         memory = self._memory(exe)
         measured = self._measured_units
-        if measured is not None and measured[0] == exe.spec:
-            metrics, pending = self.timed.start(exe, inputs, targets, batch_in, rows)
-            return metrics, self._rescaled(exe, pending, memory)
-        parts = self.stages.programs.setup.parts
-        stages = set(self.stages.state)  # this process's
-        known = known_unit_seconds(exe.spec, parts, stages=stages, known=self._unit_times)
         metrics, pending = self.timed.start(exe, inputs, targets, batch_in, rows)
-        if known is not None:
-            # Nothing new to time: the units keep their times as measured alone. Not rescaled
-            # from this step, the first of the layout's programs (a first run may load them).
-            self._measured_units = (exe.spec, known, units_busy_seconds(known, exe.spec))
-
-            def kept() -> Profile:
-                part = ProfilePart(
-                    known, memory, pending.result(), units_measured=True,
-                    timeline_measured=_all_watched(pending),
-                )
-                return self._gathered(part, _layout(exe), 0.0)
-
-            return metrics, PendingProfile(kept)
+        if measured is not None and measured[0] == exe.spec:
+            return metrics, self._rescaled(exe, pending, memory)
         return metrics, self._measured(exe, pending, memory, repeats)
 
     def _rescaled(

@@ -551,11 +551,12 @@ def test_a_periodic_profile_rescales_the_measured_units_by_its_own_timeline(prog
     np.testing.assert_allclose(light.units.head, np.array(full.units.head) * factors[-1])
 
 
-def test_after_a_plan_change_only_the_units_it_changed_run_alone(programs):
+def test_after_a_plan_change_only_the_units_it_changed_and_one_anchor_run_alone(programs):
     # A unit keeps its measurement while its timing signature stays: a capacity change re-times
     # the MoE layer alone, a move the layer moved alone, and a new layout whose units are all
-    # known keeps their times (not rescaled from its first step); a later profile of a layout
-    # rescales them from its step's timeline.
+    # known re-times none of them; each also re-runs one known unit, the longest (the anchor),
+    # and scales every kept time by its change (the machine's drift). A later profile of a
+    # layout rescales them from its step's timeline.
     programs, template = programs
 
     def lowered(assignment, capacities, schedule="1f1b"):
@@ -568,6 +569,24 @@ def test_after_a_plan_change_only_the_units_it_changed_run_alone(programs):
         return dataclasses.replace(
             exe, profiling={key: counted(key, p) for key, p in exe.profiling.items()}
         )
+
+    def anchor(units):  # the layers of the longest unit (() for the embedding or the head)
+        unit = max(units, key=lambda u: sum(units[u]))
+        return () if unit[0] != "layers" else (unit[1],)
+
+    def kept_with_drift(now, before, changed):
+        # every unit but ``changed``: its earlier time x one factor, the anchor's change (the
+        # anchor, and units sharing its program, as re-timed: the same total, a new split)
+        a = max((u for u in before if u not in changed), key=lambda u: sum(before[u]))
+        drift = sum(now[a]) / sum(before[a])
+        for u in before:
+            if u in changed:
+                continue
+            if before[u] == before[a]:
+                np.testing.assert_allclose(sum(now[u]), sum(before[u]) * drift, rtol=1e-9)
+            else:
+                np.testing.assert_allclose(now[u], np.array(before[u]) * drift, rtol=1e-9)
+        assert drift != 1.0  # the anchor ran again (a new timing, not a kept one)
 
     ran = []
     first = lowered(ASSIGNMENT, CAPS)
@@ -582,15 +601,18 @@ def test_after_a_plan_change_only_the_units_it_changed_run_alone(programs):
         pipeline.migrate(exe)
         return pipeline.profile_step(exe, **next(steps), repeats=1)[1]
 
+    before = full.units.by_unit()
+    kept = {u: t for u, t in before.items() if u != ("layers", 2)}
     resized = profiled(lowered(ASSIGNMENT, ((3, 5, 3, 4),)))
-    assert resized.units_measured and set(ran) == {(2,)}
-    before, now = full.units.by_unit(), resized.units.by_unit()
-    assert {u for u in before if now[u] != before[u]} == {("layers", 2)}
+    assert resized.units_measured and set(ran) == {(2,), anchor(kept)}
+    now = resized.units.by_unit()
+    kept_with_drift(now, before, {("layers", 2)})
     moved = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),)))  # layer 2 to stage 2
-    assert moved.units_measured and set(ran) == {(2,)}
-    assert {u for u in now if moved.units.by_unit()[u] != now[u]} <= {("layers", 2)}
-    kept = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),), "gpipe"))  # new spec, no new unit
-    assert kept.units_measured and not ran and kept.units == moved.units
+    assert moved.units_measured and set(ran) == {(2,), anchor({**now, ("layers", 2): (0, 0)})}
+    kept_with_drift(moved.units.by_unit(), now, {("layers", 2)})
+    same = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),), "gpipe"))  # new spec, no new unit
+    assert same.units_measured and set(ran) == {anchor(moved.units.by_unit())}
+    kept_with_drift(same.units.by_unit(), moved.units.by_unit(), set())
     again = profiled(lowered((1, 1, 2, 1), ((3, 5, 3, 4),), "gpipe"))  # the same layout again
     assert not again.units_measured and not ran
 
