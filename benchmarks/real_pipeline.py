@@ -104,6 +104,10 @@ COMMON = {
     "train.checkpoint_every": 100_000,
     "pipeline.profile_on_change": True,
     "balance.enabled": False,
+    # Each Plan swapped in at the step after its decision's metrics, whatever the compile's
+    # timing: both layouts go through the same dynamism at the same steps (an early-exit
+    # bucket decided from a different window would change what the layouts compute).
+    "recompile.blocking": True,
     # The end-of-run checkpoint saved in the foreground, as for the recorded results: a
     # background save of two processes sometimes never finished then (Orbax's directory
     # signals, shared by the processes; `dynjax.checkpoint.manager` no longer uses them).
@@ -155,9 +159,13 @@ CASE_STEPS = {"early_exit": 140, "sparse_attention": 32}
 DENSE = ("configs/quickstart.py", {})
 
 
-def overrides(case: str, steps: int, layers: int | None, layout: str) -> tuple[str, dict]:
+def overrides(
+    case: str, steps: int, layers: int | None, layout: str, extra: dict | None = None
+) -> tuple[str, dict]:
+    """The case's config file and every override of its runs (``extra``: ``--set``'s, last)."""
     config, own = (DENSE if case == "dense" else CASES[case])
-    values = {**COMMON, **own, "train.steps": steps, "pipeline.stage_layers": layout}
+    values = {**COMMON, **own, **(extra or {}), "train.steps": steps,
+              "pipeline.stage_layers": layout}
     if layers is not None:
         values["model.num_layers"] = layers
     return config, values
@@ -267,8 +275,10 @@ def task_overhead(fwd, bwd, layout, microbatches: int, schedule: str, measured: 
     return (low + high) / 2
 
 
-def measure_case(case: str, steps: int, rounds: int, layers: int | None, out: Path) -> dict:
-    config, values = overrides(case, steps, layers, "")
+def measure_case(
+    case: str, steps: int, rounds: int, layers: int | None, out: Path, extra: dict | None = None
+) -> dict:
+    config, values = overrides(case, steps, layers, "", extra)
     num_layers = values["model.num_layers"]
     static = tuple(int(n) for n in uniform(num_layers, STAGES))
     balanced: tuple[int, ...] | None = None
@@ -279,7 +289,7 @@ def measure_case(case: str, steps: int, rounds: int, layers: int | None, out: Pa
             layout = static if name == "static" else balanced
             assert layout is not None
             workdir = out / f"{case}-{name}-{r}"
-            _, values = overrides(case, steps, layers, ",".join(map(str, layout)))
+            _, values = overrides(case, steps, layers, ",".join(map(str, layout)), extra)
             run(train_command(config, values, workdir, pin=True))
             row[name] = steady_tokens_per_sec(workdir)
             if balanced is None:  # the first static run's settled profile decides the layout
@@ -305,6 +315,7 @@ def measure_case(case: str, steps: int, rounds: int, layers: int | None, out: Pa
     return {
         "case": case,
         "layers": num_layers,
+        "overrides": dict(extra or {}),
         "static_layout": list(static),
         "balanced_layout": list(balanced),
         "rounds": rows,
@@ -322,6 +333,25 @@ def measure_case(case: str, steps: int, rounds: int, layers: int | None, out: Pa
         "calibrated_speedup": calibrated_static / calibrated_balanced,
         "load": os.getloadavg()[0],
     }
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items as overrides, numbers as numbers (the simulator reads
+    ``train.microbatches``, the tokens per step ``train.batch_size`` and ``data.seq_len``)."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. train.microbatches=8")
+        for kind in (int, float):
+            try:
+                values[key] = kind(text)
+                break
+            except ValueError:
+                continue
+        else:
+            values[key] = text
+    return values
 
 
 def tokens_per_step(config: str, values: dict) -> int:
@@ -501,11 +531,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense", action="store_true",
                         help="with --trace: the case's scheme off (the dense baseline)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --case: a config override for both layouts' runs "
+                        "(repeatable), e.g. train.microbatches=8")
     parser.add_argument("--run", action="append", choices=list(SCHEDULE_RUNS), default=None,
                         help="with --schedules: one of them (repeatable; default all; 1f1b, "
                         "the baseline, always)")
     args = parser.parse_args(argv)
     runs = args.run or list(SCHEDULE_RUNS)
+    try:
+        extra = parse_sets(args.set)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if extra and args.case is None:
+        print("error: --set goes with --case", file=sys.stderr)
+        return 2
     if len(os.sched_getaffinity(0)) < STAGES:
         print(f"error: the benchmark pins {STAGES} processes to a core each; this process may "
               f"use {len(os.sched_getaffinity(0))} core(s)", file=sys.stderr)
@@ -534,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
             elif args.schedules:
                 result = schedule_comparison(args.steps, args.rounds, args.layers, out, runs)
             else:
-                result = measure_case(args.case, args.steps, args.rounds, args.layers, out)
+                result = measure_case(args.case, args.steps, args.rounds, args.layers, out,
+                                      extra)
         except RuntimeError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1

@@ -37,6 +37,20 @@ PROFILE = {"event": "profile", "step": 6, "layer_forward_seconds": [1.0, 1.0, 1.
            "head_seconds": [3.0, 6.0]}
 
 
+def test_set_overrides_keep_numbers_as_numbers_and_come_after_the_case_settings():
+    sets = bench.parse_sets(["train.microbatches=8", "optim.lr=3e-4", "model.kind=llama"])
+    assert sets == {"train.microbatches": 8, "optim.lr": 3e-4, "model.kind": "llama"}
+    _, values = bench.overrides("freezing", 10, None, "", sets)
+    assert values["train.microbatches"] == 8  # COMMON says 4
+    assert values["train.steps"] == 10 and values["pipeline.stage_layers"] == ""
+
+
+@pytest.mark.parametrize("item", ["train.microbatches", "=8"])
+def test_a_set_without_key_and_value_is_refused(item):
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        bench.parse_sets([item])
+
+
 def test_the_steady_window_starts_after_the_last_swap_and_profile(tmp_path):
     events = [{"event": "freeze", "step": 3}, {"event": "recompile", "step": 3, "swap_step": 5},
               PROFILE]
@@ -118,7 +132,7 @@ def test_the_schedules_run_on_two_pinned_processes(tmp_path):
 def test_one_case_runs_on_two_pinned_processes(tmp_path):
     out = tmp_path / "mod.json"
     cmd = [sys.executable, "benchmarks/real_pipeline.py", "--case", "mod", "--layers", "4",
-           "--steps", "8", "--rounds", "1", "--json", str(out)]
+           "--steps", "8", "--rounds", "1", "--set", "train.microbatches=2", "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -126,4 +140,5 @@ def test_one_case_runs_on_two_pinned_processes(tmp_path):
     for key in KEYS:
         assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0
     assert result["static_layout"] == [2, 2] and sum(result["balanced_layout"]) == 4
+    assert result["overrides"] == {"train.microbatches": 2}
     assert "measured speedup" in done.stdout and "predicted" in done.stdout
