@@ -104,10 +104,6 @@ COMMON = {
     "train.checkpoint_every": 100_000,
     "pipeline.profile_on_change": True,
     "balance.enabled": False,
-    # Each Plan swapped in at the step after its decision's metrics, whatever the compile's
-    # timing: both layouts go through the same dynamism at the same steps (an early-exit
-    # bucket decided from a different window would change what the layouts compute).
-    "recompile.blocking": True,
     # The end-of-run checkpoint saved in the foreground, as for the recorded results: a
     # background save of two processes sometimes never finished then (Orbax's directory
     # signals, shared by the processes; `dynjax.checkpoint.manager` no longer uses them).
