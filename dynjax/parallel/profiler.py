@@ -1,10 +1,10 @@
 """Profiled pipeline steps: a timed step, then each unit's time and each stage's memory.
 
-Seed 000 §3.1: the step after a change is profiled. On a layout not profiled yet, the units a
-Plan change made new run alone (`unit_seconds`); the others keep their times, corrected for the
-machine's drift by one of them run again. A later profile
-of the layout rescales the measured times by its own step's timeline (`rescaled_units`) and
-costs the training loop no wait: its `Profile` is built when asked for (seed 000 §3.3.1).
+Seed 000 §3.1: the step after a change is profiled. On a layout not profiled yet, the units a Plan
+change made new run alone (`unit_seconds`); the others keep their times, corrected for the
+machine's drift by one of them run again. A later profile of the layout rescales the measured times
+by its own step's timeline (`rescaled_units`) and costs the training loop no wait: its `Profile` is
+built when asked for (seed 000 §3.3.1).
 """
 
 from __future__ import annotations
