@@ -701,7 +701,7 @@ class _Loop:
                 m = {**m, **profile.metrics()}
             m = self.runtime.host_metrics(s, m)
             self.checkpoints.counted(s + 1, m)
-            self.logger.observe(s, m, self.controller, self.bar)
+            self.logger.observe(s, m, self.controller, self.bar, self.monitor.completed_at(s))
 
     def require_finite(self, step: int, metrics: dict[str, Any]) -> None:
         """Raise `NonFiniteError` naming the step, what diverged and the newest checkpoint: at
@@ -760,6 +760,7 @@ class _Loop:
         self.preempted_by = signal
 
     def close(self) -> None:
+        self.monitor.close()
         self.batches.close()
         self.bar.close()
         self.controller.stop()
@@ -844,7 +845,9 @@ class _Logger:
     ) -> None:
         self.in_flight[step] = (sample_ids, plan, measured)
 
-    def observe(self, step, metrics, controller, bar) -> None:
+    def observe(self, step, metrics, controller, bar, completed: float) -> None:
+        """One step's host metrics; ``completed``: when the step finished (`Monitor.completed_at`),
+        which times its tokens/s."""
         ids, plan, measured = self.in_flight.pop(step)
         metrics.update(measured)
         for plugin in self.exp.plugins:  # e.g. a routing cache's update, before the policies
@@ -852,7 +855,7 @@ class _Logger:
         controller.observe(step, metrics)
         self.last_loss = float(metrics["loss"])
         done = step + 1
-        now = time.perf_counter()
+        now = completed
         if self._mark is None:  # the first step also paid for dispatch warm-up: start timing here
             self._mark = (done, now)
         # A plugin's measurement between steps is logged with the step it preceded.

@@ -78,3 +78,29 @@ def test_popping_old_steps_does_not_wait_for_the_newest():
     assert not newest.is_ready(), "pop_ready waited for the newest step"
     assert elapsed < 0.05
     assert [s for s, _ in monitor.drain()] == [1, 2]
+
+
+def test_completion_times_are_the_steps_own_not_the_hosts_reads():
+    # Two slow steps, the second on the first's output, read together long after both ended
+    # (as at a checkpoint or the end of a run): their completion times are as far apart as the
+    # second step took, and both come before the read.
+    x = jnp.eye(512) * 0.5
+    _slow_step(x).block_until_ready()  # compile outside the measurement
+    monitor = Monitor(delta=2)
+    t0 = time.perf_counter()
+    first = _slow_step(x)
+    monitor.push(0, {"loss": first[0, 0]})
+    second = _slow_step(first)
+    monitor.push(1, {"loss": second[0, 0]})
+    second.block_until_ready()
+    alone = time.perf_counter()
+    _slow_step(first).block_until_ready()
+    one_step = time.perf_counter() - alone
+    time.sleep(0.2)
+    read = time.perf_counter()
+    assert [s for s, _ in monitor.drain()] == [0, 1]
+    done = [monitor.completed_at(0), monitor.completed_at(1)]
+    assert t0 < done[0] < done[1] < read
+    assert done[1] - done[0] > 0.3 * one_step  # the reads were microseconds apart
+    monitor.close()
+    assert not monitor._watcher.is_alive()
