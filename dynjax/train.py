@@ -855,9 +855,8 @@ class _Logger:
         controller.observe(step, metrics)
         self.last_loss = float(metrics["loss"])
         done = step + 1
-        now = completed
         if self._mark is None:  # the first step also paid for dispatch warm-up: start timing here
-            self._mark = (done, now)
+            self._mark = (done, completed)
         # A plugin's measurement between steps is logged with the step it preceded.
         logged = not done % self.every or done == self.steps or bool(measured)
         if self.costs is not None and (logged or "profile/layer_forward_seconds" in metrics):
@@ -871,7 +870,7 @@ class _Logger:
                 value = np.asarray(metrics[name], np.float64)  # NaN (not measured): null
                 record[name] = np.where(np.isfinite(value), value, None).tolist()
         if done > self._mark[0]:
-            rate = (done - self._mark[0]) * self.tokens_per_step / (now - self._mark[1])
+            rate = (done - self._mark[0]) * self.tokens_per_step / (completed - self._mark[1])
             record["tokens_per_sec"] = rate
             self.rates.append(rate)
             per_device = rate / self.devices
@@ -879,7 +878,7 @@ class _Logger:
             if self.peak:
                 record["mfu"] = mfu(per_device, self.flops_per_token, self.peak)
                 self.mfus.append(record["mfu"])
-            self._mark = (done, now)
+            self._mark = (done, completed)
         for plugin in self.exp.plugins:  # fields of their own
             record.update(plugin.record_fields(metrics, plan))
         self.writer.write(done, record)
