@@ -514,14 +514,14 @@ def record(workdir: Path, out: Path, case: str, devices: str, command: str = "",
     import ml_collections
 
     from dynjax.config import default_config, gpt_config
-    from dynjax.model import fresh_params
+    from dynjax.model import abstract_params
 
     # Keys added since the run count with their defaults (what that run did), as on resume.
     saved = json.loads((workdir / "config.json").read_text())
     cfg = default_config()
     cfg.update(ml_collections.ConfigDict(saved))
     num_layers = cfg.model.num_layers
-    shapes = jax.eval_shape(lambda: fresh_params(gpt_config(cfg), 0))
+    shapes = abstract_params(gpt_config(cfg))
     # FSDP (absent from runs before it: replicated) splits an array over the data devices when
     # one of its axes divides (`dynjax.parallel.mesh.param_shardings`); bytes are per device.
     data = cfg.mesh.data if saved.get("parallel", {}).get("fsdp", False) else 1

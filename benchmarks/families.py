@@ -30,7 +30,7 @@ from step_throughput import dynjax_loop
 from dynjax.config import gpt_config, load_config
 from dynjax.experiment import Experiment
 from dynjax.flops import config_flops_per_token
-from dynjax.model.gpt import fresh_params
+from dynjax.model.gpt import abstract_params
 
 DENSE = ("moe.every=0", "moe.shared_expert_dim=0")  # llama_tiny.py without its MoE layers
 SHAPE = ("model.d_model", "model.num_layers", "model.num_heads", "data.seq_len",
@@ -40,7 +40,7 @@ SHAPE = ("model.d_model", "model.num_layers", "model.num_heads", "data.seq_len",
 def param_count(cfg: ml_collections.ConfigDict) -> int:
     """The model's parameters, counted from their shapes (nothing is initialised)."""
     model = gpt_config(cfg)
-    shapes = jax.eval_shape(lambda: fresh_params(model, 0))
+    shapes = abstract_params(model)
     return sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
 
 

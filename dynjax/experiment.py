@@ -36,7 +36,7 @@ from dynjax.dynamism import BUILTIN, Plugin, RunLink, Schemes, plan_context
 from dynjax.dynamism.specs import ProgramSpecs
 from dynjax.errors import ConfigError
 from dynjax.launch.distributed import Peers as ProcessPeers
-from dynjax.model import GPT, GPTConfig, ModelParts, fresh_params
+from dynjax.model import GPTConfig, ModelParts, abstract_gpt, abstract_params, fresh_params
 from dynjax.model.facts import ModelFacts
 from dynjax.model.hooks import LayerOptions
 from dynjax.optim import learning_rate_schedule, make_optimizer
@@ -145,7 +145,7 @@ class Experiment:
             run.model.vocab_size,
             run.data.path,
         )
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
+        graphdef = nnx.graphdef(abstract_gpt(model_cfg))
         t = run.train
         ctx = plan_context(facts)
         order = TrainOrder(windows, t.batch_size, run.seed)
@@ -208,7 +208,7 @@ class Experiment:
     @functools.cached_property
     def abstract_params(self) -> dict[str, Any]:
         """Shapes and dtypes of the parameters, without shardings."""
-        return jax.eval_shape(lambda: fresh_params(self.model_cfg, 0))
+        return abstract_params(self.model_cfg)
 
     @functools.cached_property
     def abstract_state(self) -> dict[str, Any]:

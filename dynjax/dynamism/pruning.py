@@ -40,7 +40,7 @@ import optax
 from dynjax.dynamism import pruning_math as pm
 from dynjax.dynamism.base import Plugin
 from dynjax.errors import ConfigError, at_least
-from dynjax.model import GPTConfig, fresh_params
+from dynjax.model import GPTConfig, abstract_params
 from dynjax.model.facts import ModelFacts
 from dynjax.model.gpt import init_std
 from dynjax.model.hooks import HookSet
@@ -396,7 +396,7 @@ class PruningPlugin(Plugin):
     @functools.cached_property
     def abstract_params(self) -> dict[str, Any]:
         """Shapes and dtypes of the model's parameters."""
-        return jax.eval_shape(lambda: fresh_params(self.facts.model, 0))
+        return abstract_params(self.facts.model)
 
     def layer_options(self, plan: Plan) -> Sequence[Any] | None:
         return self.records(plan)
@@ -623,7 +623,7 @@ def block_mask(mask: jax.Array, block_size: int) -> jax.Array:
 
 def prunable_shapes(include: str, model: GPTConfig) -> dict[str, tuple[int, ...]]:
     """The shapes of the parameters ``include`` (`pruning.include`) selects of ``model``."""
-    params = jax.eval_shape(lambda: fresh_params(model, 0))
+    params = abstract_params(model)
     return {n: tuple(w.shape) for n, w in pm.prunable_leaves(params, include).items()}
 
 

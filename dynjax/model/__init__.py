@@ -1,6 +1,15 @@
 """Flax NNX model blocks: attention, MLP, MoE and the GPT that lists them."""
 
-from dynjax.model.gpt import GPT, Block, GPTConfig, ModelParts, fresh_params, lm_loss
+from dynjax.model.gpt import (
+    GPT,
+    Block,
+    GPTConfig,
+    ModelParts,
+    abstract_gpt,
+    abstract_params,
+    fresh_params,
+    lm_loss,
+)
 from dynjax.model.moe import (
     ExpertParallel,
     MoE,
@@ -16,6 +25,8 @@ __all__ = [
     "Block",
     "GPTConfig",
     "ModelParts",
+    "abstract_gpt",
+    "abstract_params",
     "fresh_params",
     "lm_loss",
     "ExpertParallel",

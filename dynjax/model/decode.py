@@ -51,7 +51,7 @@ from flax import nnx
 from dynjax.errors import ConfigError
 from dynjax.model import early_exit, mod
 from dynjax.model.early_exit import ExitLayer, confidence
-from dynjax.model.gpt import GPT, Block, GPTConfig
+from dynjax.model.gpt import GPT, Block, GPTConfig, abstract_gpt
 from dynjax.model.hashed_attention import HashedAttention, hashed_record
 from dynjax.model.hooks import LayerOptions
 from dynjax.model.mod import RoutedBlock
@@ -238,7 +238,7 @@ class Decoder:
     ) -> None:
         self.cfg = cfg
         self.spec = DecodeSpec.of(cfg, options, exits=exits)
-        self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+        self.graphdef = nnx.graphdef(abstract_gpt(cfg))
         self._routed = dict(self.spec.routed)
         self._programs: dict[tuple[int, int, int], Any] = {}
 
