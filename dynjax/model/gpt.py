@@ -10,6 +10,7 @@ Compile time still need not grow with depth: with ``GPTConfig.scan_layers`` the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Hashable, Mapping, Sequence
@@ -476,19 +477,24 @@ class GPT(nnx.Module):
 
 
 def abstract_gpt(cfg: GPTConfig) -> GPT:
-    """``GPT(cfg)`` with shape-and-dtype leaves, no values: its graph and parameter layout.
+    """``GPT(cfg)`` with shape-and-dtype leaves, no values: its graph and parameter layout (a
+    new module each call, from one build per config: a run's start asks for it several times)."""
+    return nnx.merge(*_abstract_split(cfg))
 
-    Each block is traced on its own rather than the whole model under one ``nnx.eval_shape``:
-    every random draw writes the key counter through flax's ``Variable.set_value``, which reads
-    ``sharding`` off the traced counter, and jax answers that with an error message built by
-    walking the whole trace so far, so one trace of the model costs O(layers²) (48 quickstart
-    layers: 10.6 s a build, against 2.3 s here; a run's start builds it several times)."""
+
+@functools.cache
+def _abstract_split(cfg: GPTConfig) -> tuple[Any, Any]:
+    """(graphdef, abstract state) of ``GPT(cfg)``, each block traced on its own rather than the
+    whole model under one ``nnx.eval_shape``: every random draw writes the key counter through
+    flax's ``Variable.set_value``, which reads ``sharding`` off the traced counter, and jax
+    answers that with an error message built by walking the whole trace so far, so one trace
+    of the model costs O(layers²) (48 quickstart layers: 10.6 s a build, against 2.3 s here)."""
     shell = nnx.eval_shape(lambda: GPT(dataclasses.replace(cfg, num_layers=0), rngs=nnx.Rngs(0)))
     shell.cfg = cfg
     shell.layers = nnx.List(
         [nnx.eval_shape(lambda i=i: Block(cfg, i, rngs=nnx.Rngs(0))) for i in range(cfg.num_layers)]
     )
-    return shell
+    return nnx.split(shell)
 
 
 def abstract_params(cfg: GPTConfig) -> dict[str, Any]:
