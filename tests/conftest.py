@@ -8,6 +8,7 @@ name no package). Helpers that test modules share are in ``helpers.py``, the tin
 """
 
 import os
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests' models are tiny: compiling is most of their time, and running them takes little of
@@ -26,6 +27,35 @@ for _flag, _value in _TEST_XLA_FLAGS.items():
 import pytest  # noqa: E402
 
 from .tiny import tiny_config  # noqa: E402
+
+# CI's time budget (.ci/run): a test that would start after this wall-clock time (seconds since
+# the epoch) is skipped, and says so in the summary, so that a slow day ends the stage with its
+# results and the names of the tests it did not reach rather than a CI killed mid-run. Unset, as
+# on a developer's machine, every test runs.
+DEADLINE_VARIABLE = "DYNJAX_TEST_DEADLINE"
+DEADLINE_REASON = "CI's time budget is spent ({variable}): {test} not run this time"
+
+
+def deadline_passed(value: str | None, now: float) -> bool:
+    """Whether `value` (the variable's text, or None when unset) names a time before `now`."""
+    if not value:
+        return False
+    try:
+        return now > float(value)
+    except ValueError:
+        raise pytest.UsageError(
+            f"error: {DEADLINE_VARIABLE}={value!r} is not a time in seconds since the epoch; "
+            f"unset it to run every test"
+        ) from None
+
+
+def pytest_configure(config):
+    deadline_passed(os.environ.get(DEADLINE_VARIABLE), time.time())  # a bad value fails at once
+
+
+def pytest_runtest_setup(item):
+    if deadline_passed(os.environ.get(DEADLINE_VARIABLE), time.time()):
+        pytest.skip(DEADLINE_REASON.format(variable=DEADLINE_VARIABLE, test=item.nodeid))
 
 
 @pytest.fixture
