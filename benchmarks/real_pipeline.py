@@ -19,6 +19,12 @@ trains it, in interleaved rounds (the machine is shared, so both layouts see the
   migration into the measured window; their cost is what ``benchmarks/balance_overhead.py``
   measures. Both runs go through the same dynamism (pruning events, freezes, bucket shrinks);
   only the layout differs.
+* with ``--refine N``, round 0 goes on: up to N more runs, each of the layout `partition` picks
+  from the previous balanced run's own settled profile, until one keeps its layout; the
+  in-loop balancer decides again every ``balance.every`` steps from fresh layer times the same
+  way. Later rounds and the figures take the last layout; the earlier ones are listed with
+  their tokens/s, since a later profile can misjudge too (docs/benchmarks.md "Stages on cores
+  of their own").
 
 Throughput is the median tokens/s of the steps after the run's last Plan swap and last profile
 (`steady_tokens_per_sec`), so compiles, swaps and profiled steps are left out. Printed per case:
@@ -271,28 +277,51 @@ def task_overhead(fwd, bwd, layout, microbatches: int, schedule: str, measured: 
     return (low + high) / 2
 
 
+def repartition(workdir: Path, layout: tuple[int, ...]) -> tuple[int, ...]:
+    """The layout `partition` picks from the newest profile of a run of ``layout``, the
+    smallest move among the optimal ones: what the in-loop balancer decides at its next period
+    (`balance.every`) from the run's own fresh layer times, as DynMo re-balances on each
+    period's profile (seed 000 §3.3)."""
+    fwd, bwd = layer_times(workdir)
+    return tuple(int(n) for n in partition(fwd + bwd, STAGES, current=layout))
+
+
 def measure_case(
-    case: str, steps: int, rounds: int, layers: int | None, out: Path, extra: dict | None = None
+    case: str, steps: int, rounds: int, layers: int | None, out: Path,
+    extra: dict | None = None, refine: int = 0,
 ) -> dict:
+    """Static against balanced in interleaved rounds. ``refine``: after round 0's balanced run,
+    up to that many further runs, each of the layout `repartition` picks from the previous
+    balanced run's profile (stopping when it keeps the layout); later rounds and the figures
+    take the last layout, the others are listed under ``refinements``."""
     config, values = overrides(case, steps, layers, "", extra)
     num_layers = values["model.num_layers"]
     static = tuple(int(n) for n in uniform(num_layers, STAGES))
     balanced: tuple[int, ...] | None = None
     rows: list[dict[str, float]] = []
+    refinements: list[dict[str, Any]] = []
+
+    def measured(name: str, r: int, layout: tuple[int, ...]) -> tuple[Path, float]:
+        workdir = out / f"{case}-{name}-{r}"
+        _, values = overrides(case, steps, layers, ",".join(map(str, layout)), extra)
+        run(train_command(config, values, workdir, pin=True))
+        rate = steady_tokens_per_sec(workdir)
+        print(f"  round {r} {name:<9} {str(layout):<10} {rate:>10,.0f} tokens/s", flush=True)
+        return workdir, rate
+
     for r in range(rounds):
         row: dict[str, float] = {}
-        for name in ("static", "balanced"):
-            layout = static if name == "static" else balanced
-            assert layout is not None
-            workdir = out / f"{case}-{name}-{r}"
-            _, values = overrides(case, steps, layers, ",".join(map(str, layout)), extra)
-            run(train_command(config, values, workdir, pin=True))
-            row[name] = steady_tokens_per_sec(workdir)
-            if balanced is None:  # the first static run's settled profile decides the layout
-                fwd, bwd = layer_times(workdir)
-                balanced = tuple(int(n) for n in partition(fwd + bwd, STAGES, current=static))
-            print(f"  round {r} {name:<8} {str(layout):<10} {row[name]:>10,.0f} tokens/s",
-                  flush=True)
+        workdir, row["static"] = measured("static", r, static)
+        if balanced is None:  # the first static run's settled profile decides the layout
+            balanced = repartition(workdir, static)
+        workdir, row["balanced"] = measured("balanced", r, balanced)
+        for k in range(refine if r == 0 else 0):
+            refined = repartition(workdir, balanced)
+            if refined == balanced:
+                break
+            refinements.append({"layout": list(balanced), "tokens_per_sec": row["balanced"]})
+            balanced = refined
+            workdir, row["balanced"] = measured(f"refined{k + 1}", r, balanced)
         rows.append(row)
     assert balanced is not None
     fwd, bwd = layer_times(out / f"{case}-static-0")
@@ -306,6 +335,8 @@ def measure_case(
     # The simulator with each task's overhead calibrated on the static run predicts the
     # balanced run's step (a layout it never saw): the check of the simulator.
     o = task_overhead(fwd, bwd, static, micro, schedule, tokens / static_rate)
+    measured = statistics.median(r["balanced"] / r["static"] for r in rows)
+    bound = float(loads.max() / (loads.sum() / STAGES))
     calibrated_static = simulated_seconds(fwd, bwd, static, micro, schedule, o)
     calibrated_balanced = simulated_seconds(fwd, bwd, balanced, micro, schedule, o)
     return {
@@ -314,12 +345,14 @@ def measure_case(
         "overrides": dict(extra or {}),
         "static_layout": list(static),
         "balanced_layout": list(balanced),
+        "refinements": refinements,
         "rounds": rows,
         "static_tokens_per_sec": static_rate,
         "balanced_tokens_per_sec": balanced_rate,
-        "measured_speedup": statistics.median(r["balanced"] / r["static"] for r in rows),
+        "measured_speedup": measured,
         "predicted_speedup": sim_static / sim_balanced,
-        "bound_speedup": float(loads.max() / (loads.sum() / STAGES)),
+        "bound_speedup": bound,
+        "bound_gain_share": (measured - 1) / (bound - 1) if bound > 1 else None,  # no gain
         "predicted_static_step_seconds": sim_static,
         "predicted_balanced_step_seconds": sim_balanced,
         "measured_static_step_seconds": tokens / static_rate,
@@ -530,6 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="with --case: a config override for both layouts' runs "
                         "(repeatable), e.g. train.microbatches=8")
+    parser.add_argument("--refine", type=int, default=0, metavar="N",
+                        help="with --case: up to N more balanced runs, each re-partitioned "
+                        "from the previous one's own profile (the in-loop balancer's next "
+                        "decision)")
     parser.add_argument("--run", action="append", choices=list(SCHEDULE_RUNS), default=None,
                         help="with --schedules: one of them (repeatable; default all; 1f1b, "
                         "the baseline, always)")
@@ -542,6 +579,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if extra and args.case is None:
         print("error: --set goes with --case", file=sys.stderr)
+        return 2
+    if args.refine < 0 or (args.refine and args.case is None):
+        print("error: --refine takes a count >= 0 and goes with --case", file=sys.stderr)
         return 2
     if len(os.sched_getaffinity(0)) < STAGES:
         print(f"error: the benchmark pins {STAGES} processes to a core each; this process may "
@@ -572,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = schedule_comparison(args.steps, args.rounds, args.layers, out, runs)
             else:
                 result = measure_case(args.case, args.steps, args.rounds, args.layers, out,
-                                      extra)
+                                      extra, args.refine)
         except RuntimeError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
@@ -589,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result['one_core_step_seconds']:.4f} s/step: ratio {result['ratio']:.3f} "
                   f"(ideal {result['ideal_ratio']:.3f}, 1.0 = not parallel)")
         else:
+            share = ("-" if result["bound_gain_share"] is None
+                     else f"{result['bound_gain_share']:.0%}")
             error = (result["calibrated_balanced_step_seconds"]
                      / result["measured_balanced_step_seconds"] - 1)
             print(
@@ -604,7 +646,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result['predicted_balanced_step_seconds']:.4f}\n"
                 f"  with {result['task_overhead_seconds'] * 1e3:.2f} ms per task (calibrated on "
                 f"static): balanced simulated {result['calibrated_balanced_step_seconds']:.4f} "
-                f"s ({error:+.1%} of measured), speedup {result['calibrated_speedup']:.3f}x"
+                f"s ({error:+.1%} of measured), speedup {result['calibrated_speedup']:.3f}x\n"
+                f"  share of the bound's gain: {share}"
+                + "".join(f"\n  before refining: {r['layout']} {r['tokens_per_sec']:,.0f} "
+                          "tokens/s" for r in result["refinements"])
             )
         print(f"load average at end: {os.getloadavg()[0]:.2f}; "
               f"{time.perf_counter() - start:.0f} s")

@@ -142,3 +142,40 @@ def test_one_case_runs_on_two_pinned_processes(tmp_path):
     assert result["static_layout"] == [2, 2] and sum(result["balanced_layout"]) == 4
     assert result["overrides"] == {"train.microbatches": 2}
     assert "measured speedup" in done.stdout and "predicted" in done.stdout
+
+
+def test_refining_reruns_the_layout_each_balanced_runs_own_profile_picks(tmp_path, monkeypatch):
+    """Static (3, 3) profiles to (4, 2); the (4, 2) run's own profile moves one more layer,
+    (5, 1), whose run keeps it: three runs in round 0, and round 1 takes the last layout."""
+    profiles = {(3, 3): [1, 1, 1, 2, 2, 2], (4, 2): [1, 1, 1, 1, 1, 5], (5, 1): [1, 1, 1, 1, 1, 5]}
+    rates = {(3, 3): 100.0, (4, 2): 120.0, (5, 1): 150.0}
+    ran = []
+
+    def fake_run(command):
+        workdir = Path(command[command.index("--workdir") + 1])
+        layout = next(a for a in command if a.startswith("--config.pipeline.stage_layers="))
+        layout = tuple(int(n) for n in layout.split("=")[1].split(","))
+        ran.append((workdir.name, layout))
+        profile = {**PROFILE, "layer_forward_seconds": profiles[layout],
+                   "layer_backward_seconds": [0.0] * 6, "embed_seconds": [0.0, 0.0],
+                   "head_seconds": [0.0, 0.0]}
+        write(workdir, [profile], {s: rates[layout] for s in range(1, 13)})
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    result = bench.measure_case("freezing", 12, 2, 6, tmp_path, refine=3)
+    assert ran == [("freezing-static-0", (3, 3)), ("freezing-balanced-0", (4, 2)),
+                   ("freezing-refined1-0", (5, 1)), ("freezing-static-1", (3, 3)),
+                   ("freezing-balanced-1", (5, 1))]
+    assert result["balanced_layout"] == [5, 1]
+    assert result["refinements"] == [{"layout": [4, 2], "tokens_per_sec": 120.0}]
+    assert result["measured_speedup"] == pytest.approx(1.5)
+    # the bound is the static profile's: slowest stage 6 over 9 / 2
+    assert result["bound_speedup"] == pytest.approx(6 / 4.5)
+    assert result["bound_gain_share"] == pytest.approx(0.5 / (6 / 4.5 - 1))
+
+
+@pytest.mark.parametrize("argv", [["--parallel-check", "--refine", "1"],
+                                  ["--case", "freezing", "--refine", "-1"]])
+def test_refine_takes_a_count_and_goes_with_a_case(argv, capsys):
+    assert bench.main(argv) == 2
+    assert "error: --refine takes a count >= 0 and goes with --case" in capsys.readouterr().err
