@@ -142,6 +142,7 @@ def test_one_case_runs_on_two_pinned_processes(tmp_path):
     assert result["static_layout"] == [2, 2] and sum(result["balanced_layout"]) == 4
     assert result["overrides"] == {"train.microbatches": 2}
     assert "measured speedup" in done.stdout and "predicted" in done.stdout
+    assert "share of the bound's gain" in done.stdout and "refinements" in result
 
 
 def test_refining_reruns_the_layout_each_balanced_runs_own_profile_picks(tmp_path, monkeypatch):
