@@ -167,10 +167,10 @@ class StepRunner:
     def dispatch(self, run: Run, s: int, task: Any, action: str) -> tuple:
         """Dispatch one entry of the step's order (`dispatch`): a task's program (``"run"``)
         or this process's side of the transfer of what it produced (``"send"``); returns
-        what a run computed as far as it is on this process (what a timed step watches)."""
+        what a run computed as far as it is on this process, or what a transfer across
+        processes left on this process's devices (what a timed step watches)."""
         if action == "send":
-            self._send(run, s, task)
-            return ()
+            return self._send(run, s, task)
         spec = run.exe.spec
         stage, m, m_count = spec.stages[s], task.microbatch, spec.microbatches
         programs, local = run.exe.programs, self.transport.is_local(s)
@@ -228,12 +228,14 @@ class StepRunner:
         # Not the accumulators: the stage's next backward donates them.
         return present((out[1], out[3:]))
 
-    def _send(self, run: Run, s: int, task: Any) -> None:
+    def _send(self, run: Run, s: int, task: Any) -> tuple[jax.Array, ...]:
         """Move what ``task`` on stage ``s`` produced to the stage that consumes it: a copy
         made later with others (`Run.defer`) inside this process, a transfer both processes
-        take part in across two."""
+        take part in across two (returns its arrays on this process: `Transport.send`'s
+        ``held``)."""
         spec, m, m_count = run.exe.spec, task.microbatch, run.exe.spec.microbatches
         local = self.transport.is_local(s)
+        held: list[jax.Array] = []
         if task.kind == "F":
             after = self.shapes(spec.stages[s + 1])
             y, carry = run.outbox.pop(("F", s, m)) if local else (None, None)
@@ -249,15 +251,17 @@ class StepRunner:
                     [after.x.sharding, *(c.sharding for c in carry_like)],
                     lambda a: arrive(a[0], jax.tree.unflatten(carry_def, a[1:])),
                 )
-                return
-            moved = self.transport.send(y, s, s + 1, after.x)
-            moved_carry = self.transport.send_tree(carry, s, s + 1, after.ctx.get("carry", {}))
+                return ()
+            moved = self.transport.send(y, s, s + 1, after.x, held)
+            moved_carry = self.transport.send_tree(
+                carry, s, s + 1, after.ctx.get("carry", {}), held
+            )
             if moved is not None:
                 arrive(moved, moved_carry)
-            return
+            return tuple(held)
         stage = spec.stages[s]
         if not (stage.has_backward and stage.input_grads):
-            return
+            return ()
         like = self.shapes(spec.stages[s - 1]).y
         grad = run.outbox.pop(("B", s, m)) if local else None
         if local and self.transport.is_local(s - 1):
@@ -266,10 +270,11 @@ class StepRunner:
                 run.grad_in[dst][m] = moved[0]
 
             run.defer([grad], [like.sharding], land)
-            return
-        moved = self.transport.send(grad, s, s - 1, like)
+            return ()
+        moved = self.transport.send(grad, s, s - 1, like, held)
         if moved is not None:
             run.grad_in[s - 1][m] = moved
+        return tuple(held)
 
     def finish(self, run: Run) -> dict[str, Any]:
         """Global gradient norm and the update of every stage of this process."""

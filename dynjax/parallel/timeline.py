@@ -25,6 +25,7 @@ from dynjax.parallel.step_run import Run, StepRunner, present
 
 _MARK = jax.jit(lambda leaf: leaf.reshape(-1)[0] * 0)  # `TimedSteps._ready_marks`: one program
 _READY = "ready"  # `TimedSteps.start`'s watchers: not a task, the stage's state arriving
+_TRANSFER = "transfer"  # nor this: a transfer across processes holding the stage's device
 _BEGIN, _END = object(), object()  # a watcher's markers of a timed step's first and last items
 WATCHER = "dynjax-watch-stage-"  # a watcher thread's name, before its stage's index
 # What a watcher notes of one task: (task, its dispatch, its input's arrival, its results' being
@@ -99,25 +100,32 @@ class PendingTimeline:
 def _timeline(seen: Mapping[int, list[Seen]], start: float) -> dict[int, tuple[TaskTime, ...]]:
     """Each watched stage's `TaskTime`s from what `TimedSteps.start`'s watchers saw:
     (task, its dispatch, -inf, its results ready) per task, in order; a `_READY` entry first,
-    whose arrival is when the stage's state from before the step is. A task starts after the
+    whose arrival is when the stage's state from before the step is, and a `_TRANSFER` entry
+    after each transfer across processes the stage's device took part in: the device's next
+    task starts after it (its wait for the other process is idle time). A task starts after the
     task that computed its input ended, where a watcher of this process saw that one end (on
     the neighbour stage) no later than this task's own end: a later note is that watcher's late
     wake-up (a task cannot end before its input exists), which would cut this task to nothing,
     and is left out."""
     ends = {(task.kind, s, task.microbatch): end
-            for s, row in seen.items() for task, _, _, end, _ in row if task != _READY}
+            for s, row in seen.items() for task, _, _, end, _ in row
+            if task not in (_READY, _TRANSFER)}
     out = {}
     for s, row in seen.items():
-        times, free = [], start
-        for task, dispatched, arrived, end, _ in row:
+        times, free, held = [], start, start
+        for task, dispatched, arrived, end, waited in row:
             if task == _READY:  # the stage idles until what it needs from before the step is in
                 free = max(free, arrived)
+                continue
+            if task == _TRANSFER:  # the device waits for the other process, idle, until then
+                held = max(held, end) if waited else held  # else: done before its task's end
                 continue
             m = task.microbatch
             # W reads its own stage's B, which ended before it on the same device
             source = {"F": ("F", s - 1, m), "B": ("B", s + 1, m)}.get(task.kind)
             computed = ends.get(source, start)
-            begin = max(dispatched, free, arrived, computed if computed <= end else start)
+            begin = max(dispatched, free, arrived, computed if computed <= end else start,
+                        held if held <= end else start)
             free = max(end, begin)
             times.append(TaskTime(task.kind, m, begin - start, free - start))
         out[s] = tuple(times)
@@ -155,10 +163,14 @@ class TimedSteps:
         order, so a task ends when its results are ready and starts at the latest of its
         dispatch, the end of the stage's previous task and the end of the task that computed
         its input (when that stage is this process's). Each wait is a thread wake-up, most of
-        what a profile every step costs in CPU, so the watchers wait for nothing else: not for
-        a transfer's arrival (a starved stage's task then includes its input's transfer). The
-        watched arrays are none that a later program donates, so later steps may be dispatched
-        before the watchers are done.
+        what a profile every step costs in CPU, so the watchers wait for nothing else but the
+        transfers across processes: such a transfer holds both devices until both processes
+        take part, and without its end the stage's next task would count that wait as its
+        work (a stage paced by a slower neighbour then looks as busy as the neighbour, and a
+        periodic profile rescaled by busy time, `rescaled_units`, would say so). Copies
+        inside a process are not watched: they block neither device. The watched arrays are
+        none that a later program donates, so later steps may be dispatched before the
+        watchers are done.
         """
         run = self.runner.start(exe, inputs, targets, batch_in, rows)
         local = [s.index for s in self.stages.local(exe.spec)]
@@ -176,6 +188,9 @@ class TimedSteps:
                 computed = self.runner.dispatch(run, s, task, action)
                 if s in queues and action == "run":
                     queues[s].put((task, dispatched, (), computed))
+                elif computed:  # a transfer across processes: on the local side's device
+                    side = s if s in queues else s + 1 if task.kind == "F" else s - 1
+                    queues[side].put((_TRANSFER, dispatched, (), computed))
             metrics = self.runner.finish(run)
         finally:
             for s, q in queues.items():

@@ -77,11 +77,17 @@ class Transport:
         return NamedSharding(self.stage_meshes[stage], spec)
 
     def send(
-        self, x: jax.Array | None, src: int, dst: int, like: jax.ShapeDtypeStruct
+        self, x: jax.Array | None, src: int, dst: int, like: jax.ShapeDtypeStruct,
+        held: list[jax.Array] | None = None,
     ) -> jax.Array | None:
         """Move ``x`` from stage ``src`` to stage ``dst`` (``like``: its shape and target
         sharding). Call it in every process that owns either stage, with ``x`` None where
-        ``src`` is not local; returns the array where ``dst`` is local, else None."""
+        ``src`` is not local; returns the array where ``dst`` is local, else None.
+
+        ``held``: a transfer across processes appends its result's shards on this process's
+        devices, ready when this side's part is done: the transfer holds the device until
+        the other process takes part, which a timed step counts as waiting, not as a task's
+        work (`dynjax.parallel.timeline`)."""
         if self.is_local(src) and self.is_local(dst):
             return copy_to([x], [like.sharding])[0]
         if not (self.is_local(src) or self.is_local(dst)):
@@ -94,6 +100,8 @@ class Transport:
             shape, pair_sharding, [sh.data for sh in x.addressable_shards]
         )
         out = exchange(pair)
+        if held is not None:
+            held.extend(sh.data for sh in out.addressable_shards)
         if not self.is_local(dst):
             return None
         mine = {sh.device: sh.data for sh in out.addressable_shards}
@@ -102,16 +110,18 @@ class Transport:
             like.shape, like.sharding, [mine[d] for d in devices]
         )
 
-    def send_tree(self, tree: Any, src: int, dst: int, like: Any) -> Any:
+    def send_tree(
+        self, tree: Any, src: int, dst: int, like: Any, held: list[jax.Array] | None = None
+    ) -> Any:
         """`send` of every leaf of a pytree shaped as ``like`` (a tree of
         ``jax.ShapeDtypeStruct``; ``tree`` None where ``src`` is not local); returns the tree
-        where ``dst`` is local, else None."""
+        where ``dst`` is local, else None (``held``: as `send`'s)."""
         shapes, treedef = jax.tree.flatten(like)
         if self.is_local(src) and self.is_local(dst):  # one call for all leaves (`copy_to`)
             leaves = copy_to(jax.tree.leaves(tree), [s.sharding for s in shapes])
             return jax.tree.unflatten(treedef, leaves)
         leaves = jax.tree.leaves(tree) if tree is not None else [None] * len(shapes)
-        moved = [self.send(x, src, dst, s) for x, s in zip(leaves, shapes, strict=True)]
+        moved = [self.send(x, src, dst, s, held) for x, s in zip(leaves, shapes, strict=True)]
         return jax.tree.unflatten(treedef, moved) if self.is_local(dst) else None
 
     def _exchange(self, src: int, dst: int, like: jax.ShapeDtypeStruct):
