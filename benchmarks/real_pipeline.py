@@ -301,7 +301,7 @@ def measure_case(
     rows: list[dict[str, float]] = []
     refinements: list[dict[str, Any]] = []
 
-    def measured(name: str, r: int, layout: tuple[int, ...]) -> tuple[Path, float]:
+    def timed_run(name: str, r: int, layout: tuple[int, ...]) -> tuple[Path, float]:
         workdir = out / f"{case}-{name}-{r}"
         _, values = overrides(case, steps, layers, ",".join(map(str, layout)), extra)
         run(train_command(config, values, workdir, pin=True))
@@ -311,17 +311,17 @@ def measure_case(
 
     for r in range(rounds):
         row: dict[str, float] = {}
-        workdir, row["static"] = measured("static", r, static)
+        workdir, row["static"] = timed_run("static", r, static)
         if balanced is None:  # the first static run's settled profile decides the layout
             balanced = repartition(workdir, static)
-        workdir, row["balanced"] = measured("balanced", r, balanced)
+        workdir, row["balanced"] = timed_run("balanced", r, balanced)
         for k in range(refine if r == 0 else 0):
             refined = repartition(workdir, balanced)
             if refined == balanced:
                 break
             refinements.append({"layout": list(balanced), "tokens_per_sec": row["balanced"]})
             balanced = refined
-            workdir, row["balanced"] = measured(f"refined{k + 1}", r, balanced)
+            workdir, row["balanced"] = timed_run(f"refined{k + 1}", r, balanced)
         rows.append(row)
     assert balanced is not None
     fwd, bwd = layer_times(out / f"{case}-static-0")

@@ -164,13 +164,16 @@ class StepRunner:
             readout=self.inputs.send_readout(exe.spec),
         )
 
-    def dispatch(self, run: Run, s: int, task: Any, action: str) -> tuple:
+    def dispatch(
+        self, run: Run, s: int, task: Any, action: str, watch: bool = False
+    ) -> tuple:
         """Dispatch one entry of the step's order (`dispatch`): a task's program (``"run"``)
         or this process's side of the transfer of what it produced (``"send"``); returns
-        what a run computed as far as it is on this process, or what a transfer across
-        processes left on this process's devices (what a timed step watches)."""
+        what a run computed as far as it is on this process, and with ``watch`` what a
+        transfer across processes left on this process's devices (what a timed step
+        watches; an untimed step does not collect them)."""
         if action == "send":
-            return self._send(run, s, task)
+            return self._send(run, s, task, [] if watch else None)
         spec = run.exe.spec
         stage, m, m_count = spec.stages[s], task.microbatch, spec.microbatches
         programs, local = run.exe.programs, self.transport.is_local(s)
@@ -228,14 +231,15 @@ class StepRunner:
         # Not the accumulators: the stage's next backward donates them.
         return present((out[1], out[3:]))
 
-    def _send(self, run: Run, s: int, task: Any) -> tuple[jax.Array, ...]:
+    def _send(
+        self, run: Run, s: int, task: Any, held: list[jax.Array] | None
+    ) -> tuple[jax.Array, ...]:
         """Move what ``task`` on stage ``s`` produced to the stage that consumes it: a copy
         made later with others (`Run.defer`) inside this process, a transfer both processes
-        take part in across two (returns its arrays on this process: `Transport.send`'s
-        ``held``)."""
+        take part in across two (its arrays on this process go to ``held`` where it is a
+        list, `Transport.send`'s, and are returned)."""
         spec, m, m_count = run.exe.spec, task.microbatch, run.exe.spec.microbatches
         local = self.transport.is_local(s)
-        held: list[jax.Array] = []
         if task.kind == "F":
             after = self.shapes(spec.stages[s + 1])
             y, carry = run.outbox.pop(("F", s, m)) if local else (None, None)
@@ -258,7 +262,7 @@ class StepRunner:
             )
             if moved is not None:
                 arrive(moved, moved_carry)
-            return tuple(held)
+            return tuple(held or ())
         stage = spec.stages[s]
         if not (stage.has_backward and stage.input_grads):
             return ()
@@ -274,7 +278,7 @@ class StepRunner:
         moved = self.transport.send(grad, s, s - 1, like, held)
         if moved is not None:
             run.grad_in[s - 1][m] = moved
-        return tuple(held)
+        return tuple(held or ())
 
     def finish(self, run: Run) -> dict[str, Any]:
         """Global gradient norm and the update of every stage of this process."""

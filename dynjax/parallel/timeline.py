@@ -185,7 +185,7 @@ class TimedSteps:
                 queues[s].put((_READY, start, self._ready_marks(run, s), ()))
             for s, task, action in exe.order:
                 dispatched = time.perf_counter()
-                computed = self.runner.dispatch(run, s, task, action)
+                computed = self.runner.dispatch(run, s, task, action, watch=True)
                 if s in queues and action == "run":
                     queues[s].put((task, dispatched, (), computed))
                 elif computed:  # a transfer across processes: on the local side's device

@@ -99,12 +99,12 @@ class Transport:
         pair = jax.make_array_from_single_device_arrays(
             shape, pair_sharding, [sh.data for sh in x.addressable_shards]
         )
-        out = exchange(pair)
+        shards = exchange(pair).addressable_shards
         if held is not None:
-            held.extend(sh.data for sh in out.addressable_shards)
+            held.extend(sh.data for sh in shards)
         if not self.is_local(dst):
             return None
-        mine = {sh.device: sh.data for sh in out.addressable_shards}
+        mine = {sh.device: sh.data for sh in shards}
         devices = self.stage_meshes[dst].devices.flat
         return jax.make_array_from_single_device_arrays(
             like.shape, like.sharding, [mine[d] for d in devices]
