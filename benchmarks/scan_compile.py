@@ -8,10 +8,12 @@ layers, dense and MoE (every layer an MoE block), small widths on CPU, median of
 ``--repeats`` fresh lowerings with the persistent compilation cache off; target (issue 15
 §3): with scan, 48 layers <= 2x the 4-layer time. Table 2 (``--step``): the same for the
 whole single-program train step, whose per-parameter optimizer update is not scanned.
-Table 3: the median step time of the single-program 16-layer step (``--step-layers``), scan
-against unrolled.
+Table 3: the single-program step at 4, 8 and 16 layers (``--step-layers``), scanned against
+unrolled: the two compiled steps' calls alternate (this machine's load drifts), median seconds
+of ``--steps`` calls each, and each step's XLA temporaries. "scan" forces every run to scan
+(``model.scan_min_layers=2``); the default scans runs of `SCAN_MIN_LAYERS` or more.
 
-    python benchmarks/scan_compile.py               # about 5 min on two shared cores
+    python benchmarks/scan_compile.py               # about 8 min on two shared cores
     python benchmarks/scan_compile.py --layers 4 16 --repeats 1 --step --models moe
     python benchmarks/scan_compile.py --layers 2 --repeats 1 --steps 1 --step-layers 2  # tiny
 """
@@ -30,7 +32,6 @@ os.environ["XLA_FLAGS"] = (
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from dynjax.config import default_config  # noqa: E402
 from dynjax.experiment import Experiment  # noqa: E402
@@ -39,14 +40,19 @@ from dynjax.parallel.stage_programs import lower_stage  # noqa: E402
 TARGET = 2.0  # 48-layer over 4-layer compile seconds, scanned
 
 
-def experiment(layers: int, moe: bool, scan: bool, stages: int = 1) -> Experiment:
+def experiment(
+    layers: int, moe: bool, scan: bool, stages: int = 1, width: int = 64, seq: int = 64
+) -> Experiment:
+    """The compiled tables' model (``width``: d_model; mlp 2x it for the compile tables, 4x
+    for the step's, whose activations should weigh as in a real model)."""
     c = default_config()
     c.mesh.stage = stages
-    c.model.num_layers, c.model.d_model, c.model.num_heads, c.model.mlp_dim = layers, 64, 4, 128
-    c.model.scan_layers = scan
+    c.model.num_layers, c.model.d_model, c.model.num_heads = layers, width, 4
+    c.model.mlp_dim = width * (2 if width == 64 else 4)
+    c.model.scan_layers, c.model.scan_min_layers = scan, 2
     c.moe.every, c.moe.num_experts, c.moe.top_k = (1 if moe else 0), 4, 2
-    c.data.seq_len, c.data.max_tokens = 64, 20_000
-    c.train.batch_size = 8
+    c.data.seq_len, c.data.max_tokens = seq, 20_000
+    c.train.batch_size = 8 if seq == 64 else 16
     return Experiment.from_config(c)
 
 
@@ -68,22 +74,27 @@ def compile_seconds(exp: Experiment) -> tuple[float, jax.stages.Compiled]:
     return time.perf_counter() - start, compiled
 
 
-def step_seconds(exp: Experiment, compiled, steps: int) -> float:
-    """Median wall seconds of ``steps`` calls of ``compiled`` on fresh state and a fixed batch."""
-    state = exp.init_state()
-    params, opt_state = state["params"], state["opt_state"]
-    rng = np.random.default_rng(0)
-    batch = {
-        k: jax.device_put(rng.integers(0, 256, a.shape).astype(a.dtype), a.sharding)
-        for k, a in exp.abstract_batch(exp.initial_plan()).items()
-    }
-    times = []
-    for _ in range(steps + 1):
+class TimedStep:
+    """A compiled single-program step on fresh state and a fixed batch, called one at a time."""
+
+    def __init__(self, exp: Experiment) -> None:
+        plan = exp.initial_plan()
+        self.compiled = compile_seconds(exp)[1]
+        self.temp_mb = self.compiled.memory_analysis().temp_size_in_bytes / 1e6
+        state = exp.init_state()
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.batch = exp.device_batch(exp.order.batch(0), plan=plan)
+        self.times: list[float] = []
+
+    def __call__(self) -> None:
         start = time.perf_counter()
-        params, opt_state, metrics = compiled(params, opt_state, batch)
+        state = self.compiled(self.params, self.opt_state, self.batch)
+        self.params, self.opt_state, metrics = state
         jax.block_until_ready(metrics["loss"])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])  # the first call also allocates
+        self.times.append(time.perf_counter() - start)
+
+    def median(self) -> float:
+        return statistics.median(self.times[1:])  # the first call also allocates
 
 
 def table(title: str, args, measure) -> dict[tuple[bool, int], float]:
@@ -116,7 +127,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 48])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps of table 3")
-    parser.add_argument("--step-layers", type=int, default=16, help="layers of table 3's model")
+    parser.add_argument("--step-layers", type=int, nargs="+", default=[4, 8, 16],
+                        help="layers of table 3's models")
     parser.add_argument("--step", action="store_true", help="also table 2 (slow unrolled)")
     parser.add_argument("--models", nargs="+", choices=("dense", "moe"), default=["dense", "moe"])
     args = parser.parse_args()
@@ -144,18 +156,25 @@ def main() -> None:
             step,
         )
     print(
-        f"Table 3: seconds per single-program step at {args.step_layers} layers, median of "
-        f"{args.steps}"
+        f"Table 3: ms per single-program step (d_model 128, mlp 512, seq 128, batch 16), calls "
+        f"alternating, median of {args.steps}; XLA temporaries MB"
     )
+    print(f"{'model':6} {'layers':>6} {'unrolled':>9} {'scan':>7} {'scan/unrolled':>14} "
+          f"{'temp MB unrolled':>17} {'scan':>6}")
     for moe in args.moe:
-        times = {}
-        for scan in (False, True):
-            exp = experiment(args.step_layers, moe, scan)
-            times[scan] = step_seconds(exp, compile_seconds(exp)[1], args.steps)
-        print(
-            f"{'MoE' if moe else 'dense':6} unrolled {times[False]:.4f}  scan {times[True]:.4f}  "
-            f"scan/unrolled {times[True] / times[False]:.2f}"
-        )
+        for layers in args.step_layers:
+            steps = {scan: TimedStep(experiment(layers, moe, scan, width=128, seq=128))
+                     for scan in (False, True)}
+            for _ in range(args.steps + 1):
+                for step in steps.values():
+                    step()
+            ms = {scan: 1e3 * step.median() for scan, step in steps.items()}
+            print(
+                f"{'MoE' if moe else 'dense':6} {layers:6d} {ms[False]:9.1f} {ms[True]:7.1f} "
+                f"{ms[True] / ms[False]:14.2f} {steps[False].temp_mb:17.1f} "
+                f"{steps[True].temp_mb:6.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from dynjax.dynamism.moe.checkpoint import SELECTIONS
 from dynjax.errors import ConfigError, at_least
 from dynjax.model.attention import Rope
 from dynjax.model.facts import ModelFacts, moe_layer_indices
-from dynjax.model.gpt import GPTConfig
+from dynjax.model.gpt import SCAN_MIN_LAYERS, GPTConfig
 from dynjax.model.remat import host_offload_available
 from dynjax.settings import (
     STATIC_LAYOUTS,
@@ -124,10 +124,15 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # Queries and keys RMS-normalised before RoPE: "none"; "head" (per head, Qwen3);
     # "full" (over all heads' features, OLMoE)
     c.model.qk_norm = "none"
-    # Consecutive layers with identical static options run as one `jax.lax.scan`: compile
-    # seconds about flat in depth (`dynjax.model.gpt.run_layers`, benchmarks/scan_compile.py);
-    # off by default: at a few layers the scan compiles slower than the unrolled loop.
-    c.model.scan_layers = False
+    # Each run of at least model.scan_min_layers consecutive layers with identical static
+    # options runs as one `jax.lax.scan`: compile seconds about flat in depth and a step as
+    # fast as unrolled (`dynjax.model.gpt.run_layers`, benchmarks/scan_compile.py). A
+    # split-backward schedule (pipeline.schedule='zb_h1') unrolls its stages' layers whatever
+    # this says: a scan's backward is one loop, so nothing of it could wait for W.
+    c.model.scan_layers = True
+    # Shorter runs are unrolled: below 8 layers a scan compiles and steps slower on CPU
+    # (`dynjax.model.gpt.SCAN_MIN_LAYERS`); at least 2.
+    c.model.scan_min_layers = SCAN_MIN_LAYERS
     # What each block keeps for its backward (docs/models.md#activation-memory): "none" (every
     # activation); "full" (its input only: the backward recomputes its forward); "save_proj"
     # (its linear projections' outputs: the backward recomputes what lies between them);
@@ -389,7 +394,10 @@ def _bare_model(cfg: ml_collections.ConfigDict, run: RunSettings) -> GPTConfig:
         shared_expert_gate=moe.shared_expert_gate,
         qkv_bias=m.qkv_bias,
         qk_norm=m.qk_norm,
-        scan_layers=m.scan_layers,
+        # A split-backward stage's backward is cut at its layers' equations (model.scan_layers)
+        scan_layers=m.scan_layers
+        and not (num_stages(run) and run.pipeline.schedule in SPLIT_BACKWARD),
+        scan_min_layers=m.scan_min_layers,
         moe_layers=moe_layer_indices(m.num_layers, moe.every),
         num_experts=moe.num_experts,
         top_k=moe.top_k,
@@ -458,6 +466,11 @@ def check_run(
         )
     _check_family(m)
     _check_remat(m)
+    if m.scan_min_layers < 2:
+        raise ConfigError(
+            f"model.scan_min_layers={m.scan_min_layers} must be >= 2 (a scan of one layer is "
+            "that layer unrolled); to run no scan, set model.scan_layers=False"
+        )
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if d.tokenizer:
@@ -733,12 +746,6 @@ def _check_pipeline(run: RunSettings) -> None:
             "split over the stage's data devices only: it needs mesh.expert=1 and "
             f"mesh.tensor=1 (got {run.mesh.expert} and {run.mesh.tensor}); set them to 1 or "
             "use pipeline.recompute=True and pipeline.schedule='1f1b'"
-        )
-    if p.schedule in SPLIT_BACKWARD and run.model.scan_layers:
-        raise ConfigError(
-            f"pipeline.schedule={p.schedule!r} with model.scan_layers=True: a scanned stack's "
-            "backward is one loop computing input and weight gradients together, so nothing "
-            "of it could wait for W; set model.scan_layers=False or use pipeline.schedule='1f1b'"
         )
     b = run.balance
     if b.enabled or b.repack:

@@ -99,6 +99,7 @@ class ModelSettings:
     qkv_bias: bool
     qk_norm: Literal[QK_NORMS]
     scan_layers: bool
+    scan_min_layers: int
     remat: Literal[REMAT]
 
 

@@ -37,6 +37,13 @@ from dynjax.model.remat import rematerialised
 FAMILIES = ("gpt", "llama")
 
 
+# The fewest consecutive equal layers a scan runs by default. On CPU (benchmarks/scan_compile.py,
+# docs/benchmarks.md "Scanned layers") a stage of 4 scanned layers compiled 1.51x (dense) and
+# 1.14x (MoE) slower than unrolled and its step gained little or lost (0.94-1.12x); at 8 layers
+# the step was 7-13% faster, and from 16 on the compile took half the unrolled time or less.
+SCAN_MIN_LAYERS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int
@@ -66,9 +73,11 @@ class GPTConfig:
     # The hooks plugins' records run, and their parts' factories (`Schemes.hooks`; none by
     # default): data, so equal configs build and key equal programs.
     hooks: Hooks = NO_HOOKS
-    # Run consecutive layers with identical static options under one `jax.lax.scan`
-    # (`run_layers`): compile time about flat in depth, for a copy of their weights per step.
-    scan_layers: bool = False
+    # Run each run of at least ``scan_min_layers`` consecutive layers with identical static
+    # options under one `jax.lax.scan` (`run_layers`): compile time about flat in depth, for a
+    # copy of their weights per step; shorter runs are unrolled (`SCAN_MIN_LAYERS`).
+    scan_layers: bool = True
+    scan_min_layers: int = SCAN_MIN_LAYERS
 
     def __post_init__(self) -> None:
         # The MoE block's metrics, their reductions and its loss terms are its hook set's: a
@@ -345,6 +354,7 @@ def run_layers(
     inputs: Sequence[Mapping[str, jax.Array]] | None = None,
     context: LayerContext | None = None,
     scan: bool = False,
+    scan_min: int = 2,
     frozen: Sequence[bool] | None = None,
     remat: Sequence[str] | None = None,
 ) -> tuple[jax.Array, tuple[MoEStats, ...], tuple[dict[str, jax.Array], ...]]:
@@ -355,8 +365,9 @@ def run_layers(
     ``context`` what the block wrappers share (`LayerContext`; default: none of it). Returns
     the output, the MoE blocks' stats in order and each block's hook metrics.
 
-    ``scan``: each run of two or more consecutive blocks with equal static keys (`layer_runs`;
-    ``frozen`` flags the blocks that get no gradient) runs as one ``jax.lax.scan``, so the
+    ``scan``: each run of ``scan_min`` (>= 2) or more consecutive blocks with equal static
+    keys (`layer_runs`; ``frozen`` flags the blocks that get no gradient) runs as one
+    ``jax.lax.scan`` (shorter runs unrolled), so the
     program holds one body per run rather than one per layer (MaxText's ``scan_layers`` idea,
     kept per run so that layers whose options diverge still run as they are). The wrappers'
     declared carry starts filled (`Hooks.initial_carry`), as a scan's carry keeps its keys.
@@ -371,7 +382,15 @@ def run_layers(
     frozen = frozen if frozen is not None else (False,) * len(blocks)
     remat = remat if remat is not None else ("none",) * len(blocks)
     if scan:
-        runs = scan_runs(blocks, options, inputs, frozen, remat)
+        runs = tuple(
+            one
+            for start, stop in scan_runs(blocks, options, inputs, frozen, remat)
+            for one in (
+                ((start, stop),)
+                if stop - start >= scan_min
+                else ((i, i + 1) for i in range(start, stop))
+            )
+        )
         hooks = blocks[0].hooks if blocks else NO_HOOKS  # one model's blocks share theirs
         fill = hooks.initial_carry(hooks.carrying_wrappers(options), x.shape[:2])
         context.carry = {**fill, **context.carry}
@@ -466,6 +485,7 @@ class GPT(nnx.Module):
             inputs=inputs,
             context=LayerContext(readout=self.readout, targets=targets, inference=inference),
             scan=self.cfg.scan_layers,
+            scan_min=self.cfg.scan_min_layers,
             frozen=[i in frozen for i in range(len(self.layers))],
             remat=remat,
         )

@@ -155,6 +155,7 @@ def apply_stage(
             inputs=inputs[a:b],
             context=context,
             scan=parts.cfg.scan_layers,
+            scan_min=parts.cfg.scan_min_layers,
             frozen=frozen[a:b],
             remat=remat[a:b],
         )

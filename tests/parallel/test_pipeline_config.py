@@ -43,11 +43,6 @@ CTX = PlanContext(batch_size=8, num_layers=4, pipeline_stages=3, batch_shards=2)
             r"\(got 1 and 2\)",
         ),
         (
-            {"mesh__stage": 2, "pipeline__schedule": "zb_h1", "model__scan_layers": True},
-            r"pipeline.schedule='zb_h1' with model.scan_layers=True: .* set "
-            r"model.scan_layers=False",
-        ),
-        (
             {"mesh__stage": 2, "pipeline__virtual_stages": 2},
             r"pipeline.virtual_stages=2 with pipeline.schedule='1f1b': interleaved_1f1b needs",
         ),

@@ -38,8 +38,8 @@ CAPS = ((3, 5, 3, 5), (3, 5, 3, 5), (4, 4, 2, 6))
 B = 8
 
 
-def setup_of(cfg: GPTConfig, scan: bool, opt=None):
-    cfg = dataclasses.replace(cfg, scan_layers=scan)
+def setup_of(cfg: GPTConfig, scan: bool, opt=None, scan_min: int = 2):
+    cfg = dataclasses.replace(cfg, scan_layers=scan, scan_min_layers=scan_min)
     return stage_setup(cfg, opt)
 
 
@@ -118,7 +118,10 @@ PRUNED = (0.2, 0.4, 0.6, 0.8)  # the fraction of each layer's prunable weights s
 
 def pruned_experiment(scan: bool) -> Experiment:
     return Experiment.from_config(
-        tiny_config(pruning__enabled=True, model__num_layers=4, model__scan_layers=scan)
+        tiny_config(
+            pruning__enabled=True, model__num_layers=4, model__scan_layers=scan,
+            model__scan_min_layers=2,
+        )
     )
 
 
@@ -182,9 +185,35 @@ def test_scan_layers_must_be_a_bool():
     cfg = tiny_config()
     with pytest.raises(ConfigError, match="model.scan_layers"):
         set_value(cfg, "model.scan_layers", "1")  # the command line's --config.model.scan_layers
-    set_value(cfg, "model.scan_layers", "True")
+    set_value(cfg, "model.scan_layers", "False")
     validate_config(cfg, 8)
-    assert Experiment.from_config(cfg).model_cfg.scan_layers
+    assert not Experiment.from_config(cfg).model_cfg.scan_layers
+
+
+def test_runs_shorter_than_scan_min_layers_are_unrolled():
+    """The default scans the 6 dense layers' one run only from ``scan_min_layers`` <= 6 on."""
+    params, data = params_of(DENSE), batch()
+    opts = spec_of(DENSE, ())
+    scans = {n: loss_and_grads(setup_of(DENSE, True, scan_min=n), params, data, opts)[1]
+             for n in (6, 7)}
+    assert scans[6] > 0 and scans[7] == 0, scans  # (the index loop of `_stack` is one too)
+    assert tiny_config().model.scan_min_layers == 8  # the default (`SCAN_MIN_LAYERS`)
+
+
+def test_scan_min_layers_below_two_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"model.scan_min_layers=1 must be >= 2.*"
+                       r"model.scan_layers=False"):
+        validate_config(tiny_config(model__scan_min_layers=1), 8)
+
+
+def test_a_split_backward_pipeline_unrolls_its_stages():
+    """ZB-H1 cuts each stage's backward at its layers' equations: its stages never scan,
+    whatever model.scan_layers says; 1F1B's do."""
+    def scanned(schedule):
+        cfg = tiny_config(mesh__stage=2, pipeline__schedule=schedule, model__scan_layers=True)
+        return Experiment.from_config(cfg).model_cfg.scan_layers
+
+    assert not scanned("zb_h1") and scanned("1f1b")
 
 
 # -- a 2-stage pipeline on 8 fake devices (2 stages x 2 data x 2 expert) ------------------------
@@ -197,7 +226,7 @@ M, STEPS = 2, 3
 def run_pipeline(cfg, scan, layouts, frozen=(), caps=PIPE_CAPS):
     """Per-step losses and the final host state of a pipeline that runs step s on
     ``layouts[s]`` (a migration where it changes)."""
-    cfg = dataclasses.replace(cfg, scan_layers=scan)
+    cfg = dataclasses.replace(cfg, scan_layers=scan, scan_min_layers=2)
     opt = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.3, momentum=0.9))
     params = params_of(cfg)
     state = {"params": params, "opt_state": opt.init(params)}
