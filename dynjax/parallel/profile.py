@@ -46,6 +46,9 @@ class TaskTime:
 
 
 UnitSeconds = Mapping[Unit, tuple[float, float]]  # ("embed",) / ("layers", i) / ("head",)
+# Known units re-timed after a Plan change, whose median change rescales the kept times
+# (`unit_seconds`): one is at the mercy of a slow spell, three outvote it.
+ANCHORS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,11 +175,14 @@ def unit_seconds(
     whose signature a Plan change left as it was is not run again, so the profile after a swap
     costs what the swap changed (a record's change re-times the layers holding it only; a move, the
     layers moved): DynMo rebalances every iteration because that costs little (seed 000
-    §3.3.1). One known unit, the longest, runs again (the anchor), and every known time is
-    scaled by how much it changed: times measured minutes apart on a shared machine drift
-    (one layer's unit measured 27 and 18 ms at the start of two identical runs on a pinned
-    2-core VM), and the balancer compares new units with kept ones and one process's with
-    another's. Returns the units' times and their times by signature (the next ``known``).
+    §3.3.1). The `ANCHORS` longest known units (by distinct signature) run again, and every
+    known time is scaled by the median of their changes: times measured minutes apart on a
+    shared machine drift (one layer's unit measured 27 and 18 ms at the start of two identical
+    runs on a pinned 2-core VM), and the balancer compares new units with kept ones and one
+    process's with another's. The median, not one anchor: one unit re-timed in a slow spell of
+    its core (1.74x its kept time, while the other process timed the same layer at 0.96x) moved
+    every kept time with it and misled the partition (docs/benchmarks.md, "Stages on cores of
+    their own"). Returns the units' times and their times by signature (the next ``known``).
     """
     local = _local_units(spec, parts, stages)
     by_signature: dict[tuple, tuple[float, float]] = {}
@@ -189,12 +195,14 @@ def unit_seconds(
     for _, one, signature in local:
         if signature in known:
             kept.setdefault(signature, one)
-    drift = 1.0
-    if kept:
-        anchor = max(kept, key=lambda signature: sum(known[signature]))
+    anchors = sorted(kept, key=lambda signature: sum(known[signature]), reverse=True)
+    changes = []
+    for anchor in anchors[:ANCHORS]:
         by_signature[anchor] = timed(kept[anchor])
         then = sum(known[anchor])
-        drift = sum(by_signature[anchor]) / then if then > 0 else 1.0
+        if then > 0:
+            changes.append(sum(by_signature[anchor]) / then)
+    drift = float(np.median(changes)) if changes else 1.0
     out = {}
     for unit, one, signature in local:
         if signature not in by_signature:

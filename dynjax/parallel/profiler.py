@@ -83,9 +83,10 @@ class Profiler:
 
         On a layout not profiled yet (the first profile after a swap), units whose timing signature
         no earlier measurement holds (a Plan change made them new: `unit_seconds`) then run alone,
-        the step waited for; the others keep their times, scaled by how much one of them, run again,
-        changed (`unit_seconds`' anchor). A later profile of the layout rescales its units' times by
-        its own step's timeline (`rescaled_units`) and returns as soon as the step is dispatched:
+        the step waited for; the others keep their times, scaled by the median change of up to
+        three of them, run again (`unit_seconds`' anchors). A later profile of the layout
+        rescales its units' times by its own step's timeline (`rescaled_units`) and returns as
+        soon as the step is dispatched:
         the `Profile` is built when asked for, once the watchers are done, so a periodic profile
         costs the training loop no wait (seed 000 §3.3.1). Memory is computed once per executable.
         The one-unit programs come with ``exe`` (lowered with ``profiling``): nothing compiles here,
