@@ -682,8 +682,8 @@ def train(env: Env) -> Iterator[dict]:
 
 
 def remat_policies(env: Env, shape: tuple) -> Iterator[dict]:
-    """Each `model.remat` policy on the small shape's single-program step, scanned layers, in
-    bf16 (step_throughput.py's `remat_rows`: step ms, tokens/s, its ratio to "none", and the
+    """Each `model.remat` policy on the small shape's single-program step, every layer scanned
+    (the tiny shape's too), in bf16 (step_throughput.py's `remat_rows`: step ms, tokens/s, its ratio to "none", and the
     compiled step's peak and temporary bytes from ``memory_analysis()``)."""
     from dynjax.config import load_config
     from dynjax.experiment import Experiment
@@ -693,7 +693,7 @@ def remat_policies(env: Env, shape: tuple) -> Iterator[dict]:
         return
     cfg = load_config(ROOT / "configs/quickstart.py", [
         *model_overrides(*shape), "train.dtype=bfloat16", "model.scan_layers=True",
-        "data.prefetch=0",
+        "model.scan_min_layers=2", "data.prefetch=0",
     ])
     rows = remat_rows(Experiment.from_config(cfg), steps=3 if env.tiny else 10, rounds=3)
     for row in rows:
