@@ -683,8 +683,9 @@ def train(env: Env) -> Iterator[dict]:
 
 def remat_policies(env: Env, shape: tuple) -> Iterator[dict]:
     """Each `model.remat` policy on the small shape's single-program step, every layer scanned
-    (the tiny shape's too), in bf16 (step_throughput.py's `remat_rows`: step ms, tokens/s, its ratio to "none", and the
-    compiled step's peak and temporary bytes from ``memory_analysis()``)."""
+    (the tiny shape's too), in bf16 (step_throughput.py's `remat_rows`: step ms, tokens/s, its
+    ratio to "none", and the compiled step's peak and temporary bytes from
+    ``memory_analysis()``)."""
     from dynjax.config import load_config
     from dynjax.experiment import Experiment
 
