@@ -130,8 +130,8 @@ def default_config(schemes: Schemes = BUILTIN) -> ml_collections.ConfigDict:
     # split-backward schedule (pipeline.schedule='zb_h1') unrolls its stages' layers whatever
     # this says: a scan's backward is one loop, so nothing of it could wait for W.
     c.model.scan_layers = True
-    # Shorter runs are unrolled: below 8 layers a scan compiles and steps slower on CPU
-    # (`dynjax.model.gpt.SCAN_MIN_LAYERS`); at least 2.
+    # Shorter runs are unrolled: below 8 layers a scan compiles slower on CPU and steps no
+    # faster (`dynjax.model.gpt.SCAN_MIN_LAYERS`); at least 2.
     c.model.scan_min_layers = SCAN_MIN_LAYERS
     # What each block keeps for its backward (docs/models.md#activation-memory): "none" (every
     # activation); "full" (its input only: the backward recomputes its forward); "save_proj"
