@@ -40,19 +40,21 @@ from dynjax.parallel.stage_programs import lower_stage  # noqa: E402
 TARGET = 2.0  # 48-layer over 4-layer compile seconds, scanned
 
 
+# (d_model, mlp_dim, seq_len, batch_size): the compile tables' narrow model, and table 3's,
+# whose activations weigh as in a real model's step
+COMPILE_SHAPE, STEP_SHAPE = (64, 128, 64, 8), (128, 512, 128, 16)
+
+
 def experiment(
-    layers: int, moe: bool, scan: bool, stages: int = 1, width: int = 64, seq: int = 64
+    layers: int, moe: bool, scan: bool, stages: int = 1, shape: tuple = COMPILE_SHAPE
 ) -> Experiment:
-    """The compiled tables' model (``width``: d_model; mlp 2x it for the compile tables, 4x
-    for the step's, whose activations should weigh as in a real model)."""
     c = default_config()
     c.mesh.stage = stages
-    c.model.num_layers, c.model.d_model, c.model.num_heads = layers, width, 4
-    c.model.mlp_dim = width * (2 if width == 64 else 4)
+    c.model.num_layers, c.model.num_heads = layers, 4
+    c.model.d_model, c.model.mlp_dim, c.data.seq_len, c.train.batch_size = shape
     c.model.scan_layers, c.model.scan_min_layers = scan, 2
     c.moe.every, c.moe.num_experts, c.moe.top_k = (1 if moe else 0), 4, 2
-    c.data.seq_len, c.data.max_tokens = seq, 20_000
-    c.train.batch_size = 8 if seq == 64 else 16
+    c.data.max_tokens = 20_000
     return Experiment.from_config(c)
 
 
@@ -156,14 +158,15 @@ def main() -> None:
             step,
         )
     print(
-        f"Table 3: ms per single-program step (d_model 128, mlp 512, seq 128, batch 16), calls "
-        f"alternating, median of {args.steps}; XLA temporaries MB"
+        "Table 3: ms per single-program step (d_model, mlp, seq, batch = "
+        f"{', '.join(map(str, STEP_SHAPE))}), calls alternating, median of {args.steps}; XLA "
+        "temporaries MB"
     )
     print(f"{'model':6} {'layers':>6} {'unrolled':>9} {'scan':>7} {'scan/unrolled':>14} "
           f"{'temp MB unrolled':>17} {'scan':>6}")
     for moe in args.moe:
         for layers in args.step_layers:
-            steps = {scan: TimedStep(experiment(layers, moe, scan, width=128, seq=128))
+            steps = {scan: TimedStep(experiment(layers, moe, scan, shape=STEP_SHAPE))
                      for scan in (False, True)}
             for _ in range(args.steps + 1):
                 for step in steps.values():

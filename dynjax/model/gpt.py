@@ -79,6 +79,11 @@ class GPTConfig:
     scan_layers: bool = True
     scan_min_layers: int = SCAN_MIN_LAYERS
 
+    @property
+    def scan_from(self) -> int:
+        """`run_layers`' ``scan_from``: the fewest layers a scanned run holds, 0 for no scan."""
+        return self.scan_min_layers if self.scan_layers else 0
+
     def __post_init__(self) -> None:
         # The MoE block's metrics, their reductions and its loss terms are its hook set's: a
         # model always runs it (on a dense model every stage reports zero auxiliary losses).
@@ -222,13 +227,23 @@ def scan_runs(
     inputs: Sequence[Mapping[str, jax.Array]],
     frozen: Sequence[bool],
     remat: Sequence[str],
+    min_layers: int = 2,
 ) -> tuple[tuple[int, int], ...]:
     """The runs of ``blocks`` that `run_layers` scans (one `layer_runs` key per block, below;
-    ``inputs``: each block's per-layer inputs)."""
+    ``inputs``: each block's per-layer inputs), a run shorter than ``min_layers`` split into
+    its single layers."""
     keys = [
         _static_key(*args) for args in zip(blocks, options, inputs, frozen, remat, strict=True)
     ]
-    return layer_runs(keys)
+    return tuple(
+        one
+        for start, stop in layer_runs(keys)
+        for one in (
+            ((start, stop),)
+            if stop - start >= min_layers
+            else tuple((i, i + 1) for i in range(start, stop))
+        )
+    )
 
 
 def _static_key(
@@ -353,8 +368,7 @@ def run_layers(
     parallel,
     inputs: Sequence[Mapping[str, jax.Array]] | None = None,
     context: LayerContext | None = None,
-    scan: bool = False,
-    scan_min: int = 2,
+    scan_from: int = 0,
     frozen: Sequence[bool] | None = None,
     remat: Sequence[str] | None = None,
 ) -> tuple[jax.Array, tuple[MoEStats, ...], tuple[dict[str, jax.Array], ...]]:
@@ -365,9 +379,9 @@ def run_layers(
     ``context`` what the block wrappers share (`LayerContext`; default: none of it). Returns
     the output, the MoE blocks' stats in order and each block's hook metrics.
 
-    ``scan``: each run of ``scan_min`` (>= 2) or more consecutive blocks with equal static
-    keys (`layer_runs`; ``frozen`` flags the blocks that get no gradient) runs as one
-    ``jax.lax.scan`` (shorter runs unrolled), so the
+    ``scan_from`` (0: no scan; else >= 2, `GPTConfig.scan_from`): each run of that many or more
+    consecutive blocks with equal static keys (`scan_runs`; ``frozen`` flags the blocks that
+    get no gradient) runs as one ``jax.lax.scan`` (shorter runs unrolled), so the
     program holds one body per run rather than one per layer (MaxText's ``scan_layers`` idea,
     kept per run so that layers whose options diverge still run as they are). The wrappers'
     declared carry starts filled (`Hooks.initial_carry`), as a scan's carry keeps its keys.
@@ -381,16 +395,8 @@ def run_layers(
     inputs = inputs if inputs is not None else ({},) * len(blocks)
     frozen = frozen if frozen is not None else (False,) * len(blocks)
     remat = remat if remat is not None else ("none",) * len(blocks)
-    if scan:
-        runs = tuple(
-            one
-            for start, stop in scan_runs(blocks, options, inputs, frozen, remat)
-            for one in (
-                ((start, stop),)
-                if stop - start >= scan_min
-                else ((i, i + 1) for i in range(start, stop))
-            )
-        )
+    if scan_from:
+        runs = scan_runs(blocks, options, inputs, frozen, remat, scan_from)
         hooks = blocks[0].hooks if blocks else NO_HOOKS  # one model's blocks share theirs
         fill = hooks.initial_carry(hooks.carrying_wrappers(options), x.shape[:2])
         context.carry = {**fill, **context.carry}
@@ -484,8 +490,7 @@ class GPT(nnx.Module):
             parallel=parallel,
             inputs=inputs,
             context=LayerContext(readout=self.readout, targets=targets, inference=inference),
-            scan=self.cfg.scan_layers,
-            scan_min=self.cfg.scan_min_layers,
+            scan_from=self.cfg.scan_from,
             frozen=[i in frozen for i in range(len(self.layers))],
             remat=remat,
         )

@@ -154,8 +154,7 @@ def apply_stage(
             parallel=parallel,
             inputs=inputs[a:b],
             context=context,
-            scan=parts.cfg.scan_layers,
-            scan_min=parts.cfg.scan_min_layers,
+            scan_from=parts.cfg.scan_from,
             frozen=frozen[a:b],
             remat=remat[a:b],
         )
