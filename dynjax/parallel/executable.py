@@ -24,6 +24,7 @@ from dynjax.parallel.residuals import kept_bytes
 from dynjax.parallel.split_backward import StageSplit
 from dynjax.parallel.stage import StageSetup
 from dynjax.parallel.stage_programs import StageShapes, lower_stage, stage_shapes, stage_split
+from dynjax.parallel.stage_update import lower_stage_update
 from dynjax.parallel.stages import PipelineSpec, StageSpec
 from dynjax.parallel.transport import Transport
 
@@ -79,7 +80,7 @@ class LoweredPipeline:
     spec: PipelineSpec
     programs: PipelinePrograms
     ready: dict[ProgramKey, Any]
-    lowered: dict[ProgramKey, tuple[StageSpec, jax.stages.Lowered]]
+    lowered: dict[ProgramKey, tuple[StageSpec, Any]]  # `PipelinePrograms.lower_one`'s
     profiling_ready: dict[UnitKey, Any] | None  # None: lowered without the one-unit programs
     profiling_lowered: dict[UnitKey, jax.stages.Lowered]
     splits: dict[int, StageSplit]
@@ -126,6 +127,9 @@ class PipelinePrograms:
         self._shapes: dict[StageSpec, StageShapes] = {}
         self._splits: dict[StageSpec, StageSplit] = {}
         self._kept: dict[tuple, int] = {}  # `kept_bytes` by timing signature
+        # a stage's compiled update programs by (stage, signature): kept across Plans (a
+        # layer moved onto a stage that updates an equal one compiles no update)
+        self._unit_updates: dict[tuple, Any] = {}
         self._lock = threading.Lock()
 
     def shapes(self, spec: StageSpec) -> StageShapes:
@@ -199,8 +203,14 @@ class PipelinePrograms:
             hit = cache.setdefault(key, trace(self.setup, spec, mesh, self.shapes(spec)))
         return hit
 
-    def lower_one(self, kind: str, stage: StageSpec) -> jax.stages.Lowered:
+    def lower_one(self, kind: str, stage: StageSpec) -> Any:
+        """One program of ``stage`` lowered: a `jax.stages.Lowered`, or for ``update`` the
+        stage's `stage_update.LoweredStageUpdate`; either's ``compile()`` gives the program."""
         mesh = self.transport.stage_meshes[stage.index]
+        if kind == "update":
+            return lower_stage_update(
+                self.setup, stage, mesh, self.shapes(stage), self._unit_updates
+            )
         split = self.split(stage) if kind in ("bwd_b", "bwd_w") else None
         return lower_stage(kind, self.setup, stage, mesh, self.shapes(stage), split)
 
@@ -226,6 +236,8 @@ class PipelinePrograms:
             self._shapes = {k: v for k, v in self._shapes.items() if k.index not in gone}
             self._splits = {k: v for k, v in self._splits.items() if k.index not in gone}
             self._kept = {k: v for k, v in self._kept.items() if k[3].index not in gone}
+            for key in [k for k in self._unit_updates if k[0] in gone]:
+                del self._unit_updates[key]
 
     def get(self, kind: str, stage: StageSpec) -> Any:
         """A compiled program, compiling it now if needed (evaluation programs)."""

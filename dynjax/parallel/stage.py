@@ -368,7 +368,25 @@ def update_layer_state(
 ) -> dict[str, Any]:
     """``units`` (the trainable units after the optimizer update) with the state rules of
     ``hooks`` of each of their layers applied (`HookSet.state_rule`; frozen layers keep their
-    state).
+    state). ``layers``, ``options`` and ``layer_metrics`` as `rule_metrics` takes them."""
+    options = options or ((),) * len(layers)
+    ruled = rule_metrics(layers, options, layer_metrics, hooks)
+    if not ruled:
+        return dict(units)
+    got = dict(units.get("layers", {}))
+    for i, opts in zip(layers, options, strict=True):
+        if i in got and i in ruled:
+            got[i] = hooks.apply_state_rules(got[i], ruled[i], opts)
+    return {**units, "layers": got}
+
+
+def rule_metrics(
+    layers: Sequence[int],
+    options: Sequence[LayerOptions],
+    layer_metrics: Mapping[str, jax.Array],
+    hooks: Hooks,
+) -> dict[int, dict[str, jax.Array]]:
+    """Each layer with a state rule (`HookSet.state_rule`) -> the step metrics its rules read.
 
     ``layers``: the stage's layers in order, ``options`` their `LayerOptions` (empty: none);
     ``layer_metrics`` the step's hook metrics stacked over the layers that report each
@@ -377,17 +395,15 @@ def update_layer_state(
     options = options or ((),) * len(layers)
     ruled = [(i, o) for i, o in zip(layers, options, strict=True) if hooks.state_rules(o)]
     if not ruled:
-        return dict(units)
+        return {}
     holders = {
         name: [i for i, o in zip(layers, options, strict=True) if name in dict(o)]
         for _, o in ruled
         for name, _ in o
     }
     rules = {name for _, o in ruled for name, _, _ in hooks.state_rules(o)}
-    got = dict(units.get("layers", {}))
-    for i, opts in ruled:
-        if i not in got:
-            continue
+    out = {}
+    for i, _ in ruled:
         metrics = {}
         for name, rows in holders.items():
             for metric, stacked in layer_metrics.items():
@@ -400,8 +416,8 @@ def update_layer_state(
                             f"{len(stacked)} layers, but {len(rows)} layers hold its record"
                         )
                     metrics[metric] = stacked[rows.index(i)]
-        got[i] = hooks.apply_state_rules(got[i], metrics, opts)
-    return {**units, "layers": got}
+        out[i] = metrics
+    return out
 
 
 def update_fn(setup: StageSetup, spec: StageSpec):

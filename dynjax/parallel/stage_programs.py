@@ -24,8 +24,9 @@ microbatch loop (`dynjax.parallel.step_run`):
 * ``sqnorm(acc) -> [1]``: this stage's squared gradient norm; `Transport.gather` brings every
   stage's to every stage.
 * ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
-  `stage.update_fn` on the metrics folded over the microbatches, returning a zeroed
-  accumulator.
+  `stage.update_fn`'s update on the metrics folded over the microbatches, returning a zeroed
+  accumulator, run as one small program per layer signature (`dynjax.parallel.stage_update`,
+  lowered by `PipelinePrograms`, not here).
 * ``eval(params, x, ctx, targets) -> loss`` (last stage only).
 
 ``ctx`` is `dynjax.parallel.stage`'s (its module docstring); ``readout`` is sent once per
@@ -37,7 +38,6 @@ single-program gradient with no replica of its parameters or optimizer state.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -47,7 +47,6 @@ from jax.sharding import PartitionSpec as P
 
 from dynjax.parallel.layout import select
 from dynjax.parallel.mesh import TOKEN_AXES, expert_parallel, param_shardings
-from dynjax.parallel.metrics import fold_microbatches
 from dynjax.parallel.residuals import (
     ResidualLayout,
     keeps_residuals,
@@ -73,7 +72,6 @@ from dynjax.parallel.stage import (
     frozen_prefix,
     gradients_fn,
     sqnorm_fn,
-    update_fn,
 )
 from dynjax.parallel.stages import StageSpec
 
@@ -93,17 +91,6 @@ def forward_fn(
         return (y, carry, metrics) + ((kept,) if keep else ())
 
     return fwd
-
-
-def update_program(setup: StageSetup, spec: StageSpec):
-    update = update_fn(setup, spec)
-
-    def program(params, opt_state, acc, sq_norms, per_microbatch: Sequence[Metrics]):
-        folded = fold_microbatches(per_microbatch, setup.parts.cfg.hooks)
-        params, opt_state, metrics = update(params, opt_state, acc, sq_norms, folded)
-        return params, opt_state, jax.tree.map(jnp.zeros_like, acc), metrics
-
-    return program
 
 
 def add_readout_grads(acc: Any, racc: Any) -> Any:
@@ -296,16 +283,6 @@ def lower_stage(
         return jitted.lower(params, shapes.acc, shapes.racc, *microbatch)
     if kind == "sqnorm":
         return jax.jit(sqnorm_fn(spec), out_shardings=replicated).lower(shapes.acc)
-    if kind == "update":
-        state = (sharding(shapes.params), sharding(shapes.opt_state), sharding(shapes.acc))
-        jitted = jax.jit(
-            update_program(setup, spec),
-            out_shardings=(*state, None),
-            donate_argnums=(0, 1, 2),
-        )
-        sq = (jax.ShapeDtypeStruct((1,), jnp.float32, sharding=replicated),) * spec.num_stages
-        per_mb = (shapes.metrics,) * spec.microbatches
-        return jitted.lower(shapes.params, shapes.opt_state, shapes.acc, sq, per_mb)
     if kind == "eval":
         jitted = jax.jit(evaluate_fn(setup, spec, expert_parallel(mesh)), out_shardings=replicated)
         return jitted.lower(shapes.params, shapes.x, shapes.ctx, shapes.targets)

@@ -109,16 +109,18 @@ def reference():
 
 
 @functools.cache
-def reference_run(cfg):
+def reference_run(cfg, opt=optimizer):
     """Per-step metrics and final state of the single-program step on one device."""
     opts = whole_model(
-        cfg.num_layers, batch_size=B, options=moe_options(cfg, CAPS, z_loss_weight=1e-3),
+        cfg.num_layers,
+        batch_size=B,
+        options=moe_options(cfg, CAPS if cfg.moe_layers else (), z_loss_weight=1e-3),
         microbatches=M,
     )
     parallel = expert_parallel(make_mesh(1, 1, 1))
-    setup = stage_setup(cfg, optimizer())
+    setup = stage_setup(cfg, opt())
     step = jax.jit(make_train_step(setup, opts, parallel))
-    state = initial_state(cfg=cfg)
+    state = initial_state(opt, cfg)
     p, s = state["params"], state["opt_state"]
     metrics = []
     for batch in batches():
@@ -154,14 +156,14 @@ def pipeline_setup(mesh_shape=(4, 2, 1), opt=optimizer, cfg=CFG):
     return programs, abstract
 
 
-def spec_for(assignment, schedule, frozen=(), capacities=CAPS):
+def spec_for(assignment, schedule, frozen=(), capacities=CAPS, cfg=CFG):
     stages = stage_specs(
         assignment,
         frozen_layers=frozen,
         microbatches=M,
         batch_size=B,
         dtype="float32",
-        options=moe_options(CFG, capacities, z_loss_weight=1e-3),
+        options=moe_options(cfg, capacities if cfg.moe_layers else (), z_loss_weight=1e-3),
     )
     return PipelineSpec(stages, schedule, schedule_tasks(schedule, len(assignment), M))
 
