@@ -7,6 +7,7 @@ and checks."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -27,6 +28,25 @@ log = logging.getLogger(__name__)
 META = "meta"
 Slot = tuple[int, str]  # (stack, row group): the leaves a row is saved across
 Copies = dict[str, tuple[int, ...]]  # row-stacked leaf -> rows a step holds (`layout.held_rows`)
+
+
+class OrbaxReadTaskErrors(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" records of Orbax's array reads.
+
+    Why: reading a damaged step fails in several of Orbax's concurrent read tasks; the first
+    error reaches `StepReader`, which reports it in one line and sets the step aside, while the
+    others' tasks are garbage-collected later and asyncio logs each with a traceback (seen in a
+    CI run of tests/test_faults.py): a traceback in the user's log for a failure handled."""
+
+    _ORBAX_READ = re.compile(r"coro=<\w*(deserializ|restore|read)\w*\(\).*/orbax/checkpoint/")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (text.startswith("Task exception was never retrieved")
+                    and self._ORBAX_READ.search(text) is not None)
+
+
+logging.getLogger("asyncio").addFilter(OrbaxReadTaskErrors())
 
 
 class StepReader:

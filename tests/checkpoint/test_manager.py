@@ -2,7 +2,10 @@
 a corrupt latest, refused saves, subset-of-experts reads, layout-1 checkpoints, and Orbax
 handlers scoped to dynjax."""
 
+import asyncio
 import errno
+import gc
+import logging
 import shutil
 import subprocess
 import sys
@@ -288,6 +291,27 @@ def test_all_checkpoints_corrupt_is_an_error_that_says_where_they_are(trained, t
         ckpt.restore_latest(fixed(exp))
     assert len(list((tmp_path / "corrupt").iterdir())) == 1
     ckpt.close()
+
+
+def test_orbax_reads_failing_together_log_no_traceback(caplog):
+    """A damaged step fails several of Orbax's concurrent reads: the first error reaches the
+    reader, which reports it in one line; the others, whose tasks nobody awaits, are not logged
+    again with a traceback when collected. Any other task's unretrieved error still is."""
+    from orbax.checkpoint._src.serialization.serialization import async_deserialize
+
+    async def not_a_read():
+        raise ValueError("a task of the user's")
+
+    async def start_and_drop():
+        for coro in (async_deserialize(None, {"driver": "no-such-driver"}), not_a_read()):
+            asyncio.ensure_future(coro)
+        await asyncio.sleep(0.05)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(start_and_drop())
+        gc.collect()
+    logged = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert len(logged) == 1 and "not_a_read" in logged[0], logged
 
 
 def restore_old(archive, tmp_path, writer, exp):
