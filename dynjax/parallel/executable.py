@@ -209,7 +209,8 @@ class PipelinePrograms:
         mesh = self.transport.stage_meshes[stage.index]
         if kind == "update":
             return lower_stage_update(
-                self.setup, stage, mesh, self.shapes(stage), self._unit_updates
+                self.setup, stage, mesh, self.shapes(stage), self._unit_updates,
+                whole=not self.transport.all_local,
             )
         split = self.split(stage) if kind in ("bwd_b", "bwd_w") else None
         return lower_stage(kind, self.setup, stage, mesh, self.shapes(stage), split)

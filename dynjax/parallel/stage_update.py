@@ -1,14 +1,17 @@
-"""A pipeline stage's update as small programs: one per layer signature, shared by its layers.
+"""A pipeline stage's update as small programs: one per signature of a few layers, shared.
 
 Why: a stage's update held every leaf of its layers' parameters, gradients and optimizer
 moments in one program, a few fused kernels per leaf, so its XLA compile grew with the
 stage's depth (48 quickstart layers on 4 stages: 15.4 of the pipeline's 34 compile seconds,
 issue 33 §3) and every Plan change that touched a stage compiled all of it again. Equal
-layers run the same arithmetic, so one compiled program per signature (the layer's leaves'
-shapes and shardings, its update options) and stage updates each of them in turn, called on
-that layer's leaves; the stage's other trainable units (embedding, positions, final norm,
-head) update in one program of their own, and a fold program before them reduces the
-microbatches' metrics and the global norm. The price is a dispatch per trainable layer a step.
+layers run the same arithmetic, so the stage's trainable layers update in groups of
+`GROUP_LAYERS` consecutive ones, one compiled program per group signature (the leaves' shapes
+and shardings, the layers' update options) and stage, each call on its group's leaves; the
+stage's other trainable units (embedding, positions, final norm, head) update in one program
+of their own, and a fold program before them reduces the microbatches' metrics and the global
+norm. The price is a dispatch per group a step: one a layer cost 8-14% of the 48-layer
+quickstart pipeline's step on 8 fake CPU devices (docs/benchmarks.md, "First compile against
+depth").
 
 The arithmetic is `stage.update_fn`'s: the gradient clipped by the global norm here (the
 optimizer's own clip then sees a unit's norm, within its bound), the optimizer on each unit's
@@ -20,6 +23,7 @@ global norm is not finite under ``train.nonfinite="skip"``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +39,7 @@ from dynjax.parallel.stage import Metrics, StageSetup, rule_metrics
 from dynjax.parallel.stages import StageSpec
 
 Unit = tuple  # ("layers", i) or ("embed",), ...
+GROUP_LAYERS = 4  # layers a call updates: compile grows with it, dispatches a step fall with it
 
 
 def _unit_of(path: tuple) -> Unit | None:
@@ -47,10 +52,10 @@ def _unit_of(path: tuple) -> Unit | None:
     return ("layers", keys[1]) if keys[0] == "layers" else (keys[0],)
 
 
-def _local(unit: Unit) -> Unit:
-    """The unit as its group's program sees it: a layer re-keyed to index 0, so that equal
-    layers trace one program."""
-    return ("layers", 0) if unit[0] == "layers" else unit
+def _local(unit: Unit, at: int) -> Unit:
+    """The units as their group's program sees them: layers re-keyed to 0, 1, ... in order,
+    so that equal groups trace one program."""
+    return ("layers", at) if unit[0] == "layers" else unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +63,7 @@ class _Group:
     """Trainable units updated by one call, as positions in the stage's flattened trees."""
 
     units: tuple[Unit, ...]
-    layer: int | None  # the layer of a one-layer group; None: the stage's other units
+    layers: tuple[int, ...]  # the group's layers; empty: the stage's other units
     params: tuple[int, ...]
     acc: tuple[int, ...]
     own: tuple[int, ...]  # optimizer-state leaves of these units
@@ -67,7 +72,8 @@ class _Group:
 
 
 def _groups(setup: StageSetup, spec: StageSpec, params: Any, opt_state: Any) -> list[_Group]:
-    """One group per trainable layer, then one of the stage's other trainable units (if any)."""
+    """Groups of up to `GROUP_LAYERS` consecutive trainable layers, then one of the stage's
+    other trainable units (if any)."""
     trainable = spec.trainable(setup.parts.learned_positions)
     layers = [u for u in trainable if u[0] == "layers"]
     rest = tuple(u for u in trainable if u[0] != "layers")
@@ -77,7 +83,8 @@ def _groups(setup: StageSetup, spec: StageSpec, params: Any, opt_state: Any) -> 
     acc_units = [_unit_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         select(params, trainable))[0]]
     out = []
-    for units in [(u,) for u in layers] + ([rest] if rest else []):
+    chunks = [tuple(layers[i : i + GROUP_LAYERS]) for i in range(0, len(layers), GROUP_LAYERS)]
+    for units in chunks + ([rest] if rest else []):
         template = jax.eval_shape(setup.optimizer.init, select(params, units))
         own, shared, order = [], [], []
         for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]:
@@ -90,7 +97,7 @@ def _groups(setup: StageSetup, spec: StageSpec, params: Any, opt_state: Any) -> 
             order.append((not mine, (len(own) if mine else len(shared)) - 1))
         out.append(_Group(
             units=units,
-            layer=units[0][1] if units[0][0] == "layers" else None,
+            layers=tuple(u[1] for u in units if u[0] == "layers"),
             params=tuple(i for i, p in enumerate(param_paths) if _unit_of(p) in units),
             acc=tuple(i for i, u in enumerate(acc_units) if u in units),
             own=tuple(own), shared=tuple(shared), order=tuple(order),
@@ -101,7 +108,7 @@ def _groups(setup: StageSetup, spec: StageSpec, params: Any, opt_state: Any) -> 
 def _unit_update_fn(setup: StageSetup, spec: StageSpec, group: _Group, local_params: Any,
                     options: Any):
     """``update(params, own, shared, acc, norm, finite, rows) -> (params, own, shared, zeros,
-    grad norm)`` on one group's flattened leaves (`_Group`)."""
+    each layer's gradient norm)`` on one group's flattened leaves (`_Group`)."""
     param_def = jax.tree.structure(local_params)
     state_def = jax.tree.structure(jax.eval_shape(setup.optimizer.init, local_params))
     hooks, m, clip = setup.parts.cfg.hooks, spec.microbatches, setup.grad_clip
@@ -116,8 +123,11 @@ def _unit_update_fn(setup: StageSetup, spec: StageSpec, group: _Group, local_par
             grads = jax.tree.map(lambda g: jnp.where(norm < clip, g, (g / norm) * clip), grads)
         updates, new_state = setup.optimizer.update(grads, state, p)
         new = optax.apply_updates(p, updates)
-        if group.layer is not None and rows:
-            new = {"layers": {0: hooks.apply_state_rules(new["layers"][0], rows, options)}}
+        if rows:
+            new = {**new, "layers": {
+                j: hooks.apply_state_rules(layer, rows[j], options[j]) if j in rows else layer
+                for j, layer in new["layers"].items()
+            }}
         if setup.skip_nonfinite:
             keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)
             new, new_state = keep(new, p), keep(new_state, state)
@@ -125,7 +135,8 @@ def _unit_update_fn(setup: StageSetup, spec: StageSpec, group: _Group, local_par
         new_own = [leaves[k] for k, (s, _) in enumerate(group.order) if not s]
         new_shared = [leaves[k] for k, (s, _) in enumerate(group.order) if s]
         zeros = [jnp.zeros_like(a) for a in acc]
-        return jax.tree.leaves(new), new_own, new_shared, zeros, optax.tree.norm(grads)
+        norms = tuple(optax.tree.norm(grads["layers"][j]) for j in range(len(group.layers)))
+        return jax.tree.leaves(new), new_own, new_shared, zeros, norms
 
     return update
 
@@ -162,6 +173,30 @@ def _finish_fn(setup: StageSetup, spec: StageSpec):
     return finish
 
 
+def _apply(treedefs, groups, fold, units, finish, params, opt_state, acc, sq_norms,
+           per_microbatch):
+    """One update: ``fold``, then each group's ``units`` program on its leaves, then ``finish``
+    (compiled programs called in turn, or functions traced into one program)."""
+    metrics, norm, finite, rows = fold(per_microbatch, sq_norms)
+    p, s, a = (jax.tree.leaves(t) for t in (params, opt_state, acc))
+    before = list(s)  # every group reads the shared leaves (the count) as they were
+    norms = {}
+    for group, program in zip(groups, units, strict=True):
+        new_p, new_own, new_shared, zeros, norm_of_group = program(
+            [p[i] for i in group.params], [s[i] for i in group.own],
+            [before[i] for i in group.shared], [a[i] for i in group.acc], norm, finite,
+            {j: rows[i] for j, i in enumerate(group.layers) if i in rows},
+        )
+        for target, index, values in ((p, group.params, new_p), (s, group.own, new_own),
+                                      (s, group.shared, new_shared), (a, group.acc, zeros)):
+            for i, v in zip(index, values, strict=True):
+                target[i] = v
+        norms.update(zip(group.layers, norm_of_group, strict=True))
+    metrics = finish(metrics, finite, norms)
+    p_def, s_def, a_def = treedefs
+    return p_def.unflatten(p), s_def.unflatten(s), a_def.unflatten(a), metrics
+
+
 @dataclasses.dataclass
 class _Memory:
     """`memory_analysis()` of the update's calls together: every call's arguments, outputs and
@@ -183,25 +218,18 @@ class StageUpdate:
         self.fold, self.units, self.finish = fold, units, finish
 
     def __call__(self, params, opt_state, acc, sq_norms, per_microbatch):
-        metrics, norm, finite, rows = self.fold(per_microbatch, sq_norms)
-        p, s, a = (jax.tree.leaves(t) for t in (params, opt_state, acc))
-        before = list(s)  # every group reads the shared leaves (the count) as they were
-        norms = {}
-        for group, program in zip(self.groups, self.units, strict=True):
-            new_p, new_own, new_shared, zeros, norm_of_group = program(
-                [p[i] for i in group.params], [s[i] for i in group.own],
-                [before[i] for i in group.shared], [a[i] for i in group.acc], norm, finite,
-                rows.get(group.layer, {}),
-            )
-            for target, index, values in ((p, group.params, new_p), (s, group.own, new_own),
-                                          (s, group.shared, new_shared), (a, group.acc, zeros)):
-                for i, v in zip(index, values, strict=True):
-                    target[i] = v
-            if group.layer is not None:
-                norms[group.layer] = norm_of_group
-        metrics = self.finish(metrics, finite, norms)
-        p_def, s_def, a_def = self.treedefs
-        return p_def.unflatten(p), s_def.unflatten(s), a_def.unflatten(a), metrics
+        return _apply(self.treedefs, self.groups, self.fold, self.units, self.finish, params,
+                      opt_state, acc, sq_norms, per_microbatch)
+
+    def cost_analysis(self) -> dict[str, float]:
+        """XLA's cost counts of one update, summed over its calls (a program shared by several
+        groups counts once per call): what a single program's ``cost_analysis()`` gives."""
+        out: dict[str, float] = {}
+        for program in (self.fold, *self.units, self.finish):
+            cost = program.cost_analysis()
+            for key, value in (cost[0] if isinstance(cost, list | tuple) else cost or {}).items():
+                out[key] = out.get(key, 0.0) + float(value)
+        return out
 
     def memory_analysis(self) -> _Memory | None:
         out = _Memory()
@@ -236,10 +264,16 @@ class LoweredStageUpdate:
                            self.finish.compile())
 
 
-def lower_stage_update(setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes, cache: dict
-                       ) -> LoweredStageUpdate:
+def lower_stage_update(setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes, cache: dict,
+                       *, whole: bool = False) -> LoweredStageUpdate | jax.stages.Lowered:
     """Lower a stage's update programs (``shapes``: its `StageShapes`); a group whose program
-    ``cache`` holds, or an earlier group of this stage has, is not lowered again."""
+    ``cache`` holds, or an earlier group of this stage has, is not lowered again.
+
+    ``whole``: the same arithmetic traced into one program, for runs over several processes.
+    Why: there every process's devices also run the transfers across processes, and on the
+    CPU backend the group programs' extra dispatches each step (the in-process collectives of
+    their norms among them) let a process run far enough ahead to hang its transfers, as
+    tests/launch/test_preemption.py's stage-per-process run did in CI and here."""
     replicated = NamedSharding(mesh, P())
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)  # noqa: E731
     sharding = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
@@ -249,38 +283,50 @@ def lower_stage_update(setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes, c
     folded, _, _, rows = jax.eval_shape(fold, per_mb, sq)
     rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                         rows)
-    fold_lowered = jax.jit(fold, out_shardings=replicated).lower(per_mb, sq)
     p, s, a = (jax.tree.leaves(t) for t in (shapes.params, shapes.opt_state, shapes.acc))
     groups = _groups(setup, spec, shapes.params, shapes.opt_state)
     options = dict(zip(spec.layers, setup.parts.cfg.hooks.update_options(
         spec.options or ((),) * len(spec.layers)), strict=True))
+    treedefs = tuple(jax.tree.structure(t) for t in (shapes.params, shapes.opt_state, shapes.acc))
+    finish = _finish_fn(setup, spec)
+
+    def unit_fn(group: _Group, opts: tuple):
+        local = select(shapes.params, group.units)
+        if group.layers:
+            local = {"layers": {j: local["layers"][i] for j, i in enumerate(group.layers)}}
+        return _unit_update_fn(setup, spec, group, local, opts)
+
+    if whole:
+        fns = [unit_fn(g, tuple(options[i] for i in g.layers)) for g in groups]
+        state = (sharding(shapes.params), sharding(shapes.opt_state), sharding(shapes.acc))
+        jitted = jax.jit(functools.partial(_apply, treedefs, groups, fold, fns, finish),
+                         out_shardings=(*state, replicated), donate_argnums=(0, 1, 2))
+        return jitted.lower(shapes.params, shapes.opt_state, shapes.acc, sq, per_mb)
+    fold_lowered = jax.jit(fold, out_shardings=replicated).lower(per_mb, sq)
     units, lowered_here = [], {}
     for group in groups:
-        local = select(shapes.params, group.units)
-        if group.layer is not None:
-            local = {"layers": {0: local["layers"][group.layer]}}
         args = ([p[i] for i in group.params], [s[i] for i in group.own],
                 [s[i] for i in group.shared], [a[i] for i in group.acc],
-                scalar(jnp.float32), scalar(jnp.bool_), rows.get(group.layer, {}))
-        opts = options.get(group.layer, ())
+                scalar(jnp.float32), scalar(jnp.bool_),
+                {j: rows[i] for j, i in enumerate(group.layers) if i in rows})
+        opts = tuple(options[i] for i in group.layers)
         avals = tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args))
-        key = (spec.index, tuple(map(_local, group.units)), opts, group.order,
+        local_units = tuple(_local(u, j) for j, u in enumerate(group.units))
+        key = (spec.index, local_units, opts, group.order,
                jax.tree.structure(args), avals, spec.microbatches)
         if key not in cache and key not in lowered_here:
             jitted = jax.jit(
-                _unit_update_fn(setup, spec, group, local, opts),
+                unit_fn(group, opts),
                 out_shardings=(sharding(args[0]), sharding(args[1]), sharding(args[2]),
-                               sharding(args[3]), replicated),
+                               sharding(args[3]), (replicated,) * len(group.layers)),
                 donate_argnums=(0, 1, 3),
             )
             lowered_here[key] = jitted.lower(*args)
         units.append((key, lowered_here.get(key)))
-    finish = _finish_fn(setup, spec)
-    norms = {g.layer: scalar(jnp.float32) for g in groups if g.layer is not None}
+    norms = {i: scalar(jnp.float32) for g in groups for i in g.layers}
     finish_lowered = jax.jit(finish, out_shardings=replicated).lower(
         folded_with_sharding(folded, replicated), scalar(jnp.bool_), norms
     )
-    treedefs = tuple(jax.tree.structure(t) for t in (shapes.params, shapes.opt_state, shapes.acc))
     return LoweredStageUpdate(treedefs, groups, fold_lowered, units, finish_lowered, cache)
 
 
