@@ -204,8 +204,9 @@ class PipelinePrograms:
         return hit
 
     def lower_one(self, kind: str, stage: StageSpec) -> Any:
-        """One program of ``stage`` lowered: a `jax.stages.Lowered`, or for ``update`` the
-        stage's `stage_update.LoweredStageUpdate`; either's ``compile()`` gives the program."""
+        """One program of ``stage`` lowered: a `jax.stages.Lowered`, or for ``update`` in one
+        process the stage's `stage_update.LoweredStageUpdate`; either's ``compile()`` gives
+        the program."""
         mesh = self.transport.stage_meshes[stage.index]
         if kind == "update":
             return lower_stage_update(

@@ -25,8 +25,8 @@ microbatch loop (`dynjax.parallel.step_run`):
   stage's to every stage.
 * ``update(params, opt_state, acc, sq_norms, metrics) -> (params, opt_state, zeros, metrics)``:
   `stage.update_fn`'s update on the metrics folded over the microbatches, returning a zeroed
-  accumulator, run as one small program per layer signature (`dynjax.parallel.stage_update`,
-  lowered by `PipelinePrograms`, not here).
+  accumulator, run as one small program per signature of a group of layers
+  (`dynjax.parallel.stage_update`, lowered by `PipelinePrograms`, not here).
 * ``eval(params, x, ctx, targets) -> loss`` (last stage only).
 
 ``ctx`` is `dynjax.parallel.stage`'s (its module docstring); ``readout`` is sent once per

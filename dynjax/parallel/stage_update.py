@@ -9,9 +9,10 @@ layers run the same arithmetic, so the stage's trainable layers update in groups
 and shardings, the layers' update options) and stage, each call on its group's leaves; the
 stage's other trainable units (embedding, positions, final norm, head) update in one program
 of their own, and a fold program before them reduces the microbatches' metrics and the global
-norm. The price is a dispatch per group a step: one a layer cost 8-14% of the 48-layer
+norm. The price is a dispatch per group a step: one a layer cost 7-14% of the 48-layer
 quickstart pipeline's step on 8 fake CPU devices (docs/benchmarks.md, "First compile against
-depth").
+depth"). A run over several processes traces the same functions into one program a stage
+(`lower_stage_update`'s ``whole``).
 
 The arithmetic is `stage.update_fn`'s: the gradient clipped by the global norm here (the
 optimizer's own clip then sees a unit's norm, within its bound), the optimizer on each unit's
@@ -210,8 +211,8 @@ class _Memory:
 
 class StageUpdate:
     """The compiled update of one stage: ``update(params, opt_state, acc, sq_norms,
-    per_microbatch) -> (params, opt_state, zeroed acc, metrics)``, as `stage_programs`'
-    ``update`` program was."""
+    per_microbatch) -> (params, opt_state, zeroed acc, metrics)``, the ``update`` of
+    `stage_programs`' module docstring, as its calls in turn."""
 
     def __init__(self, treedefs, groups, fold, units, finish) -> None:
         self.treedefs, self.groups = treedefs, groups
