@@ -297,7 +297,10 @@ def test_orbax_reads_failing_together_log_no_traceback(caplog):
     """A damaged step fails several of Orbax's concurrent reads: the first error reaches the
     reader, which reports it in one line; the others, whose tasks nobody awaits, are not logged
     again with a traceback when collected. Any other task's unretrieved error still is."""
-    from orbax.checkpoint._src.serialization.serialization import async_deserialize
+    serialization = pytest.importorskip("orbax.checkpoint._src.serialization.serialization")
+    async_deserialize = getattr(serialization, "async_deserialize", None)
+    if async_deserialize is None:
+        pytest.skip("this Orbax reads arrays through another coroutine")
 
     async def not_a_read():
         raise ValueError("a task of the user's")
