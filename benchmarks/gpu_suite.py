@@ -70,6 +70,7 @@ import importlib.metadata
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -549,11 +550,13 @@ class Progress:
 
 
 def run_train(env: Env, name: str, overrides: list[str], *, log_every: int, intervals: int,
-              swaps: int = 0, dtype: str = "bfloat16") -> dict:
+              swaps: int = 0, dtype: str = "bfloat16", keep_workdir: bool = False) -> dict:
     """One ``python -m dynjax.train`` run, stopped once its logs hold ``swaps`` Plan swaps and
     then ``intervals`` logged intervals (or after ``cap_s`` seconds, or at the section's
     deadline): a run measured in its final state whatever its background compiles take, and
-    with no final eval or checkpoint. Medians are over those intervals."""
+    with no final eval or checkpoint. Medians are over those intervals. Its temporary workdir
+    is removed once read, unless ``keep_workdir`` (then the caller removes ``workdir``); a
+    failed run's stays, with its ``stderr.txt``."""
     cap_s = 60.0 if env.tiny else 90.0  # tiny: 2 loaded CPU cores, a swap and an interval
     workdir = Path(tempfile.mkdtemp(prefix=f"gpu_suite_{name.replace(' ', '_')}_"))
     never = 10**7  # steps: the run is stopped from here
@@ -592,8 +595,11 @@ def run_train(env: Env, name: str, overrides: list[str], *, log_every: int, inte
     median = lambda key: (statistics.median(m[key] for m in settled)  # noqa: E731
                           if key in settled[0] else None)
     compile_event = next(e for e in run.events if e["event"] == "compile")
+    if not keep_workdir:
+        shutil.rmtree(workdir)
     return {
-        "workdir": workdir, "command": " ".join(command[1:]), "wall_s": wall,
+        "workdir": workdir if keep_workdir else None, "command": " ".join(command[1:]),
+        "wall_s": wall,
         "tokens_per_sec": median("tokens_per_sec"), "mfu": median("mfu"),
         "final_loss": settled[-1].get("loss"), "intervals": len(settled),
         "reached": run.enough(swaps, intervals), "last_swap_step": run.last_swap,
@@ -860,10 +866,11 @@ def traces(env: Env) -> Iterator[dict]:
             continue
         run = run_train(env, f"trace {case}", overrides, log_every=s["log_every"],
                         intervals=s["intervals"], swaps=int(scheme in SWAPPING),
-                        dtype=TRACE_DTYPE)
+                        dtype=TRACE_DTYPE, keep_workdir=True)
         path = out / f"{case.replace(' ', '_')}.jsonl"
         record(run["workdir"], path, case, f"1x {jax.devices()[0].device_kind}",
                command=run["command"], note="gpu_suite" + (" --tiny" if env.tiny else ""))
+        shutil.rmtree(run["workdir"])
         samples = [json.loads(line) for line in path.read_text().splitlines()[1:]]
         fwd = np.median([x["layer_forward_seconds"] for x in samples], axis=0)
         bwd = np.median([x["layer_backward_seconds"] for x in samples], axis=0)

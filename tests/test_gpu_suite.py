@@ -21,12 +21,15 @@ def skipped_as_tiny(record: dict) -> bool:
 
 
 def run_suite(out: Path, only: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    scratch = out / "tmp"  # the suite's temporary files: its training runs' workdirs
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu_suite.py", "--tiny", "--out", str(out), "--only", only],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not list(scratch.glob("gpu_suite_*")), "a run's workdir was left behind"
     data = json.loads((out / "gpu_suite.json").read_text())
     assert data["meta"]["tiny"] is True
     assert "numbers say nothing about speed" in (out / "gpu_suite.md").read_text()
