@@ -174,6 +174,11 @@ def _finish_fn(setup: StageSetup, spec: StageSpec):
     return finish
 
 
+def _rows_of(group: _Group, rows: dict) -> dict:
+    """The state-rule metrics of ``group``'s layers, keyed as its program sees them (0, 1, ...)."""
+    return {j: rows[i] for j, i in enumerate(group.layers) if i in rows}
+
+
 def _apply(treedefs, groups, fold, units, finish, params, opt_state, acc, sq_norms,
            per_microbatch):
     """One update: ``fold``, then each group's ``units`` program on its leaves, then ``finish``
@@ -186,7 +191,7 @@ def _apply(treedefs, groups, fold, units, finish, params, opt_state, acc, sq_nor
         new_p, new_own, new_shared, zeros, norm_of_group = program(
             [p[i] for i in group.params], [s[i] for i in group.own],
             [before[i] for i in group.shared], [a[i] for i in group.acc], norm, finite,
-            {j: rows[i] for j, i in enumerate(group.layers) if i in rows},
+            _rows_of(group, rows),
         )
         for target, index, values in ((p, group.params, new_p), (s, group.own, new_own),
                                       (s, group.shared, new_shared), (a, group.acc, zeros)):
@@ -222,11 +227,16 @@ class StageUpdate:
         return _apply(self.treedefs, self.groups, self.fold, self.units, self.finish, params,
                       opt_state, acc, sq_norms, per_microbatch)
 
+    @property
+    def calls(self) -> tuple:
+        """The compiled programs one update calls, in order (a shared one once per call)."""
+        return (self.fold, *self.units, self.finish)
+
     def cost_analysis(self) -> dict[str, float]:
         """XLA's cost counts of one update, summed over its calls (a program shared by several
         groups counts once per call): what a single program's ``cost_analysis()`` gives."""
         out: dict[str, float] = {}
-        for program in (self.fold, *self.units, self.finish):
+        for program in self.calls:
             cost = program.cost_analysis()
             for key, value in (cost[0] if isinstance(cost, list | tuple) else cost or {}).items():
                 out[key] = out.get(key, 0.0) + float(value)
@@ -234,7 +244,7 @@ class StageUpdate:
 
     def memory_analysis(self) -> _Memory | None:
         out = _Memory()
-        for program in (self.fold, *self.units, self.finish):
+        for program in self.calls:
             m = program.memory_analysis()
             if m is None:
                 return None
@@ -282,12 +292,12 @@ def lower_stage_update(setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes, c
     sq = (jax.ShapeDtypeStruct((1,), jnp.float32, sharding=replicated),) * spec.num_stages
     per_mb = (shapes.metrics,) * spec.microbatches
     folded, _, _, rows = jax.eval_shape(fold, per_mb, sq)
-    rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-                        rows)
+    rows = _abstract_on(rows, replicated)
     p, s, a = (jax.tree.leaves(t) for t in (shapes.params, shapes.opt_state, shapes.acc))
     groups = _groups(setup, spec, shapes.params, shapes.opt_state)
     options = dict(zip(spec.layers, setup.parts.cfg.hooks.update_options(
         spec.options or ((),) * len(spec.layers)), strict=True))
+    group_options = [tuple(options[i] for i in g.layers) for g in groups]
     treedefs = tuple(jax.tree.structure(t) for t in (shapes.params, shapes.opt_state, shapes.acc))
     finish = _finish_fn(setup, spec)
 
@@ -298,19 +308,17 @@ def lower_stage_update(setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes, c
         return _unit_update_fn(setup, spec, group, local, opts)
 
     if whole:
-        fns = [unit_fn(g, tuple(options[i] for i in g.layers)) for g in groups]
+        fns = [unit_fn(g, opts) for g, opts in zip(groups, group_options, strict=True)]
         state = (sharding(shapes.params), sharding(shapes.opt_state), sharding(shapes.acc))
         jitted = jax.jit(functools.partial(_apply, treedefs, groups, fold, fns, finish),
                          out_shardings=(*state, replicated), donate_argnums=(0, 1, 2))
         return jitted.lower(shapes.params, shapes.opt_state, shapes.acc, sq, per_mb)
     fold_lowered = jax.jit(fold, out_shardings=replicated).lower(per_mb, sq)
     units, lowered_here = [], {}
-    for group in groups:
+    for group, opts in zip(groups, group_options, strict=True):
         args = ([p[i] for i in group.params], [s[i] for i in group.own],
                 [s[i] for i in group.shared], [a[i] for i in group.acc],
-                scalar(jnp.float32), scalar(jnp.bool_),
-                {j: rows[i] for j, i in enumerate(group.layers) if i in rows})
-        opts = tuple(options[i] for i in group.layers)
+                scalar(jnp.float32), scalar(jnp.bool_), _rows_of(group, rows))
         avals = tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args))
         local_units = tuple(_local(u, j) for j, u in enumerate(group.units))
         key = (spec.index, local_units, opts, group.order,
@@ -326,11 +334,11 @@ def lower_stage_update(setup: StageSetup, spec: StageSpec, mesh: Mesh, shapes, c
         units.append((key, lowered_here.get(key)))
     norms = {i: scalar(jnp.float32) for g in groups for i in g.layers}
     finish_lowered = jax.jit(finish, out_shardings=replicated).lower(
-        folded_with_sharding(folded, replicated), scalar(jnp.bool_), norms
+        _abstract_on(folded, replicated), scalar(jnp.bool_), norms
     )
     return LoweredStageUpdate(treedefs, groups, fold_lowered, units, finish_lowered, cache)
 
 
-def folded_with_sharding(tree: Any, sharding: NamedSharding) -> Any:
+def _abstract_on(tree: Any, sharding: NamedSharding) -> Any:
     """Abstract ``tree`` with every leaf on ``sharding``."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
