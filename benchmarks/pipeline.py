@@ -20,6 +20,14 @@ CPU the fake device's own work dominates neither and the ratio only shows the ru
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \\
         python3 benchmarks/pipeline.py [--config configs/quickstart.py] [--stages 4 --data 2]
+
+Table 3 (``--maxtext A,B,C``, issue 33 §3): dynjax's pipeline beside MaxText's on the same
+Llama-block models (`COMPARE_SHAPES`: 4 stages x 2 data on 8 fake CPU devices, 4 microbatches,
+float32), each shape trained by ``python -m dynjax.train`` as a user runs it (tokens/s: the
+median of the steps after the first four; compile: the first `compile` event's lower + compile
+seconds). MaxText is not a dependency: its figures are read from `MAXTEXT_RESULTS`, measured
+with MaxText's own trainer on the overrides this prints for each shape (docs/benchmarks.md
+"The pipeline beside MaxText's").
 """
 
 from __future__ import annotations
@@ -27,8 +35,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 
@@ -186,6 +200,107 @@ def one_stage_table(path: str, steps: int, rounds: int) -> None:
     print(f"{'ratio':<18}{ours / base:>12.3f}   (target >= 0.95 on a GPU)")
 
 
+ROOT = Path(__file__).resolve().parent.parent
+# Issue 33 §3's comparison: Llama blocks (RMSNorm, SwiGLU, RoPE, no biases), the byte vocabulary,
+# batch 16, 4 stages x 2 data, 4 microbatches, float32; each stage holds layers / 4 layers.
+COMPARE_SHAPES = {
+    "A": {"num_layers": 8, "d_model": 128, "num_heads": 4, "mlp_dim": 512, "seq_len": 128},
+    "B": {"num_layers": 8, "d_model": 256, "num_heads": 4, "mlp_dim": 1024, "seq_len": 256},
+    "C": {"num_layers": 16, "d_model": 128, "num_heads": 4, "mlp_dim": 512, "seq_len": 128},
+}
+COMPARE_BATCH, COMPARE_STAGES, COMPARE_DATA, COMPARE_MICROBATCHES = 16, 4, 2, 4
+MAXTEXT_RESULTS = ROOT / "benchmarks" / "results" / "maxtext_pipeline.json"
+
+
+def maxtext_overrides(shape: dict[str, int]) -> list[str]:
+    """MaxText's trainer overrides for ``shape`` (beside its ``configs/base.yml``; run with
+    ``DECOUPLE_GCLOUD=TRUE`` and 8 fake CPU devices): the same model, mesh and batch."""
+    devices = COMPARE_STAGES * COMPARE_DATA
+    return [
+        "hardware=cpu", "skip_jax_distributed_system=true", "dataset_type=synthetic",
+        "enable_checkpointing=false", "dtype=float32", "attention=dot_product",
+        "vocab_size=256", f"base_emb_dim={shape['d_model']}",
+        f"base_num_query_heads={shape['num_heads']}", f"base_num_kv_heads={shape['num_heads']}",
+        f"head_dim={shape['d_model'] // shape['num_heads']}", f"base_mlp_dim={shape['mlp_dim']}",
+        f"base_num_decoder_layers={shape['num_layers']}", f"max_target_length={shape['seq_len']}",
+        f"per_device_batch_size={COMPARE_BATCH // devices}",
+        f"ici_pipeline_parallelism={COMPARE_STAGES}", f"ici_data_parallelism={COMPARE_DATA}",
+        "ici_fsdp_parallelism=1", f"num_pipeline_microbatches={COMPARE_MICROBATCHES}",
+        f"num_layers_per_pipeline_stage={shape['num_layers'] // COMPARE_STAGES}",
+    ]
+
+
+def train_overrides(shape: dict[str, int], steps: int) -> list[str]:
+    """``python -m dynjax.train``'s overrides of ``configs/quickstart.py`` for ``shape``."""
+    model = {k: v for k, v in shape.items() if k != "seq_len"}
+    return [
+        "--config.model.family=llama",
+        *(f"--config.model.{k}={v}" for k, v in model.items()),
+        f"--config.data.seq_len={shape['seq_len']}",
+        f"--config.train.batch_size={COMPARE_BATCH}",
+        f"--config.mesh.stage={COMPARE_STAGES}", f"--config.mesh.data={COMPARE_DATA}",
+        f"--config.train.microbatches={COMPARE_MICROBATCHES}",
+        f"--config.train.steps={steps}", "--config.train.log_every=1",
+        "--config.train.eval_every=100000", "--config.train.checkpoint_every=100000",
+    ]
+
+
+def train_run(shape: dict[str, int], steps: int) -> dict[str, float]:
+    """One CLI run of ``shape`` in a fresh workdir with a cold compilation cache: its median
+    tokens/s after the first four steps (the first is profiled) and its first compile."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable, "-m", "dynjax.train", "--config", "configs/quickstart.py",
+            "--workdir", f"{tmp}/run", f"--config.recompile.cache_dir={tmp}/cache",
+            *train_overrides(shape, steps),
+        ]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=" \
+            f"{COMPARE_STAGES * COMPARE_DATA}".strip()
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+        metrics = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+        events = [json.loads(line) for line in open(f"{tmp}/run/events.jsonl")]
+    rates = [m["tokens_per_sec"] for m in metrics if m["step"] > 4 and "tokens_per_sec" in m]
+    compile_event = next(e for e in events if e["event"] == "compile")
+    return {
+        "tokens_per_sec": statistics.median(rates),
+        "compile_seconds": compile_event["lower_seconds"] + compile_event["compile_seconds"],
+    }
+
+
+def maxtext_table(names: list[str], steps: int, rounds: int) -> None:
+    unknown = sorted(set(names) - set(COMPARE_SHAPES))
+    if unknown:
+        raise SystemExit(f"error: --maxtext: no shape {unknown}; the shapes are "
+                         f"{', '.join(COMPARE_SHAPES)}")
+    quoted = json.loads(MAXTEXT_RESULTS.read_text()) if MAXTEXT_RESULTS.exists() else {}
+    print(f"\nTable 3: the pipeline beside MaxText's ({COMPARE_STAGES} stages x {COMPARE_DATA} "
+          f"data, M = {COMPARE_MICROBATCHES}, batch {COMPARE_BATCH}, float32; dynjax: median of "
+          f"{rounds} runs of {steps} steps; MaxText: {MAXTEXT_RESULTS.name}, "
+          f"{quoted.get('measured', 'not measured')})")
+    print(f"{'shape':<6}{'L x d_model, seq':>18}{'dynjax tok/s':>14}{'MaxText tok/s':>15}"
+          f"{'ratio':>8}{'dynjax compile s':>18}{'MaxText compile s':>19}{'ratio':>8}")
+    for name in names:
+        shape = COMPARE_SHAPES[name]
+        runs = [train_run(shape, steps) for _ in range(rounds)]
+        ours = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        theirs = quoted.get("shapes", {}).get(name)
+        size = f"{shape['num_layers']} x {shape['d_model']}, {shape['seq_len']}"
+        cells = ["-"] * 4
+        if theirs:
+            cells = [f"{theirs['tokens_per_sec']:,.0f}",
+                     f"{ours['tokens_per_sec'] / theirs['tokens_per_sec']:.2f}x",
+                     f"{theirs['compile_seconds']:.1f}",
+                     f"{ours['compile_seconds'] / theirs['compile_seconds']:.2f}x"]
+        print(f"{name:<6}{size:>18}{ours['tokens_per_sec']:>14,.0f}{cells[0]:>15}{cells[1]:>8}"
+              f"{ours['compile_seconds']:>18.1f}{cells[2]:>19}{cells[3]:>8}")
+    for name in names:
+        overrides = " ".join(maxtext_overrides(COMPARE_SHAPES[name]))
+        print(f"MaxText overrides, shape {name}: {overrides}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/quickstart.py")
@@ -193,13 +308,20 @@ def main() -> None:
     parser.add_argument("--data", type=int, default=2)
     parser.add_argument("--microbatches", default="1,2,4,8", help="'' skips table 1")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of table 2")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of tables 2 and 3")
+    parser.add_argument("--maxtext", default="", metavar="A,B,C",
+                        help="table 3 for these shapes (COMPARE_SHAPES); '' skips it")
+    parser.add_argument("--maxtext-steps", type=int, default=16, help="steps of each table 3 run")
+    parser.add_argument("--skip-one-stage", action="store_true", help="skip table 2")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}")
     micro = [int(m) for m in args.microbatches.split(",") if m]
     if micro:
         bubble_table(experiment(args.config, args.stages, args.data), micro, args.steps)
-    one_stage_table(args.config, 4 * args.steps, args.rounds)
+    if not args.skip_one_stage:
+        one_stage_table(args.config, 4 * args.steps, args.rounds)
+    if args.maxtext:
+        maxtext_table(args.maxtext.split(","), args.maxtext_steps, args.rounds)
 
 
 if __name__ == "__main__":

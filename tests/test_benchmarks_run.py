@@ -99,8 +99,9 @@ SCRIPTS: dict[str, tuple[list[str], str, bool]] = {
         False,
     ),
     "pipeline": (
-        ["--stages", "2", "--data", "1", "--microbatches", "2", "--steps", "1", "--rounds", "1"],
-        "1-stage pipeline",
+        ["--stages", "2", "--data", "1", "--microbatches", "2", "--steps", "1", "--rounds", "1",
+         "--maxtext", "A", "--maxtext-steps", "6"],
+        "MaxText overrides, shape A",
         True,
     ),
     # One table, caching's (two training runs of a 2-layer model, then one round of two steps of

@@ -1,0 +1,62 @@
+"""benchmarks/pipeline.py's MaxText comparison (issue 33 §3): both sides of each shape describe
+one model, mesh and batch, and dynjax's side is a run the config accepts."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from dynjax.config import check_run, load_config
+
+from .helpers import ROOT
+
+_spec = importlib.util.spec_from_file_location("pipeline_bench", ROOT / "benchmarks/pipeline.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["pipeline_bench"] = bench
+_spec.loader.exec_module(bench)
+
+
+def _maxtext(shape: dict[str, int]) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in bench.maxtext_overrides(shape))
+
+
+@pytest.mark.parametrize("name", sorted(bench.COMPARE_SHAPES))
+def test_both_sides_train_the_same_model_on_the_same_mesh(name):
+    shape = bench.COMPARE_SHAPES[name]
+    overrides = [o.removeprefix("--config.") for o in bench.train_overrides(shape, steps=16)]
+    run = check_run(load_config(ROOT / "configs/quickstart.py", overrides), 8)
+    theirs = _maxtext(shape)
+    m, t = run.model, run.train
+    assert m.family == "llama"  # RMSNorm, SwiGLU, RoPE: MaxText's llama2 decoder block
+    assert (m.num_layers, m.d_model, m.num_heads, m.mlp_dim, m.vocab_size) == (
+        int(theirs["base_num_decoder_layers"]),
+        int(theirs["base_emb_dim"]),
+        int(theirs["base_num_query_heads"]),
+        int(theirs["base_mlp_dim"]),
+        int(theirs["vocab_size"]),
+    )
+    assert int(theirs["head_dim"]) * m.num_heads == m.d_model
+    assert run.data.seq_len == int(theirs["max_target_length"])
+    devices = int(theirs["ici_pipeline_parallelism"]) * int(theirs["ici_data_parallelism"])
+    assert t.batch_size == int(theirs["per_device_batch_size"]) * devices
+    assert (run.mesh.stage, run.mesh.data) == (
+        int(theirs["ici_pipeline_parallelism"]),
+        int(theirs["ici_data_parallelism"]),
+    )
+    assert t.microbatches == int(theirs["num_pipeline_microbatches"])
+    layers_per_stage = int(theirs["num_layers_per_pipeline_stage"])
+    assert layers_per_stage * run.mesh.stage == m.num_layers
+    assert t.dtype == theirs["dtype"] == "float32"
+
+
+def test_the_quoted_maxtext_figures_cover_every_shape():
+    quoted = json.loads(bench.MAXTEXT_RESULTS.read_text())
+    assert set(quoted["shapes"]) == set(bench.COMPARE_SHAPES)
+    for figures in quoted["shapes"].values():
+        assert figures["tokens_per_sec"] > 0 and figures["compile_seconds"] > 0
+
+
+def test_an_unknown_shape_is_named(capsys):
+    with pytest.raises(SystemExit, match="no shape \\['Z'\\]"):
+        bench.maxtext_table(["Z"], steps=1, rounds=1)
