@@ -556,6 +556,10 @@ class _Loop:
             functools.partial(exp.order.batch, rows=self.rows), start, self.steps,
             settings.data.prefetch,
         )
+        # Over several processes each compiled only its own stages, some for longer: they
+        # meet before the first step, whose first transfer between them would otherwise wait
+        # for the slower one inside gloo's context set-up, which gives up after 30 s.
+        exp.stage_rounds("started").all(None)
 
     def _compile_first(self) -> tuple[Compiler, Any]:
         """The Compiler, and the executable of the first Plan (a ``compile`` event)."""

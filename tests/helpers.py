@@ -117,15 +117,19 @@ TWO_PROCESS_LAYOUTS = {
 }
 
 
-def two_processes(workdir: Path, overrides: dict, devices: int = 4) -> str:
-    """Train ``overrides`` over 2 local processes of ``devices`` CPU devices each; their output."""
+def two_processes(
+    workdir: Path, overrides: dict, devices: int = 4, pythonpath: Path | None = None
+) -> str:
+    """Train ``overrides`` over 2 local processes of ``devices`` CPU devices each; their output.
+    ``pythonpath``: a directory searched before the repository (e.g. a ``sitecustomize``)."""
     args = [f"--config.{k}={v}" for k, v in overrides.items()]
     command = [
         sys.executable, "-m", "dynjax.launch.local", "--processes", "2",
         "--devices-per-process", str(devices), "--", "--config", "tests/tiny.py",
         "--workdir", str(workdir), *args,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = [str(pythonpath)] if pythonpath is not None else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)])}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:]
     return done.stdout

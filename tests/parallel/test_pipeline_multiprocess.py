@@ -362,3 +362,32 @@ def test_the_routing_cache_switches_on_in_every_process_at_the_same_step(
     before = [s for s in got if s <= min(switched, alone)]
     assert before
     assert [got[s] for s in before] == pytest.approx([want[s] for s in before], rel=rel, abs=0)
+
+
+# Process 1 sleeps after its first compile: longer than gloo waits for a peer to set up a
+# collective's context (30 s, fixed in XLA), as a slow compile of the last stage did in a
+# recorded benchmark run (DEADLINE_EXCEEDED in the first step's first transfer).
+LATE_SECONDS = 35
+SLOW_FIRST_COMPILE = f'''
+import os
+if os.environ.get("DYNJAX_PROCESS_ID") == "1":
+    import time
+    from dynjax.recompile import compiler
+    first = compiler.Compiler.get
+    def late(self, plan):
+        got = first(self, plan)
+        time.sleep({LATE_SECONDS})
+        return got
+    compiler.Compiler.get = late
+'''
+
+
+@pytest.mark.slow
+def test_a_process_that_compiles_longer_is_waited_for_before_the_first_step(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_FIRST_COMPILE)
+    run = {**OVERRIDES, "train.steps": 2, "train.eval_every": 100}
+    out = two_processes(tmp_path / "multi", run, devices=1, pythonpath=hook)
+    assert "[0] dynjax run summary" in out and "[1] dynjax run summary" in out
+    assert sorted(losses(tmp_path / "multi")) == [1, 2]
