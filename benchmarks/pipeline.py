@@ -202,7 +202,7 @@ def one_stage_table(path: str, steps: int, rounds: int) -> None:
 
 ROOT = Path(__file__).resolve().parent.parent
 # Issue 33 §3's comparison: Llama blocks (RMSNorm, SwiGLU, RoPE, no biases), the byte vocabulary,
-# batch 16, 4 stages x 2 data, 4 microbatches, float32; each stage holds layers / 4 layers.
+# batch 16, 4 stages x 2 data, 4 microbatches, float32; each stage holds a quarter of the layers.
 COMPARE_SHAPES = {
     "A": {"num_layers": 8, "d_model": 128, "num_heads": 4, "mlp_dim": 512, "seq_len": 128},
     "B": {"num_layers": 8, "d_model": 256, "num_heads": 4, "mlp_dim": 1024, "seq_len": 256},
@@ -270,11 +270,23 @@ def train_run(shape: dict[str, int], steps: int) -> dict[str, float]:
     }
 
 
-def maxtext_table(names: list[str], steps: int, rounds: int) -> None:
+def check_compare_args(names: list[str], steps: int) -> None:
+    """Exit 2 with ``error: ...`` on a shape `COMPARE_SHAPES` lacks or too few steps."""
     unknown = sorted(set(names) - set(COMPARE_SHAPES))
-    if unknown:
-        raise SystemExit(f"error: --maxtext: no shape {unknown}; the shapes are "
-                         f"{', '.join(COMPARE_SHAPES)}")
+    problem = (
+        f"--maxtext: no shape {unknown}; the shapes are {', '.join(COMPARE_SHAPES)}"
+        if unknown
+        else "--maxtext-steps must be at least 5: the first four steps (compile, the profiled "
+        "first step) are left out of tokens/s"
+        if steps < 5
+        else None
+    )
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def maxtext_table(names: list[str], steps: int, rounds: int) -> None:
     quoted = json.loads(MAXTEXT_RESULTS.read_text()) if MAXTEXT_RESULTS.exists() else {}
     print(f"\nTable 3: the pipeline beside MaxText's ({COMPARE_STAGES} stages x {COMPARE_DATA} "
           f"data, M = {COMPARE_MICROBATCHES}, batch {COMPARE_BATCH}, float32; dynjax: median of "
@@ -314,6 +326,9 @@ def main() -> None:
     parser.add_argument("--maxtext-steps", type=int, default=16, help="steps of each table 3 run")
     parser.add_argument("--skip-one-stage", action="store_true", help="skip table 2")
     args = parser.parse_args()
+    shapes = args.maxtext.split(",") if args.maxtext else []
+    if shapes:
+        check_compare_args(shapes, args.maxtext_steps)
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}")
     micro = [int(m) for m in args.microbatches.split(",") if m]
     if micro:
@@ -321,7 +336,7 @@ def main() -> None:
     if not args.skip_one_stage:
         one_stage_table(args.config, 4 * args.steps, args.rounds)
     if args.maxtext:
-        maxtext_table(args.maxtext.split(","), args.maxtext_steps, args.rounds)
+        maxtext_table(shapes, args.maxtext_steps, args.rounds)
 
 
 if __name__ == "__main__":

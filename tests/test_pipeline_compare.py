@@ -57,6 +57,13 @@ def test_the_quoted_maxtext_figures_cover_every_shape():
         assert figures["tokens_per_sec"] > 0 and figures["compile_seconds"] > 0
 
 
-def test_an_unknown_shape_is_named(capsys):
-    with pytest.raises(SystemExit, match="no shape \\['Z'\\]"):
-        bench.maxtext_table(["Z"], steps=1, rounds=1)
+@pytest.mark.parametrize(
+    ("names", "steps", "named"),
+    [(["A", "Z"], 16, "no shape ['Z']; the shapes are A, B, C"), (["A"], 4, "at least 5")],
+)
+def test_bad_arguments_exit_2_naming_the_fix(capsys, names, steps, named):
+    with pytest.raises(SystemExit) as exit_:
+        bench.check_compare_args(names, steps)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --maxtext") and named in err
