@@ -45,12 +45,16 @@ import time
 from pathlib import Path
 
 import jax
+from real_pipeline import first_compile_seconds
 
 import jax_private
 from dynjax.balance import simulate
 from dynjax.config import load_config
 from dynjax.experiment import Experiment
 from dynjax.parallel.profile import bubble_ratio
+from dynjax.writers import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def experiment(path: str, stages: int, data: int, layers: str = "", micro: int = 0) -> Experiment:
@@ -200,7 +204,6 @@ def one_stage_table(path: str, steps: int, rounds: int) -> None:
     print(f"{'ratio':<18}{ours / base:>12.3f}   (target >= 0.95 on a GPU)")
 
 
-ROOT = Path(__file__).resolve().parent.parent
 # Issue 33 §3's comparison: Llama blocks (RMSNorm, SwiGLU, RoPE, no biases), the byte vocabulary,
 # batch 16, 4 stages x 2 data, 4 microbatches, float32; each stage holds a quarter of the layers.
 COMPARE_SHAPES = {
@@ -254,36 +257,35 @@ def train_run(shape: dict[str, int], steps: int) -> dict[str, float]:
             "--workdir", f"{tmp}/run", f"--config.recompile.cache_dir={tmp}/cache",
             *train_overrides(shape, steps),
         ]
+        devices = f"--xla_force_host_platform_device_count={COMPARE_STAGES * COMPARE_DATA}"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=" \
-            f"{COMPARE_STAGES * COMPARE_DATA}".strip()
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {devices}"
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-        metrics = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
-        events = [json.loads(line) for line in open(f"{tmp}/run/events.jsonl")]
-    rates = [m["tokens_per_sec"] for m in metrics if m["step"] > 4 and "tokens_per_sec" in m]
-    compile_event = next(e for e in events if e["event"] == "compile")
-    return {
-        "tokens_per_sec": statistics.median(rates),
-        "compile_seconds": compile_event["lower_seconds"] + compile_event["compile_seconds"],
-    }
+        run = Path(tmp) / "run"
+        rates = [
+            m["tokens_per_sec"] for m in read_jsonl(run / "metrics.jsonl")
+            if m["step"] > 4 and "tokens_per_sec" in m
+        ]
+        return {
+            "tokens_per_sec": statistics.median(rates),
+            "compile_seconds": first_compile_seconds(run),
+        }
 
 
 def check_compare_args(names: list[str], steps: int) -> None:
     """Exit 2 with ``error: ...`` on a shape `COMPARE_SHAPES` lacks or too few steps."""
     unknown = sorted(set(names) - set(COMPARE_SHAPES))
-    problem = (
-        f"--maxtext: no shape {unknown}; the shapes are {', '.join(COMPARE_SHAPES)}"
-        if unknown
-        else "--maxtext-steps must be at least 5: the first four steps (compile, the profiled "
-        "first step) are left out of tokens/s"
-        if steps < 5
-        else None
-    )
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        raise SystemExit(2)
+    if unknown:
+        problem = f"--maxtext: no shape {unknown}; the shapes are {', '.join(COMPARE_SHAPES)}"
+    elif steps < 5:
+        problem = ("--maxtext-steps must be at least 5: the first four steps (compile, the "
+                   "profiled first step) are left out of tokens/s")
+    else:
+        return
+    print(f"error: {problem}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def maxtext_table(names: list[str], steps: int, rounds: int) -> None:

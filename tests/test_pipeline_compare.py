@@ -11,10 +11,19 @@ from dynjax.config import check_run, load_config
 
 from .helpers import ROOT
 
-_spec = importlib.util.spec_from_file_location("pipeline_bench", ROOT / "benchmarks/pipeline.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["pipeline_bench"] = bench
-_spec.loader.exec_module(bench)
+
+def _script(path: str, name: str):
+    """``benchmarks/<path>`` loaded as the module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# pipeline.py imports its sibling script as a script does (``from real_pipeline import``).
+_script("real_pipeline.py", "real_pipeline")
+bench = _script("pipeline.py", "pipeline_bench")
 
 
 def _maxtext(shape: dict[str, int]) -> dict[str, str]:
