@@ -2,7 +2,7 @@
 # benchmarks/gpu_suite.py on a lent H100/H200, in two device calls of under 10 minutes each.
 #
 # Before the session asks for the machine, on this machine (it has the network):
-#   bash /work/shared/tools/gpu_wheels.sh      # the missing pure-Python wheels into ./.whl
+#   bash benchmarks/fetch_gpu_wheels.sh        # the wheels the image lacks, into ./.whl
 # Then two `run` calls with carry [".whl"] and timeout_s 600, in the repository root:
 #   bash benchmarks/run_gpu_suite.sh kernels    # kernels, attention, spmm, moe
 #   bash benchmarks/run_gpu_suite.sh training   # train, schemes, traces
@@ -10,7 +10,8 @@
 # machine stayed warm; otherwise merge the two JSON files' records) and, the second, the GPU
 # traces $OUT/gpu_suite/traces/<case>.jsonl for benchmarks/dynmo_cases.py (8 files in all: what
 # comes back from $OUT). `timeout` stops a hang before the call's limit; the JSON and .md are
-# rewritten after every record, so what finished comes back.
+# rewritten after every record, so what finished comes back. A task is lent 15 minutes of device
+# time in all, the machine's start included: the second call runs under what is left.
 set -uo pipefail
 half=${1:?"which half: kernels or training"}
 cd "$(dirname "$0")/.."
@@ -20,6 +21,14 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache  # a warm machine's second call r
 out=${OUT:-/tmp/out}/gpu_suite
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"
+# Seconds, not the call's minutes: a module the image lacks fails here, before any compile.
+if ! python3 -c "import dynjax.train, dynjax.report"; then
+  echo "error: dynjax does not import on this image (the missing module is named above):" \
+    "add its wheel to benchmarks/gpu_wheels.txt and rerun benchmarks/fetch_gpu_wheels.sh" >&2
+  exit 2
+fi
+python3 -c "import tokamax" 2>/dev/null \
+  || echo "tokamax does not import: the moe section skips its ragged_dot, saying why"
 case $half in
   kernels) only=kernels,attention,spmm,moe ;;
   training) only=train,schemes,traces ;;

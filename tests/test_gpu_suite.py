@@ -2,17 +2,24 @@
 machine runs at once (benchmarks/run_gpu_suite.sh) keeps working. The kernel sections are fast;
 the sections that start training runs (a dynjax.train subprocess each) are slow."""
 
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION_FIELDS = ("device", "platform", "jax", "jaxlib", "flax", "tiny")
 LLAMA_RUN = "Llama family, GPT-2 small's parameters"  # gpu_suite.LLAMA_RUN
+# What the lent GPU machine's image holds (DEVELOPERS.md, "A GPU when one is lent"), and the
+# wheels ../shared/tools/gpu_wheels.sh fetches for it unasked.
+IMAGE = ("jax", "jaxlib", "optax", "orbax-checkpoint", "chex", "tqdm", "matplotlib")
+DEFAULT_WHEELS = ("flax", "ml-collections", "tensorboardx")
 
 
 def skipped_as_tiny(record: dict) -> bool:
@@ -92,3 +99,39 @@ def test_schemes_and_traces_sections(tmp_path):
         lines = (tmp_path / traces[name]["trace"]).read_text().splitlines()
         meta, sample = json.loads(lines[0]), json.loads(lines[1])
         assert meta["num_layers"] == len(sample["layer_forward_seconds"])
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _closure(names) -> set[str]:
+    """``names`` and everything they require (no extras), as this environment's metadata says;
+    a package not installed here counts, but its own requirements are unknown."""
+    seen, todo = set(), [_canonical(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(_canonical(req.name))
+    return seen
+
+
+def test_gpu_wheels_cover_what_flax_imports():
+    """benchmarks/gpu_wheels.txt lists every package that dynjax's wheels (flax, ml-collections,
+    tensorboardX) require and the GPU image lacks: the wheels install there with --no-deps, and
+    flax 0.12.12 imports rich and treescope, which the default wheels left out (`import flax`
+    failed on an image of only those packages, 2026-12-07)."""
+    listed = {_canonical(Requirement(line).name)
+              for line in (ROOT / "benchmarks" / "gpu_wheels.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")}
+    missing = _closure(DEFAULT_WHEELS) - _closure(IMAGE) - set(DEFAULT_WHEELS) - listed
+    assert not missing, f"add {sorted(missing)} to benchmarks/gpu_wheels.txt"
