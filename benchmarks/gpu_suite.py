@@ -90,6 +90,7 @@ from kernels import _timed, causal_block_mask, dpa_attention, hashed_ids
 from sparse_matmul import _with_backward, balanced_block_mask, skewed_block_mask
 from step_throughput import remat_rows
 
+from dynjax.model import dense_attention
 from dynjax.model.moe import MoE, RaggedCapacities, SlotLayout, assign_slots, grouped_ffn, route
 from dynjax.model.sparse_linear import (
     block_mask_of,
@@ -671,7 +672,10 @@ def train(env: Env) -> Iterator[dict]:
             continue
         run = run_train(env, name, overrides, log_every=log_every, intervals=intervals)
         measured[name] = run["tokens_per_sec"]
+        _, d_model, heads, _, _ = shapes.get(name, small)
         record = {"name": name, "status": "ok", "dtype": "bfloat16", "shapes": shape,
+                  # the run's dense attention: cuDNN's flash kernel or the einsums
+                  "attention": dense_attention.route(jnp.bfloat16, d_model // heads),
                   "tokens_per_sec": run["tokens_per_sec"],
                   "mfu": run["mfu"] if run["mfu"] is not None else "n/a",
                   "compile_s": run["compile_s"], "final_loss": run["final_loss"],

@@ -80,6 +80,8 @@ def test_train_section(tmp_path):
     assert remat["remat none"]["vs_none"] == 1.0
     assert remat["remat full"]["temp_bytes"] < remat["remat none"]["temp_bytes"]
     assert all(r["mfu"] == "n/a" for r in records.values() if "mfu" in r)
+    # the training runs' dense attention: cuDNN's only on a GPU
+    assert {records[n]["attention"] for n in ("GPT-2 small shape", LLAMA_RUN)} == {"einsum"}
 
 
 @pytest.mark.slow

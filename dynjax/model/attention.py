@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.nn.initializers import Initializer
 
+from dynjax.model import dense_attention
 from dynjax.model.hashed_attention import (
     HashedAttention,
     hashed_attention,
@@ -197,26 +198,19 @@ class CausalSelfAttention(nnx.Module):
             q, k, v = self._split_projection(x, context, sparse)
             key_positions = jnp.arange(context.shape[1])[None, :]
         q, k = self._positioned(q, positions), self._positioned(k, key_positions, keys=True)
-        if self.group > 1:  # each key/value head serves its group of query heads
-            k, v = jnp.repeat(k, self.group, axis=2), jnp.repeat(v, self.group, axis=2)
-        metrics: dict[str, jax.Array] = {}
         if hashed is not None:
             if context is not None:
                 raise ValueError("hashed attention attends within its own tokens: no context")
+            if self.group > 1:  # each key/value head serves its group of query heads
+                k, v = jnp.repeat(k, self.group, axis=2), jnp.repeat(v, self.group, axis=2)
             y, metrics = hashed_attention(q, k, v, hashed, parallel)
             return linear(self.out, y.reshape(b, s, d), "attn/out", sparse), metrics
-        scale = q.shape[-1] ** -0.5
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
-        if context is None:
-            # Causal in the original order: positions ascend, so a subset keeps the triangle.
-            causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-        else:  # queries at ``positions`` of the context's 0..T-1
+        mask = None  # causal in the original order: positions ascend, so a subset keeps it
+        if context is not None:  # queries at ``positions`` of the context's 0..T-1
             query_positions = jnp.arange(s)[None, :] if positions is None else positions
-            causal = (query_positions[:, None, :, None] >= key_positions[:, None, None, :])
-        logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
-        return linear(self.out, y, "attn/out", sparse), metrics
+            mask = query_positions[:, None, :, None] >= key_positions[:, None, None, :]
+        y = dense_attention.causal(q, k, v, mask).reshape(b, s, d)
+        return linear(self.out, y, "attn/out", sparse), {}
 
     def _positioned(
         self, x: jax.Array, positions: jax.Array | None, *, keys: bool = False
