@@ -12,14 +12,22 @@
 # comes back from $OUT). `timeout` stops a hang before the call's limit; the JSON and .md are
 # rewritten after every record, so what finished comes back. A task is lent 15 minutes of device
 # time in all, the machine's start included: the second call runs under what is left.
+# Rehearsal on a CPU: `OUT=DIR GPU_SUITE_ARGS=--tiny bash benchmarks/run_gpu_suite.sh kernels`
+# (then `training`) in an environment of only the image's packages; on 2026-12-07, with jax
+# 0.11.2 and a cp313 pydantic_core in place of the image's cp312 wheel, both halves ran every
+# section (49 s and 149 s).
 set -uo pipefail
 half=${1:?"which half: kernels or training"}
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+if ! python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; then
+  echo "error: the wheels in .whl do not install here (above); fetch them for this image's" \
+    "Python with benchmarks/fetch_gpu_wheels.sh and carry .whl" >&2
+  exit 2
+fi
 export PYTHONPATH=/tmp/site:$PWD
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache  # a warm machine's second call reuses compiles
 out=${OUT:-/tmp/out}/gpu_suite
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"
 # Seconds, not the call's minutes: a module the image lacks fails here, before any compile.
 if ! python3 -c "import dynjax.train, dynjax.report"; then
@@ -34,7 +42,9 @@ case $half in
   training) only=train,schemes,traces ;;
   *) echo "unknown half '$half': kernels or training" >&2; exit 2 ;;
 esac
-timeout -k 10 560 python3 benchmarks/gpu_suite.py --out "$out" --only "$only"
+# GPU_SUITE_ARGS: more arguments for the suite; "--tiny" rehearses this script on a CPU.
+# shellcheck disable=SC2086
+timeout -k 10 560 python3 benchmarks/gpu_suite.py --out "$out" --only "$only" ${GPU_SUITE_ARGS:-}
 status=$?
 tail -n 60 "$out/gpu_suite.md"
 exit $status
