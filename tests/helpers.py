@@ -2,6 +2,7 @@
 or run is made once. The tiny model and run are `tiny.py` (also a config file for the CLI); the
 scripts that tests start as subprocesses are in `scripts/`."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -37,6 +38,16 @@ from dynjax.writers import read_jsonl
 from .tiny import dotted_config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: the subprocesses' working directory
+
+
+def benchmark_script(name: str):
+    """``benchmarks/<name>.py`` imported as the module ``name``, as the scripts import each other
+    (``from real_pipeline import ...``): its own name in ``sys.modules``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 DATA = Path(__file__).parent / "data"  # see data/README.md
 QKV_BEFORE_PER_HEAD = DATA / "qkv_before_per_head_checkpoint.tar.gz"
 

@@ -1,9 +1,7 @@
 """benchmarks/dynmo_cases.py: recorded traces become rows, and their extrapolation to the paper's
 depth (every measured layer copied r times) keeps the measured work."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +9,9 @@ import pytest
 
 from dynjax.balance import simulate
 
-from .helpers import ROOT
+from .helpers import benchmark_script
 
-_spec = importlib.util.spec_from_file_location("dynmo_cases", ROOT / "benchmarks/dynmo_cases.py")
-cases = importlib.util.module_from_spec(_spec)
-sys.modules["dynmo_cases"] = cases
-_spec.loader.exec_module(cases)
+cases = benchmark_script("dynmo_cases")
 
 
 def write_trace(path: Path, fwd: list[list[float]], *, embed: float = 0.0, head: float = 0.0,

@@ -3,7 +3,6 @@ directory that dynjax's reader reads back (sharded, with its index), and a tiny 
 benchmark prints its table and writes finite figures (no memory or timing thresholds: at this
 size the figures are the jax runtime's)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -17,12 +16,9 @@ import pytest
 from dynjax.checkpoint.huggingface import SafeTensors, read_hf_config
 from dynjax.hf.architectures import dynjax_overrides
 
-from .helpers import ROOT
+from .helpers import ROOT, benchmark_script
 
-_spec = importlib.util.spec_from_file_location("hf_import", ROOT / "benchmarks/hf_import.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["hf_import"] = bench
-_spec.loader.exec_module(bench)
+bench = benchmark_script("hf_import")
 
 
 def test_the_default_shape_is_about_a_billion_parameters():

@@ -1,29 +1,16 @@
 """benchmarks/pipeline.py's MaxText comparison (issue 33 §3): both sides of each shape describe
 one model, mesh and batch, and dynjax's side is a run the config accepts."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
 from dynjax.config import check_run, load_config
 
-from .helpers import ROOT
+from .helpers import ROOT, benchmark_script
 
-
-def _script(path: str, name: str):
-    """``benchmarks/<path>`` loaded as the module ``name``."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# pipeline.py imports its sibling script as a script does (``from real_pipeline import``).
-_script("real_pipeline.py", "real_pipeline")
-bench = _script("pipeline.py", "pipeline_bench")
+benchmark_script("real_pipeline")  # pipeline.py imports it as a sibling script
+bench = benchmark_script("pipeline")
 
 
 def _maxtext(shape: dict[str, int]) -> dict[str, str]:

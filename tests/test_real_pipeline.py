@@ -1,7 +1,6 @@
 """benchmarks/real_pipeline.py: the steady-state window it measures, the profile it balances
 from, and (slow) one case run end to end on two pinned processes (issue 33 §1)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -12,14 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .helpers import ROOT
+from .helpers import ROOT, benchmark_script
 
-_spec = importlib.util.spec_from_file_location(
-    "real_pipeline", ROOT / "benchmarks/real_pipeline.py"
-)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["real_pipeline"] = bench
-_spec.loader.exec_module(bench)
+bench = benchmark_script("real_pipeline")
 
 KEYS = ("static_tokens_per_sec", "balanced_tokens_per_sec", "measured_speedup",
         "predicted_speedup", "bound_speedup")

@@ -249,19 +249,16 @@ class CausalSelfAttention(nnx.Module):
         only those of its own LSH bucket as well, the rule `hashed_attention` computes (a query
         seeing none gets zeros)."""
         b, s, h, dh = q.shape
-        keys = jnp.repeat(keys, self.group, axis=2) if self.group > 1 else keys
-        values = jnp.repeat(values, self.group, axis=2) if self.group > 1 else values
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, keys).astype(jnp.float32) * dh**-0.5
         visible = visible[:, None]
         if hashed is not None:
             rot = rotations(hashed, h, dh)
-            q_bucket, k_bucket = lsh_buckets(q, rot), lsh_buckets(keys, rot)  # [B, S|T, H]
+            keys_per_head = jnp.repeat(keys, self.group, axis=2) if self.group > 1 else keys
+            q_bucket, k_bucket = lsh_buckets(q, rot), lsh_buckets(keys_per_head, rot)
             same = q_bucket.transpose(0, 2, 1)[..., None] == k_bucket.transpose(0, 2, 1)[:, :, None]
-            visible = visible & same
-        logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1) * jnp.any(visible, -1, keepdims=True)
-        y = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(values.dtype), values)
-        return self.out(y.reshape(b, s, h * dh))
+            visible = visible & same  # [B, H, S, T]
+        y = dense_attention.causal(q, keys, values, visible)
+        seen = jnp.any(visible, -1).transpose(0, 2, 1)[..., None]  # [B, S, 1|H, 1]
+        return self.out((y * seen).reshape(b, s, h * dh))
 
     def _normed(self, norm: nnx.RMSNorm, x: jax.Array) -> jax.Array:
         """``x`` [B, S, heads, Dh] normalised per head, or over all its heads' features."""

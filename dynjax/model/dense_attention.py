@@ -39,7 +39,7 @@ def cudnn_takes(dtype: jnp.dtype, head_dim: int, backend: str) -> bool:
     """
     return (
         backend == "gpu"
-        and any(jnp.dtype(dtype) == jnp.dtype(d) for d in CUDNN_DTYPES)
+        and jnp.dtype(dtype) in CUDNN_DTYPES
         and head_dim % 8 == 0
         and head_dim <= CUDNN_MAX_HEAD_DIM
     )
